@@ -1,0 +1,44 @@
+# Everything runs from a venv in .venv, made on first use.  `make demo` and
+# `make test` do all set-up on a fresh machine.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+# The CPU build of torch lies on disk on the project's machines; say where, if it exists.
+PIP_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+export OMP_NUM_THREADS ?= 2
+
+.PHONY: all venv build demo test bench asan clean
+
+all: build
+
+$(VENV)/.deps: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q $(PIP_LINKS) "setuptools>=64" wheel "numpy>=2" \
+	    pytest hypothesis threadpoolctl ml_dtypes tqdm matplotlib "torch==2.13.0"
+	touch $@
+
+venv: $(VENV)/.deps
+
+# In-place build: the package runs from this checkout.
+build: venv
+	$(VPY) setup.py -q build_ext --inplace
+
+demo: build
+	$(VPY) -m deepseek_csa.demo
+
+test: build
+	$(VPY) -m pytest -q tests
+
+bench: build
+	$(VPY) benchmarks/run.py
+
+# AddressSanitizer + UndefinedBehaviorSanitizer build, then the suite under it.
+asan: venv
+	rm -rf build/asan && CSA_SANITIZE=1 $(VPY) setup.py -q build_ext --inplace --build-temp build/asan --force
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+	    $(VPY) -m pytest -q -x tests -p no:cacheprovider
+	$(VPY) setup.py -q build_ext --inplace --force
+
+clean:
+	rm -rf build deepseek_csa/*.so *.egg-info

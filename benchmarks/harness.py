@@ -1,0 +1,196 @@
+"""Benchmark harness: machine ceilings, then each case against torch eager and
+torch.compile of the same reference, in one run.
+
+A benchmark module `benchmarks/bench_<concern>.py` defines `cases(quick: bool)`
+returning a list of `Case`.  `run.py` discovers them, times every side, and writes
+benchmarks/results/results.json and results.png.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclasses.dataclass
+class Case:
+    """One benchmark.
+
+    ours:    zero-argument callable running our kernel on prepared inputs.
+    eager:   zero-argument callable running the torch eager reference on the same inputs.
+    compile_fn, compile_args: the torch function eager calls and its arguments, so the
+             harness can torch.compile it (None to skip).
+    bytes:   bytes a kernel must move at least (for GB/s and the bandwidth fraction).
+    flops:   floating-point operations (for GFLOP/s and the FMA-peak fraction).
+    bound:   "memory" or "compute": which ceiling the fraction of peak is taken of.
+    """
+    kernel: str
+    name: str
+    ours: Callable[[], object]
+    eager: Optional[Callable[[], object]] = None
+    compile_fn: Optional[Callable] = None
+    compile_args: tuple = ()
+    bytes: float = 0.0
+    flops: float = 0.0
+    bound: str = "memory"
+    reps: int = 0          # 0: as many as fit in ~1.5 s, at least 3
+
+
+def median_time(fn, reps=0, budget=1.5):
+    fn()  # warm up (first touch, caches, lazy init)
+    t0 = time.perf_counter()
+    fn()
+    one = time.perf_counter() - t0
+    n = reps or max(3, min(200, int(budget / max(one, 1e-6))))
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def peak_extra_rss(fn):
+    """Peak resident memory above the starting point while fn runs (bytes), from the
+    kernel's high-water mark after resetting it (/proc/self/clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return float("nan")
+
+    def field(name):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(name):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    base = field("VmRSS:")
+    fn()
+    return max(0, field("VmHWM:") - base)
+
+
+def machine_peaks(threads: int, refresh=False) -> dict:
+    """fp32 FMA peak (GFLOP/s) and STREAM triad bandwidth (GB/s) on `threads` threads,
+    measured with our own micro-kernels and cached per thread count."""
+    from deepseek_csa import _core
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / "peaks.json"
+    cache = json.loads(path.read_text()) if path.exists() else {}
+    key = f"{platform.node()}:{threads}"
+    if key in cache and not refresh:
+        return cache[key]
+    best = 0.0
+    for _ in range(5):
+        iters = 20_000_000
+        t0 = time.perf_counter()
+        flops = _core._peak_fma(iters, threads)
+        best = max(best, flops / (time.perf_counter() - t0) / 1e9)
+    n = 96 * 1024 * 1024  # 3 x 384 MiB: beyond the caches
+    a = np.zeros(n, np.float32)
+    b = np.ones(n, np.float32)
+    c = np.ones(n, np.float32)
+    bw = 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        _core._stream_triad(a, b, c, threads)
+        bw = max(bw, 3 * 4 * n / (time.perf_counter() - t0) / 1e9)
+    del a, b, c
+    cache[key] = {"fma_gflops": best, "stream_gbs": bw, "threads": threads,
+                  "isa": _core.get_isa()}
+    path.write_text(json.dumps(cache, indent=1))
+    return cache[key]
+
+
+def run_case(case: Case, peaks: dict, do_compile=True) -> dict:
+    import torch
+    row = {"kernel": case.kernel, "case": case.name, "bytes": case.bytes, "flops": case.flops,
+           "bound": case.bound}
+    t = median_time(case.ours, case.reps)
+    row["ours_s"] = t
+    row["ours_peak_mem_bytes"] = peak_extra_rss(case.ours)
+    if case.eager is not None:
+        te = median_time(case.eager, case.reps)
+        row["eager_s"] = te
+        row["eager_peak_mem_bytes"] = peak_extra_rss(case.eager)
+        row["speedup_vs_eager"] = te / t
+    if do_compile and case.compile_fn is not None:
+        try:
+            cf = torch.compile(case.compile_fn, dynamic=False)
+            call = lambda: cf(*case.compile_args)  # noqa: E731
+            call()
+            tc = median_time(call, case.reps)
+            row["compile_s"] = tc
+            row["compile_peak_mem_bytes"] = peak_extra_rss(call)
+            row["speedup_vs_compile"] = tc / t
+        except Exception as e:  # report, do not hide, a compile failure
+            row["compile_error"] = f"{type(e).__name__}: {e}"[:300]
+    if case.bytes:
+        row["gbs"] = case.bytes / t / 1e9
+        row["frac_stream"] = row["gbs"] / peaks["stream_gbs"]
+    if case.flops:
+        row["gflops"] = case.flops / t / 1e9
+        row["frac_fma_peak"] = row["gflops"] / peaks["fma_gflops"]
+    return row
+
+
+def fmt_row(r: dict) -> str:
+    parts = [f"{r['kernel']:<14} {r['case']:<38} {r['ours_s'] * 1e3:9.3f} ms"]
+    if "speedup_vs_eager" in r:
+        parts.append(f"x{r['speedup_vs_eager']:6.2f} eager")
+    if "speedup_vs_compile" in r:
+        parts.append(f"x{r['speedup_vs_compile']:6.2f} compile")
+    elif "compile_error" in r:
+        parts.append("compile failed")
+    if "gbs" in r and r["bound"] == "memory":
+        parts.append(f"{r['gbs']:7.1f} GB/s ({100 * r['frac_stream']:4.0f}% stream)")
+    if "gflops" in r:
+        parts.append(f"{r['gflops']:7.1f} GFLOP/s ({100 * r['frac_fma_peak']:4.0f}% FMA peak)")
+    parts.append(f"mem {r['ours_peak_mem_bytes'] / 2**20:7.1f} MiB")
+    return "  ".join(parts)
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labels = [f"{r['kernel']}\n{r['case']}" for r in rows]
+    x = np.arange(len(rows))
+    fig, axes = plt.subplots(2, 1, figsize=(max(8, 1.1 * len(rows)), 9))
+    se = [r.get("speedup_vs_eager", 0) for r in rows]
+    sc = [r.get("speedup_vs_compile", 0) for r in rows]
+    axes[0].bar(x - 0.2, se, 0.4, label="vs torch eager")
+    axes[0].bar(x + 0.2, sc, 0.4, label="vs torch.compile")
+    axes[0].axhline(1, color="k", lw=0.8)
+    axes[0].set_ylabel("speed-up (x)")
+    axes[0].set_yscale("log")
+    axes[0].legend()
+    frac = [100 * (r.get("frac_fma_peak") if r["bound"] == "compute" else r.get("frac_stream", 0))
+            for r in rows]
+    axes[1].bar(x, frac, 0.5, color=["tab:red" if r["bound"] == "compute" else "tab:green"
+                                     for r in rows])
+    axes[1].set_ylabel("% of machine peak\n(green: stream BW, red: FMA)")
+    for ax in axes:
+        ax.set_xticks(x)
+        ax.set_xticklabels(labels, fontsize=7, rotation=30, ha="right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def environment(threads):
+    import torch
+    import deepseek_csa as dc
+    return {"threads": threads, "isa": dc.get_isa(), "torch": torch.__version__,
+            "numpy": np.__version__, "cpu": platform.processor() or platform.machine(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}

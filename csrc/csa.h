@@ -1,0 +1,56 @@
+/* Shared vocabulary of the deepseek_csa kernels: plain C, no Python.
+ *
+ * Every kernel takes pointers, sizes and strides counted in ELEMENTS (not bytes),
+ * trusts that its caller validated them, and returns a csa_status.  Kernels never
+ * abort and never print; the Python glue turns a status into an exception. */
+#ifndef CSA_H
+#define CSA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef ptrdiff_t csa_idx;
+
+#define CSA_RESTRICT __restrict__
+
+enum csa_status {
+    CSA_OK = 0,
+    CSA_ENOMEM = 1,   /* a scratch allocation failed */
+    CSA_EINVAL = 2,   /* an argument the glue should have rejected */
+    CSA_EINDEX = 3,   /* an index outside its range */
+};
+
+/* Instruction-set levels.  CSA_ISA_REF runs the plain scalar `_ref` kernels (the
+ * oracle); the others run the tuned kernels compiled for that level. */
+enum csa_isa {
+    CSA_ISA_REF = 0,
+    CSA_ISA_BASE = 1,    /* x86-64 baseline (SSE2) or whatever the compiler targets */
+    CSA_ISA_AVX2 = 2,    /* AVX2 + FMA */
+    CSA_ISA_AVX512 = 3,  /* AVX-512 F/BW/DQ/VL */
+};
+
+int csa_isa_best(void);       /* highest level this CPU supports */
+int csa_isa_get(void);        /* level kernels dispatch to now */
+int csa_isa_set(int level);   /* clamp to [REF, best], set, return the level set */
+const char *csa_isa_name(int level);
+
+/* Threads for a parallel region over `items` independent output rows, so that each
+ * thread gets at least `min_items` of them: min(omp_get_max_threads(), items/min_items),
+ * at least 1.  omp_get_max_threads() follows OMP_NUM_THREADS, omp_set_num_threads and
+ * so threadpoolctl.  Results never depend on it: regions split rows, never reductions. */
+int csa_threads(csa_idx items, csa_idx min_items);
+
+/* Pick the variant of a tuned kernel for the current ISA level; `ref_call` runs at
+ * CSA_ISA_REF.  Each tuned kernel `name` exists as name_base, name_avx2, name_avx512
+ * (see csa_isa_variants.h). */
+#define CSA_DISPATCH(name, args, ref_call)                      \
+    do {                                                        \
+        switch (csa_isa_get()) {                                \
+        case CSA_ISA_AVX512: return name##_avx512 args;         \
+        case CSA_ISA_AVX2: return name##_avx2 args;             \
+        case CSA_ISA_BASE: return name##_base args;             \
+        default: return ref_call;                               \
+        }                                                       \
+    } while (0)
+
+#endif

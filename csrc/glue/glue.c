@@ -1,0 +1,240 @@
+#include "glue.h"
+
+#include <stdio.h>
+#include <string.h>
+
+static const char *dtypes_str(int dtypes)
+{
+    switch (dtypes) {
+    case CSA_F32: return "float32";
+    case CSA_I32: return "int32";
+    case CSA_BOOL: return "bool";
+    default: return "float32 or int32";
+    }
+}
+
+const char *csa_shape_str(PyArrayObject *a, char *buf, size_t n)
+{
+    size_t k = 0;
+    int nd = PyArray_NDIM(a);
+    k += (size_t)snprintf(buf + k, n - k, "[");
+    for (int i = 0; i < nd && k < n; i++)
+        k += (size_t)snprintf(buf + k, n - k, i ? ", %lld" : "%lld",
+                              (long long)PyArray_DIM(a, i));
+    if (k < n) snprintf(buf + k, n - k, "]");
+    return buf;
+}
+
+static int dtype_ok(PyArrayObject *a, int dtypes)
+{
+    int t = PyArray_TYPE(a);
+    if ((dtypes & CSA_F32) && t == NPY_FLOAT32) return 1;
+    if ((dtypes & CSA_I32) && (t == NPY_INT32 || (t == NPY_INT && sizeof(int) == 4))) return 1;
+    if ((dtypes & CSA_BOOL) && t == NPY_BOOL) return 1;
+    return 0;
+}
+
+PyArrayObject *csa_array(PyObject *obj, const char *fn, const char *name, int dtypes,
+                         int min_ndim, int max_ndim, int writeable)
+{
+    if (obj == NULL || obj == Py_None) {
+        PyErr_Format(PyExc_TypeError, "%s(): '%s' must be a %s array, got None", fn, name,
+                     dtypes_str(dtypes));
+        return NULL;
+    }
+    PyArrayObject *a;
+    if (PyArray_Check(obj)) {
+        Py_INCREF(obj);
+        a = (PyArrayObject *)obj;
+    } else {
+        a = (PyArrayObject *)PyArray_FromAny(obj, NULL, 0, 0, 0, NULL);
+        if (!a) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError, "%s(): '%s' must be a %s array, got %s", fn, name,
+                         dtypes_str(dtypes), Py_TYPE(obj)->tp_name);
+            return NULL;
+        }
+        if (PyArray_NDIM(a) == 0 && !PyArray_Check(obj) && !PyObject_CheckBuffer(obj) &&
+            !PyObject_HasAttrString(obj, "__array__")) {
+            Py_DECREF(a);
+            PyErr_Format(PyExc_TypeError, "%s(): '%s' must be a %s array, got %s", fn, name,
+                         dtypes_str(dtypes), Py_TYPE(obj)->tp_name);
+            return NULL;
+        }
+    }
+    if (!dtype_ok(a, dtypes)) {
+        PyObject *d = PyObject_Str((PyObject *)PyArray_DESCR(a));
+        PyErr_Format(PyExc_TypeError, "%s(): '%s' must be a %s array, got dtype %s", fn, name,
+                     dtypes_str(dtypes), d ? PyUnicode_AsUTF8(d) : "?");
+        Py_XDECREF(d);
+        Py_DECREF(a);
+        return NULL;
+    }
+    int nd = PyArray_NDIM(a);
+    if (nd < min_ndim || nd > max_ndim) {
+        char buf[256];
+        if (min_ndim == max_ndim)
+            PyErr_Format(PyExc_ValueError, "%s(): '%s' must have %d dimensions, got %d (shape %s)",
+                         fn, name, min_ndim, nd, csa_shape_str(a, buf, sizeof buf));
+        else
+            PyErr_Format(PyExc_ValueError,
+                         "%s(): '%s' must have %d to %d dimensions, got %d (shape %s)", fn, name,
+                         min_ndim, max_ndim, nd, csa_shape_str(a, buf, sizeof buf));
+        Py_DECREF(a);
+        return NULL;
+    }
+    int well_behaved = PyArray_ISALIGNED(a) && PyArray_ISNOTSWAPPED(a);
+    if (writeable) {
+        if (!PyArray_ISWRITEABLE(a)) {
+            PyErr_Format(PyExc_ValueError, "%s(): '%s' is read-only; it is written in place",
+                         fn, name);
+            Py_DECREF(a);
+            return NULL;
+        }
+        if (!well_behaved) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s(): '%s' is unaligned or byte-swapped; it is written in place, so "
+                         "pass an aligned native-endian array",
+                         fn, name);
+            Py_DECREF(a);
+            return NULL;
+        }
+    } else if (!well_behaved) {
+        PyArrayObject *c = (PyArrayObject *)PyArray_FromArray(
+            a, NULL, NPY_ARRAY_ALIGNED | NPY_ARRAY_NOTSWAPPED | NPY_ARRAY_ENSURECOPY);
+        Py_DECREF(a);
+        if (!c) return NULL;
+        a = c;
+    }
+    return a;
+}
+
+int csa_check_dim(PyArrayObject *a, const char *fn, const char *name, int axis, npy_intp want,
+                  const char *what)
+{
+    if (PyArray_DIM(a, axis) == want) return 0;
+    char buf[256];
+    PyErr_Format(PyExc_ValueError, "%s(): '%s' must have shape[%d] == %lld (%s), got shape %s",
+                 fn, name, axis, (long long)want, what, csa_shape_str(a, buf, sizeof buf));
+    return -1;
+}
+
+static void span(PyArrayObject *a, char **lo, char **hi)
+{
+    char *p = PyArray_BYTES(a), *q = p;
+    for (int i = 0; i < PyArray_NDIM(a); i++) {
+        npy_intp ext = (PyArray_DIM(a, i) - 1) * PyArray_STRIDE(a, i);
+        if (PyArray_DIM(a, i) == 0) {
+            *lo = *hi = p;
+            return;
+        }
+        if (ext > 0) q += ext;
+        else p += ext;
+    }
+    *lo = p;
+    *hi = q + PyArray_ITEMSIZE(a);
+}
+
+int csa_may_overlap(PyArrayObject *a, PyArrayObject *b)
+{
+    char *alo, *ahi, *blo, *bhi;
+    span(a, &alo, &ahi);
+    span(b, &blo, &bhi);
+    if (alo == ahi || blo == bhi) return 0;
+    return alo < bhi && blo < ahi;
+}
+
+PyArrayObject *csa_out_array(PyObject *out, const char *fn, int ndim, const npy_intp *shape,
+                             PyArrayObject **inputs, int n_in)
+{
+    if (out == NULL || out == Py_None)
+        return (PyArrayObject *)PyArray_ZEROS(ndim, (npy_intp *)shape, NPY_FLOAT32, 0);
+    PyArrayObject *o = csa_array(out, fn, "out", CSA_F32, ndim, ndim, 1);
+    if (!o) return NULL;
+    for (int i = 0; i < ndim; i++) {
+        if (PyArray_DIM(o, i) != shape[i]) {
+            char got[256], want[256];
+            size_t k = 0;
+            k += (size_t)snprintf(want + k, sizeof want - k, "[");
+            for (int j = 0; j < ndim && k < sizeof want; j++)
+                k += (size_t)snprintf(want + k, sizeof want - k, j ? ", %lld" : "%lld",
+                                      (long long)shape[j]);
+            if (k < sizeof want) snprintf(want + k, sizeof want - k, "]");
+            PyErr_Format(PyExc_ValueError, "%s(): 'out' must have shape %s, got %s", fn, want,
+                         csa_shape_str(o, got, sizeof got));
+            Py_DECREF(o);
+            return NULL;
+        }
+    }
+    for (int i = 0; i < n_in; i++) {
+        if (inputs[i] && csa_may_overlap(o, inputs[i])) {
+            PyErr_Format(PyExc_ValueError, "%s(): 'out' overlaps an input; pass a separate array",
+                         fn);
+            Py_DECREF(o);
+            return NULL;
+        }
+    }
+    return o;
+}
+
+int csa_fold_rows(PyArrayObject *a, csa_idx *rows, csa_idx *row_stride)
+{
+    int nd = PyArray_NDIM(a);
+    csa_idx r = 1, st = 0;
+    int have = 0;
+    for (int i = nd - 2; i >= 0; i--) {
+        csa_idx n = PyArray_DIM(a, i), s = csa_stride(a, i);
+        if (n == 1) continue;
+        if (!have) {
+            st = s;
+            r = n;
+            have = 1;
+        } else if (s == st * r) {
+            r *= n;
+        } else {
+            return -1;
+        }
+    }
+    for (int i = 0; i < nd - 1; i++)
+        if (PyArray_DIM(a, i) == 0) r = 0;
+    *rows = r;
+    *row_stride = have ? st : 0;
+    return 0;
+}
+
+PyObject *csa_raise_status(int status, const char *fn)
+{
+    switch (status) {
+    case CSA_ENOMEM:
+        PyErr_Format(PyExc_MemoryError, "%s(): out of memory for scratch space", fn);
+        break;
+    case CSA_EINDEX:
+        PyErr_Format(PyExc_IndexError, "%s(): index out of range", fn);
+        break;
+    default:
+        PyErr_Format(PyExc_RuntimeError, "%s(): internal error (status %d)", fn, status);
+    }
+    return NULL;
+}
+
+int csa_int_arg(PyObject *obj, const char *fn, const char *name, long long lo, long long hi,
+                long long *out)
+{
+    if (!obj || PyBool_Check(obj) || !PyIndex_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s(): '%s' must be an int, got %s", fn, name,
+                     obj ? Py_TYPE(obj)->tp_name : "nothing");
+        return -1;
+    }
+    PyObject *i = PyNumber_Index(obj);
+    if (!i) return -1;
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(i, &overflow);
+    Py_DECREF(i);
+    if (overflow || v < lo || v > hi) {
+        PyErr_Format(PyExc_ValueError, "%s(): '%s' must be in [%lld, %lld], got %S", fn, name, lo,
+                     hi, obj);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}

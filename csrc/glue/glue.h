@@ -1,0 +1,76 @@
+/* The thin CPython + NumPy layer: parse, validate while holding the GIL, release
+ * the GIL, call a kernel, raise after the GIL is back.  Every glue file includes
+ * this header; the NumPy C-API version is pinned here and nowhere else. */
+#ifndef CSA_GLUE_H
+#define CSA_GLUE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#define NPY_NO_DEPRECATED_API NPY_1_25_API_VERSION
+#define NPY_TARGET_VERSION NPY_1_25_API_VERSION
+#define PY_ARRAY_UNIQUE_SYMBOL csa_ARRAY_API
+#ifndef CSA_GLUE_MAIN
+#define NO_IMPORT_ARRAY
+#endif
+#include <numpy/arrayobject.h>
+
+#include "../csa.h"
+
+/* Method tables, one per concern; module.c adds them all to the module. */
+extern PyMethodDef csa_norm_rope_methods[];
+extern PyMethodDef csa_pool_methods[];
+extern PyMethodDef csa_index_methods[];
+extern PyMethodDef csa_attn_methods[];
+extern PyMethodDef csa_quant_methods[];
+extern PyMethodDef csa_bench_methods[];
+
+/* Accepted dtypes of an argument (a bit set). */
+#define CSA_F32 1
+#define CSA_I32 2
+#define CSA_BOOL 4
+
+/* Returns a new reference to an ndarray view of `obj` (an ndarray, or anything with
+ * __array__ / the buffer protocol such as a CPU torch tensor) WITHOUT copying and
+ * without converting its dtype, or NULL with an exception that names `fn` and
+ * `name`: TypeError for a dtype outside `dtypes`, ValueError for a rank outside
+ * [min_ndim, max_ndim] or a read-only array when `writeable`.  Unaligned or
+ * byte-swapped read-only inputs are copied (never misread); writeable ones raise. */
+PyArrayObject *csa_array(PyObject *obj, const char *fn, const char *name, int dtypes,
+                         int min_ndim, int max_ndim, int writeable);
+
+/* Stride of `axis` in elements (validated arrays are aligned, so it divides). */
+static inline csa_idx csa_stride(PyArrayObject *a, int axis)
+{
+    return (csa_idx)(PyArray_STRIDE(a, axis) / PyArray_ITEMSIZE(a));
+}
+
+/* "[2, 3, 4]" of an array's shape, into buf. */
+const char *csa_shape_str(PyArrayObject *a, char *buf, size_t n);
+
+/* ValueError unless a.shape[axis] == want: "fn(): 'name' must have shape[axis] ==
+ * want (what), got shape [..]". */
+int csa_check_dim(PyArrayObject *a, const char *fn, const char *name, int axis,
+                  npy_intp want, const char *what);
+
+/* Validates an `out=` argument: None gives a new zeroed C-contiguous float32 array
+ * of `shape`; otherwise it must be a writeable float32 array of exactly that shape
+ * that does not overlap any of the `n_in` inputs (in-place is the caller's job). */
+PyArrayObject *csa_out_array(PyObject *out, const char *fn, int ndim, const npy_intp *shape,
+                             PyArrayObject **inputs, int n_in);
+
+/* 1 if the memory spans of a and b overlap. */
+int csa_may_overlap(PyArrayObject *a, PyArrayObject *b);
+
+/* Folds the leading ndim-1 axes of `a` into one row axis with a single stride, if
+ * its layout allows; returns 0 and sets rows/row_stride, or -1 when it does not. */
+int csa_fold_rows(PyArrayObject *a, csa_idx *rows, csa_idx *row_stride);
+
+/* Raises the exception for a kernel status (after the GIL is back); returns NULL. */
+PyObject *csa_raise_status(int status, const char *fn);
+
+/* Parses a Python int that must lie in [lo, hi]; names the argument on error. */
+int csa_int_arg(PyObject *obj, const char *fn, const char *name, long long lo, long long hi,
+                long long *out);
+
+#endif

@@ -1,0 +1,72 @@
+/* deepseek_csa._core: module init and run-time ISA control. */
+#define CSA_GLUE_MAIN
+#include "glue.h"
+
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+static const char *isa_names[] = {"ref", "base", "avx2", "avx512"};
+
+static PyObject *py_get_isa(PyObject *self, PyObject *noargs)
+{
+    return PyUnicode_FromString(csa_isa_name(csa_isa_get()));
+}
+
+static PyObject *py_best_isa(PyObject *self, PyObject *noargs)
+{
+    return PyUnicode_FromString(csa_isa_name(csa_isa_best()));
+}
+
+static PyObject *py_set_isa(PyObject *self, PyObject *arg)
+{
+    const char *s = PyUnicode_Check(arg) ? PyUnicode_AsUTF8(arg) : NULL;
+    for (int l = 0; s && l < 4; l++)
+        if (strcmp(s, isa_names[l]) == 0) return PyUnicode_FromString(csa_isa_name(csa_isa_set(l)));
+    PyErr_Format(PyExc_ValueError,
+                 "set_isa(): level must be 'ref', 'base', 'avx2' or 'avx512', got %R", arg);
+    return NULL;
+}
+
+static PyObject *py_max_threads(PyObject *self, PyObject *noargs)
+{
+#ifdef _OPENMP
+    return PyLong_FromLong(omp_get_max_threads());
+#else
+    return PyLong_FromLong(1);
+#endif
+}
+
+static PyMethodDef core_methods[] = {
+    {"get_isa", py_get_isa, METH_NOARGS, "get_isa()\n--\n\nThe ISA level kernels run at now."},
+    {"best_isa", py_best_isa, METH_NOARGS,
+     "best_isa()\n--\n\nThe highest ISA level this CPU supports."},
+    {"set_isa", py_set_isa, METH_O,
+     "set_isa(level)\n--\n\nRun kernels at 'ref' (scalar oracle), 'base', 'avx2' or 'avx512'\n"
+     "(clamped to what the CPU supports); returns the level set.  The environment\n"
+     "variable DEEPSEEK_CSA_ISA sets the starting level."},
+    {"max_threads", py_max_threads, METH_NOARGS,
+     "max_threads()\n--\n\nThreads an OpenMP region may use now (OMP_NUM_THREADS, threadpoolctl)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT, "_core", "C kernels of deepseek_csa.", -1, core_methods,
+};
+
+PyMODINIT_FUNC PyInit__core(void)
+{
+    import_array();
+    PyObject *m = PyModule_Create(&moduledef);
+    if (!m) return NULL;
+    PyMethodDef *tables[] = {csa_norm_rope_methods, csa_pool_methods, csa_index_methods,
+                             csa_attn_methods, csa_quant_methods, csa_bench_methods};
+    for (size_t i = 0; i < sizeof tables / sizeof tables[0]; i++)
+        if (PyModule_AddFunctions(m, tables[i])) {
+            Py_DECREF(m);
+            return NULL;
+        }
+    return m;
+}

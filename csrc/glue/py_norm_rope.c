@@ -1,0 +1,238 @@
+/* rms_norm, rope_table, apply_rope. */
+#include "glue.h"
+
+#include <math.h>
+
+#include "../norm.h"
+#include "../rope.h"
+
+static int same_view(PyArrayObject *a, PyArrayObject *b)
+{
+    if (PyArray_BYTES(a) != PyArray_BYTES(b) || PyArray_NDIM(a) != PyArray_NDIM(b)) return 0;
+    for (int i = 0; i < PyArray_NDIM(a); i++)
+        if (PyArray_DIM(a, i) != PyArray_DIM(b, i) ||
+            (PyArray_DIM(a, i) > 1 && PyArray_STRIDE(a, i) != PyArray_STRIDE(b, i)))
+            return 0;
+    return 1;
+}
+
+PyDoc_STRVAR(rms_norm_doc,
+"rms_norm(x, weight=None, eps=1e-6, *, out=None)\n--\n\n"
+"RMSNorm over the last axis, in float32: ``weight * x * rsqrt(mean(x**2) + eps)``.\n\n"
+"x      : float32 [..., D], any leading dims, any strides.\n"
+"weight : float32 [D] or None (no weight, as for the attention query).\n"
+"eps    : float.\n"
+"out    : float32 [..., D] or None; may be ``x`` itself (in place).\n"
+"Returns out (a new array when out is None).");
+
+static PyObject *py_rms_norm(PyObject *self, PyObject *args, PyObject *kw)
+{
+    static const char *fn = "rms_norm";
+    static char *kwlist[] = {"x", "weight", "eps", "out", NULL};
+    PyObject *xo, *wo = Py_None, *oo = Py_None;
+    double eps = 1e-6;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|Od$O:rms_norm", kwlist, &xo, &wo, &eps, &oo))
+        return NULL;
+    PyArrayObject *x = NULL, *w = NULL, *out = NULL, *xc = NULL, *tmp = NULL;
+    PyObject *ret = NULL;
+    if (!(x = csa_array(xo, fn, "x", CSA_F32, 1, NPY_MAXDIMS, 0))) goto done;
+    const int nd = PyArray_NDIM(x);
+    const npy_intp d = PyArray_DIM(x, nd - 1);
+    if (wo != Py_None) {
+        if (!(w = csa_array(wo, fn, "weight", CSA_F32, 1, 1, 0))) goto done;
+        if (csa_check_dim(w, fn, "weight", 0, d, "x.shape[-1]")) goto done;
+    }
+    if (!isfinite(eps) || eps < 0) {
+        PyErr_Format(PyExc_ValueError, "%s(): 'eps' must be finite and >= 0, got %g", fn, eps);
+        goto done;
+    }
+    if (oo != Py_None) {
+        PyArrayObject *o = csa_array(oo, fn, "out", CSA_F32, nd, nd, 1);
+        if (!o) goto done;
+        if (same_view(o, x)) {
+            out = o;
+        } else {
+            PyArrayObject *ins[2] = {x, w};
+            Py_DECREF(o);
+            if (!(out = csa_out_array(oo, fn, nd, PyArray_DIMS(x), ins, 2))) goto done;
+        }
+    } else {
+        if (!(out = (PyArrayObject *)PyArray_EMPTY(nd, PyArray_DIMS(x), NPY_FLOAT32, 0)))
+            goto done;
+    }
+
+    csa_idx rows, sxr, sor;
+    xc = x;
+    Py_INCREF(xc);
+    if (csa_fold_rows(xc, &rows, &sxr)) {
+        Py_DECREF(xc);
+        if (!(xc = (PyArrayObject *)PyArray_NewCopy(x, NPY_CORDER))) goto done;
+        csa_fold_rows(xc, &rows, &sxr);
+    }
+    PyArrayObject *dst = out;
+    if (csa_fold_rows(out, &rows, &sor)) {
+        if (!(tmp = (PyArrayObject *)PyArray_EMPTY(nd, PyArray_DIMS(x), NPY_FLOAT32, 0)))
+            goto done;
+        dst = tmp;
+        csa_fold_rows(tmp, &rows, &sor);
+    }
+    int st;
+    Py_BEGIN_ALLOW_THREADS
+    st = csa_rms_norm((const float *)PyArray_DATA(xc), rows, d, sxr, csa_stride(xc, nd - 1),
+                      w ? (const float *)PyArray_DATA(w) : NULL, w ? csa_stride(w, 0) : 0,
+                      (float)eps, (float *)PyArray_DATA(dst), sor, csa_stride(dst, nd - 1));
+    Py_END_ALLOW_THREADS
+    if (st) {
+        csa_raise_status(st, fn);
+        goto done;
+    }
+    if (tmp && PyArray_CopyInto(out, tmp)) goto done;
+    ret = (oo != Py_None) ? (Py_INCREF(oo), oo) : (Py_INCREF(out), (PyObject *)out);
+done:
+    Py_XDECREF(x);
+    Py_XDECREF(w);
+    Py_XDECREF(out);
+    Py_XDECREF(xc);
+    Py_XDECREF(tmp);
+    return ret;
+}
+
+PyDoc_STRVAR(rope_table_doc,
+"rope_table(rope_dim, seqlen, *, base, original_seq_len=0, factor=1.0, beta_fast=32, beta_slow=1)\n--\n\n"
+"RoPE cos/sin tables, float32 [seqlen, rope_dim // 2] each (SPEC section 2).\n\n"
+"Frequencies f_i = 1 / base**(2i/rope_dim); with original_seq_len > 0 YaRN blends\n"
+"f_i / factor into the slow pairs between the beta_fast and beta_slow corrections.\n"
+"Angle a[t, i] = float32(t) * f_i.  Returns (cos, sin).");
+
+static PyObject *py_rope_table(PyObject *self, PyObject *args, PyObject *kw)
+{
+    static const char *fn = "rope_table";
+    static char *kwlist[] = {"rope_dim", "seqlen", "base", "original_seq_len", "factor",
+                             "beta_fast", "beta_slow", NULL};
+    PyObject *rdo, *slo, *oslo = NULL;
+    double base = NAN, factor = 1.0, beta_fast = 32.0, beta_slow = 1.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|$dOddd:rope_table", kwlist, &rdo, &slo, &base,
+                                     &oslo, &factor, &beta_fast, &beta_slow))
+        return NULL;
+    long long rope_dim, seqlen, osl = 0;
+    if (csa_int_arg(rdo, fn, "rope_dim", 2, 8192, &rope_dim)) return NULL;
+    if (rope_dim % 2) {
+        PyErr_Format(PyExc_ValueError, "%s(): 'rope_dim' must be even, got %lld", fn, rope_dim);
+        return NULL;
+    }
+    if (csa_int_arg(slo, fn, "seqlen", 0, (long long)1 << 31, &seqlen)) return NULL;
+    if (oslo && csa_int_arg(oslo, fn, "original_seq_len", 0, (long long)1 << 40, &osl))
+        return NULL;
+    if (isnan(base)) {
+        PyErr_Format(PyExc_TypeError, "%s(): missing required keyword argument 'base'", fn);
+        return NULL;
+    }
+    if (!isfinite(base) || base <= 1.0) {
+        PyErr_Format(PyExc_ValueError, "%s(): 'base' must be finite and > 1, got %g", fn, base);
+        return NULL;
+    }
+    if (!isfinite(factor) || factor <= 0 || !isfinite(beta_fast) || beta_fast <= 0 ||
+        !isfinite(beta_slow) || beta_slow <= 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): 'factor', 'beta_fast' and 'beta_slow' must be finite and > 0, got "
+                     "%g, %g, %g",
+                     fn, factor, beta_fast, beta_slow);
+        return NULL;
+    }
+    npy_intp shape[2] = {(npy_intp)seqlen, (npy_intp)(rope_dim / 2)};
+    PyArrayObject *c = (PyArrayObject *)PyArray_EMPTY(2, shape, NPY_FLOAT32, 0);
+    PyArrayObject *s = (PyArrayObject *)PyArray_EMPTY(2, shape, NPY_FLOAT32, 0);
+    if (!c || !s) {
+        Py_XDECREF(c);
+        Py_XDECREF(s);
+        return NULL;
+    }
+    int st;
+    Py_BEGIN_ALLOW_THREADS
+    st = csa_rope_table((float *)PyArray_DATA(c), (float *)PyArray_DATA(s), seqlen, rope_dim,
+                        base, osl, factor, beta_fast, beta_slow);
+    Py_END_ALLOW_THREADS
+    if (st) {
+        Py_DECREF(c);
+        Py_DECREF(s);
+        return csa_raise_status(st, fn);
+    }
+    return Py_BuildValue("(NN)", c, s);
+}
+
+PyDoc_STRVAR(apply_rope_doc,
+"apply_rope(x, cos, sin, *, inverse=False)\n--\n\n"
+"Rotates, in place, the last 2*cos.shape[-1] features of x as adjacent pairs\n"
+"(x[2i], x[2i+1]) by the angles of cos/sin; the first features are untouched.\n\n"
+"x        : float32 [B, S, D] or [B, S, H, D], writeable, any strides (e.g. x[..., -64:]).\n"
+"cos, sin : float32 [S, Dr/2], rows matching axis 1 of x, any strides (e.g. cos[::4]).\n"
+"inverse  : rotate by minus the angle (de-rotation of the attention output).\n"
+"Returns x.");
+
+static PyObject *py_apply_rope(PyObject *self, PyObject *args, PyObject *kw)
+{
+    static const char *fn = "apply_rope";
+    static char *kwlist[] = {"x", "cos", "sin", "inverse", NULL};
+    PyObject *xo, *co, *so;
+    int inverse = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|$p:apply_rope", kwlist, &xo, &co, &so,
+                                     &inverse))
+        return NULL;
+    PyArrayObject *x = NULL, *c = NULL, *s = NULL;
+    PyObject *ret = NULL;
+    char b1[256], b2[256];
+    if (!(x = csa_array(xo, fn, "x", CSA_F32, 3, 4, 1))) goto done;
+    if (!(c = csa_array(co, fn, "cos", CSA_F32, 2, 2, 0))) goto done;
+    if (!(s = csa_array(so, fn, "sin", CSA_F32, 2, 2, 0))) goto done;
+    const int nd = PyArray_NDIM(x);
+    const npy_intp half = PyArray_DIM(c, 1), d = PyArray_DIM(x, nd - 1);
+    if (PyArray_DIM(s, 0) != PyArray_DIM(c, 0) || PyArray_DIM(s, 1) != half) {
+        PyErr_Format(PyExc_ValueError, "%s(): 'sin' must have the shape of 'cos' %s, got %s", fn,
+                     csa_shape_str(c, b1, sizeof b1), csa_shape_str(s, b2, sizeof b2));
+        goto done;
+    }
+    if (csa_check_dim(c, fn, "cos", 0, PyArray_DIM(x, 1), "x.shape[1], one row per position"))
+        goto done;
+    if (2 * half > d) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): 'cos' rotates 2*%lld features but 'x' has only %lld (shape %s)", fn,
+                     (long long)half, (long long)d, csa_shape_str(x, b1, sizeof b1));
+        goto done;
+    }
+    if (csa_may_overlap(x, c) || csa_may_overlap(x, s)) {
+        PyErr_Format(PyExc_ValueError, "%s(): 'x' overlaps 'cos' or 'sin'", fn);
+        goto done;
+    }
+    const npy_intp n2 = nd == 4 ? PyArray_DIM(x, 2) : 1;
+    const csa_idx s2 = nd == 4 ? csa_stride(x, 2) : 0;
+    const csa_idx s3 = csa_stride(x, nd - 1);
+    float *base = (float *)PyArray_DATA(x) + (d - 2 * half) * s3;
+    int st;
+    Py_BEGIN_ALLOW_THREADS
+    st = csa_apply_rope(base, PyArray_DIM(x, 0), PyArray_DIM(x, 1), n2, half, csa_stride(x, 0),
+                        csa_stride(x, 1), s2, s3, (const float *)PyArray_DATA(c), csa_stride(c, 0),
+                        csa_stride(c, 1), (const float *)PyArray_DATA(s), csa_stride(s, 0),
+                        csa_stride(s, 1), inverse);
+    Py_END_ALLOW_THREADS
+    if (st) {
+        csa_raise_status(st, fn);
+        goto done;
+    }
+    Py_INCREF(xo);
+    ret = xo;
+done:
+    Py_XDECREF(x);
+    Py_XDECREF(c);
+    Py_XDECREF(s);
+    return ret;
+}
+
+PyMethodDef csa_norm_rope_methods[] = {
+    {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_VARARGS | METH_KEYWORDS,
+     rms_norm_doc},
+    {"rope_table", (PyCFunction)(void (*)(void))py_rope_table, METH_VARARGS | METH_KEYWORDS,
+     rope_table_doc},
+    {"apply_rope", (PyCFunction)(void (*)(void))py_apply_rope, METH_VARARGS | METH_KEYWORDS,
+     apply_rope_doc},
+    {NULL, NULL, 0, NULL},
+};

@@ -1,0 +1,81 @@
+/* ISA selection and thread counts shared by every kernel. */
+#include "csa.h"
+
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+static int detect_best(void)
+{
+#if defined(__x86_64__) && defined(__GNUC__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
+        return CSA_ISA_AVX512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        return CSA_ISA_AVX2;
+#endif
+    return CSA_ISA_BASE;
+}
+
+static int isa_best = -1;
+static int isa_now = -1;
+
+int csa_isa_best(void)
+{
+    if (isa_best < 0) isa_best = detect_best();
+    return isa_best;
+}
+
+static int level_from_env(void)
+{
+    /* DEEPSEEK_CSA_ISA=ref|base|avx2|avx512 caps the level (e.g. to test the
+     * portable path on an AVX-512 machine). */
+    const char *s = getenv("DEEPSEEK_CSA_ISA");
+    int best = csa_isa_best();
+    if (!s || !*s) return best;
+    for (int l = CSA_ISA_REF; l <= CSA_ISA_AVX512; l++)
+        if (strcmp(s, csa_isa_name(l)) == 0) return l < best ? l : best;
+    return best;
+}
+
+int csa_isa_get(void)
+{
+    if (isa_now < 0) isa_now = level_from_env();
+    return isa_now;
+}
+
+int csa_isa_set(int level)
+{
+    int best = csa_isa_best();
+    if (level < CSA_ISA_REF) level = CSA_ISA_REF;
+    if (level > best) level = best;
+    isa_now = level;
+    return level;
+}
+
+const char *csa_isa_name(int level)
+{
+    switch (level) {
+    case CSA_ISA_REF: return "ref";
+    case CSA_ISA_BASE: return "base";
+    case CSA_ISA_AVX2: return "avx2";
+    case CSA_ISA_AVX512: return "avx512";
+    default: return "unknown";
+    }
+}
+
+int csa_threads(csa_idx items, csa_idx min_items)
+{
+#ifdef _OPENMP
+    csa_idx nt = omp_get_max_threads();
+#else
+    csa_idx nt = 1;
+#endif
+    if (min_items < 1) min_items = 1;
+    csa_idx cap = items / min_items;
+    if (cap < nt) nt = cap;
+    return nt < 1 ? 1 : (int)nt;
+}

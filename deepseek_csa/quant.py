@@ -1,0 +1,2 @@
+"""(filled in by its issue)"""
+__all__ = []

@@ -1,0 +1,73 @@
+"""Shared test helpers: ISA levels, thread limits, inputs-unchanged checks, error budgets.
+
+Float32 references live beside the tests (tests/ref_*.py), written from SPEC.md.
+"""
+import contextlib
+
+import numpy as np
+import pytest
+
+import deepseek_csa as dc
+
+ISA_LEVELS = [l for l in ("ref", "base", "avx2", "avx512")
+              if ["ref", "base", "avx2", "avx512"].index(l)
+              <= ["ref", "base", "avx2", "avx512"].index(dc.best_isa())]
+
+
+@pytest.fixture(params=ISA_LEVELS)
+def isa(request):
+    """Runs the test once per ISA level this CPU has ('ref' is the scalar oracle)."""
+    before = dc.get_isa()
+    dc.set_isa(request.param)
+    yield request.param
+    dc.set_isa(before)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+@contextlib.contextmanager
+def threads(n):
+    """Limits OpenMP (ours and torch's) to n threads, the way users do."""
+    from threadpoolctl import threadpool_limits
+    with threadpool_limits(limits=n, user_api="openmp"):
+        yield
+
+
+@contextlib.contextmanager
+def unchanged(*arrays):
+    """Asserts that the arrays hold the same bits after the block (raising or not)."""
+    snaps = [np.array(a, copy=True) for a in arrays]
+    try:
+        yield
+    finally:
+        for i, (a, s) in enumerate(zip(arrays, snaps)):
+            assert np.array_equal(np.asarray(a).view(np.uint8), s.view(np.uint8)), \
+                f"input {i} was modified"
+
+
+def assert_close(got, want, *, rtol=1e-5, atol=1e-6, what=""):
+    """Error budget relative to a reference: |got - want| <= atol + rtol * |want|,
+    NaN where the reference has NaN and the same infinities."""
+    got = np.asarray(got, dtype=np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=f"{what}: NaN pattern")
+    fin = np.isfinite(want)
+    np.testing.assert_array_equal(got[~fin & ~np.isnan(want)], want[~fin & ~np.isnan(want)],
+                                  err_msg=f"{what}: infinities")
+    err = np.abs(got[fin] - want[fin])
+    bound = atol + rtol * np.abs(want[fin])
+    if err.size and not (err <= bound).all():
+        i = int(np.argmax(err - bound))
+        raise AssertionError(f"{what}: {int((err > bound).sum())} of {err.size} elements outside "
+                             f"atol={atol} rtol={rtol}; worst |diff|={err[i]:.3g} at ref "
+                             f"{want[fin][i]:.6g}")
+
+
+def bf16_round(x):
+    """Rounds float32 values to bfloat16 precision (nearest-even), as float32."""
+    import torch
+    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).bfloat16().float().numpy()
