@@ -1,0 +1,487 @@
+"""One DeepSeek-V4 / V4.1 attention layer in NumPy, with everything but the dense
+projections running through deepseek_csa's C kernels.
+
+    layer = CSALayer(weights, V4_FLASH, ratio=4, batch=1, max_seq_len=8192)
+    y = layer(x, 0)            # prefill: x float32 [B, S, dim]
+    y = layer(x1, S)           # decode: one token per row, start_pos = S, S+1, ...
+
+``weights`` maps the released checkpoint's attention tensor names to float32 arrays
+(already dequantized: FP8 checkpoint weights must be multiplied out with their block
+scales first).  Names are relative to the attention module; any prefix ending in
+``attn.`` (``layers.3.attn.wq_a.weight``) is stripped.  A V4 layer uses
+
+    wq_a.weight [q_lora, dim]       q_norm.weight [q_lora]     wq_b.weight [H*D, q_lora]
+    wkv.weight [D, dim]             kv_norm.weight [D]         attn_sink [H]
+    wo_a.weight [G*o_lora, H*D/G]   wo_b.weight [dim, G*o_lora]
+    ratio > 0:  compressor.{wkv,wgate}.weight [c*D, dim], compressor.ape [r, c*D],
+                compressor.norm.weight [D]
+    ratio 4:    indexer.wq_b.weight [Hi*Di, q_lora], indexer.weights_proj.weight [Hi, dim],
+                indexer.compressor.{wkv,wgate,ape,norm.weight} (Di wide, overlap)
+
+and a V4.1 layer (``version="v4.1"``) reads ``compressor.{wkv,wgate,norm}`` (kv sources,
+no ``ape``, no ``wgate`` at ratio 1) and ``indexer.{wq_b,weights_proj,wk,k_norm}``
+(index sources; ``wk``/``k_norm`` on kv sources), sharing what its sources publish
+through a ``CSAShared`` object passed to every layer of the stack.
+
+Caches (per layer, explicit, fresh at ``start_pos == 0``): the window ring and the
+compressed cache live in one buffer ``[B, window + max_seq_len//r, D]`` (ring first,
+as the attention reads them, so a decode step attends without copying), the indexer's
+keys in ``[B, max_seq_len//r, Di]``, and the compressor streaming state in
+``deepseek_csa.Compressor`` objects.
+
+Differences from the released module, on purpose: the state is reset by every prefill
+(the released compressor keeps leftovers of the previous sequence), prefill must start
+at position 0 and decode takes one token per row (the released code has the same
+contract), and everything runs in float32 (the released model keeps activations in
+bfloat16 between ops).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+import numpy as np
+
+import deepseek_csa as _dc
+from .configs import CSAConfig, V4_FLASH
+
+__all__ = ["CSALayer", "CSAShared", "layer_weight_shapes", "random_layer_weights"]
+
+_PROJ = "projections"
+
+
+def _clean_name(k: str) -> str:
+    i = k.rfind("attn.")
+    return k[i + 5:] if i >= 0 else k
+
+
+@dataclass
+class CSAShared:
+    """What V4.1 kv / index sources publish for the layers that read them (one per stack)."""
+    compress_kv: Optional[np.ndarray] = None   # [B, max_seq_len//r, D], rotated + FP4
+    n_compressed: int = 0
+    index_k: Optional[np.ndarray] = None       # [B, max_seq_len//r, Di]
+    topk_idxs: Optional[np.ndarray] = None     # int32 [B, S, k] of the last index source
+    candidates: object = None                  # candidate-block mask of the candidate source
+
+
+def layer_weight_shapes(cfg: CSAConfig, ratio: int, *, version: str = "v4",
+                        kv_source: bool = True, index_source: bool = True) -> Dict[str, tuple]:
+    """Names and shapes of the attention tensors one layer reads."""
+    D, H, G = cfg.head_dim, cfg.n_heads, cfg.o_groups
+    Hi, Di = cfg.index_heads, cfg.index_head_dim
+    s = {"wq_a.weight": (cfg.q_lora_rank, cfg.dim), "q_norm.weight": (cfg.q_lora_rank,),
+         "wq_b.weight": (H * D, cfg.q_lora_rank), "wkv.weight": (D, cfg.dim),
+         "kv_norm.weight": (D,), "attn_sink": (H,),
+         "wo_a.weight": (G * cfg.o_lora_rank, H * D // G),
+         "wo_b.weight": (cfg.dim, G * cfg.o_lora_rank)}
+    if not ratio:
+        return s
+    if version == "v4":
+        c = 2 if ratio == 4 else 1
+        s.update({"compressor.wkv.weight": (c * D, cfg.dim),
+                  "compressor.wgate.weight": (c * D, cfg.dim),
+                  "compressor.ape": (ratio, c * D), "compressor.norm.weight": (D,)})
+        if ratio == 4:
+            s.update({"indexer.wq_b.weight": (Hi * Di, cfg.q_lora_rank),
+                      "indexer.weights_proj.weight": (Hi, cfg.dim),
+                      "indexer.compressor.wkv.weight": (2 * Di, cfg.dim),
+                      "indexer.compressor.wgate.weight": (2 * Di, cfg.dim),
+                      "indexer.compressor.ape": (ratio, 2 * Di),
+                      "indexer.compressor.norm.weight": (Di,)})
+        return s
+    if kv_source:
+        s.update({"compressor.wkv.weight": (D, cfg.dim), "compressor.norm.weight": (D,)})
+        if ratio > 1:
+            s["compressor.wgate.weight"] = (D, cfg.dim)
+    if index_source:
+        s.update({"indexer.wq_b.weight": (Hi * Di, cfg.q_lora_rank),
+                  "indexer.weights_proj.weight": (Hi, cfg.dim)})
+        if kv_source:
+            s.update({"indexer.wk.weight": (Di, D), "indexer.k_norm.weight": (Di,)})
+    return s
+
+
+def random_layer_weights(cfg: CSAConfig, ratio: int, *, seed: int = 0, **kw) -> Dict[str, np.ndarray]:
+    """Random float32 weights: projections N(0, 1/fan_in), norms ~1, sinks and ape N(0, 1)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shp in layer_weight_shapes(cfg, ratio, **kw).items():
+        if name.endswith("norm.weight"):
+            a = 1 + 0.1 * rng.standard_normal(shp, dtype=np.float32)
+        elif len(shp) == 2 and not name.endswith("ape"):
+            a = rng.standard_normal(shp, dtype=np.float32) * np.float32(shp[1] ** -0.5)
+        else:
+            a = rng.standard_normal(shp, dtype=np.float32)
+        out[name] = a
+    return out
+
+
+class CSALayer:
+    """One attention layer: prefill (``start_pos == 0``, any S) and one-token decode.
+
+    cfg        : a CSAConfig (``deepseek_csa.V4_FLASH`` ...) for the shapes, eps, RoPE.
+    ratio      : compress ratio of this layer, or ``layer_id`` to read it from cfg.
+    version    : "v4" (ratios 0, 4 overlap + indexer, 128) or "v4.1" (CSA2).
+    V4.1 roles : kv_source (pools its own compressed KV), index_source (runs an indexer),
+                 candidate_source / uses_candidates with candidate_topk_blocks and
+                 candidate_block_size; ``shared`` (CSAShared) links the stack's layers.
+    index_topk : defaults to cfg.index_topk.
+
+    After each call ``last_topk`` holds the compressed part of the index lists (int32,
+    -1 for nothing) and ``timings`` accumulates seconds per op (``reset_timings()``).
+    """
+
+    def __init__(self, weights, cfg: CSAConfig = V4_FLASH, *, ratio: Optional[int] = None,
+                 layer_id: Optional[int] = None, version: Optional[str] = None, batch: int = 1,
+                 max_seq_len: int = 8192, index_topk: Optional[int] = None,
+                 kv_source: Optional[bool] = None, index_source: Optional[bool] = None,
+                 candidate_source: bool = False, uses_candidates: bool = False,
+                 candidate_topk_blocks: int = 0, candidate_block_size: int = 0,
+                 shared: Optional[CSAShared] = None):
+        if ratio is None:
+            if layer_id is None:
+                raise ValueError("CSALayer: give 'ratio' or 'layer_id'")
+            ratio = cfg.compress_ratios[layer_id]
+        if version is None:
+            version = "v4.1" if cfg.kv_source_layers else "v4"
+        if version not in ("v4", "v4.1"):
+            raise ValueError(f"CSALayer: 'version' must be 'v4' or 'v4.1', got {version!r}")
+        if version == "v4" and ratio not in (0, 4, 128) and ratio <= 0:
+            raise ValueError(f"CSALayer: ratio must be >= 0, got {ratio}")
+        self.cfg, self.ratio, self.version = cfg, int(ratio), version
+        self.batch, self.max_seq_len = int(batch), int(max_seq_len)
+        self.index_topk = int(index_topk or cfg.index_topk)
+        v41 = version == "v4.1"
+        if v41 and ratio:
+            if kv_source is None:
+                kv_source = layer_id is not None and layer_id in (cfg.kv_source_layers or ())
+            if index_source is None:
+                index_source = bool(kv_source)
+            if shared is None:
+                if not kv_source:
+                    raise ValueError("CSALayer: a V4.1 reader layer needs the stack's 'shared'")
+                shared = CSAShared()
+        self.kv_source, self.index_source = bool(kv_source), bool(index_source)
+        self.candidate_source, self.uses_candidates = candidate_source, uses_candidates
+        self.candidate_topk_blocks = candidate_topk_blocks
+        self.candidate_block_size = candidate_block_size
+        self.shared = shared
+
+        want = layer_weight_shapes(cfg, ratio, version=version,
+                                   kv_source=self.kv_source, index_source=self.index_source)
+        w = {_clean_name(k): v for k, v in weights.items()}
+        self.w = {}
+        for name, shp in want.items():
+            if name not in w:
+                raise KeyError(f"CSALayer: weight '{name}' {shp} missing")
+            a = np.ascontiguousarray(np.asarray(w[name], dtype=np.float32))
+            if a.shape != shp:
+                raise ValueError(f"CSALayer: weight '{name}' must have shape {shp}, got {a.shape}")
+            self.w[name] = a
+        W = self.w
+        G, D = cfg.o_groups, cfg.head_dim
+        self._wo_a = W["wo_a.weight"].reshape(G, cfg.o_lora_rank, -1).transpose(0, 2, 1)
+        self._cos, self._sin = _dc.rope_table(cfg.rope_dim, self.max_seq_len,
+                                              **cfg.rope_kwargs(self.ratio))
+        r = self.ratio
+        self.n_comp_max = self.max_seq_len // r if r else 0
+        own_cache = r and (not v41 or self.kv_source)
+        # ring + own compressed cache, in the order the attention reads them
+        self._kv = np.zeros((batch, cfg.window + (self.n_comp_max if own_cache else 0), D),
+                            np.float32)
+        self._ik = None
+        if r and ((not v41 and r == 4) or (v41 and self.kv_source and self.index_source)):
+            self._ik = np.zeros((batch, self.n_comp_max, cfg.index_head_dim), np.float32)
+        self.timings: Dict[str, float] = {}
+        self.last_topk = None
+        self._pos = 0
+        self._new_state()
+
+    # ------------------------------------------------------------------ state
+    def _new_state(self):
+        r, cfg, W = self.ratio, self.cfg, self.w
+        self._comp = self._icomp = None
+        if not r:
+            return
+        if self.version == "v4":
+            ov = r == 4
+            self._comp = _dc.Compressor(self.batch, r, cfg.head_dim, overlap=ov,
+                                        ape=W["compressor.ape"])
+            if r == 4:
+                self._icomp = _dc.Compressor(self.batch, r, cfg.index_head_dim, overlap=True,
+                                             ape=W["indexer.compressor.ape"])
+        elif self.kv_source and r > 1:
+            self._comp = _dc.Compressor(self.batch, r, cfg.head_dim)
+        self._n_comp = 0
+
+    def reset(self):
+        """Forgets the sequence (a prefill does this by itself)."""
+        self._new_state()
+        self._pos = 0
+
+    def reset_timings(self):
+        self.timings = {}
+
+    def _tick(self, name, t0):
+        t1 = time.perf_counter()
+        self.timings[name] = self.timings.get(name, 0.0) + (t1 - t0)
+        return t1
+
+    # ------------------------------------------------------------------ forward
+    def __call__(self, x, start_pos: int = 0):
+        return self.forward(x, start_pos)
+
+    def forward(self, x, start_pos: int = 0):
+        """x float32 [B, S, dim] -> float32 [B, S, dim]."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim != 3 or x.shape[2] != self.cfg.dim:
+            raise ValueError(f"CSALayer: 'x' must be [B, S, {self.cfg.dim}], got {x.shape}")
+        B, S, _ = x.shape
+        if B > self.batch:
+            raise ValueError(f"CSALayer: batch {B} larger than the layer's {self.batch}")
+        if start_pos < 0 or start_pos + S > self.max_seq_len:
+            raise ValueError(f"CSALayer: positions {start_pos}..{start_pos + S - 1} outside "
+                             f"0..{self.max_seq_len - 1}")
+        if start_pos and S != 1:
+            raise ValueError("CSALayer: a call at start_pos > 0 is a decode step of one token "
+                             f"per row, got S={S}")
+        if start_pos and start_pos != self._pos:
+            raise ValueError(f"CSALayer: decode at start_pos={start_pos}, but the layer is at "
+                             f"position {self._pos}")
+        if start_pos == 0:
+            self.reset()
+        proj = self.project(x)
+        o = self.attend(proj, start_pos)
+        y = self.out_proj(o)
+        self._pos = start_pos + S
+        return y
+
+    def project(self, x):
+        """The dense projections that depend on x only (NumPy matmul)."""
+        t0 = time.perf_counter()
+        W, cfg, r = self.w, self.cfg, self.ratio
+        B, S, _ = x.shape
+        p = {"x": x}
+        qr = x @ W["wq_a.weight"].T
+        t0 = self._tick(_PROJ, t0)
+        _dc.rms_norm(qr, W["q_norm.weight"], cfg.norm_eps, out=qr)
+        t0 = self._tick("rms_norm", t0)
+        p["qr"] = qr
+        p["q"] = (qr @ W["wq_b.weight"].T).reshape(B, S, cfg.n_heads, cfg.head_dim)
+        p["kv"] = x @ W["wkv.weight"].T
+        if r and (self.version == "v4" or self.kv_source):
+            p["ckv"] = x @ W["compressor.wkv.weight"].T
+            if "compressor.wgate.weight" in W:
+                p["cscore"] = x @ W["compressor.wgate.weight"].T
+        if r and (self.version == "v4" and r == 4 or self.version == "v4.1" and self.index_source):
+            p["iq"] = (qr @ W["indexer.wq_b.weight"].T).reshape(B, S, cfg.index_heads,
+                                                                  cfg.index_head_dim)
+            p["iw"] = x @ (W["indexer.weights_proj.weight"].T
+                           * np.float32(cfg.index_head_dim ** -0.5 * cfg.index_heads ** -0.5))
+            if self.version == "v4":
+                p["ickv"] = x @ W["indexer.compressor.wkv.weight"].T
+                p["icscore"] = x @ W["indexer.compressor.wgate.weight"].T
+        self._tick(_PROJ, t0)
+        return p
+
+    def attend(self, p, start_pos):
+        """Everything between the projections, through the kernels; returns o [B,S,H,D]
+        (de-rotated), the input of the output projection."""
+        cfg, W, r = self.cfg, self.w, self.ratio
+        B, S = p["x"].shape[:2]
+        Dr, win = cfg.rope_dim, cfg.window
+        cos, sin = self._cos[start_pos:start_pos + S], self._sin[start_pos:start_pos + S]
+        v41 = self.version == "v4.1"
+        t = time.perf_counter()
+        q, kv = p["q"], p["kv"].reshape(B, S, cfg.head_dim)
+        _dc.rms_norm(q, None, cfg.norm_eps, out=q)
+        _dc.rms_norm(kv, W["kv_norm.weight"], cfg.norm_eps, out=kv)
+        t = self._tick("rms_norm", t)
+        _dc.apply_rope(q[..., -Dr:], cos, sin)
+        _dc.apply_rope(kv[..., -Dr:], cos, sin)
+        t = self._tick("rope", t)
+        if v41:
+            _dc.fp8_round(kv, 32)
+        else:
+            _dc.fp8_round(kv[..., :-Dr], 64)
+        t = self._tick("qat", t)
+        # window ring
+        if start_pos == 0:
+            keep = min(S, win)
+            slots = np.arange(S - keep, S) % win
+            self._kv[:B, slots] = kv[:, S - keep:]
+        else:
+            self._kv[:B, start_pos % win] = kv[:, 0]
+        widx = _dc.window_topk_idxs(win, B, S, start_pos)
+        t = self._tick("index_lists", t)
+        offset = S if start_pos == 0 else win
+        if not r:
+            kv_all, idx = (kv if start_pos == 0 else self._kv[:B]), widx
+            self.last_topk = None
+        else:
+            cidx, n = self._compressed(p, start_pos, offset, B, S)
+            t = time.perf_counter()
+            self.last_topk = cidx
+            idx = np.concatenate((widx, cidx.astype(np.int32, copy=False)), axis=-1)
+            if v41 and not self.kv_source:
+                src = self.shared.compress_kv
+                win_kv = kv if start_pos == 0 else self._kv[:B]
+                kv_all = np.concatenate((win_kv, src[:B, :n]), axis=1)
+            elif start_pos == 0:
+                kv_all = np.concatenate((kv, self._kv[:B, win:win + n]), axis=1)
+            else:
+                kv_all = self._kv[:B, :win + n]
+            t = self._tick("index_lists", t)
+        t = time.perf_counter()
+        o = _dc.sparse_attn(q, kv_all, W["attn_sink"], idx, cfg.head_dim ** -0.5)
+        t = self._tick("sparse_attn", t)
+        _dc.apply_rope(o[..., -Dr:], cos, sin, inverse=True)
+        self._tick("rope", t)
+        return o
+
+    def out_proj(self, o):
+        t = time.perf_counter()
+        cfg = self.cfg
+        B, S = o.shape[:2]
+        G = cfg.o_groups
+        og = o.reshape(B * S, G, -1).transpose(1, 0, 2)            # [G, N, H*D/G]
+        y = np.matmul(og, self._wo_a)                              # [G, N, o_lora]
+        y = y.transpose(1, 0, 2).reshape(B * S, G * cfg.o_lora_rank)
+        out = (y @ self.w["wo_b.weight"].T).reshape(B, S, cfg.dim)
+        self._tick(_PROJ, t)
+        return out
+
+    # ------------------------------------------------------------------ compressed part
+    def _entry_rows(self, start_pos, g):
+        """First compressed index written by this call and the RoPE rows of its entries."""
+        r = self.ratio
+        first = 0 if start_pos == 0 else start_pos // r
+        sl = slice(first * r, (first + g) * r, r)
+        return first, self._cos[sl], self._sin[sl]
+
+    def _pool(self, comp, kv, score, start_pos):
+        if start_pos == 0:
+            e = comp.prefill(kv, score)
+            return e if e.shape[1] else None
+        return comp.step(kv, score, start_pos)
+
+    def _compressed(self, p, start_pos, offset, B, S):
+        if self.version == "v4":
+            return self._compressed_v4(p, start_pos, offset, B, S)
+        return self._compressed_v41(p, start_pos, offset, B, S)
+
+    def _compressed_v4(self, p, start_pos, offset, B, S):
+        cfg, W, r = self.cfg, self.w, self.ratio
+        Dr, win = cfg.rope_dim, cfg.window
+        n = (start_pos + S) // r
+        t = time.perf_counter()
+        if r == 4:
+            # indexer: its own compressor first (keys), then queries, then the top-k
+            e = self._pool(self._icomp, p["ickv"], p["icscore"], start_pos)
+            t = self._tick("compressor", t)
+            if e is not None:
+                first, c, s = self._entry_rows(start_pos, e.shape[1])
+                _dc.rms_norm(e, W["indexer.compressor.norm.weight"], cfg.norm_eps, out=e)
+                t = self._tick("rms_norm", t)
+                _dc.apply_rope(e[..., -Dr:], c, s)
+                t = self._tick("rope", t)
+                e = _dc.hadamard(e)
+                _dc.fp4_round(e, 32)
+                t = self._tick("qat", t)
+                self._ik[:B, first:first + e.shape[1]] = e
+            iq = p["iq"]
+            cos, sin = self._cos[start_pos:start_pos + S], self._sin[start_pos:start_pos + S]
+            _dc.apply_rope(iq[..., -Dr:], cos, sin)
+            t = self._tick("rope", t)
+            iq = _dc.hadamard(iq)
+            _dc.fp4_round(iq, 32)
+            t = self._tick("qat", t)
+            cidx = _dc.index_topk(iq, self._ik[:B, :n], p["iw"], self.index_topk, ratio=r,
+                                  start_pos=start_pos, offset=offset, order="score")
+            t = self._tick("indexer", t)
+        else:
+            cidx = _dc.compress_topk_idxs(r, B, S, start_pos, offset)
+            t = self._tick("index_lists", t)
+        e = self._pool(self._comp, p["ckv"], p["cscore"], start_pos)
+        t = self._tick("compressor", t)
+        if e is not None:
+            first, c, s = self._entry_rows(start_pos, e.shape[1])
+            _dc.rms_norm(e, W["compressor.norm.weight"], cfg.norm_eps, out=e)
+            t = self._tick("rms_norm", t)
+            _dc.apply_rope(e[..., -Dr:], c, s)
+            t = self._tick("rope", t)
+            _dc.fp8_round(e[..., :-Dr], 64)
+            t = self._tick("qat", t)
+            self._kv[:B, win + first:win + first + e.shape[1]] = e
+        return cidx, n
+
+    def _compressed_v41(self, p, start_pos, offset, B, S):
+        cfg, W, r, sh = self.cfg, self.w, self.ratio, self.shared
+        Dr = cfg.rope_dim
+        n = (start_pos + S) // r
+        t = time.perf_counter()
+        latent = None
+        if self.kv_source:
+            if r == 1:
+                latent = p["ckv"]
+                _dc.rms_norm(latent, W["compressor.norm.weight"], cfg.norm_eps, out=latent)
+                t = self._tick("rms_norm", t)
+            else:
+                latent = self._pool(self._comp, p["ckv"], p["cscore"], start_pos)
+                t = self._tick("compressor", t)
+                if latent is not None:
+                    _dc.rms_norm(latent, W["compressor.norm.weight"], cfg.norm_eps, out=latent)
+                    t = self._tick("rms_norm", t)
+            sh.compress_kv = self._kv[:, cfg.window:]
+            if self.index_source:
+                sh.index_k = self._ik
+            if latent is not None:
+                first, c, s = self._entry_rows(start_pos, latent.shape[1])
+                if self.index_source:
+                    t = self._tick("rms_norm", t)
+                    k = latent @ W["indexer.wk.weight"].T
+                    t = self._tick(_PROJ, t)
+                    _dc.rms_norm(k, W["indexer.k_norm.weight"], cfg.norm_eps, out=k)
+                    t = self._tick("rms_norm", t)
+                    _dc.apply_rope(k[..., -Dr:], c, s)
+                    t = self._tick("rope", t)
+                    _dc.fp4_round(k, 32)
+                    t = self._tick("qat", t)
+                    self._ik[:B, first:first + k.shape[1]] = k
+                _dc.apply_rope(latent[..., -Dr:], c, s)
+                t = self._tick("rope", t)
+                _dc.fp4_round(latent, 16, scale="e4m3")
+                t = self._tick("qat", t)
+                self._kv[:B, cfg.window + first:cfg.window + first + latent.shape[1]] = latent
+        if self.index_source:
+            if n == 0:
+                cidx = np.full((B, S, 0), -1, np.int32)
+            else:
+                iq = p["iq"]
+                cos, sin = self._cos[start_pos:start_pos + S], self._sin[start_pos:start_pos + S]
+                _dc.apply_rope(iq[..., -Dr:], cos, sin)
+                t = self._tick("rope", t)
+                _dc.fp4_round(iq, 32)
+                t = self._tick("qat", t)
+                k = sh.index_k[:B, :n]
+                if self.candidate_source:
+                    sc = _dc.index_scores(iq, k, p["iw"], ratio=r, start_pos=start_pos)
+                    sh.candidates = _dc.select_candidate_blocks(
+                        sc, self.candidate_topk_blocks, self.candidate_block_size, ratio=r,
+                        start_pos=start_pos)
+                    cidx = _dc.topk_indices(sc, self.index_topk, ratio=r, start_pos=start_pos,
+                                            offset=offset, order="position")
+                else:
+                    cand = sh.candidates if self.uses_candidates else None
+                    cidx = _dc.index_topk(iq, k, p["iw"], self.index_topk, ratio=r,
+                                          start_pos=start_pos, offset=offset,
+                                          order="position", candidates=cand)
+                t = self._tick("indexer", t)
+            sh.topk_idxs = cidx
+        else:
+            if sh.topk_idxs is None:
+                raise RuntimeError("CSALayer: V4.1 reader before any index source ran")
+            cidx = sh.topk_idxs
+        return cidx, n
