@@ -29,6 +29,12 @@ from torch import nn
 # materialise [S, K, D] gathers or [S, Hi, Tc] score tensors of several GB.
 QUERY_CHUNK = 512
 
+# QAT settings, module globals as in the released file (its Transformer sets them):
+# power-of-two FP8 scales, FP4 blocks of 32
+scale_fmt = "ue8m0"
+scale_dtype = None
+fp4_block_size = 32
+
 
 # ----------------------------------------------------------------------------- QAT
 def _pow2_at_least(v):
@@ -330,7 +336,7 @@ class Compressor(nn.Module):
             out = rotate_activation(out)
             fp4_act_quant(out, 32, True)
         else:
-            act_quant(out[..., :-rd], 64, "ue8m0", None, True)
+            act_quant(out[..., :-rd], 64, scale_fmt, scale_dtype, True)
         first = 0 if start_pos == 0 else start_pos // r
         self.kv_cache[:b, first:first + out.shape[1]] = out
         return out
@@ -374,6 +380,7 @@ class Indexer(nn.Module):
     def __init__(self, args, compress_ratio=4):
         super().__init__()
         self.n_heads, self.head_dim = args.index_n_heads, args.index_head_dim
+        self.n_local_heads = self.n_heads  # one rank
         self.rope_head_dim, self.index_topk = args.rope_head_dim, args.index_topk
         self.compress_ratio = compress_ratio
         self.softmax_scale = self.head_dim ** -0.5
@@ -451,7 +458,7 @@ class Attention(nn.Module):
         kv = self.kv_norm(self.wkv(x))
         rd = self.rope_head_dim
         apply_rotary_emb(kv[..., -rd:], fr)
-        act_quant(kv if rope_too else kv[..., :-rd], block, "ue8m0", None, True)
+        act_quant(kv if rope_too else kv[..., :-rd], block, scale_fmt, scale_dtype, True)
         return kv
 
     def _ring_write(self, ring, kv, start_pos):
@@ -774,6 +781,8 @@ def install_standins():
     import deepseek_csa as dc
 
     T = torch.from_numpy
+    # bound now: swap() patches these module globals while a swapped layer runs
+    ref_attn, ref_win, ref_comp = sparse_attn, get_window_topk_idxs, get_compress_topk_idxs
 
     def fp8_round(x, block, *, scale="ue8m0", out=None):
         t = T(x) if out is None else T(out)
@@ -796,7 +805,7 @@ def install_standins():
         return y
 
     def sparse_attn_(q, kv, attn_sink, topk_idxs, softmax_scale, *, out=None):
-        o = sparse_attn(T(np.ascontiguousarray(q)), T(np.ascontiguousarray(kv)), T(attn_sink),
+        o = ref_attn(T(np.ascontiguousarray(q)), T(np.ascontiguousarray(kv)), T(attn_sink),
                         T(np.ascontiguousarray(topk_idxs)), softmax_scale).numpy()
         if out is not None:
             out[...] = o
@@ -804,11 +813,10 @@ def install_standins():
         return o
 
     def window_topk_idxs(window, batch, seqlen, start_pos):
-        return get_window_topk_idxs(window, batch, seqlen, start_pos).numpy().astype(np.int32)
+        return ref_win(window, batch, seqlen, start_pos).numpy().astype(np.int32)
 
     def compress_topk_idxs(ratio, batch, seqlen, start_pos, offset):
-        return get_compress_topk_idxs(ratio, batch, seqlen, start_pos,
-                                      offset).numpy().astype(np.int32)
+        return ref_comp(ratio, batch, seqlen, start_pos, offset).numpy().astype(np.int32)
 
     def index_scores(q, k, weights, *, ratio, start_pos=0):
         return _causal_mask(_scores(T(q), T(np.ascontiguousarray(k)), T(weights)), ratio,
@@ -832,7 +840,16 @@ def install_standins():
                 else (start_pos + s) // ratio)
         return select_candidate_blocks(T(scores), nvis, topk_blocks, block_size).numpy()
 
-    table = {"fp8_round": fp8_round, "fp4_round": fp4_round, "hadamard": hadamard_,
+    def gated_pool(kv, score, ratio, *, ape=None, overlap=False, out=None):
+        d = kv.shape[-1] // (2 if overlap else 1)
+        c = _StandinCompressor(kv.shape[0], ratio, d, overlap=overlap, ape=ape)
+        e = c._pool(T(np.ascontiguousarray(kv)), T(np.ascontiguousarray(score))).numpy()
+        if out is not None:
+            out[...] = e
+            return out
+        return e
+
+    table = {"fp8_round": fp8_round, "gated_pool": gated_pool, "fp4_round": fp4_round, "hadamard": hadamard_,
              "sparse_attn": sparse_attn_, "window_topk_idxs": window_topk_idxs,
              "compress_topk_idxs": compress_topk_idxs, "index_scores": index_scores,
              "topk_indices": topk_indices, "index_topk": index_topk,
@@ -844,3 +861,68 @@ def install_standins():
             setattr(dc, name, fn)
             done.append(name)
     return done
+
+
+# ----------------------------------------------------------------------------- swap checks
+def record(model, run, substitute=None):
+    """Runs ``run(model)`` under no_grad with hooks on every attention module and indexer;
+    returns ({layer: [output per call]}, {layer: [top-k per call]}) as NumPy.
+    ``substitute`` {layer: [output per call]}: those layers' outputs are recorded, then
+    replaced by the given ones, so the layers after them see the same inputs as in the
+    run the outputs came from."""
+    from deepseek_csa.torch import _attention_modules
+    outs, tks, hooks = {}, {}, []
+    substitute = substitute or {}
+
+    def on_out(m, i, o, l):
+        outs[l].append(o.detach().float().numpy().copy())
+        if l in substitute:
+            return torch.from_numpy(substitute[l][len(outs[l]) - 1]).to(o.dtype)
+        return None
+
+    for lid, a in _attention_modules(model):
+        outs[lid], tks[lid] = [], []
+        hooks.append(a.register_forward_hook(lambda m, i, o, l=lid: on_out(m, i, o, l)))
+        ix = getattr(a, "indexer", None)
+        if ix is not None:
+            hooks.append(ix.register_forward_hook(
+                lambda m, i, o, l=lid: tks[l].append(o.detach().numpy().copy())))
+    try:
+        with torch.no_grad():
+            run(model)
+    finally:
+        for h in hooks:
+            h.remove()
+    return outs, tks
+
+
+def rel_err(got, want):
+    import numpy as np
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+def swap_report(make_model, run, layers=None, ops=None):
+    """For each layer L: a fresh model from ``make_model()``, layer L swapped onto
+    deepseek_csa, ``run``; compared with the unswapped run.  The swapped layer's output is
+    handed on as the unswapped run's (``record(substitute=...)``): QAT rounding and top-k
+    selection are discontinuous, so a 1e-7 change would otherwise flip roundings and
+    selections downstream and hide what is being measured, the swapped layer itself.
+    Returns one dict per swapped layer: 'layer', 'max_rel_err' (worst over every layer's
+    output and every call), 'per_layer' {layer: worst rel err}, 'topk_equal' (sorted
+    top-k sets identical everywhere)."""
+    import numpy as np
+    import deepseek_csa.torch as dct
+    base_out, base_tk = record(make_model(), run)
+    report = []
+    for lid in (sorted(base_out) if layers is None else layers):
+        m = make_model()
+        with dct.swap(m, layers=[lid], ops=ops):
+            outs, tks = record(m, run, substitute={lid: base_out[lid]})
+        per = {l: max(rel_err(g, w) for g, w in zip(outs[l], base_out[l])) for l in base_out}
+        same = all(len(tks[l]) == len(base_tk[l]) and
+                   all(np.array_equal(np.sort(g, -1), np.sort(w, -1))
+                       for g, w in zip(tks[l], base_tk[l])) for l in base_tk)
+        report.append({"layer": lid, "max_rel_err": max(per.values()), "per_layer": per,
+                       "topk_equal": same})
+    return report

@@ -1,0 +1,386 @@
+"""PyTorch bridge: deepseek_csa kernels behind the call signatures of DeepSeek's released
+``inference/model.py``, and ``swap`` / ``unswap`` to route chosen layers of a loaded model
+through them one at a time.
+
+    import deepseek_csa.torch as dct
+    with dct.swap(model, layers=[2, 3]):          # a model.py Transformer, or Attention modules
+        logits = model(tokens, 0)                 # layers 2 and 3 run on deepseek_csa
+    dct.swap(model, ops=["sparse_attn"])          # only one op, every layer; dct.unswap(model)
+
+torch is imported lazily (``import deepseek_csa`` never needs it).
+
+Drop-in functions (same arguments and results as the released ones):
+``sparse_attn``, ``apply_rotary_emb``, ``rms_norm`` / ``rms_norm_forward`` (RMSNorm.forward),
+``act_quant`` / ``fp4_act_quant`` (their in-place QAT mode), ``rotate_activation``,
+``get_window_topk_idxs``, ``get_compress_topk_idxs``, ``compressor_forward``
+(Compressor.forward, V4 and V4.1) and ``indexer_forward`` (V4 Indexer.forward).
+
+Tensors: CPU float32 tensors are handed to the kernels as NumPy views of the same memory
+(no copies; in-place ops write into the caller's tensor) and results come back as tensors
+over the kernels' output buffers (``torch.from_numpy``, no copy).  bfloat16 tensors are
+NOT yet read natively by the kernels: for them the bridge converts to float32, runs the
+kernel and converts the result back (one copy each way), which is also where the released
+model rounds to bfloat16.
+
+How ``swap`` routes a layer: the chosen ``Attention`` modules get an instance ``forward``
+that runs the module's own ``forward`` while the model module's op functions
+(``sparse_attn``, ``apply_rotary_emb``, ``act_quant``, ``fp4_act_quant``,
+``rotate_activation``, ``get_window_topk_idxs``, ``get_compress_topk_idxs``) point at the
+drop-ins for the ops selected, and the layer's ``RMSNorm``, ``Compressor`` and ``Indexer``
+submodules get the drop-in forwards.  Projections stay the module's own (so FP8 weights
+keep working) and the caches stay in the module's buffers, in the module's layout, so a
+layer can be swapped or unswapped between decode steps.  The per-head query
+normalisation, written inline in the released ``Attention.forward``, stays torch.
+Not thread-safe: the op functions are patched in the model's module for the duration of a
+swapped layer's forward.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Iterable, Optional
+
+import numpy as np
+
+import deepseek_csa as _dc
+
+__all__ = ["OPS", "swap", "unswap", "Swap", "sparse_attn", "apply_rotary_emb", "rms_norm",
+           "rms_norm_forward", "act_quant", "fp4_act_quant", "rotate_activation",
+           "get_window_topk_idxs", "get_compress_topk_idxs", "compressor_forward",
+           "indexer_forward"]
+
+OPS = ("sparse_attn", "rope", "rms_norm", "qat", "hadamard", "index_lists", "compressor",
+       "indexer")
+
+# the model module's functions each op replaces
+_GLOBALS = {"sparse_attn": ("sparse_attn",), "rope": ("apply_rotary_emb",),
+            "qat": ("act_quant", "fp4_act_quant"), "hadamard": ("rotate_activation",),
+            "index_lists": ("get_window_topk_idxs", "get_compress_topk_idxs")}
+
+
+def _torch():
+    import torch
+    return torch
+
+
+# ----------------------------------------------------------------------------- tensors
+def _f32(t):
+    """NumPy float32 view of a CPU float32 tensor, else a float32 copy."""
+    torch = _torch()
+    t = t.detach()
+    if t.dtype == torch.float32 and t.device.type == "cpu":
+        return t.numpy()
+    return t.to("cpu", torch.float32).numpy()
+
+
+def _out(a, like):
+    """Tensor over the NumPy result, in like's dtype (a copy only when that is not f32)."""
+    torch = _torch()
+    t = torch.from_numpy(a)
+    if like.dtype != torch.float32 or like.device.type != "cpu":
+        t = t.to(like.device, like.dtype)
+    return t
+
+
+def _inplace(x, fn):
+    """Runs fn on a float32 NumPy view of x (bf16: a float32 copy, written back)."""
+    torch = _torch()
+    if x.dtype == torch.float32 and x.device.type == "cpu":
+        fn(x.detach().numpy())
+    else:
+        tmp = x.detach().to("cpu", torch.float32)
+        fn(tmp.numpy())
+        x.copy_(tmp)
+    return x
+
+
+# ----------------------------------------------------------------------------- drop-ins
+def sparse_attn(q, kv, attn_sink, topk_idxs, softmax_scale):
+    """Released ``sparse_attn(q, kv, attn_sink, topk_idxs, softmax_scale)``: q [B,S,H,D],
+    kv [B,N,D], attn_sink [H] float32, topk_idxs [B,S,K] (-1 = none) -> [B,S,H,D] in q's
+    dtype."""
+    torch = _torch()
+    idx = topk_idxs.detach()
+    idx = idx.numpy() if idx.dtype == torch.int32 else idx.to(torch.int32).numpy()
+    o = _dc.sparse_attn(_f32(q), _f32(kv), _f32(attn_sink), idx, float(softmax_scale))
+    return _out(o, q)
+
+
+def _cos_sin(freqs_cis):
+    torch = _torch()
+    fc = freqs_cis.detach()
+    if fc.dtype != torch.complex64:
+        fc = fc.to(torch.complex64)
+    re = torch.view_as_real(fc).numpy()         # [S, half, 2] view of the complex table
+    return re[..., 0], re[..., 1]
+
+
+def apply_rotary_emb(x, freqs_cis, inverse=False):
+    """Released ``apply_rotary_emb(x, freqs_cis, inverse=False)``: rotates x ([B,S,n] or
+    [B,S,H,n], n = 2 * freqs_cis.shape[-1], e.g. ``q[..., -64:]``) in place; returns x."""
+    cos, sin = _cos_sin(freqs_cis)
+    return _inplace(x, lambda a: _dc.apply_rope(a, cos, sin, inverse=bool(inverse)))
+
+
+def rms_norm(x, weight=None, eps=1e-6):
+    """RMSNorm in float32, result in x's dtype."""
+    w = None if weight is None else _f32(weight)
+    return _out(_dc.rms_norm(_f32(x), w, float(eps)), x)
+
+
+def rms_norm_forward(self, x):
+    """Drop-in ``RMSNorm.forward(self, x)`` (uses ``self.weight`` and ``self.eps``)."""
+    return rms_norm(x, self.weight, self.eps)
+
+
+_ORIG = {}   # the model module's own functions, for the modes the drop-ins do not cover
+
+
+def act_quant(x, block_size=128, scale_fmt=None, scale_dtype=None, inplace=False):
+    """Released ``act_quant``: with ``inplace=True`` (the QAT rounding the attention uses)
+    FP8 e4m3 quantize-dequantize of x in place over blocks of ``block_size``, power-of-two
+    scales when ``scale_fmt`` is given or scale_dtype is e8m0.  The quantizing mode
+    (``inplace=False``, used by FP8 GEMMs) is passed on to the model's own function."""
+    if not inplace:
+        orig = _ORIG.get("act_quant")
+        if orig is None:
+            raise NotImplementedError("deepseek_csa.torch.act_quant: only inplace=True")
+        return orig(x, block_size, scale_fmt, scale_dtype)
+    torch = _torch()
+    e8 = getattr(torch, "float8_e8m0fnu", None)
+    scale = "ue8m0" if (scale_fmt is not None or (e8 is not None and scale_dtype == e8)) \
+        else "fp32"
+    return _inplace(x, lambda a: _dc.fp8_round(a, int(block_size), scale=scale))
+
+
+def fp4_act_quant(x, block_size=32, inplace=True):
+    """Released ``fp4_act_quant``: FP4 e2m1 quantize-dequantize in place (ue8m0 scales)."""
+    if not inplace:
+        orig = _ORIG.get("fp4_act_quant")
+        if orig is None:
+            raise NotImplementedError("deepseek_csa.torch.fp4_act_quant: only inplace=True")
+        return orig(x, block_size, inplace)
+    return _inplace(x, lambda a: _dc.fp4_round(a, int(block_size)))
+
+
+def rotate_activation(x):
+    """Released ``rotate_activation``: normalised Hadamard transform of the last dim
+    (any float dtype; the released one asserts bfloat16)."""
+    return _out(_dc.hadamard(np.ascontiguousarray(_f32(x))), x)
+
+
+def get_window_topk_idxs(window_size, bsz, seqlen, start_pos):
+    """Released window index lists (int32 here; the released ones are int64)."""
+    return _torch().from_numpy(_dc.window_topk_idxs(window_size, bsz, seqlen, start_pos))
+
+
+def get_compress_topk_idxs(ratio, bsz, seqlen, start_pos, offset):
+    """Released HCA index lists (int32 here; the released ones are int64)."""
+    return _torch().from_numpy(_dc.compress_topk_idxs(ratio, bsz, seqlen, start_pos, offset))
+
+
+def _mod_globals(module):
+    return type(module).forward.__globals__
+
+
+def compressor_forward(self, x, start_pos):
+    """Drop-in ``Compressor.forward(self, x, start_pos)`` (V4: ape, overlap at ratio 4,
+    norm + RoPE + QAT epilogue written to ``self.kv_cache``; V4.1: no ape, ratio 1 = norm
+    of the projection, returns the normed latent before RoPE).  The pooling runs in
+    deepseek_csa.gated_pool; the streaming state stays in the module's
+    ``kv_state``/``score_state`` buffers in the released layout."""
+    torch = _torch()
+    G = _mod_globals(self)
+    r, dtype = self.compress_ratio, x.dtype
+    b, s, _ = x.shape
+    v4 = hasattr(self, "ape")
+    if not v4 and r == 1:
+        return self.norm(self.wkv(x))
+    xf = x.float()
+    kv_t, sc_t = self.wkv(xf), self.wgate(xf)
+    kv, sc = _f32(kv_t), _f32(sc_t)
+    ov = bool(getattr(self, "overlap", False))
+    ape = _f32(self.ape) if v4 else None
+    st_kv, st_sc = _f32(self.kv_state), _f32(self.score_state)
+    if start_pos == 0:
+        whole = s - s % r
+        left = s - whole
+        if ov and whole >= r:
+            st_kv[:b, :r] = kv[:, whole - r:whole]
+            st_sc[:b, :r] = sc[:, whole - r:whole] + ape
+        if left:
+            at = r if ov else 0
+            st_kv[:b, at:at + left] = kv[:, whole:]
+            st_sc[:b, at:at + left] = sc[:, whole:] + (ape[:left] if v4 else 0)
+        if whole == 0:
+            return None
+        pooled = _dc.gated_pool(np.ascontiguousarray(kv[:, :whole]),
+                                np.ascontiguousarray(sc[:, :whole]), r, ape=ape, overlap=ov)
+        rows = slice(0, whole, r)
+    else:
+        slot = start_pos % r
+        row = r + slot if ov else slot
+        st_kv[:b, row] = kv[:, 0]
+        st_sc[:b, row] = sc[:, 0] + (ape[slot] if v4 else 0)
+        if (start_pos + 1) % r:
+            return None
+        if ov:
+            # previous group (rows :r) + this group (rows r:) pooled as two overlapping
+            # groups; the second entry is the one this step completes
+            pooled = _dc.gated_pool(np.ascontiguousarray(st_kv[:b]),
+                                    np.ascontiguousarray(st_sc[:b]), r, overlap=True)[:, 1:]
+            st_kv[:b, :r] = st_kv[:b, r:]
+            st_sc[:b, :r] = st_sc[:b, r:]
+        else:
+            pooled = _dc.gated_pool(np.ascontiguousarray(st_kv[:b]),
+                                    np.ascontiguousarray(st_sc[:b]), r)
+        rows = slice(start_pos + 1 - r, start_pos + 2 - r)
+    ent = self.norm(_out(pooled, xf).to(dtype))
+    if not v4:
+        return ent
+    rd = self.rope_head_dim
+    G["apply_rotary_emb"](ent[..., -rd:], self.freqs_cis[rows])
+    if self.rotate:
+        ent = G["rotate_activation"](ent)
+        G["fp4_act_quant"](ent, G.get("fp4_block_size", 32), True)
+    else:
+        G["act_quant"](ent[..., :-rd], 64, G.get("scale_fmt"), G.get("scale_dtype"), True)
+    first = 0 if start_pos == 0 else start_pos // r
+    self.kv_cache[:b, first:first + ent.shape[1]] = ent
+    return ent
+
+
+def indexer_forward(self, x, qr, start_pos, offset):
+    """Drop-in V4 ``Indexer.forward(self, x, qr, start_pos, offset)``: queries (RoPE,
+    Hadamard, FP4), its compressor, then deepseek_csa.index_topk (fused scoring + top-k in
+    descending score order; ties go to the lower position).  Under tensor parallelism the
+    partial scores are all-reduced before the top-k, as the released code does."""
+    torch = _torch()
+    G = _mod_globals(self)
+    b, s, _ = x.shape
+    r, rd = self.compress_ratio, self.rope_head_dim
+    end = start_pos + s
+    if self.compressor.kv_cache is None:
+        self.compressor.kv_cache = self.kv_cache
+        self.compressor.freqs_cis = self.freqs_cis
+    q = self.wq_b(qr).unflatten(-1, (getattr(self, "n_local_heads", self.n_heads), self.head_dim))
+    G["apply_rotary_emb"](q[..., -rd:], self.freqs_cis[start_pos:end])
+    q = G["rotate_activation"](q)
+    G["fp4_act_quant"](q, G.get("fp4_block_size", 32), True)
+    self.compressor(x, start_pos)
+    w = self.weights_proj(x) * (self.softmax_scale * self.n_heads ** -0.5)
+    qn, kn, wn = _f32(q), _f32(self.kv_cache[:b, :end // r]), _f32(w)
+    k = min(self.index_topk, end // r)
+    if G.get("world_size", 1) > 1:
+        sc = torch.from_numpy(_dc.index_scores(qn, kn, wn, ratio=r, start_pos=start_pos))
+        G["dist"].all_reduce(sc)
+        idx = _dc.topk_indices(sc.numpy(), k, ratio=r, start_pos=start_pos, offset=offset)
+    else:
+        idx = _dc.index_topk(qn, kn, wn, k, ratio=r, start_pos=start_pos, offset=offset,
+                             order="score")
+    return torch.from_numpy(idx).long()
+
+
+# ----------------------------------------------------------------------------- swap
+def _attention_modules(model):
+    """(layer id, module) of every attention module under model (model itself included)."""
+    found = []
+    for name, m in model.named_modules():
+        if type(m).__name__ == "Attention" or (hasattr(m, "attn_sink") and hasattr(m, "wkv")):
+            found.append(m)
+    return [(getattr(m, "layer_id", i), m) for i, m in enumerate(found)]
+
+
+def _set_forward(module, fn, undo):
+    import types
+    if "forward" in module.__dict__:
+        undo.append((module, module.__dict__["forward"]))
+    else:
+        undo.append((module, None))
+    module.forward = types.MethodType(fn, module)
+    module._csa_swapped = True
+
+
+def _make_attention_forward(names, orig_forward):
+    def forward(self, *args, **kw):
+        G = _mod_globals(self)
+        saved = {}
+        for n in names:
+            if n in G:
+                saved[n] = G[n]
+                _ORIG.setdefault(n, G[n])
+                G[n] = globals()[n]
+        try:
+            return orig_forward(*args, **kw)
+        finally:
+            G.update(saved)
+    return forward
+
+
+class Swap:
+    """Handle returned by ``swap``: ``undo()`` restores the modules it changed; also a
+    context manager (undoes on exit)."""
+
+    def __init__(self, undo, layers, ops):
+        self._undo, self.layers, self.ops = undo, layers, ops
+
+    def undo(self):
+        for module, prev in reversed(self._undo):
+            if prev is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = prev
+            module.__dict__.pop("_csa_swapped", None)
+        self._undo = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.undo()
+        return False
+
+
+def swap(model, layers: Optional[Iterable[int]] = None, ops: Optional[Iterable[str]] = None):
+    """Routes the CSA computation of the chosen attention layers of ``model`` (a model.py
+    ``Transformer``, any module containing its ``Attention`` modules, or an ``Attention``)
+    through deepseek_csa.  ``layers``: layer ids (``Attention.layer_id``), default all;
+    ``ops``: a subset of ``OPS``, default all.  Returns a ``Swap`` (context manager)."""
+    ops = tuple(OPS if ops is None else ops)
+    bad = [o for o in ops if o not in OPS]
+    if bad:
+        raise ValueError(f"swap(): unknown ops {bad}; choose from {OPS}")
+    mods = _attention_modules(model)
+    if not mods:
+        raise ValueError("swap(): no Attention module found in the model")
+    ids = [lid for lid, _ in mods]
+    if layers is not None:
+        layers = [int(l) for l in layers]
+        missing = [l for l in layers if l not in ids]
+        if missing:
+            raise ValueError(f"swap(): no attention layer {missing}; the model has {ids}")
+    chosen = [(lid, m) for lid, m in mods if layers is None or lid in layers]
+    names = [n for o in ops for n in _GLOBALS.get(o, ())]
+    undo = []
+    for lid, a in chosen:
+        if getattr(a, "_csa_swapped", False):
+            raise RuntimeError(f"swap(): layer {lid} is already swapped; unswap it first")
+        _set_forward(a, _make_attention_forward(names, type(a).forward.__get__(a)), undo)
+        subs = [m for m in a.modules() if m is not a]
+        for m in subs:
+            cls = type(m).__name__
+            if "rms_norm" in ops and cls == "RMSNorm":
+                _set_forward(m, rms_norm_forward, undo)
+            elif "compressor" in ops and cls.endswith("Compressor") and hasattr(m, "wkv"):
+                _set_forward(m, compressor_forward, undo)
+            elif "indexer" in ops and cls == "Indexer" and hasattr(m, "compressor") \
+                    and hasattr(m, "kv_cache"):
+                _set_forward(m, indexer_forward, undo)
+    return Swap(undo, [lid for lid, _ in chosen], ops)
+
+
+def unswap(model):
+    """Restores every module under ``model`` that ``swap`` changed."""
+    for m in model.modules():
+        if m.__dict__.pop("_csa_swapped", None):
+            m.__dict__.pop("forward", None)
+    return model
