@@ -19,6 +19,10 @@ static int CSA_V(apply_rope_tuned)(float *x, csa_idx n0, csa_idx n1, csa_idx n2,
         for (csa_idx i = 0; i < half; i++) sn[i] = sgn * s[i];
         for (csa_idx h = 0; h < n2; h++) {
             float *CSA_RESTRICT v = x + i0 * s0 + i1 * s1 + h * s2;
+            /* Rows sit a head stride apart, too far for the hardware prefetcher to
+             * follow: ask for the tail a few heads ahead. */
+            if (h + 4 < n2)
+                for (csa_idx k = 0; k < 2 * half; k += 16) __builtin_prefetch(v + 4 * s2 + k, 1);
 #pragma omp simd
             for (csa_idx i = 0; i < half; i++) {
                 const float re = v[2 * i], im = v[2 * i + 1];
