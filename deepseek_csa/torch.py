@@ -18,9 +18,10 @@ Drop-in functions (same arguments and results as the released ones):
 Tensors: CPU float32 tensors are handed to the kernels as NumPy views of the same memory
 (no copies; in-place ops write into the caller's tensor) and results come back as tensors
 over the kernels' output buffers (``torch.from_numpy``, no copy).  bfloat16 tensors are
-NOT yet read natively by the kernels: for them the bridge converts to float32, runs the
-kernel and converts the result back (one copy each way), which is also where the released
-model rounds to bfloat16.
+read natively by ``rms_norm`` and ``apply_rotary_emb`` (no copies, float32 inside, one
+rounding on store); for the other ops the bridge still converts them to float32, runs the
+kernel and converts the result back (one copy each way) until their kernels take
+bfloat16, which is also where the released model rounds to bfloat16.
 
 How ``swap`` routes a layer: the chosen ``Attention`` modules get an instance ``forward``
 that runs the module's own ``forward`` while the model module's op functions
@@ -117,13 +118,22 @@ def _cos_sin(freqs_cis):
 def apply_rotary_emb(x, freqs_cis, inverse=False):
     """Released ``apply_rotary_emb(x, freqs_cis, inverse=False)``: rotates x ([B,S,n] or
     [B,S,H,n], n = 2 * freqs_cis.shape[-1], e.g. ``q[..., -64:]``) in place; returns x."""
+    torch = _torch()
     cos, sin = _cos_sin(freqs_cis)
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+        _dc.apply_rope(x.detach(), cos, sin, inverse=bool(inverse))   # in place, no copy
+        return x
     return _inplace(x, lambda a: _dc.apply_rope(a, cos, sin, inverse=bool(inverse)))
 
 
 def rms_norm(x, weight=None, eps=1e-6):
     """RMSNorm in float32, result in x's dtype."""
+    torch = _torch()
     w = None if weight is None else _f32(weight)
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        _dc.rms_norm(x.detach(), w, float(eps), out=out)
+        return out
     return _out(_dc.rms_norm(_f32(x), w, float(eps)), x)
 
 
