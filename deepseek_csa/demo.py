@@ -1,41 +1,163 @@
-"""`make demo`: a V4-Flash-shaped pass through the kernels on random inputs, NumPy only,
-with a timing table.  (Grows into a whole CSA layer as the kernels land.)"""
+"""`make demo`: a DeepSeek-V4-Flash CSA layer (ratio 4) and an HCA layer (ratio 128) on random
+weights, run through deepseek_csa: prefill of 4096 tokens, then 64 decode steps, with a
+per-op timing table, tokens/s, and the agreement with the float32 torch reference layer.
+
+NumPy only: torch is needed for the agreement check alone (it is skipped, with a note,
+when torch or the checkout's tests/ref_layer.py is missing).
+
+    python -m deepseek_csa.demo [--seqlen 4096] [--steps 64] [--check-len 1024] [--no-check]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 import deepseek_csa as dc
+from deepseek_csa.layer import CSALayer, random_layer_weights
+
+OPS = ["projections", "rms_norm", "rope", "qat", "compressor", "indexer", "index_lists",
+       "sparse_attn"]
 
 
-def _time(fn, reps=5):
-    fn()
-    ts = []
-    for _ in range(reps):
+def _bar(iterable=None, **kw):
+    try:
+        from tqdm import tqdm
+        return tqdm(iterable, **kw)
+    except ImportError:  # tqdm is optional; plain iteration without it
+        class _Plain:
+            def __init__(self, it, **k):
+                self.it = it
+
+            def __iter__(self):
+                return iter(self.it)
+
+            def update(self, n=1):
+                pass
+
+            def close(self):
+                pass
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *a):
+                pass
+        return _Plain(iterable)
+
+
+def run_layer(name, cfg, ratio, seqlen, steps, seed):
+    w = random_layer_weights(cfg, ratio, seed=seed)
+    layer = CSALayer(w, cfg, ratio=ratio, batch=1, max_seq_len=seqlen + steps)
+    rng = np.random.default_rng(seed + 100)
+    x = rng.standard_normal((1, seqlen + steps, cfg.dim), dtype=np.float32)
+    with _bar(total=1, desc=f"{name}: prefill {seqlen} tokens", leave=False) as b:
         t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return sorted(ts)[len(ts) // 2]
+        layer(x[:, :seqlen], 0)
+        t_pre = time.perf_counter() - t0
+        b.update()
+    pre = dict(layer.timings)
+    layer.reset_timings()
+    t_dec = []
+    for p in _bar(range(seqlen, seqlen + steps), desc=f"{name}: decode", leave=False):
+        t0 = time.perf_counter()
+        layer(x[:, p:p + 1], p)
+        t_dec.append(time.perf_counter() - t0)
+    dec = {k: v / steps for k, v in layer.timings.items()}
+    return {"name": name, "ratio": ratio, "weights": w, "x": x, "t_prefill": t_pre,
+            "t_step": float(np.median(t_dec)), "prefill_ops": pre, "decode_ops": dec}
 
 
-def main(seqlen=4096):
+def check_against_reference(res, cfg, n, steps):
+    """Largest relative error of our layer vs the float32 torch reference layer on the first
+    n tokens + `steps` decode steps (same weights and inputs), or a note why not."""
+    tests = Path(__file__).resolve().parents[1] / "tests"
+    try:
+        import torch
+    except ImportError:
+        return None, "skipped: torch is not installed"
+    if not (tests / "ref_layer.py").exists():
+        return None, "skipped: tests/ref_layer.py (the reference) is not in this install"
+    sys.path.insert(0, str(tests))
+    import ref_layer as R
+    ratio = res["ratio"]
+    args = R.ModelArgs(max_batch_size=1, max_seq_len=n + steps, dim=cfg.dim,
+                       n_heads=cfg.n_heads, head_dim=cfg.head_dim, rope_head_dim=cfg.rope_dim,
+                       q_lora_rank=cfg.q_lora_rank, o_lora_rank=cfg.o_lora_rank,
+                       o_groups=cfg.o_groups, window_size=cfg.window, compress_ratios=(ratio,),
+                       compress_rope_theta=cfg.compress_rope_theta,
+                       original_seq_len=cfg.original_seq_len, rope_theta=cfg.rope_theta,
+                       rope_factor=cfg.yarn_factor, beta_fast=cfg.beta_fast,
+                       beta_slow=cfg.beta_slow, index_n_heads=cfg.index_heads,
+                       index_head_dim=cfg.index_head_dim, index_topk=cfg.index_topk,
+                       norm_eps=cfg.norm_eps)
+    ref = R.Attention(0, args)
+    with torch.no_grad():
+        for k, v in ref.state_dict().items():
+            if k in res["weights"]:
+                v.copy_(torch.from_numpy(res["weights"][k]))
+    ours = CSALayer(res["weights"], cfg, ratio=ratio, batch=1, max_seq_len=n + steps)
+    x = res["x"]
+    worst = 0.0
+    with torch.no_grad():
+        calls = [(0, n)] + [(n + i, 1) for i in range(steps)]
+        for p, s in _bar(calls, desc=f"{res['name']}: float32 reference check", leave=False):
+            want = ref(torch.from_numpy(x[:, p:p + s]), p).numpy()
+            got = ours(x[:, p:p + s], p)
+            worst = max(worst, float(np.abs(got - want).max() / np.abs(want).max()))
+    return worst, f"{n}-token prefill + {steps} decode steps"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seqlen", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--check-len", type=int, default=1024,
+                    help="prefill length of the float32 reference check (it is slow)")
+    ap.add_argument("--no-check", action="store_true")
+    a = ap.parse_args(argv)
     cfg = dc.V4_FLASH
-    rng = np.random.default_rng(0)
-    print(f"{cfg.name}: {seqlen} tokens, H={cfg.n_heads}, D={cfg.head_dim}, rope {cfg.rope_dim}; "
-          f"ISA {dc.get_isa()}, {dc.max_threads()} threads")
-    q = rng.standard_normal((1, seqlen, cfg.n_heads, cfg.head_dim), dtype=np.float32)
-    kv = rng.standard_normal((1, seqlen, cfg.head_dim), dtype=np.float32)
-    w = rng.standard_normal(cfg.head_dim, dtype=np.float32)
-    cos, sin = dc.rope_table(cfg.rope_dim, seqlen, **cfg.rope_kwargs(ratio=4))
-    rows = [
-        ("rope_table (YaRN)", lambda: dc.rope_table(cfg.rope_dim, seqlen, **cfg.rope_kwargs(4))),
-        ("rms_norm kv [S, D]", lambda: dc.rms_norm(kv, w, eps=cfg.norm_eps)),
-        ("rms_norm q per head", lambda: dc.rms_norm(q, out=q)),
-        ("apply_rope q tail", lambda: dc.apply_rope(q[..., -cfg.rope_dim:], cos, sin)),
-        ("apply_rope kv tail", lambda: dc.apply_rope(kv[:, :, None, -cfg.rope_dim:], cos, sin)),
-    ]
-    print(f"{'op':<24}{'ms':>10}")
-    for name, fn in rows:
-        print(f"{name:<24}{_time(fn) * 1e3:10.3f}")
+    print(f"{cfg.name}: one attention layer on random weights, dim {cfg.dim}, H={cfg.n_heads}, "
+          f"D={cfg.head_dim}, rope {cfg.rope_dim}, window {cfg.window}, indexer "
+          f"{cfg.index_heads}x{cfg.index_head_dim} top-{cfg.index_topk}; ISA {dc.get_isa()}, "
+          f"{dc.max_threads()} threads")
+    results = [run_layer("CSA ratio 4", cfg, 4, a.seqlen, a.steps, 0),
+               run_layer("HCA ratio 128", cfg, 128, a.seqlen, a.steps, 1)]
+
+    print(f"\nprefill {a.seqlen} tokens, then {a.steps} decode steps (median step)\n")
+    head = f"{'op':<14}" + "".join(f"{r['name'] + ' prefill ms':>24}{'step us':>10}"
+                                  for r in results)
+    print(head)
+    print("-" * len(head))
+    for op in OPS:
+        row = f"{op:<14}"
+        for r in results:
+            row += f"{r['prefill_ops'].get(op, 0) * 1e3:24.1f}{r['decode_ops'].get(op, 0) * 1e6:10.0f}"
+        print(row)
+    row = f"{'total':<14}"
+    for r in results:
+        row += f"{r['t_prefill'] * 1e3:24.1f}{r['t_step'] * 1e6:10.0f}"
+    print(row)
+    print()
+    for r in results:
+        core = r["t_prefill"] - r["prefill_ops"].get("projections", 0)
+        print(f"{r['name']:<14} prefill {a.seqlen / r['t_prefill']:9.0f} tokens/s "
+              f"({a.seqlen / core:.0f} without the dense projections), "
+              f"decode {1 / r['t_step']:7.1f} tokens/s ({r['t_step'] * 1e3:.2f} ms/step)")
+    if not a.no_check:
+        print()
+        for r in results:
+            n = min(a.check_len, a.seqlen)
+            err, note = check_against_reference(r, cfg, n, min(8, a.steps))
+            if err is None:
+                print(f"{r['name']:<14} agreement with the float32 reference: {note}")
+            else:
+                print(f"{r['name']:<14} agreement with the float32 reference ({note}): "
+                      f"max relative error {err:.2e} {'OK' if err < 1e-4 else 'HIGH'}")
 
 
 if __name__ == "__main__":
