@@ -128,6 +128,9 @@ class CSALayer:
                  candidate_source / uses_candidates with candidate_topk_blocks and
                  candidate_block_size; ``shared`` (CSAShared) links the stack's layers.
     index_topk : defaults to cfg.index_topk.
+    qat        : False skips the FP8/FP4 quantization-aware rounding (the Hadamard rotation
+                 stays), to study what the rounding does or to compare with a reference
+                 without its discontinuities.
 
     After each call ``last_topk`` holds the compressed part of the index lists (int32,
     -1 for nothing) and ``timings`` accumulates seconds per op (``reset_timings()``).
@@ -139,7 +142,7 @@ class CSALayer:
                  kv_source: Optional[bool] = None, index_source: Optional[bool] = None,
                  candidate_source: bool = False, uses_candidates: bool = False,
                  candidate_topk_blocks: int = 0, candidate_block_size: int = 0,
-                 shared: Optional[CSAShared] = None):
+                 shared: Optional[CSAShared] = None, qat: bool = True):
         if ratio is None:
             if layer_id is None:
                 raise ValueError("CSALayer: give 'ratio' or 'layer_id'")
@@ -168,6 +171,7 @@ class CSALayer:
         self.candidate_topk_blocks = candidate_topk_blocks
         self.candidate_block_size = candidate_block_size
         self.shared = shared
+        self.qat = bool(qat)
 
         want = layer_weight_shapes(cfg, ratio, version=version,
                                    kv_source=self.kv_source, index_source=self.index_source)
@@ -223,6 +227,14 @@ class CSALayer:
 
     def reset_timings(self):
         self.timings = {}
+
+    def _fp8(self, x, block):
+        if self.qat:
+            _dc.fp8_round(x, block)
+
+    def _fp4(self, x, block, scale="ue8m0"):
+        if self.qat:
+            _dc.fp4_round(x, block, scale=scale)
 
     def _tick(self, name, t0):
         t1 = time.perf_counter()
@@ -303,9 +315,9 @@ class CSALayer:
         _dc.apply_rope(kv[..., -Dr:], cos, sin)
         t = self._tick("rope", t)
         if v41:
-            _dc.fp8_round(kv, 32)
+            self._fp8(kv, 32)
         else:
-            _dc.fp8_round(kv[..., :-Dr], 64)
+            self._fp8(kv[..., :-Dr], 64)
         t = self._tick("qat", t)
         # window ring
         if start_pos == 0:
@@ -388,7 +400,7 @@ class CSALayer:
                 _dc.apply_rope(e[..., -Dr:], c, s)
                 t = self._tick("rope", t)
                 e = _dc.hadamard(e)
-                _dc.fp4_round(e, 32)
+                self._fp4(e, 32)
                 t = self._tick("qat", t)
                 self._ik[:B, first:first + e.shape[1]] = e
             iq = p["iq"]
@@ -396,7 +408,7 @@ class CSALayer:
             _dc.apply_rope(iq[..., -Dr:], cos, sin)
             t = self._tick("rope", t)
             iq = _dc.hadamard(iq)
-            _dc.fp4_round(iq, 32)
+            self._fp4(iq, 32)
             t = self._tick("qat", t)
             cidx = _dc.index_topk(iq, self._ik[:B, :n], p["iw"], self.index_topk, ratio=r,
                                   start_pos=start_pos, offset=offset, order="score")
@@ -412,7 +424,7 @@ class CSALayer:
             t = self._tick("rms_norm", t)
             _dc.apply_rope(e[..., -Dr:], c, s)
             t = self._tick("rope", t)
-            _dc.fp8_round(e[..., :-Dr], 64)
+            self._fp8(e[..., :-Dr], 64)
             t = self._tick("qat", t)
             self._kv[:B, win + first:win + first + e.shape[1]] = e
         return cidx, n
@@ -447,12 +459,12 @@ class CSALayer:
                     t = self._tick("rms_norm", t)
                     _dc.apply_rope(k[..., -Dr:], c, s)
                     t = self._tick("rope", t)
-                    _dc.fp4_round(k, 32)
+                    self._fp4(k, 32)
                     t = self._tick("qat", t)
                     self._ik[:B, first:first + k.shape[1]] = k
                 _dc.apply_rope(latent[..., -Dr:], c, s)
                 t = self._tick("rope", t)
-                _dc.fp4_round(latent, 16, scale="e4m3")
+                self._fp4(latent, 16, scale="e4m3")
                 t = self._tick("qat", t)
                 self._kv[:B, cfg.window + first:cfg.window + first + latent.shape[1]] = latent
         if self.index_source:
@@ -463,7 +475,7 @@ class CSALayer:
                 cos, sin = self._cos[start_pos:start_pos + S], self._sin[start_pos:start_pos + S]
                 _dc.apply_rope(iq[..., -Dr:], cos, sin)
                 t = self._tick("rope", t)
-                _dc.fp4_round(iq, 32)
+                self._fp4(iq, 32)
                 t = self._tick("qat", t)
                 k = sh.index_k[:B, :n]
                 if self.candidate_source:
