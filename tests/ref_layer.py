@@ -926,3 +926,15 @@ def swap_report(make_model, run, layers=None, ops=None):
         report.append({"layer": lid, "max_rel_err": max(per.values()), "per_layer": per,
                        "topk_equal": same})
     return report
+
+
+def to_bf16(model):
+    """The released dtypes: projections and caches bfloat16; the compressors' wkv/wgate,
+    norms' weights, sinks, ape and streaming state stay float32."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) and not ("compressor.wkv" in name or "compressor.wgate" in name):
+            mod.weight.data = mod.weight.data.bfloat16()
+        for bn, b in list(mod._buffers.items()):
+            if bn in ("kv_cache", "window_kv_cache", "compress_kv_cache", "k_cache"):
+                mod._buffers[bn] = b.bfloat16()
+    return model

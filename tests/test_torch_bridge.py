@@ -186,3 +186,28 @@ def test_swap_v41_stack():
     rep = R.swap_report(lambda: copy.deepcopy(base), run)
     for r in rep:
         assert r["max_rel_err"] < 1e-4, r
+
+
+def test_swap_bf16_model():
+    """bfloat16 model (the released dtypes): a swapped layer within bf16 tolerance of the
+    unswapped run and >= 99% of its top-k entries shared."""
+    args = small_args(ratios=(4, 128, 0))
+    base = R.to_bf16(_stack(args, 6))
+    x = np.random.default_rng(3).standard_normal((1, 77, args.dim), dtype=np.float32) * 0.3
+    xb = torch.from_numpy(x).bfloat16()
+
+    def run(m):
+        m(xb[:, :71], 0)
+        for p in range(71, 77):
+            m(xb[:, p:p + 1], p)
+    b_out, b_tk = R.record(copy.deepcopy(base), run)
+    for lid in (0, 1, 2):
+        m = copy.deepcopy(base)
+        with dct.swap(m, layers=[lid]):
+            outs, tks = R.record(m, run, substitute={lid: b_out[lid]})
+        for g, w in zip(outs[lid], b_out[lid]):
+            assert R.rel_err(g, w) < 3e-2, lid
+        for g, w in zip(tks[0], b_tk[0]):
+            rows = zip(g.reshape(-1, g.shape[-1]), w.reshape(-1, w.shape[-1]))
+            same = sum(len(set(a[a >= 0].tolist()) & set(b[b >= 0].tolist())) for a, b in rows)
+            assert same >= 0.99 * (w >= 0).sum()
