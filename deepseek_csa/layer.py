@@ -489,7 +489,8 @@ class CSALayer:
                     cand = sh.candidates if self.uses_candidates else None
                     cidx = _dc.index_topk(iq, k, p["iw"], self.index_topk, ratio=r,
                                           start_pos=start_pos, offset=offset,
-                                          order="position", candidates=cand)
+                                          order="position", candidates=cand,
+                                          block_size=self.candidate_block_size or None)
                 t = self._tick("indexer", t)
             sh.topk_idxs = cidx
         else:

@@ -827,10 +827,11 @@ def install_standins():
                              order == "position").numpy().astype(np.int32)
 
     def index_topk(q, k, weights, topk, *, ratio, start_pos=0, offset=0, order="score",
-                   candidates=None):
+                   candidates=None, block_size=None):
         sc = T(index_scores(q, k, weights, ratio=ratio, start_pos=start_pos))
-        if candidates is not None:
-            sc = sc.masked_fill(~T(np.asarray(candidates)), float("-inf"))
+        if candidates is not None:  # per block [B, S, n_blocks]
+            keep = np.repeat(np.asarray(candidates), block_size, -1)[..., :sc.shape[-1]]
+            sc = sc.masked_fill(~T(np.ascontiguousarray(keep)), float("-inf"))
         return _index_select(sc, topk, ratio, start_pos, offset,
                              order == "position").numpy().astype(np.int32)
 
@@ -838,7 +839,8 @@ def install_standins():
         s = scores.shape[1]
         nvis = (((torch.arange(s) + 1) // ratio)[:, None] if start_pos == 0
                 else (start_pos + s) // ratio)
-        return select_candidate_blocks(T(scores), nvis, topk_blocks, block_size).numpy()
+        keep = select_candidate_blocks(T(scores), nvis, topk_blocks, block_size).numpy()
+        return np.ascontiguousarray(keep[..., ::block_size])  # per block
 
     def gated_pool(kv, score, ratio, *, ape=None, overlap=False, out=None):
         d = kv.shape[-1] // (2 if overlap else 1)
