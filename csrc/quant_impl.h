@@ -113,10 +113,24 @@ static int CSA_V(quant_round_tuned)(const float *x, csa_idx rows, csa_idx d, csa
     return CSA_OK;
 }
 
-/* Portable row transform (the oracle's loops, compiled for this level). */
+/* Portable row transform: the oracle's stages in the same order.  Stages h = 1 and 2
+ * run fused per group of 4 (the same additions, written so the compiler can pack
+ * them), the others as contiguous loops that vectorize. */
 static void CSA_V(fwht_row)(float *v, csa_idx n, float scale)
 {
-    for (csa_idx h = 1; h < n; h *= 2)
+    csa_idx h = 1;
+    if (n >= 4) {
+        for (csa_idx i = 0; i < n; i += 4) {
+            const float b0 = v[i] + v[i + 1], b1 = v[i] - v[i + 1];
+            const float b2 = v[i + 2] + v[i + 3], b3 = v[i + 2] - v[i + 3];
+            v[i] = b0 + b2;
+            v[i + 1] = b1 + b3;
+            v[i + 2] = b0 - b2;
+            v[i + 3] = b1 - b3;
+        }
+        h = 4;
+    }
+    for (; h < n; h *= 2)
         for (csa_idx i = 0; i < n; i += 2 * h)
 #pragma omp simd
             for (csa_idx j = i; j < i + h; j++) {
@@ -127,6 +141,37 @@ static void CSA_V(fwht_row)(float *v, csa_idx n, float scale)
 #pragma omp simd
     for (csa_idx j = 0; j < n; j++) v[j] *= scale;
 }
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+/* AVX2: stages 1, 2, 4 inside one 8-float vector (as fwht16 below), then whole-vector
+ * stages over the row in out (in cache), the last one followed by the scale. */
+static inline __m256 CSA_V(fwht8)(__m256 v)
+{
+    const __m256 s1 = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1);
+    const __m256 s2 = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
+    const __m256 s4 = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
+    v = _mm256_fmadd_ps(v, s1, _mm256_permute_ps(v, 0xB1));
+    v = _mm256_fmadd_ps(v, s2, _mm256_permute_ps(v, 0x4E));
+    v = _mm256_fmadd_ps(v, s4, _mm256_permute2f128_ps(v, v, 0x01));
+    return v;
+}
+
+static void CSA_V(fwht_row8)(const float *xr, float *yr, csa_idx n, float scale)
+{
+    for (csa_idx j = 0; j < n; j += 8)
+        _mm256_storeu_ps(yr + j, CSA_V(fwht8)(_mm256_loadu_ps(xr + j)));
+    for (csa_idx h = 8; h < n; h *= 2)
+        for (csa_idx i = 0; i < n; i += 2 * h)
+            for (csa_idx j = i; j < i + h; j += 8) {
+                const __m256 a = _mm256_loadu_ps(yr + j), b = _mm256_loadu_ps(yr + j + h);
+                _mm256_storeu_ps(yr + j, _mm256_add_ps(a, b));
+                _mm256_storeu_ps(yr + j + h, _mm256_sub_ps(a, b));
+            }
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (csa_idx j = 0; j < n; j += 8)
+        _mm256_storeu_ps(yr + j, _mm256_mul_ps(_mm256_loadu_ps(yr + j), sc));
+}
+#endif
 
 #ifdef __AVX512F__
 /* Butterfly stage h < 16 inside one 16-float vector: lanes with (lane & h) == 0 get
@@ -147,7 +192,8 @@ static inline __m512 CSA_V(fwht16)(__m512 v)
 
 /* A row of n = 16 * nv floats (nv <= 16) kept in vectors: stages 1..8 in-register,
  * then whole-vector stages, the last one fused with the scale. */
-static inline void CSA_V(fwht_row_vec)(const float *xr, float *yr, csa_idx n, float scale)
+static inline __attribute__((always_inline)) void CSA_V(fwht_row_vec)(
+    const float *xr, float *yr, csa_idx n, float scale, const int stream)
 {
     const csa_idx nv = n / 16;
     __m512 v[16];
@@ -160,7 +206,10 @@ static inline void CSA_V(fwht_row_vec)(const float *xr, float *yr, csa_idx n, fl
                 v[k + hv] = _mm512_sub_ps(a, b);
             }
     const __m512 sc = _mm512_set1_ps(scale);
-    for (csa_idx k = 0; k < nv; k++) _mm512_storeu_ps(yr + 16 * k, _mm512_mul_ps(v[k], sc));
+    if (stream)
+        for (csa_idx k = 0; k < nv; k++) _mm512_stream_ps(yr + 16 * k, _mm512_mul_ps(v[k], sc));
+    else
+        for (csa_idx k = 0; k < nv; k++) _mm512_storeu_ps(yr + 16 * k, _mm512_mul_ps(v[k], sc));
 }
 
 /* Longer rows: in-register stages per vector into out, then the whole-vector
@@ -186,22 +235,43 @@ static int CSA_V(hadamard_tuned)(const float *x, csa_idx rows, csa_idx n, csa_id
                                  float scale, float *out, csa_idx so_row)
 {
     const int nt = csa_threads(rows, 1 + 8192 / n);
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (csa_idx r = 0; r < rows; r++) {
-        const float *xr = x + r * sx_row;
-        float *yr = out + r * so_row;
 #ifdef __AVX512F__
-        if (n >= 16 && n <= 256) {
-            CSA_V(fwht_row_vec)(xr, yr, n, scale);
-            continue;
-        }
-        if (n > 256) {
-            CSA_V(fwht_row_long)(xr, yr, n, scale);
-            continue;
-        }
+    /* A large out-of-place result goes around the caches with streaming stores (no
+     * read-for-ownership of the destination lines): rows must start 64-byte aligned. */
+    const int stream = out != x && (csa_idx)rows * n >= ((csa_idx)1 << 21) &&
+                       ((uintptr_t)out & 63) == 0 && (so_row * 4) % 64 == 0;
 #endif
-        if (yr != xr) memcpy(yr, xr, (size_t)n * sizeof *yr);
-        CSA_V(fwht_row)(yr, n, scale);
+#pragma omp parallel num_threads(nt)
+    {
+#pragma omp for schedule(static)
+        for (csa_idx r = 0; r < rows; r++) {
+            const float *xr = x + r * sx_row;
+            float *yr = out + r * so_row;
+#ifdef __AVX512F__
+            if (n >= 16 && n <= 256) {
+                if (stream)
+                    CSA_V(fwht_row_vec)(xr, yr, n, scale, 1);
+                else
+                    CSA_V(fwht_row_vec)(xr, yr, n, scale, 0);
+                continue;
+            }
+            if (n > 256) {
+                CSA_V(fwht_row_long)(xr, yr, n, scale);
+                continue;
+            }
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+            if (n >= 8) {
+                CSA_V(fwht_row8)(xr, yr, n, scale);
+                continue;
+            }
+#endif
+            if (yr != xr) memcpy(yr, xr, (size_t)n * sizeof *yr);
+            CSA_V(fwht_row)(yr, n, scale);
+        }
+#ifdef __AVX512F__
+        if (stream) _mm_sfence();  /* streamed lines visible before the region ends */
+#endif
     }
     return CSA_OK;
 }

@@ -385,6 +385,24 @@ def test_hadamard_large_n_and_released_shape(rng):
     assert_close(dc.hadamard(q), ref.hadamard(T(q)).numpy(), rtol=1e-5, atol=1e-5, what="q")
 
 
+def test_hadamard_large_new_array_streams_same_bits(rng):
+    """A large new result is written with streaming stores into a 64-byte aligned array;
+    the bits are those of the cached path (out=) and of the scalar oracle."""
+    x = rng.standard_normal((16384, 128), dtype=np.float32)
+    got = dc.hadamard(x)
+    assert got.ctypes.data % 64 == 0 and got.flags.c_contiguous and got.flags.writeable
+    out = np.empty((16384, 129), np.float32)[:, 1:]
+    dc.hadamard(x, out=out)
+    assert_bits_equal(got, out, "streamed vs cached stores")
+    before = dc.get_isa()
+    try:
+        dc.set_isa("ref")
+        assert_bits_equal(got[:512], dc.hadamard(x[:512]), "vs oracle")
+    finally:
+        dc.set_isa(before)
+    assert_close(got[:256], ref.hadamard(T(x[:256])).numpy(), rtol=1e-5, atol=1e-5, what="ref")
+
+
 def test_hadamard_is_its_own_inverse_and_scale(isa, rng):
     x = rng.standard_normal((9, 3, 128), dtype=np.float32)
     assert_close(dc.hadamard(dc.hadamard(x)), x, rtol=1e-5, atol=1e-6, what="H H x = x")

@@ -239,6 +239,32 @@ PyDoc_STRVAR(hadamard_doc,
 "out   : float32 [..., n] or None; may be x itself (in place).\n"
 "Returns out (a new C-contiguous array when out is None).");
 
+/* A new C-contiguous float32 array whose data starts on a 64-byte boundary (so every
+ * row of a power-of-two length >= 16 does too, and the kernel may stream its stores);
+ * its memory is owned by a uint8 buffer array set as its base. */
+static PyArrayObject *q_new_aligned(int nd, npy_intp *dims)
+{
+    npy_intp count = 1;
+    for (int i = 0; i < nd; i++) count *= dims[i];
+    npy_intp len = count * (npy_intp)sizeof(float) + 64;
+    PyArrayObject *buf = (PyArrayObject *)PyArray_EMPTY(1, &len, NPY_UINT8, 0);
+    if (!buf) return NULL;
+    char *p = PyArray_BYTES(buf);
+    p += (64 - ((uintptr_t)p & 63)) & 63;
+    PyArrayObject *a = (PyArrayObject *)PyArray_NewFromDescr(
+        &PyArray_Type, PyArray_DescrFromType(NPY_FLOAT32), nd, dims, NULL, p,
+        NPY_ARRAY_CARRAY, NULL);
+    if (!a) {
+        Py_DECREF(buf);
+        return NULL;
+    }
+    if (PyArray_SetBaseObject(a, (PyObject *)buf)) { /* steals buf */
+        Py_DECREF(a);
+        return NULL;
+    }
+    return a;
+}
+
 static PyObject *py_hadamard(PyObject *self, PyObject *args, PyObject *kw)
 {
     static const char *fn = "hadamard";
@@ -272,8 +298,7 @@ static PyObject *py_hadamard(PyObject *self, PyObject *args, PyObject *kw)
     if (oo != Py_None) {
         if (!(out = q_out(oo, x, fn, &inplace))) goto done;
     } else {
-        out = (PyArrayObject *)PyArray_EMPTY(PyArray_NDIM(x), PyArray_DIMS(x), NPY_FLOAT32, 0);
-        if (!out) goto done;
+        if (!(out = q_new_aligned(PyArray_NDIM(x), PyArray_DIMS(x)))) goto done;
     }
     if (inplace) {
         /* out is x's own memory, so it must be writeable: q_out checked that. */
