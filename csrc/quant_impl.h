@@ -83,6 +83,49 @@ static inline __attribute__((always_inline)) void CSA_V(quant_block16)(
 }
 #endif
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* The AVX2 counterpart for block % 8 == 0: same operations, same bits. */
+static inline __m256 CSA_V(round_grid8)(__m256 v, __m256i emin, __m256i cshift)
+{
+    const __m256i absm = _mm256_set1_epi32(0x7fffffff);
+    const __m256i b = _mm256_castps_si256(v);
+    const __m256i e = _mm256_max_epu32(_mm256_and_si256(b, _mm256_set1_epi32(0x7f800000)), emin);
+    const __m256 c = _mm256_castsi256_ps(_mm256_add_epi32(e, cshift));
+    const __m256 a = _mm256_castsi256_ps(_mm256_and_si256(b, absm));
+    const __m256 r = _mm256_sub_ps(_mm256_add_ps(a, c), c);
+    return _mm256_castsi256_ps(
+        _mm256_or_si256(_mm256_castps_si256(r), _mm256_andnot_si256(absm, b)));
+}
+
+static inline __attribute__((always_inline)) void CSA_V(quant_block8)(
+    const float *xb, float *yb, csa_idx block, const int fmt, int scale)
+{
+    const __m256 qmax = _mm256_set1_ps(fmt == CSA_Q_E4M3 ? 448.0f : 6.0f);
+    const __m256 nqmax = _mm256_set1_ps(fmt == CSA_Q_E4M3 ? -448.0f : -6.0f);
+    const __m256i emin = _mm256_set1_epi32((int)(fmt == CSA_Q_E4M3 ? Q_E4M3_EMIN : Q_E2M1_EMIN));
+    const __m256i cshift =
+        _mm256_set1_epi32((int)(fmt == CSA_Q_E4M3 ? Q_E4M3_CSHIFT : Q_E2M1_CSHIFT));
+    const __m256i absm = _mm256_set1_epi32(0x7fffffff);
+    __m256i m = _mm256_setzero_si256();
+    for (csa_idx i = 0; i < block; i += 8)
+        m = _mm256_max_epu32(m, _mm256_and_si256(_mm256_castps_si256(_mm256_loadu_ps(xb + i)),
+                                                 absm));
+    __m128i m4 = _mm_max_epu32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+    m4 = _mm_max_epu32(m4, _mm_shuffle_epi32(m4, 0x4E));
+    m4 = _mm_max_epu32(m4, _mm_shuffle_epi32(m4, 0xB1));
+    const float s = q_scale(q_float((uint32_t)_mm_cvtsi128_si32(m4)), fmt, scale);
+    const __m256 sv = _mm256_set1_ps(s);
+    const int pow2 = scale == CSA_QS_UE8M0;
+    const __m256 inv = _mm256_set1_ps(1.0f / s);
+    for (csa_idx i = 0; i < block; i += 8) {
+        const __m256 xv = _mm256_loadu_ps(xb + i);
+        __m256 v = pow2 ? _mm256_mul_ps(xv, inv) : _mm256_div_ps(xv, sv);
+        v = _mm256_max_ps(nqmax, _mm256_min_ps(qmax, v));  /* NaN passes (second operand) */
+        _mm256_storeu_ps(yb + i, _mm256_mul_ps(CSA_V(round_grid8)(v, emin, cshift), sv));
+    }
+}
+#endif
+
 static int CSA_V(quant_round_tuned)(const float *x, csa_idx rows, csa_idx d, csa_idx sx_row,
                                     csa_idx block, int fmt, int scale, float *out,
                                     csa_idx so_row)
@@ -100,6 +143,17 @@ static int CSA_V(quant_round_tuned)(const float *x, csa_idx rows, csa_idx d, csa
             else
                 for (csa_idx b0 = 0; b0 < d; b0 += block)
                     CSA_V(quant_block16)(xr + b0, yr + b0, block, CSA_Q_E2M1, scale);
+            continue;
+        }
+#endif
+#if defined(__AVX2__) && !defined(__AVX512F__)
+        if (block % 8 == 0) {
+            if (fmt == CSA_Q_E4M3)
+                for (csa_idx b0 = 0; b0 < d; b0 += block)
+                    CSA_V(quant_block8)(xr + b0, yr + b0, block, CSA_Q_E4M3, scale);
+            else
+                for (csa_idx b0 = 0; b0 < d; b0 += block)
+                    CSA_V(quant_block8)(xr + b0, yr + b0, block, CSA_Q_E2M1, scale);
             continue;
         }
 #endif
