@@ -1,0 +1,258 @@
+/* Tuned indexer scoring, compiled once per ISA level by csa_isa_variants.h.
+ *
+ * One query row at a time: its q is packed transposed, qt[d][h] (heads padded to a
+ * whole number of vectors, padded lanes masked out), so that a register tile holds
+ * IX_HC head vectors x IX_NK keys: per d, IX_HC vector loads of qt and IX_NK
+ * broadcasts of k[t][d] feed IX_HC*IX_NK FMAs.  After the Di loop the tile applies
+ * relu and the weights lane-wise and sums the head vectors of a key, in head-vector
+ * order, into one vector per key; a fixed shuffle tree then sums its lanes.  Every
+ * key's score therefore depends only on (q row, k row, w row), never on the tiling,
+ * the thread count or the other rows and keys of the call.
+ *
+ * Work split: prefill-like calls give each thread whole query rows (dynamic
+ * schedule: causal rows differ in length) and a [Tc] scratch row that is consumed
+ * by the selection right away; calls with few rows (decode) split the keys of each
+ * row across threads and select afterwards. */
+
+#if defined(__AVX512F__)
+#define IX_VL 16
+#define IX_NK 6
+#elif defined(__AVX2__)
+#define IX_VL 8
+#define IX_NK 3
+#else
+#define IX_VL 4
+#define IX_NK 3
+#endif
+#define IX_HC 4 /* head vectors per register tile */
+
+typedef float CSA_V(vf) __attribute__((vector_size(IX_VL * 4)));
+typedef int32_t CSA_V(vi) __attribute__((vector_size(IX_VL * 4)));
+
+/* Lane sum of v by a fixed tree. */
+static inline float CSA_V(ix_hsum)(CSA_V(vf) v)
+{
+    typedef CSA_V(vi) vi;
+#if IX_VL == 16
+    v += __builtin_shuffle(v, (vi){8, 9, 10, 11, 12, 13, 14, 15});
+#endif
+#if IX_VL >= 8
+    v += __builtin_shuffle(v, (vi){4, 5, 6, 7});
+#endif
+    v += __builtin_shuffle(v, (vi){2, 3});
+    v += __builtin_shuffle(v, (vi){1});
+    return v[0];
+}
+
+/* part[j] += sum over the hc head vectors i of relu(qt_i . k_j) * w_i (masked). */
+static inline __attribute__((always_inline)) void
+CSA_V(ix_chunk)(const int hc, const float *CSA_RESTRICT qt, csa_idx HP, csa_idx Di,
+                const float *const *kr, const CSA_V(vf) *wv, const CSA_V(vi) *lm,
+                CSA_V(vf) *part)
+{
+    typedef CSA_V(vf) vf;
+    typedef CSA_V(vi) vi;
+    vf acc[IX_HC][IX_NK];
+#pragma GCC unroll 8
+    for (int i = 0; i < hc; i++)
+#pragma GCC unroll 8
+        for (int j = 0; j < IX_NK; j++) acc[i][j] = (vf){0};
+    for (csa_idx d = 0; d < Di; d++) {
+        const float *qd = qt + d * HP;
+        vf qv[IX_HC];
+#pragma GCC unroll 8
+        for (int i = 0; i < hc; i++) qv[i] = *(const vf *)(qd + i * IX_VL);
+#pragma GCC unroll 8
+        for (int j = 0; j < IX_NK; j++) {
+            const float kv = kr[j][d];
+#pragma GCC unroll 8
+            for (int i = 0; i < hc; i++) acc[i][j] += qv[i] * kv;
+        }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < IX_NK; j++)
+#pragma GCC unroll 8
+        for (int i = 0; i < hc; i++) {
+            const vf a = acc[i][j];
+            const vi keep = ~(a < (vf){0}) & lm[i]; /* relu keeps NaN; padded heads -> 0 */
+            part[j] += (vf)((vi)a & keep) * wv[i];
+        }
+}
+
+/* Scores of one query row (packed in buf) against keys [t0, t1) of kb, into o[t];
+ * tiles whose keys all lie in unkept candidate blocks are skipped. */
+static void CSA_V(ix_score_row)(const float *buf, csa_idx HP, csa_idx Di, const float *kb,
+                                csa_idx skt, csa_idx t0, csa_idx t1, const uint8_t *cm,
+                                csa_idx scn, csa_idx bs, float *o)
+{
+    typedef CSA_V(vf) vf;
+    typedef CSA_V(vi) vi;
+    const float *qt = buf;
+    const vf *wv = (const vf *)(buf + Di * HP);
+    const vi *lm = (const vi *)(buf + (Di + 1) * HP);
+    const csa_idx nvec = HP / IX_VL;
+    for (csa_idx t = t0; t < t1; t += IX_NK) {
+        const csa_idx nk = imin(IX_NK, t1 - t);
+        if (cm) {
+            int any = 0;
+            for (csa_idx j = t / bs; j <= (t + nk - 1) / bs; j++) any |= cm[j * scn] != 0;
+            if (!any) continue;
+        }
+        const float *kr[IX_NK];
+        for (int j = 0; j < IX_NK; j++) kr[j] = kb + imin(t + j, t1 - 1) * skt;
+        vf part[IX_NK];
+        for (int j = 0; j < IX_NK; j++) part[j] = (vf){0};
+        for (csa_idx c = 0; c < nvec; c += IX_HC) {
+            const float *qc = qt + c * IX_VL;
+            switch (nvec - c < IX_HC ? nvec - c : IX_HC) {
+            case 4: CSA_V(ix_chunk)(4, qc, HP, Di, kr, wv + c, lm + c, part); break;
+            case 3: CSA_V(ix_chunk)(3, qc, HP, Di, kr, wv + c, lm + c, part); break;
+            case 2: CSA_V(ix_chunk)(2, qc, HP, Di, kr, wv + c, lm + c, part); break;
+            default: CSA_V(ix_chunk)(1, qc, HP, Di, kr, wv + c, lm + c, part); break;
+            }
+        }
+        for (csa_idx j = 0; j < nk; j++) o[t + j] = CSA_V(ix_hsum)(part[j]);
+    }
+}
+
+/* buf = [qt: Di x HP][w: HP][lane mask: HP] for query row (b, s). */
+static void CSA_V(ix_pack_row)(const struct csa_index_problem *p, csa_idx b, csa_idx s,
+                               csa_idx HP, float *buf)
+{
+    const float *qr = p->q + b * p->sqb + s * p->sqs;
+    const float *wr = p->w + b * p->swb + s * p->sws;
+    const csa_idx Hi = p->Hi, Di = p->Di;
+    for (csa_idx d = 0; d < Di; d++) {
+        float *row = buf + d * HP;
+        for (csa_idx h = 0; h < Hi; h++) row[h] = qr[h * p->sqh + d];
+        for (csa_idx h = Hi; h < HP; h++) row[h] = 0.0f;
+    }
+    float *wv = buf + Di * HP;
+    int32_t *lm = (int32_t *)(buf + (Di + 1) * HP);
+    for (csa_idx h = 0; h < HP; h++) {
+        wv[h] = h < Hi ? wr[h * p->swh] : 0.0f;
+        lm[h] = h < Hi ? -1 : 0;
+    }
+}
+
+/* Scores (idx == NULL: into sc[b*sob + s*sos + t], -inf past the visible entries) or
+ * fused top-k (into idx [B, S, K]). */
+static int CSA_V(ix_run)(const struct csa_index_problem *p, const struct csa_index_cand *c,
+                         csa_idx K, csa_idx offset, int order, int32_t *idx, float *sc,
+                         csa_idx sob, csa_idx sos)
+{
+    const csa_idx rows = p->B * p->S, Tc = p->Tc, Di = p->Di;
+    if (rows == 0 || (idx && K == 0)) return CSA_OK;
+    const csa_idx HP = (p->Hi + IX_VL - 1) / IX_VL * IX_VL;
+    const size_t row_bytes = ((size_t)(Di + 2) * HP * sizeof(float) + 63) / 64 * 64;
+    const csa_idx bs = c && c->mask ? c->block_size : 1, scn = c && c->mask ? c->scn : 0;
+    const int nt_max = csa_threads(rows * 4096, 1);
+    int err = CSA_OK;
+
+    if (nt_max > 1 && rows < 4 * nt_max) {
+        /* Few rows: split each row's keys across threads. */
+        float *bufs = aligned_alloc(64, row_bytes * (size_t)rows);
+        float *scr = idx ? malloc((size_t)rows * (size_t)(Tc > 0 ? Tc : 1) * sizeof(float)) : NULL;
+        if (!bufs || (idx && !scr)) {
+            free(bufs);
+            free(scr);
+            return CSA_ENOMEM;
+        }
+        const csa_idx rf = (csa_idx)(row_bytes / sizeof(float));
+        for (csa_idx r = 0; r < rows; r++)
+            CSA_V(ix_pack_row)(p, r / p->S, r % p->S, HP, bufs + r * rf);
+        const csa_idx KC = IX_NK * 64;
+        const csa_idx nvmax = visible(p->start_pos + p->S - 1, p->ratio);
+        const csa_idx nch = (nvmax + KC - 1) / KC, items = p->B * nch;
+#pragma omp parallel for num_threads(csa_threads(items, 1)) schedule(static)
+        for (csa_idx it = 0; it < items; it++) {
+            const csa_idx b = it / nch, t0 = (it % nch) * KC;
+            for (csa_idx s = 0; s < p->S; s++) {
+                const csa_idx r = b * p->S + s;
+                const csa_idx t1 = imin(visible(p->start_pos + s, p->ratio), t0 + KC);
+                if (t1 <= t0) continue;
+                float *o = idx ? scr + r * Tc : sc + b * sob + s * sos;
+                CSA_V(ix_score_row)(bufs + r * rf, HP, Di, p->k + b * p->skb, p->skt, t0, t1,
+                                    cand_row(c, b, s), scn, bs, o);
+            }
+        }
+        free(bufs);
+        if (!idx) {
+            for (csa_idx r = 0; r < rows; r++) {
+                float *o = sc + (r / p->S) * sob + (r % p->S) * sos;
+                for (csa_idx t = visible(p->start_pos + r % p->S, p->ratio); t < Tc; t++)
+                    o[t] = -INFINITY;
+            }
+            return CSA_OK;
+        }
+#pragma omp parallel num_threads(csa_threads(rows, 1))
+        {
+            struct sel_ws ws;
+            const int st = sel_ws_alloc(&ws, Tc, K);
+            if (st) {
+#pragma omp atomic write
+                err = st;
+            }
+#pragma omp for schedule(static)
+            for (csa_idx r = 0; r < rows; r++) {
+                if (st) continue;
+                const csa_idx b = r / p->S, s = r % p->S;
+                select_row(scr + r * Tc, 1, visible(p->start_pos + s, p->ratio),
+                           cand_row(c, b, s), c, K, offset, order, idx + r * K, &ws);
+            }
+            sel_ws_free(&ws);
+        }
+        free(scr);
+        return err;
+    }
+
+#pragma omp parallel num_threads(csa_threads(rows, 1))
+    {
+        float *buf = aligned_alloc(64, row_bytes);
+        float *scr = idx ? malloc((size_t)(Tc > 0 ? Tc : 1) * sizeof(float)) : NULL;
+        struct sel_ws ws = {0};
+        int st = (!buf || (idx && !scr)) ? CSA_ENOMEM : CSA_OK;
+        if (!st && idx) st = sel_ws_alloc(&ws, Tc, K);
+        if (st) {
+#pragma omp atomic write
+            err = st;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (csa_idx r = 0; r < rows; r++) {
+            if (st) continue;
+            const csa_idx b = r / p->S, s = r % p->S;
+            const csa_idx nv = visible(p->start_pos + s, p->ratio);
+            const uint8_t *cm = cand_row(c, b, s);
+            float *o = idx ? scr : sc + b * sob + s * sos;
+            if (nv > 0) {
+                CSA_V(ix_pack_row)(p, b, s, HP, buf);
+                CSA_V(ix_score_row)(buf, HP, Di, p->k + b * p->skb, p->skt, 0, nv, cm, scn, bs, o);
+            }
+            if (idx)
+                select_row(scr, 1, nv, cm, c, K, offset, order, idx + r * K, &ws);
+            else
+                for (csa_idx t = nv; t < Tc; t++) o[t] = -INFINITY;
+        }
+        free(buf);
+        free(scr);
+        sel_ws_free(&ws);
+    }
+    return err;
+}
+
+static int CSA_V(index_scores_tuned)(const struct csa_index_problem *p, float *out, csa_idx sob,
+                                     csa_idx sos)
+{
+    return CSA_V(ix_run)(p, NULL, 0, 0, 0, NULL, out, sob, sos);
+}
+
+static int CSA_V(index_topk_tuned)(const struct csa_index_problem *p,
+                                   const struct csa_index_cand *c, csa_idx K, csa_idx offset,
+                                   int order, int32_t *out)
+{
+    return CSA_V(ix_run)(p, c, K, offset, order, out, NULL, 0, 0);
+}
+
+#undef IX_VL
+#undef IX_NK
+#undef IX_HC
