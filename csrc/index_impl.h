@@ -115,16 +115,68 @@ static void CSA_V(ix_score_row)(const float *buf, csa_idx HP, csa_idx Di, const 
     }
 }
 
-/* buf = [qt: Di x HP][w: HP][lane mask: HP] for query row (b, s). */
+/* In-register transpose of a VL x VL block r[i][l] -> r[l][i]: at each scale w the
+ * off-diagonal w x w blocks of every 2w x 2w diagonal block swap places. */
+#define IX_MA(l, w) (((l) & (w)) ? IX_VL + (l) - (w) : (l))
+#define IX_MB(l, w) (((l) & (w)) ? IX_VL + (l) : (l) + (w))
+#if IX_VL == 16
+#define IX_LANES(M, w)                                                                      \
+    {M(0, w), M(1, w), M(2, w), M(3, w), M(4, w), M(5, w), M(6, w), M(7, w), M(8, w),       \
+     M(9, w), M(10, w), M(11, w), M(12, w), M(13, w), M(14, w), M(15, w)}
+#elif IX_VL == 8
+#define IX_LANES(M, w) {M(0, w), M(1, w), M(2, w), M(3, w), M(4, w), M(5, w), M(6, w), M(7, w)}
+#else
+#define IX_LANES(M, w) {M(0, w), M(1, w), M(2, w), M(3, w)}
+#endif
+#define IX_TSTEP(w)                                                                         \
+    for (int i = 0; i < IX_VL; i++)                                                         \
+        if (!(i & (w))) {                                                                   \
+            const vf a = r[i], b = r[i + (w)];                                              \
+            r[i] = __builtin_shuffle(a, b, (vi)IX_LANES(IX_MA, w));                         \
+            r[i + (w)] = __builtin_shuffle(a, b, (vi)IX_LANES(IX_MB, w));                   \
+        }
+
+static inline void CSA_V(ix_transpose)(CSA_V(vf) *r)
+{
+    typedef CSA_V(vf) vf;
+    typedef CSA_V(vi) vi;
+#if IX_VL == 16
+    IX_TSTEP(8)
+#endif
+#if IX_VL >= 8
+    IX_TSTEP(4)
+#endif
+    IX_TSTEP(2)
+    IX_TSTEP(1)
+}
+#undef IX_TSTEP
+#undef IX_LANES
+#undef IX_MA
+#undef IX_MB
+
+/* buf = [qt: Di x HP][w: HP][lane mask: HP] for query row (b, s); whole VL x VL
+ * blocks of q are transposed in registers, the edges element by element. */
 static void CSA_V(ix_pack_row)(const struct csa_index_problem *p, csa_idx b, csa_idx s,
                                csa_idx HP, float *buf)
 {
+    typedef CSA_V(vf) vf;
+    typedef float vfu __attribute__((vector_size(IX_VL * 4), aligned(4)));
     const float *qr = p->q + b * p->sqb + s * p->sqs;
     const float *wr = p->w + b * p->swb + s * p->sws;
-    const csa_idx Hi = p->Hi, Di = p->Di;
+    const csa_idx Hi = p->Hi, Di = p->Di, sqh = p->sqh;
+    const csa_idx Hf = Hi / IX_VL * IX_VL, Df = Di / IX_VL * IX_VL;
+    for (csa_idx h0 = 0; h0 < Hf; h0 += IX_VL)
+        for (csa_idx d0 = 0; d0 < Df; d0 += IX_VL) {
+            vf r[IX_VL];
+            for (int i = 0; i < IX_VL; i++) r[i] = (vf) * (const vfu *)(qr + (h0 + i) * sqh + d0);
+            CSA_V(ix_transpose)(r);
+            for (int i = 0; i < IX_VL; i++) *(vf *)(buf + (d0 + i) * HP + h0) = r[i];
+        }
+    for (csa_idx h = 0; h < Hf; h++)
+        for (csa_idx d = Df; d < Di; d++) buf[d * HP + h] = qr[h * sqh + d];
     for (csa_idx d = 0; d < Di; d++) {
         float *row = buf + d * HP;
-        for (csa_idx h = 0; h < Hi; h++) row[h] = qr[h * p->sqh + d];
+        for (csa_idx h = Hf; h < Hi; h++) row[h] = qr[h * sqh + d];
         for (csa_idx h = Hi; h < HP; h++) row[h] = 0.0f;
     }
     float *wv = buf + Di * HP;
