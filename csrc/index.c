@@ -69,12 +69,12 @@ static csa_idx select_keys(uint32_t *key, int32_t *pos, csa_idx m, csa_idx K, ui
     csa_idx n = m, need = K;
     uint32_t thr = 0;
     for (int shift = 24; shift >= 0; shift -= 8) {
-        csa_idx hist[256] = {0};
+        uint32_t hist[256] = {0};
         for (csa_idx i = 0; i < n; i++) hist[(src[i] >> shift) & 255u]++;
         int b = 255;
         csa_idx above = 0;
         for (; b > 0; b--) {
-            if (above + hist[b] >= need) break;
+            if (above + (csa_idx)hist[b] >= need) break;
             above += hist[b];
         }
         need -= above;
@@ -99,24 +99,36 @@ static csa_idx select_keys(uint32_t *key, int32_t *pos, csa_idx m, csa_idx K, ui
     return j;
 }
 
-/* Stable sort of key/pos[0..k) by descending key (LSD radix on ~key); returns the
- * arrays holding the result (the inputs or tkey/tpos). */
+/* Stable sort of key/pos[0..k) by descending key: LSD radix on ~key, the four 8-bit
+ * digit histograms counted in one pass, passes whose digit is constant skipped;
+ * *key / *pos are left pointing at the arrays holding the result (the inputs or
+ * tkey/tpos). */
 static void sort_desc(uint32_t **key, int32_t **pos, csa_idx k, uint32_t *tkey, int32_t *tpos)
 {
     uint32_t *a = *key, *ta = tkey;
     int32_t *p = *pos, *tp = tpos;
-    for (int shift = 0; shift < 32; shift += 8) {
-        csa_idx hist[256] = {0};
-        for (csa_idx i = 0; i < k; i++) hist[((~a[i]) >> shift) & 255u]++;
-        if (k == 0 || hist[((~a[0]) >> shift) & 255u] == k) continue;
-        csa_idx sum = 0;
+    if (k <= 1) return;
+    uint32_t hist[4][256];
+    memset(hist, 0, sizeof hist);
+    for (csa_idx i = 0; i < k; i++) {
+        const uint32_t u = ~a[i];
+        hist[0][u & 255u]++;
+        hist[1][(u >> 8) & 255u]++;
+        hist[2][(u >> 16) & 255u]++;
+        hist[3][u >> 24]++;
+    }
+    for (int pass = 0; pass < 4; pass++) {
+        const int shift = 8 * pass;
+        uint32_t *h = hist[pass];
+        if (h[((~a[0]) >> shift) & 255u] == (uint32_t)k) continue;
+        uint32_t sum = 0;
         for (int b = 0; b < 256; b++) {
-            const csa_idx h = hist[b];
-            hist[b] = sum;
-            sum += h;
+            const uint32_t c = h[b];
+            h[b] = sum;
+            sum += c;
         }
         for (csa_idx i = 0; i < k; i++) {
-            const csa_idx d = hist[((~a[i]) >> shift) & 255u]++;
+            const uint32_t d = h[((~a[i]) >> shift) & 255u]++;
             ta[d] = a[i];
             tp[d] = p[i];
         }
