@@ -79,9 +79,11 @@ static csa_idx select_keys(uint32_t *key, int32_t *pos, csa_idx m, csa_idx K, ui
         }
         need -= above;
         thr |= (uint32_t)b << shift;
-        csa_idx n2 = 0;
-        for (csa_idx i = 0; i < n; i++)
-            if (((src[i] >> shift) & 255u) == (uint32_t)b) cbuf[n2++] = src[i];
+        csa_idx n2 = 0; /* branch-free gather: half the entries may go either way */
+        for (csa_idx i = 0; i < n; i++) {
+            cbuf[n2] = src[i];
+            n2 += ((src[i] >> shift) & 255u) == (uint32_t)b;
+        }
         src = cbuf;
         n = n2;
     }
@@ -90,11 +92,11 @@ static csa_idx select_keys(uint32_t *key, int32_t *pos, csa_idx m, csa_idx K, ui
     csa_idx j = 0, eq = need;
     for (csa_idx i = 0; i < m; i++) {
         const uint32_t u = key[i];
-        if (u > thr || (u == thr && eq-- > 0)) {
-            key[j] = u;
-            pos[j] = pos[i];
-            j++;
-        }
+        const csa_idx tie = u == thr, take = (u > thr) | (tie & (eq > 0));
+        eq -= tie;
+        key[j] = u;
+        pos[j] = pos[i];
+        j += take;
     }
     return j;
 }

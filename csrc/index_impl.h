@@ -196,7 +196,7 @@ static int CSA_V(ix_run)(const struct csa_index_problem *p, const struct csa_ind
     const csa_idx rows = p->B * p->S, Tc = p->Tc, Di = p->Di;
     if (rows == 0 || (idx && K == 0)) return CSA_OK;
     const csa_idx HP = (p->Hi + IX_VL - 1) / IX_VL * IX_VL;
-    const size_t row_bytes = ((size_t)(Di + 2) * HP * sizeof(float) + 63) / 64 * 64;
+    const size_t row_bytes = ((size_t)(Di + 2) * HP * sizeof(float) + 64) / 64 * 64;
     const csa_idx bs = c && c->mask ? c->block_size : 1, scn = c && c->mask ? c->scn : 0;
     const int nt_max = csa_threads(rows * 4096, 1);
     int err = CSA_OK;
