@@ -187,6 +187,84 @@ static void CSA_V(ix_pack_row)(const struct csa_index_problem *p, csa_idx b, csa
     }
 }
 
+/* Finishes the S rows of batch b once all their scores exist: -inf fill or selection. */
+static void CSA_V(ix_finish_batch)(const struct csa_index_problem *p,
+                                   const struct csa_index_cand *c, csa_idx K, csa_idx offset,
+                                   int order, int32_t *idx, float *sc, csa_idx sob, csa_idx sos,
+                                   const float *scr, csa_idx b, struct sel_ws *ws)
+{
+    for (csa_idx s = 0; s < p->S; s++) {
+        const csa_idx r = b * p->S + s, nv = visible(p->start_pos + s, p->ratio);
+        if (!idx) {
+            float *o = sc + b * sob + s * sos;
+            for (csa_idx t = nv; t < p->Tc; t++) o[t] = -INFINITY;
+        } else {
+            select_row(scr + r * p->Tc, 1, nv, cand_row(c, b, s), c, K, offset, order,
+                       idx + r * K, ws);
+        }
+    }
+}
+
+/* ix_run for calls with few rows (decode): the keys of each batch entry are split
+ * into chunks taken dynamically by the threads (a descheduled thread holds up one
+ * chunk, not half the keys), and the thread that completes a batch entry's last
+ * chunk finishes its rows, so no barrier waits inside the region.  Scratch: the
+ * packed rows and, for top-k, their [Tc] score rows. */
+static int CSA_V(ix_run_keysplit)(const struct csa_index_problem *p,
+                                  const struct csa_index_cand *c, csa_idx K, csa_idx offset,
+                                  int order, int32_t *idx, float *sc, csa_idx sob, csa_idx sos,
+                                  csa_idx HP, size_t row_bytes)
+{
+    const csa_idx rows = p->B * p->S, Tc = p->Tc, S = p->S;
+    const csa_idx bs = c && c->mask ? c->block_size : 1, scn = c && c->mask ? c->scn : 0;
+    const csa_idx KC = IX_NK * 64;
+    const csa_idx nvmax = visible(p->start_pos + S - 1, p->ratio);
+    const csa_idx nch = nvmax > 0 ? (nvmax + KC - 1) / KC : 1, items = p->B * nch;
+    float *bufs = aligned_alloc(64, row_bytes * (size_t)rows);
+    float *scr = idx ? malloc((size_t)rows * (size_t)(Tc > 0 ? Tc : 1) * sizeof(float)) : NULL;
+    csa_idx *done = calloc((size_t)p->B, sizeof(csa_idx));
+    if (!bufs || (idx && !scr) || !done) {
+        free(bufs);
+        free(scr);
+        free(done);
+        return CSA_ENOMEM;
+    }
+    const csa_idx rf = (csa_idx)(row_bytes / sizeof(float));
+    for (csa_idx r = 0; r < rows; r++) CSA_V(ix_pack_row)(p, r / S, r % S, HP, bufs + r * rf);
+    int err = CSA_OK;
+#pragma omp parallel num_threads(csa_threads(items, 1))
+    {
+        struct sel_ws ws = {0};
+        const int st = idx ? sel_ws_alloc(&ws, Tc, K) : CSA_OK;
+        if (st) {
+#pragma omp atomic write
+            err = st;
+        }
+#pragma omp for schedule(dynamic, 1) nowait
+        for (csa_idx it = 0; it < items; it++) {
+            const csa_idx b = it / nch, t0 = (it % nch) * KC;
+            for (csa_idx s = 0; s < S; s++) {
+                const csa_idx r = b * S + s;
+                const csa_idx t1 = imin(visible(p->start_pos + s, p->ratio), t0 + KC);
+                if (t1 <= t0) continue;
+                float *o = idx ? scr + r * Tc : sc + b * sob + s * sos;
+                CSA_V(ix_score_row)(bufs + r * rf, HP, p->Di, p->k + b * p->skb, p->skt, t0, t1,
+                                    cand_row(c, b, s), scn, bs, o);
+            }
+            /* acq_rel: the last chunk's thread sees every other chunk's scores */
+            if (__atomic_add_fetch(&done[b], 1, __ATOMIC_ACQ_REL) == nch) {
+                if (st) continue; /* no workspace: err is set, nothing to select with */
+                CSA_V(ix_finish_batch)(p, c, K, offset, order, idx, sc, sob, sos, scr, b, &ws);
+            }
+        }
+        sel_ws_free(&ws);
+    }
+    free(bufs);
+    free(scr);
+    free(done);
+    return err;
+}
+
 /* Scores (idx == NULL: into sc[b*sob + s*sos + t], -inf past the visible entries) or
  * fused top-k (into idx [B, S, K]). */
 static int CSA_V(ix_run)(const struct csa_index_problem *p, const struct csa_index_cand *c,
@@ -202,60 +280,8 @@ static int CSA_V(ix_run)(const struct csa_index_problem *p, const struct csa_ind
     int err = CSA_OK;
 
     if (nt_max > 1 && rows < 4 * nt_max) {
-        /* Few rows: split each row's keys across threads. */
-        float *bufs = aligned_alloc(64, row_bytes * (size_t)rows);
-        float *scr = idx ? malloc((size_t)rows * (size_t)(Tc > 0 ? Tc : 1) * sizeof(float)) : NULL;
-        if (!bufs || (idx && !scr)) {
-            free(bufs);
-            free(scr);
-            return CSA_ENOMEM;
-        }
-        const csa_idx rf = (csa_idx)(row_bytes / sizeof(float));
-        for (csa_idx r = 0; r < rows; r++)
-            CSA_V(ix_pack_row)(p, r / p->S, r % p->S, HP, bufs + r * rf);
-        const csa_idx KC = IX_NK * 64;
-        const csa_idx nvmax = visible(p->start_pos + p->S - 1, p->ratio);
-        const csa_idx nch = (nvmax + KC - 1) / KC, items = p->B * nch;
-#pragma omp parallel for num_threads(csa_threads(items, 1)) schedule(static)
-        for (csa_idx it = 0; it < items; it++) {
-            const csa_idx b = it / nch, t0 = (it % nch) * KC;
-            for (csa_idx s = 0; s < p->S; s++) {
-                const csa_idx r = b * p->S + s;
-                const csa_idx t1 = imin(visible(p->start_pos + s, p->ratio), t0 + KC);
-                if (t1 <= t0) continue;
-                float *o = idx ? scr + r * Tc : sc + b * sob + s * sos;
-                CSA_V(ix_score_row)(bufs + r * rf, HP, Di, p->k + b * p->skb, p->skt, t0, t1,
-                                    cand_row(c, b, s), scn, bs, o);
-            }
-        }
-        free(bufs);
-        if (!idx) {
-            for (csa_idx r = 0; r < rows; r++) {
-                float *o = sc + (r / p->S) * sob + (r % p->S) * sos;
-                for (csa_idx t = visible(p->start_pos + r % p->S, p->ratio); t < Tc; t++)
-                    o[t] = -INFINITY;
-            }
-            return CSA_OK;
-        }
-#pragma omp parallel num_threads(csa_threads(rows, 1))
-        {
-            struct sel_ws ws;
-            const int st = sel_ws_alloc(&ws, Tc, K);
-            if (st) {
-#pragma omp atomic write
-                err = st;
-            }
-#pragma omp for schedule(static)
-            for (csa_idx r = 0; r < rows; r++) {
-                if (st) continue;
-                const csa_idx b = r / p->S, s = r % p->S;
-                select_row(scr + r * Tc, 1, visible(p->start_pos + s, p->ratio),
-                           cand_row(c, b, s), c, K, offset, order, idx + r * K, &ws);
-            }
-            sel_ws_free(&ws);
-        }
-        free(scr);
-        return err;
+        return CSA_V(ix_run_keysplit)(p, c, K, offset, order, idx, sc, sob, sos, HP,
+                                      row_bytes);
     }
 
 #pragma omp parallel num_threads(csa_threads(rows, 1))
