@@ -9,10 +9,11 @@
  * key's score therefore depends only on (q row, k row, w row), never on the tiling,
  * the thread count or the other rows and keys of the call.
  *
- * Work split: prefill-like calls give each thread whole query rows (dynamic
- * schedule: causal rows differ in length) and a [Tc] scratch row that is consumed
- * by the selection right away; calls with few rows (decode) split the keys of each
- * row across threads and select afterwards. */
+ * Work split: prefill-like calls give each thread whole query rows, longest
+ * (latest) first under a dynamic schedule since causal rows differ in length, and a
+ * [Tc] scratch row that the selection consumes right away; calls with few rows
+ * (decode) split the keys across threads (ix_run_keysplit).  Rows never see more
+ * than their visible entries: the causal half of a prefill is never computed. */
 
 #if defined(__AVX512F__)
 #define IX_VL 16
@@ -296,9 +297,9 @@ static int CSA_V(ix_run)(const struct csa_index_problem *p, const struct csa_ind
             err = st;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (csa_idx r = 0; r < rows; r++) {
+        for (csa_idx rr = 0; rr < rows; rr++) {
             if (st) continue;
-            const csa_idx b = r / p->S, s = r % p->S;
+            const csa_idx r = rows - 1 - rr, b = r / p->S, s = r % p->S;
             const csa_idx nv = visible(p->start_pos + s, p->ratio);
             const uint8_t *cm = cand_row(c, b, s);
             float *o = idx ? scr : sc + b * sob + s * sos;
