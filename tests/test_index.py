@@ -409,3 +409,21 @@ def test_index_lists_out_and_keywords():
     out = np.full((1, 9, 4), 7, np.int32)
     assert dc.window_topk_idxs(window=4, batch=1, seqlen=9, start_pos=0, out=out) is out
     np.testing.assert_array_equal(out, ref.window_topk_idxs(4, 1, 9, 0).numpy())
+
+
+@pytest.mark.parametrize("order", ["score", "position"])
+def test_index_topk_decode_batch_with_candidates(isa, rng, order):
+    """Decode rows (keys split across threads) with a batch and V4.1 candidates."""
+    B, Hi, Di, Tc, r, p, bs = 3, 64, 128, 3000, 2, 5998, 64
+    q, k, w = _inputs(rng, B, 1, Hi, Di, Tc)
+    if isa == "ref":
+        q, k = q[..., :16], k[..., :16]
+    sc = dc.index_scores(q, k, w, ratio=r, start_pos=p)
+    cand = dc.select_candidate_blocks(sc, 8, bs, ratio=r, start_pos=p)
+    assert cand[:, 0, -1].all() and (cand.sum(-1) == 8).all()
+    with threads(2):
+        got = dc.index_topk(q, k, w, 256, ratio=r, start_pos=p, offset=128, order=order,
+                            candidates=cand, block_size=bs)
+    np.testing.assert_array_equal(got, ref.exact_topk(sc, 256, r, p, 128, order, cand, bs))
+    _check_topk(got, ref.index_scores(T(q), T(k), T(w), r, p).numpy(), 256, r, p, 128, order,
+                cand, bs)
