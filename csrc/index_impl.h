@@ -26,6 +26,7 @@
 #define IX_NK 3
 #endif
 #define IX_HC 4 /* head vectors per register tile */
+#define IX_QB 8 /* query rows sharing a chunk of keys */
 
 typedef float CSA_V(vf) __attribute__((vector_size(IX_VL * 4)));
 typedef int32_t CSA_V(vi) __attribute__((vector_size(IX_VL * 4)));
@@ -285,34 +286,52 @@ static int CSA_V(ix_run)(const struct csa_index_problem *p, const struct csa_ind
                                       row_bytes);
     }
 
-#pragma omp parallel num_threads(csa_threads(rows, 1))
+    /* Blocks of qb rows share each chunk of keys while it sits in L2; qb shrinks so
+     * that every thread gets a few blocks. */
+    const csa_idx qb = imin(IX_QB, rows / (4 * nt_max) > 1 ? rows / (4 * nt_max) : 1);
+    const csa_idx nbs = (p->S + qb - 1) / qb, nblk = p->B * nbs;
+    const csa_idx KC = IX_NK * imin(1 << 16, (csa_idx)(512 * 1024) / (4 * (Di > 0 ? Di : 1)) / IX_NK + 1);
+    const csa_idx rf = (csa_idx)(row_bytes / sizeof(float));
+#pragma omp parallel num_threads(csa_threads(nblk, 1))
     {
-        float *buf = aligned_alloc(64, row_bytes);
-        float *scr = idx ? malloc((size_t)(Tc > 0 ? Tc : 1) * sizeof(float)) : NULL;
+        float *bufs = aligned_alloc(64, row_bytes * IX_QB);
+        float *scr = idx ? malloc((size_t)IX_QB * (size_t)(Tc > 0 ? Tc : 1) * sizeof(float)) : NULL;
         struct sel_ws ws = {0};
-        int st = (!buf || (idx && !scr)) ? CSA_ENOMEM : CSA_OK;
+        int st = (!bufs || (idx && !scr)) ? CSA_ENOMEM : CSA_OK;
         if (!st && idx) st = sel_ws_alloc(&ws, Tc, K);
         if (st) {
 #pragma omp atomic write
             err = st;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (csa_idx rr = 0; rr < rows; rr++) {
+        for (csa_idx bb = 0; bb < nblk; bb++) {
             if (st) continue;
-            const csa_idx r = rows - 1 - rr, b = r / p->S, s = r % p->S;
-            const csa_idx nv = visible(p->start_pos + s, p->ratio);
-            const uint8_t *cm = cand_row(c, b, s);
-            float *o = idx ? scr : sc + b * sob + s * sos;
-            if (nv > 0) {
-                CSA_V(ix_pack_row)(p, b, s, HP, buf);
-                CSA_V(ix_score_row)(buf, HP, Di, p->k + b * p->skb, p->skt, 0, nv, cm, scn, bs, o);
+            const csa_idx blk = nblk - 1 - bb, b = blk / nbs, s0 = (blk % nbs) * qb;
+            const csa_idx ns = imin(qb, p->S - s0);
+            csa_idx nv[IX_QB], nvmax = 0;
+            float *o[IX_QB];
+            for (csa_idx i = 0; i < ns; i++) {
+                nv[i] = visible(p->start_pos + s0 + i, p->ratio);
+                nvmax = nv[i] > nvmax ? nv[i] : nvmax;
+                o[i] = idx ? scr + i * Tc : sc + b * sob + (s0 + i) * sos;
+                if (nv[i] > 0) CSA_V(ix_pack_row)(p, b, s0 + i, HP, bufs + i * rf);
             }
-            if (idx)
-                select_row(scr, 1, nv, cm, c, K, offset, order, idx + r * K, &ws);
-            else
-                for (csa_idx t = nv; t < Tc; t++) o[t] = -INFINITY;
+            for (csa_idx t0 = 0; t0 < nvmax; t0 += KC)
+                for (csa_idx i = 0; i < ns; i++) {
+                    const csa_idx t1 = imin(nv[i], t0 + KC);
+                    if (t1 > t0)
+                        CSA_V(ix_score_row)(bufs + i * rf, HP, Di, p->k + b * p->skb, p->skt, t0,
+                                            t1, cand_row(c, b, s0 + i), scn, bs, o[i]);
+                }
+            for (csa_idx i = 0; i < ns; i++) {
+                if (idx)
+                    select_row(o[i], 1, nv[i], cand_row(c, b, s0 + i), c, K, offset, order,
+                               idx + (b * p->S + s0 + i) * K, &ws);
+                else
+                    for (csa_idx t = nv[i]; t < Tc; t++) o[i][t] = -INFINITY;
+            }
         }
-        free(buf);
+        free(bufs);
         free(scr);
         sel_ws_free(&ws);
     }
@@ -335,3 +354,4 @@ static int CSA_V(index_topk_tuned)(const struct csa_index_problem *p,
 #undef IX_VL
 #undef IX_NK
 #undef IX_HC
+#undef IX_QB
