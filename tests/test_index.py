@@ -263,7 +263,8 @@ def test_index_topk_with_candidates(isa, rng, order):
 
 # ---------------------------------------------------------------- determinism
 
-@pytest.mark.parametrize("S, Tc, p", [(300, 128, 0), (1, 4096, 16383), (3, 700, 2797)])
+@pytest.mark.parametrize("S, Tc, p", [(300, 128, 0), (1, 4096, 16383), (3, 700, 2797),
+                                     (20, 600, 2380)])
 def test_bitwise_identical_at_1_2_3_threads(rng, S, Tc, p):
     q, k, w = _inputs(rng, 1, S, 64, 128, Tc)
     outs = []
