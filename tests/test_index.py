@@ -428,3 +428,39 @@ def test_index_topk_decode_batch_with_candidates(isa, rng, order):
     np.testing.assert_array_equal(got, ref.exact_topk(sc, 256, r, p, 128, order, cand, bs))
     _check_topk(got, ref.index_scores(T(q), T(k), T(w), r, p).numpy(), 256, r, p, 128, order,
                 cand, bs)
+
+
+def test_torch_inputs_for_topk_and_candidates(rng):
+    q, k, w = _inputs(rng, 1, 12, 4, 16, 12)
+    sc = dc.index_scores(q, k, w, ratio=1)
+    cand = dc.select_candidate_blocks(sc, 2, 4, ratio=1)
+    got = dc.index_topk(T(q), T(k), T(w), 5, ratio=1, candidates=torch.from_numpy(cand))
+    np.testing.assert_array_equal(got, ref.exact_topk(sc, 5, 1, 0, 0, "score", cand, 4))
+    np.testing.assert_array_equal(dc.topk_indices(T(sc), 5, ratio=1), ref.exact_topk(sc, 5, 1))
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 40), st.integers(1, 4), st.integers(0, 30),
+       st.integers(1, 50), st.sampled_from(["score", "position"]), st.integers(0, 2**31 - 1))
+def test_topk_indices_property(B, S, ratio, p, topk, order, seed):
+    """Random small rows drawn from few values (ties, zeros of both signs, NaN, inf)."""
+    r = np.random.default_rng(seed)
+    Tc = (p + S) // ratio + int(r.integers(0, 3))
+    vals = np.array([0.0, -0.0, 1.0, -1.0, 2.5, np.inf, -np.inf, np.nan], np.float32)
+    sc = r.choice(vals, size=(B, S, Tc)) * r.choice(np.array([1, 1, 1, 0.5], np.float32),
+                                                     size=(B, S, Tc))
+    got = dc.topk_indices(sc, topk, ratio=ratio, start_pos=p, offset=3, order=order)
+    np.testing.assert_array_equal(got, ref.exact_topk(sc, topk, ratio, p, 3, order))
+    if Tc:
+        bs = int(r.integers(1, Tc + 1))
+        cand = r.random((B, S, -(-Tc // bs))) < 0.6
+        got = dc.topk_indices(sc, topk, ratio=ratio, start_pos=p, order=order, candidates=cand,
+                              block_size=bs)
+        np.testing.assert_array_equal(got, ref.exact_topk(sc, topk, ratio, p, 0, order, cand, bs))
+        tb = int(r.integers(1, 5))
+        np.testing.assert_array_equal(
+            dc.select_candidate_blocks(sc, tb, bs, ratio=ratio, start_pos=p),
+            ref.exact_candidate_blocks(sc, tb, bs, ratio, p))
