@@ -486,11 +486,13 @@ class CSALayer:
                     cidx = _dc.topk_indices(sc, self.index_topk, ratio=r, start_pos=start_pos,
                                             offset=offset, order="position")
                 else:
-                    cand = sh.candidates if self.uses_candidates else None
+                    kw = {}
+                    if self.uses_candidates:
+                        kw = dict(candidates=sh.candidates,
+                                  block_size=self.candidate_block_size)
                     cidx = _dc.index_topk(iq, k, p["iw"], self.index_topk, ratio=r,
                                           start_pos=start_pos, offset=offset,
-                                          order="position", candidates=cand,
-                                          block_size=self.candidate_block_size or None)
+                                          order="position", **kw)
                 t = self._tick("indexer", t)
             sh.topk_idxs = cidx
         else:

@@ -346,7 +346,9 @@ def _index_select(score, topk, ratio, start_pos, offset, by_position):
     """Top-k over masked scores -> int64 indices, -1 for invisible, + offset otherwise."""
     b, s, tc = score.shape
     k = min(topk, tc)
-    vals, idx = score.topk(k, dim=-1)
+    # equal scores by lower position (a stable descending sort), as deepseek_csa does;
+    # torch.topk leaves the order of ties unspecified
+    idx = torch.sort(score, dim=-1, descending=True, stable=True).indices[..., :k]
     if by_position:
         idx = idx.sort(dim=-1).values
     if start_pos == 0:

@@ -122,13 +122,54 @@ def test_prefill_resets_state_and_is_deterministic():
     np.testing.assert_array_equal(a, b)
 
 
-def test_v41_stack_matches_reference():
+def _v41_stack(cand_blocks, block=4):
     cfg = SMALL
     ratios = (0, 2, 2, 1, 1, 1)
     kvs, idxs, cand = (1, 3), (1, 2, 3, 4, 5), 3
     args = ref_args(cfg, ratios, max_seq_len=256, batch=2, kv_source_layers=kvs,
                     index_source_layers=idxs, candidate_source_layer=cand,
-                    candidate_topk_blocks=3, candidate_block_size=4)
+                    candidate_topk_blocks=cand_blocks, candidate_block_size=block)
+    ref = R.randomize(R.AttnStack(args, v41=True), 7)
+    shared = CSAShared()
+    cfg41 = dataclasses.replace(cfg, kv_source_layers=kvs)
+    ours = [CSALayer(weights_of(ref.layers[i]), cfg41, ratio=r, layer_id=i, batch=2,
+                     max_seq_len=256, kv_source=i in kvs, index_source=i in idxs,
+                     candidate_source=i == cand, uses_candidates=i in idxs and i > cand,
+                     candidate_topk_blocks=cand_blocks, candidate_block_size=block,
+                     shared=shared) for i, r in enumerate(ratios)]
+    return ref, ours
+
+
+def test_v41_few_candidates_pad_with_minus_one():
+    """SPEC 4 vs the released V4.1 code (as public reproductions of it write it): when the
+    kept blocks hold fewer entries than index_topk, the released code masks the other
+    entries to -inf and still takes topk of them, so rows get entries from OUTSIDE the
+    kept blocks (whichever torch.topk returns among -inf ties); deepseek_csa pads with -1.
+    The released configuration (2048 blocks of 8 >= index_topk 512) never reaches this."""
+    ref, ours = _v41_stack(cand_blocks=2)
+    x = np.random.default_rng(11).standard_normal((2, 41, SMALL.dim), dtype=np.float32) * 0.5
+    tk = []
+    hk = ref.layers[4].indexer.register_forward_hook(lambda m, a, o: tk.append(o))
+    with torch.no_grad():
+        ref(torch.from_numpy(x), 0)
+    hk.remove()
+    h = x
+    ref.shared = R.Shared()
+    for layer in ours[:5]:
+        h = h + layer(h, 0)
+    got, want = ours[4].last_topk, tk[0].numpy()
+    assert ((got >= 0).sum(-1) <= 8).all()          # at most 2 blocks of 4 per row
+    assert ((want >= 0).sum(-1) > 8).any()          # the reference goes outside them
+
+
+def test_v41_stack_matches_reference():
+    cfg = SMALL
+    ratios = (0, 2, 2, 1, 1, 1)
+    kvs, idxs, cand = (1, 3), (1, 2, 3, 4, 5), 3
+    # 6 blocks of 4 >= index_topk 16: the candidate field always holds enough entries
+    args = ref_args(cfg, ratios, max_seq_len=256, batch=2, kv_source_layers=kvs,
+                    index_source_layers=idxs, candidate_source_layer=cand,
+                    candidate_topk_blocks=6, candidate_block_size=4)
     ref = R.randomize(R.AttnStack(args, v41=True), 7)
     shared = CSAShared()
     cfg41 = dataclasses.replace(cfg, kv_source_layers=kvs)
@@ -138,7 +179,7 @@ def test_v41_stack_matches_reference():
         ours.append(CSALayer(wi, cfg41, ratio=r, layer_id=i, batch=2, max_seq_len=256,
                              kv_source=i in kvs, index_source=i in idxs,
                              candidate_source=i == cand, uses_candidates=i in idxs and i > cand,
-                             candidate_topk_blocks=3, candidate_block_size=4, shared=shared))
+                             candidate_topk_blocks=6, candidate_block_size=4, shared=shared))
     rng = np.random.default_rng(11)
     S, steps = 41, 6
     x = rng.standard_normal((2, S + steps, cfg.dim), dtype=np.float32) * 0.5

@@ -129,7 +129,7 @@ def _build(mod, seed=0):
                 n_routed_experts=4, n_activated_experts=2, q_lora_rank=64, head_dim=128,
                 rope_head_dim=64, o_groups=4, o_lora_rank=32, window_size=16,
                 compress_rope_theta=160000.0, original_seq_len=65536, rope_factor=16,
-                index_n_heads=8, index_head_dim=64, index_topk=16, hc_mult=2)
+                index_n_heads=16, index_head_dim=64, index_topk=16, hc_mult=2)
     if "kv_source_layers" in fields:  # V4.1
         want.update(n_layers=5, compress_ratios=(0, 2, 2, 1, 1), kv_source_layers=(1, 3),
                     index_source_layers=(1, 3, 4))
