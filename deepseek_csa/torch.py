@@ -279,7 +279,7 @@ def indexer_forward(self, x, qr, start_pos, offset):
     self.compressor(x, start_pos)
     w = self.weights_proj(x) * (self.softmax_scale * self.n_heads ** -0.5)
     qn, kn, wn = _f32(q), _f32(self.kv_cache[:b, :end // r]), _f32(w)
-    k = min(self.index_topk, end // r)
+    k = self.index_topk                       # the kernels take min(k, visible) themselves
     if G.get("world_size", 1) > 1:
         sc = torch.from_numpy(_dc.index_scores(qn, kn, wn, ratio=r, start_pos=start_pos))
         G["dist"].all_reduce(sc)

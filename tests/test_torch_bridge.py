@@ -212,3 +212,13 @@ def test_swap_bf16_model():
             rows = zip(g.reshape(-1, g.shape[-1]), w.reshape(-1, w.shape[-1]))
             same = sum(len(set(a[a >= 0].tolist()) & set(b[b >= 0].tolist())) for a, b in rows)
             assert same >= 0.99 * (w >= 0).sum()
+
+
+def test_swap_prefill_shorter_than_ratio():
+    """Prefill of 3 tokens (no compressed entry yet, an empty top-k), then decode across
+    the first groups."""
+    args = small_args(ratios=(4, 16))
+    base = _stack(args, 8)
+    x = np.random.default_rng(5).standard_normal((2, 21, args.dim), dtype=np.float32) * 0.3
+    for r in R.swap_report(lambda: copy.deepcopy(base), _run(x, 3, 18)):
+        assert r["max_rel_err"] < 1e-4 and r["topk_equal"], r
