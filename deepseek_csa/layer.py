@@ -205,20 +205,32 @@ class CSALayer:
 
     # ------------------------------------------------------------------ state
     def _new_state(self):
+        """Compressors with the released epilogue fused: RMSNorm, RoPE at g*ratio (V4; V4.1
+        rotates after its indexer has read the latent) and the QAT rounding."""
         r, cfg, W = self.ratio, self.cfg, self.w
         self._comp = self._icomp = None
+        self._n_comp = 0
         if not r:
             return
+        Dr, eps, rope = cfg.rope_dim, cfg.norm_eps, (self._cos, self._sin)
         if self.version == "v4":
-            ov = r == 4
-            self._comp = _dc.Compressor(self.batch, r, cfg.head_dim, overlap=ov,
-                                        ape=W["compressor.ape"])
+            self._comp = _dc.Compressor(
+                self.batch, r, cfg.head_dim, overlap=r == 4, ape=W["compressor.ape"],
+                norm_weight=W["compressor.norm.weight"], eps=eps, rope=rope,
+                quant=lambda e: self._fp8(e[..., :-Dr], 64))
             if r == 4:
-                self._icomp = _dc.Compressor(self.batch, r, cfg.index_head_dim, overlap=True,
-                                             ape=W["indexer.compressor.ape"])
-        elif self.kv_source and r > 1:
-            self._comp = _dc.Compressor(self.batch, r, cfg.head_dim)
-        self._n_comp = 0
+                self._icomp = _dc.Compressor(
+                    self.batch, r, cfg.index_head_dim, overlap=True,
+                    ape=W["indexer.compressor.ape"],
+                    norm_weight=W["indexer.compressor.norm.weight"], eps=eps, rope=rope,
+                    quant=self._hadamard_fp4)
+        elif self.kv_source:
+            self._comp = _dc.Compressor(self.batch, r, cfg.head_dim,
+                                        norm_weight=W["compressor.norm.weight"], eps=eps)
+
+    def _hadamard_fp4(self, e):
+        _dc.hadamard(e, out=e)
+        self._fp4(e, 32)
 
     def reset(self):
         """Forgets the sequence (a prefill does this by itself)."""
@@ -392,22 +404,15 @@ class CSALayer:
         if r == 4:
             # indexer: its own compressor first (keys), then queries, then the top-k
             e = self._pool(self._icomp, p["ickv"], p["icscore"], start_pos)
-            t = self._tick("compressor", t)
             if e is not None:
-                first, c, s = self._entry_rows(start_pos, e.shape[1])
-                _dc.rms_norm(e, W["indexer.compressor.norm.weight"], cfg.norm_eps, out=e)
-                t = self._tick("rms_norm", t)
-                _dc.apply_rope(e[..., -Dr:], c, s)
-                t = self._tick("rope", t)
-                e = _dc.hadamard(e)
-                self._fp4(e, 32)
-                t = self._tick("qat", t)
+                first = 0 if start_pos == 0 else start_pos // r
                 self._ik[:B, first:first + e.shape[1]] = e
+            t = self._tick("compressor", t)
             iq = p["iq"]
             cos, sin = self._cos[start_pos:start_pos + S], self._sin[start_pos:start_pos + S]
             _dc.apply_rope(iq[..., -Dr:], cos, sin)
             t = self._tick("rope", t)
-            iq = _dc.hadamard(iq)
+            _dc.hadamard(iq, out=iq)   # iq is this call's own projection
             self._fp4(iq, 32)
             t = self._tick("qat", t)
             cidx = _dc.index_topk(iq, self._ik[:B, :n], p["iw"], self.index_topk, ratio=r,
@@ -417,16 +422,10 @@ class CSALayer:
             cidx = _dc.compress_topk_idxs(r, B, S, start_pos, offset)
             t = self._tick("index_lists", t)
         e = self._pool(self._comp, p["ckv"], p["cscore"], start_pos)
-        t = self._tick("compressor", t)
         if e is not None:
-            first, c, s = self._entry_rows(start_pos, e.shape[1])
-            _dc.rms_norm(e, W["compressor.norm.weight"], cfg.norm_eps, out=e)
-            t = self._tick("rms_norm", t)
-            _dc.apply_rope(e[..., -Dr:], c, s)
-            t = self._tick("rope", t)
-            self._fp8(e[..., :-Dr], 64)
-            t = self._tick("qat", t)
+            first = 0 if start_pos == 0 else start_pos // r
             self._kv[:B, win + first:win + first + e.shape[1]] = e
+        self._tick("compressor", t)
         return cidx, n
 
     def _compressed_v41(self, p, start_pos, offset, B, S):
@@ -436,23 +435,14 @@ class CSALayer:
         t = time.perf_counter()
         latent = None
         if self.kv_source:
-            if r == 1:
-                latent = p["ckv"]
-                _dc.rms_norm(latent, W["compressor.norm.weight"], cfg.norm_eps, out=latent)
-                t = self._tick("rms_norm", t)
-            else:
-                latent = self._pool(self._comp, p["ckv"], p["cscore"], start_pos)
-                t = self._tick("compressor", t)
-                if latent is not None:
-                    _dc.rms_norm(latent, W["compressor.norm.weight"], cfg.norm_eps, out=latent)
-                    t = self._tick("rms_norm", t)
+            latent = self._pool(self._comp, p["ckv"], p.get("cscore"), start_pos)
+            t = self._tick("compressor", t)
             sh.compress_kv = self._kv[:, cfg.window:]
             if self.index_source:
                 sh.index_k = self._ik
             if latent is not None:
                 first, c, s = self._entry_rows(start_pos, latent.shape[1])
                 if self.index_source:
-                    t = self._tick("rms_norm", t)
                     k = latent @ W["indexer.wk.weight"].T
                     t = self._tick(_PROJ, t)
                     _dc.rms_norm(k, W["indexer.k_norm.weight"], cfg.norm_eps, out=k)

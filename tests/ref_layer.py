@@ -720,8 +720,11 @@ class _StandinCompressor:
     """NumPy-in/out stand-in with the documented deepseek_csa.Compressor interface, used
     only while that kernel is not on main (install_standins)."""
 
-    def __init__(self, batch, ratio, head_dim, *, overlap=False, ape=None):
+    def __init__(self, batch, ratio, head_dim, *, overlap=False, ape=None, norm_weight=None,
+                 eps=1e-6, rope=None, quant=None):
         self.r, self.d, self.overlap = ratio, head_dim, overlap
+        self.nw = None if norm_weight is None else torch.as_tensor(norm_weight)
+        self.eps, self.rope, self.quant = eps, rope, quant
         c = 2 if overlap else 1
         self.ape = torch.zeros(ratio, c * head_dim) if ape is None else torch.as_tensor(ape)
         self.kv = torch.zeros(batch, c * ratio, c * head_dim)
@@ -739,10 +742,13 @@ class _StandinCompressor:
             kv, sc = torch.cat((pk, kv[..., d:]), 2), torch.cat((ps, sc[..., d:]), 2)
         return (kv * torch.softmax(sc, 2)).sum(2)
 
-    def prefill(self, kv, score):
-        kv, sc = torch.as_tensor(kv), torch.as_tensor(score)
+    def prefill(self, kv, score=None):
+        kv = torch.as_tensor(kv)
         b, t = kv.shape[:2]
         r = self.r
+        if r == 1 and not self.overlap:
+            return self._epilogue(kv.clone(), 0)
+        sc = torch.as_tensor(score)
         full = t - t % r
         base = r if self.overlap else 0
         if self.overlap and full >= r:
@@ -751,11 +757,28 @@ class _StandinCompressor:
         if t > full:
             self.kv[:b, base:base + t - full] = kv[:, full:]
             self.sc[:b, base:base + t - full] = sc[:, full:] + self.ape[:t - full]
-        return self._pool(kv, sc).numpy()
+        return self._epilogue(self._pool(kv, sc), 0)
+
+    def _epilogue(self, e, first):
+        if self.nw is not None:
+            e = e * torch.rsqrt(e.square().mean(-1, keepdim=True) + self.eps) * self.nw
+        if self.rope is not None and e.shape[1]:
+            cos, sin = (torch.as_tensor(t) for t in self.rope)
+            pos = (torch.arange(e.shape[1]) + first) * self.r
+            half = cos.shape[1]
+            apply_rotary_emb(e[..., -2 * half:], torch.complex(cos[pos], sin[pos]))
+        e = e.contiguous().numpy()
+        if self.quant is not None and e.shape[1]:
+            y = self.quant(e)
+            e = e if y is None else y
+        return e
 
     def step(self, kv, score, start_pos):
-        kv, sc = torch.as_tensor(kv), torch.as_tensor(score)
+        kv = torch.as_tensor(kv)
         b, r, d = kv.shape[0], self.r, self.d
+        if r == 1 and not self.overlap:
+            return self._epilogue(kv.clone(), start_pos)
+        sc = torch.as_tensor(score)
         slot = start_pos % r
         row = r + slot if self.overlap else slot
         self.kv[:b, row] = kv[:, 0]
@@ -769,7 +792,7 @@ class _StandinCompressor:
             self.sc[:b, :r] = self.sc[:b, r:].clone()
         else:
             k, s = self.kv[:b], self.sc[:b]
-        return (k * torch.softmax(s, 1)).sum(1, keepdim=True).numpy()
+        return self._epilogue((k * torch.softmax(s, 1)).sum(1, keepdim=True), start_pos // r)
 
 
 def _np(f):
