@@ -1,0 +1,143 @@
+/* Tuned gated pooling body, compiled once per ISA level by csa_isa_variants.h.
+ * Unit feature strides.  One entry = features in chunks of POOL_FC, two passes over
+ * the candidate rows (max of the logits, then exp / sum / weighted sum), rows
+ * streamed in order so the prefetchers see sequential reads.  The per-feature
+ * arithmetic never depends on the chunk, the lane, the thread or where the rows
+ * live, so prefill and decode (csa_pool_step) give the same bits. */
+
+#ifndef POOL_FC
+#define POOL_FC 512
+#endif
+
+#ifdef __AVX512F__
+/* exp(x) for x <= 0 or NaN (x = l - max): the profile is all exp, and GCC does not
+ * vectorize expf without -ffast-math.  Cephes' degree-6 polynomial on
+ * x - n ln2, |x - n ln2| <= ln2/2, then vscalefps by 2^n: ~1 ulp, exact 0 below
+ * the float range, NaN in -> NaN out (the max below keeps x when x is NaN). */
+static inline __m512 CSA_V(exp_neg)(__m512 x)
+{
+    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+    const __m512 r2 = _mm512_mul_ps(r, r);
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+static int CSA_V(pool_entry_tuned)(const pool_cands *c, int nc, csa_idx d, float *out)
+{
+    float m[POOL_FC] __attribute__((aligned(64)));
+    float s[POOL_FC] __attribute__((aligned(64)));
+    float acc[POOL_FC] __attribute__((aligned(64)));
+    for (csa_idx f0 = 0; f0 < d; f0 += POOL_FC) {
+        const csa_idx fc = d - f0 < POOL_FC ? d - f0 : POOL_FC;
+#ifdef __AVX512F__
+        for (csa_idx f = 0; f < fc; f += 16) {
+            _mm512_store_ps(m + f, _mm512_set1_ps(-INFINITY));
+            _mm512_store_ps(s + f, _mm512_setzero_ps());
+            _mm512_store_ps(acc + f, _mm512_setzero_ps());
+        }
+        const __mmask16 tail = (__mmask16)((1u << (fc % 16 ? fc % 16 : 16)) - 1u);
+        const csa_idx fv = fc - (fc % 16 ? fc % 16 : 16);   /* start of the last vector */
+        for (int k = 0; k < nc; k++)
+            for (csa_idx j = 0; j < c[k].n; j++) {
+                const float *sc = c[k].sc + j * c[k].ssc + f0;
+                const float *ap = c[k].ape ? c[k].ape + j * c[k].sape + f0 : NULL;
+                for (csa_idx f = 0; f < fc; f += 16) {
+                    const __mmask16 mk = f == fv ? tail : (__mmask16)0xffff;
+                    __m512 l = _mm512_maskz_loadu_ps(mk, sc + f);
+                    if (ap) l = _mm512_add_ps(l, _mm512_maskz_loadu_ps(mk, ap + f));
+                    /* max(l, m) returns m when l is NaN: the NaN shows in its exp */
+                    _mm512_store_ps(m + f, _mm512_max_ps(l, _mm512_load_ps(m + f)));
+                }
+            }
+        for (int k = 0; k < nc; k++)
+            for (csa_idx j = 0; j < c[k].n; j++) {
+                const float *sc = c[k].sc + j * c[k].ssc + f0;
+                const float *kv = c[k].kv + j * c[k].skv + f0;
+                const float *ap = c[k].ape ? c[k].ape + j * c[k].sape + f0 : NULL;
+                for (csa_idx f = 0; f < fc; f += 16) {
+                    const __mmask16 mk = f == fv ? tail : (__mmask16)0xffff;
+                    __m512 l = _mm512_maskz_loadu_ps(mk, sc + f);
+                    if (ap) l = _mm512_add_ps(l, _mm512_maskz_loadu_ps(mk, ap + f));
+                    const __m512 e = CSA_V(exp_neg)(_mm512_sub_ps(l, _mm512_load_ps(m + f)));
+                    _mm512_store_ps(s + f, _mm512_add_ps(_mm512_load_ps(s + f), e));
+                    _mm512_store_ps(acc + f, _mm512_fmadd_ps(e, _mm512_maskz_loadu_ps(mk, kv + f),
+                                                             _mm512_load_ps(acc + f)));
+                }
+            }
+        for (csa_idx f = 0; f < fc; f += 16) {
+            const __mmask16 mk = f == fv ? tail : (__mmask16)0xffff;
+            _mm512_mask_storeu_ps(out + f0 + f, mk,
+                                  _mm512_div_ps(_mm512_load_ps(acc + f), _mm512_load_ps(s + f)));
+        }
+#else
+        for (csa_idx f = 0; f < fc; f++) {
+            m[f] = -INFINITY;
+            s[f] = 0.0f;
+            acc[f] = 0.0f;
+        }
+        for (int k = 0; k < nc; k++)
+            for (csa_idx j = 0; j < c[k].n; j++) {
+                const float *CSA_RESTRICT sc = c[k].sc + j * c[k].ssc + f0;
+                const float *CSA_RESTRICT ap = c[k].ape ? c[k].ape + j * c[k].sape + f0 : NULL;
+                for (csa_idx f = 0; f < fc; f++) {
+                    const float l = ap ? sc[f] + ap[f] : sc[f];
+                    m[f] = l > m[f] ? l : m[f];
+                }
+            }
+        for (int k = 0; k < nc; k++)
+            for (csa_idx j = 0; j < c[k].n; j++) {
+                const float *CSA_RESTRICT sc = c[k].sc + j * c[k].ssc + f0;
+                const float *CSA_RESTRICT kv = c[k].kv + j * c[k].skv + f0;
+                const float *CSA_RESTRICT ap = c[k].ape ? c[k].ape + j * c[k].sape + f0 : NULL;
+                for (csa_idx f = 0; f < fc; f++) {
+                    const float l = ap ? sc[f] + ap[f] : sc[f];
+                    const float e = expf(l - m[f]);
+                    s[f] += e;
+                    acc[f] += e * kv[f];
+                }
+            }
+        for (csa_idx f = 0; f < fc; f++) out[f0 + f] = acc[f] / s[f];
+#endif
+    }
+    return CSA_OK;
+}
+
+static int CSA_V(gated_pool_tuned)(const float *kv, csa_idx skb, csa_idx skt,
+                                   const float *score, csa_idx ssb, csa_idx sst,
+                                   const float *ape, csa_idx sar,
+                                   csa_idx B, csa_idx T, csa_idx d, csa_idx r, int overlap,
+                                   float *out, csa_idx sob, csa_idx sog)
+{
+    if (r <= 0 || B < 0 || T < 0 || d < 0) return CSA_EINVAL;
+    const csa_idx G = T / r, items = B * G;
+    if (r == 1 && !overlap) {
+        const int nt = csa_threads(items, 1 + 16384 / (d + 1));
+#pragma omp parallel for num_threads(nt) schedule(static)
+        for (csa_idx i = 0; i < items; i++)
+            memcpy(out + (i / G) * sob + (i % G) * sog, kv + (i / G) * skb + (i % G) * skt,
+                   (size_t)d * sizeof(float));
+        return CSA_OK;
+    }
+    /* consecutive entries per thread: with overlap, group g-1 is still in cache */
+    const int nt = csa_threads(items, 1 + 65536 / ((overlap ? 2 : 1) * r * d + 1));
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (csa_idx i = 0; i < items; i++) {
+        const csa_idx b = i / G, g = i % G;
+        pool_cands c[2];
+        const int nc = entry_cands(c, kv + b * skb, skt, 1, score + b * ssb, sst, 1, ape, sar, 1,
+                                   d, r, overlap, g);
+        CSA_V(pool_entry_tuned)(c, nc, d, out + b * sob + g * sog);
+    }
+    return CSA_OK;
+}
