@@ -137,6 +137,17 @@ static int CSA_V(gated_pool_tuned)(const float *kv, csa_idx skb, csa_idx skt,
         pool_cands c[2];
         const int nc = entry_cands(c, kv + b * skb, skt, 1, score + b * ssb, sst, 1, ape, sar, 1,
                                    d, r, overlap, g);
+        /* Fetch the next group whole, row by row, while this one is pooled: an entry
+         * reads half rows (overlap) or feature chunks, an order the hardware
+         * prefetchers follow badly; from L2 it does not matter. */
+        if (g + 1 < G) {
+            const csa_idx cd = (overlap ? 2 : 1) * d;
+            for (csa_idx t = (g + 1) * r; t < (g + 2) * r; t++)
+                for (csa_idx f = 0; f < cd; f += 16) {
+                    __builtin_prefetch(kv + b * skb + t * skt + f, 0, 2);
+                    __builtin_prefetch(score + b * ssb + t * sst + f, 0, 2);
+                }
+        }
         CSA_V(pool_entry_tuned)(c, nc, d, out + b * sob + g * sog);
     }
     return CSA_OK;
