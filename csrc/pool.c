@@ -17,6 +17,8 @@ typedef struct {
     const float *kv, *sc, *ape;
     csa_idx n, skv, ssc, sape;
     csa_idx fkv, fsc, fape;
+    csa_idx pf;   /* tuned prefill only: the row's other half (elements away), which the
+                   * next entry reads, is prefetched along with it; 0 = none */
 } pool_cands;
 
 /* The scalar oracle of one entry.  Per feature, in this order: m = max of the logits
@@ -61,7 +63,7 @@ static int entry_cands(pool_cands *c, const float *kv, csa_idx skt, csa_idx skf,
     c[0] = (pool_cands){k0 - r * skt, s0 - r * sst, ape, g > 0 ? r : 0, skt, sst, sar,
                         skf, ssf, saf};
     c[1] = (pool_cands){k0 + d * skf, s0 + d * ssf, ape ? ape + d * saf : NULL, r, skt, sst,
-                        sar, skf, ssf, saf};
+                        sar, skf, ssf, saf, -d * skf};
     return 2;
 }
 
@@ -87,6 +89,9 @@ int csa_gated_pool_ref(const float *kv, csa_idx skb, csa_idx skt, csa_idx skf,
         }
     return CSA_OK;
 }
+
+/* Feature chunk of one decode entry per parallel item. */
+#define POOL_STEP_F 128
 
 #define CSA_IMPL "pool_impl.h"
 #include "csa_isa_variants.h"
@@ -233,26 +238,38 @@ int csa_pool_step(csa_pool_state *st, const float *kv, csa_idx skb, const float 
     }
     int s = CSA_OK;
     if (done) {
-        const int nt = csa_threads(B, 1 + 65536 / (2 * r * d + 1));
+        /* Rows and chunks of POOL_STEP_F features are independent outputs (a feature's
+         * arithmetic does not depend on the split).  Waking a second thread costs
+         * more than one entry (even ratio 128 at batch 1, measured), so threads start
+         * only for a batch of large entries. */
+        const csa_idx nf = (d + POOL_STEP_F - 1) / POOL_STEP_F, items = B * nf;
+        const csa_idx work = (st->overlap ? 2 : 1) * r * POOL_STEP_F;
+        const int nt = csa_threads(items, 1 + 262144 / work);
 #pragma omp parallel for num_threads(nt) schedule(static)
-        for (csa_idx b = 0; b < B; b++) {
-            float *sk = st->kv + b * r * cd, *ss = st->score + b * r * cd;
+        for (csa_idx i = 0; i < items; i++) {
+            const csa_idx b = i / nf, f0 = (i % nf) * POOL_STEP_F;
+            const csa_idx fc = d - f0 < POOL_STEP_F ? d - f0 : POOL_STEP_F;
+            const float *sk = st->kv + b * r * cd + f0, *ss = st->score + b * r * cd + f0;
             pool_cands c[2];
             int nc = 0;
             if (st->overlap) {
-                float *pk = st->prev_kv + b * r * d, *ps = st->prev_score + b * r * d;
+                const float *pk = st->prev_kv + b * r * d + f0, *ps = st->prev_score + b * r * d + f0;
                 c[nc++] = (pool_cands){pk, ps, NULL, g > 0 ? r : 0, d, d, 0, 1, 1, 1};
                 c[nc++] = (pool_cands){sk + d, ss + d, NULL, r, cd, cd, 0, 1, 1, 1};
-                pool_entry_any(c, nc, d, out + b * sob);
-                for (csa_idx j = 0; j < r; j++) {
-                    memcpy(pk + j * d, sk + j * cd, (size_t)d * sizeof(float));
-                    memcpy(ps + j * d, ss + j * cd, (size_t)d * sizeof(float));
-                }
             } else {
                 c[nc++] = (pool_cands){sk, ss, NULL, r, cd, cd, 0, 1, 1, 1};
-                pool_entry_any(c, nc, d, out + b * sob);
             }
+            pool_entry_any(c, nc, fc, out + b * sob + f0);
         }
+        /* the completed group becomes the previous one */
+        if (st->overlap)
+            for (csa_idx b = 0; b < B; b++)
+                for (csa_idx j = 0; j < r; j++) {
+                    memcpy(st->prev_kv + (b * r + j) * d, st->kv + (b * r + j) * cd,
+                           (size_t)d * sizeof(float));
+                    memcpy(st->prev_score + (b * r + j) * d, st->score + (b * r + j) * cd,
+                           (size_t)d * sizeof(float));
+                }
         s = pool_epilogue(ep, out, B, 1, d, sob, 0, r, g);
     }
     for (csa_idx b = 0; b < B; b++) st->pos[b] = p + 1;

@@ -6,7 +6,7 @@
  * live, so prefill and decode (csa_pool_step) give the same bits. */
 
 #ifndef POOL_FC
-#define POOL_FC 512
+#define POOL_FC 1024
 #endif
 
 #ifdef __AVX512F__
@@ -52,8 +52,17 @@ static int CSA_V(pool_entry_tuned)(const pool_cands *c, int nc, csa_idx d, float
             for (csa_idx j = 0; j < c[k].n; j++) {
                 const float *sc = c[k].sc + j * c[k].ssc + f0;
                 const float *ap = c[k].ape ? c[k].ape + j * c[k].sape + f0 : NULL;
+                const float *kv = c[k].kv + j * c[k].skv + f0;
+                const csa_idx pf = c[k].pf;
                 for (csa_idx f = 0; f < fc; f += 16) {
                     const __mmask16 mk = f == fv ? tail : (__mmask16)0xffff;
+                    /* pass 1 streams the rows once from memory: fetch the kv of pass 2
+                     * and the sibling half rows the next entry needs along with them */
+                    _mm_prefetch((const char *)(kv + f), _MM_HINT_T1);
+                    if (pf) {
+                        _mm_prefetch((const char *)(sc + pf + f), _MM_HINT_T1);
+                        _mm_prefetch((const char *)(kv + pf + f), _MM_HINT_T1);
+                    }
                     __m512 l = _mm512_maskz_loadu_ps(mk, sc + f);
                     if (ap) l = _mm512_add_ps(l, _mm512_maskz_loadu_ps(mk, ap + f));
                     /* max(l, m) returns m when l is NaN: the NaN shows in its exp */
@@ -137,17 +146,6 @@ static int CSA_V(gated_pool_tuned)(const float *kv, csa_idx skb, csa_idx skt,
         pool_cands c[2];
         const int nc = entry_cands(c, kv + b * skb, skt, 1, score + b * ssb, sst, 1, ape, sar, 1,
                                    d, r, overlap, g);
-        /* Fetch the next group whole, row by row, while this one is pooled: an entry
-         * reads half rows (overlap) or feature chunks, an order the hardware
-         * prefetchers follow badly; from L2 it does not matter. */
-        if (g + 1 < G) {
-            const csa_idx cd = (overlap ? 2 : 1) * d;
-            for (csa_idx t = (g + 1) * r; t < (g + 2) * r; t++)
-                for (csa_idx f = 0; f < cd; f += 16) {
-                    __builtin_prefetch(kv + b * skb + t * skt + f, 0, 2);
-                    __builtin_prefetch(score + b * ssb + t * sst + f, 0, 2);
-                }
-        }
         CSA_V(pool_entry_tuned)(c, nc, d, out + b * sob + g * sog);
     }
     return CSA_OK;
