@@ -1,7 +1,9 @@
 /* Tuned gated pooling body, compiled once per ISA level by csa_isa_variants.h.
  * Unit feature strides.  One entry = features in chunks of POOL_FC, two passes over
  * the candidate rows (max of the logits, then exp / sum / weighted sum), rows
- * streamed in order so the prefetchers see sequential reads.  The per-feature
+ * streamed in order so the prefetchers see sequential reads; AVX-512 and AVX2 have
+ * their own vector exp (masked tails: every feature goes through the same
+ * instructions), the baseline calls expf.  The per-feature
  * arithmetic never depends on the chunk, the lane, the thread or where the rows
  * live, so prefill and decode (csa_pool_step) give the same bits. */
 
@@ -30,6 +32,30 @@ static inline __m512 CSA_V(exp_neg)(__m512 x)
     const __m512 r2 = _mm512_mul_ps(r, r);
     p = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+/* The same exp on 8 lanes; without vscalefps, 2^n is built from its exponent bits,
+ * so results below FLT_MIN (x < -87) are 0 instead of subnormal: relative to the
+ * sum of the weights (>= 1) that is below 1e-38. */
+static inline __m256 CSA_V(exp_neg8)(__m256 x)
+{
+    const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);          /* NaN stays x */
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+    const __m256 r2 = _mm256_mul_ps(r, r);
+    p = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.0f));
+    const __m256i k = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(k)));
 }
 #endif
 
@@ -89,6 +115,46 @@ static int CSA_V(pool_entry_tuned)(const pool_cands *c, int nc, csa_idx d, float
             _mm512_mask_storeu_ps(out + f0 + f, mk,
                                   _mm512_div_ps(_mm512_load_ps(acc + f), _mm512_load_ps(s + f)));
         }
+#elif defined(__AVX2__) && defined(__FMA__)
+        static const int32_t lanes[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+        for (csa_idx f = 0; f < fc; f += 8) {
+            _mm256_store_ps(m + f, _mm256_set1_ps(-INFINITY));
+            _mm256_store_ps(s + f, _mm256_setzero_ps());
+            _mm256_store_ps(acc + f, _mm256_setzero_ps());
+        }
+        const csa_idx nrem = fc % 8 ? fc % 8 : 8;
+        const __m256i tail = _mm256_loadu_si256((const __m256i *)(lanes + 8 - nrem));
+        const __m256i full = _mm256_set1_epi32(-1);
+        const csa_idx fv = fc - nrem;
+        for (int k = 0; k < nc; k++)
+            for (csa_idx j = 0; j < c[k].n; j++) {
+                const float *sc = c[k].sc + j * c[k].ssc + f0;
+                const float *ap = c[k].ape ? c[k].ape + j * c[k].sape + f0 : NULL;
+                for (csa_idx f = 0; f < fc; f += 8) {
+                    const __m256i mk = f == fv ? tail : full;
+                    __m256 l = _mm256_maskload_ps(sc + f, mk);
+                    if (ap) l = _mm256_add_ps(l, _mm256_maskload_ps(ap + f, mk));
+                    _mm256_store_ps(m + f, _mm256_max_ps(l, _mm256_load_ps(m + f)));
+                }
+            }
+        for (int k = 0; k < nc; k++)
+            for (csa_idx j = 0; j < c[k].n; j++) {
+                const float *sc = c[k].sc + j * c[k].ssc + f0;
+                const float *kv = c[k].kv + j * c[k].skv + f0;
+                const float *ap = c[k].ape ? c[k].ape + j * c[k].sape + f0 : NULL;
+                for (csa_idx f = 0; f < fc; f += 8) {
+                    const __m256i mk = f == fv ? tail : full;
+                    __m256 l = _mm256_maskload_ps(sc + f, mk);
+                    if (ap) l = _mm256_add_ps(l, _mm256_maskload_ps(ap + f, mk));
+                    const __m256 e = CSA_V(exp_neg8)(_mm256_sub_ps(l, _mm256_load_ps(m + f)));
+                    _mm256_store_ps(s + f, _mm256_add_ps(_mm256_load_ps(s + f), e));
+                    _mm256_store_ps(acc + f, _mm256_fmadd_ps(e, _mm256_maskload_ps(kv + f, mk),
+                                                             _mm256_load_ps(acc + f)));
+                }
+            }
+        for (csa_idx f = 0; f < fc; f += 8)
+            _mm256_maskstore_ps(out + f0 + f, f == fv ? tail : full,
+                                _mm256_div_ps(_mm256_load_ps(acc + f), _mm256_load_ps(s + f)));
 #else
         for (csa_idx f = 0; f < fc; f++) {
             m[f] = -INFINITY;
