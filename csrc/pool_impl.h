@@ -10,6 +10,9 @@
 #ifndef POOL_FC
 #define POOL_FC 1024
 #endif
+#ifndef POOL_RUN
+#define POOL_RUN 8
+#endif
 
 #ifdef __AVX512F__
 /* exp(x) for x <= 0 or NaN (x = l - max): the profile is all exp, and GCC does not
@@ -204,9 +207,12 @@ static int CSA_V(gated_pool_tuned)(const float *kv, csa_idx skb, csa_idx skt,
                    (size_t)d * sizeof(float));
         return CSA_OK;
     }
-    /* consecutive entries per thread: with overlap, group g-1 is still in cache */
+    /* Runs of POOL_RUN consecutive entries per thread (with overlap, group g-1 is
+     * still in cache), handed out dynamically: on a shared machine a descheduled
+     * thread does not hold the others at the barrier.  Entries are independent, so
+     * the bits do not depend on who computes which. */
     const int nt = csa_threads(items, 1 + 65536 / ((overlap ? 2 : 1) * r * d + 1));
-#pragma omp parallel for num_threads(nt) schedule(static)
+#pragma omp parallel for num_threads(nt) schedule(dynamic, POOL_RUN)
     for (csa_idx i = 0; i < items; i++) {
         const csa_idx b = i / G, g = i % G;
         pool_cands c[2];
