@@ -455,3 +455,17 @@ def test_compressor_decode_bitwise_at_any_thread_count(rng):
         with threads(n):
             res.append(_stream(dc.Compressor(4, 4, 512, overlap=True, ape=ape), kv, sc, 257))
     assert all(np.array_equal(r, res[0]) for r in res[1:])
+
+
+def test_compressor_takes_torch_tensors(rng):
+    kv, sc, ape = _inputs(rng, 2, 10, 16, 4)
+    want = _stream(dc.Compressor(2, 4, 8, overlap=True, ape=ape), kv, sc, 5)
+    comp = dc.Compressor(2, 4, 8, overlap=True, ape=T_(ape))
+    got = _stream(comp, T_(kv), T_(sc), 5)
+    assert np.array_equal(got, want)
+    s0 = _state(comp)
+    with pytest.raises(TypeError, match="'kv'"):
+        comp.step(T_(kv[:, :1]).bfloat16(), T_(sc[:, :1]), 10)
+    with pytest.raises(TypeError, match="'score'"):
+        comp.step(T_(kv[:, :1]), T_(sc[:, :1]).requires_grad_(), 10)
+    assert _same_state(s0, _state(comp))
