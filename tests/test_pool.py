@@ -469,3 +469,28 @@ def test_compressor_takes_torch_tensors(rng):
     with pytest.raises(TypeError, match="'score'"):
         comp.step(T_(kv[:, :1]), T_(sc[:, :1]).requires_grad_(), 10)
     assert _same_state(s0, _state(comp))
+
+
+def test_gil_released_during_pooling(rng):
+    import threading
+    import time
+    kv, sc, ape = _inputs(rng, 1, 8192, 1024, 4)
+    ticks, stop = [], threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            ticks.append(1)
+            time.sleep(0)
+
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        time.sleep(0.01)
+        n0 = len(ticks)
+        for _ in range(3):
+            dc.gated_pool(kv, sc, 4, ape=ape, overlap=True)
+        n1 = len(ticks)
+    finally:
+        stop.set()
+        t.join()
+    assert n1 > n0, "a pure-Python thread made no progress while the kernel ran"
