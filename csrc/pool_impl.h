@@ -10,6 +10,7 @@
 #ifndef POOL_FC
 #define POOL_FC 1024
 #endif
+_Static_assert(POOL_FC % 64 == 0, "POOL_FC must be whole 64-feature blocks");
 #ifndef POOL_RUN
 #define POOL_RUN 8
 #endif
@@ -67,17 +68,18 @@ static int CSA_V(pool_entry_tuned)(const pool_cands *c, int nc, csa_idx d, float
     /* m, s, acc in one buffer, staggered by 80 floats so that their addresses never
      * share the low 12 bits: 4 KiB apart, a store to one stalls the loads of the
      * others behind it (4K aliasing; ~1.3x on the whole kernel, measured). */
-    float buf[3 * POOL_FC + 2 * 80 + 64] __attribute__((aligned(64)));
+    float buf[3 * POOL_FC + 2 * 80] __attribute__((aligned(64)));
     float *CSA_RESTRICT m = buf, *CSA_RESTRICT s = buf + POOL_FC + 80;
     float *CSA_RESTRICT acc = buf + 2 * POOL_FC + 160;
     for (csa_idx f0 = 0; f0 < d; f0 += POOL_FC) {
         const csa_idx fc = d - f0 < POOL_FC ? d - f0 : POOL_FC;
 #ifdef __AVX512F__
-        for (csa_idx f = 0; f < fc; f += 16) {
+        (void)s;
+        (void)acc;
+        for (csa_idx f = 0; f < fc; f += 16)   /* whole 64-blocks: pass 2 reads them */
             _mm512_store_ps(m + f, _mm512_set1_ps(-INFINITY));
-            _mm512_store_ps(s + f, _mm512_setzero_ps());
-            _mm512_store_ps(acc + f, _mm512_setzero_ps());
-        }
+        for (csa_idx f = (fc + 15) / 16 * 16; f % 64; f += 16)
+            _mm512_store_ps(m + f, _mm512_setzero_ps());
         const __mmask16 tail = (__mmask16)((1u << (fc % 16 ? fc % 16 : 16)) - 1u);
         const csa_idx fv = fc - (fc % 16 ? fc % 16 : 16);   /* start of the last vector */
         for (int k = 0; k < nc; k++)
@@ -109,7 +111,7 @@ static int CSA_V(pool_entry_tuned)(const pool_cands *c, int nc, csa_idx d, float
             for (int v = 0; v < 4; v++) {
                 const csa_idx f = fb + 16 * v;
                 mk[v] = f > fv ? (__mmask16)0 : (f == fv ? tail : (__mmask16)0xffff);
-                mv[v] = _mm512_load_ps(m + (f < POOL_FC ? f : 0));
+                mv[v] = _mm512_load_ps(m + f);
                 sv[v] = _mm512_setzero_ps();
                 av[v] = _mm512_setzero_ps();
             }
