@@ -21,11 +21,34 @@ from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from ._core import _pool_prefill, _pool_step, gated_pool
+from ._core import _pool_prefill, _pool_step, _round_bf16, fp4_round, fp8_round, gated_pool, hadamard
 
 __all__ = ["gated_pool", "Compressor"]
 
-_QUANT_NAMES = ("fp8", "fp4", "hadamard_fp4")
+
+def _quant_fn(name, rope_dim, bf16):
+    """The released model's QAT rounding of emitted entries, by name (SPEC 7)."""
+    def fp8(y):     # V4 compressed KV: FP8 on the features in front of the rope tail
+        fp8_round(y[..., :y.shape[-1] - rope_dim], 64)
+
+    def fp4(y):     # FP4, power-of-two scales
+        fp4_round(y, 32)
+
+    def hadamard_fp4(y):   # V4 indexer keys: rotate, (back to the model dtype), FP4
+        hadamard(y, out=y)
+        if bf16:
+            _round_bf16(y)
+        fp4_round(y, 32)
+
+    def fp4_e4m3(y):       # V4.1 compressed KV: FP4 in blocks of 16 with e4m3 scales
+        fp4_round(y, 16, scale="e4m3")
+        if bf16:           # e4m3 scales are not powers of two: back to the model dtype
+            _round_bf16(y)
+
+    return {"fp8": fp8, "fp4": fp4, "hadamard_fp4": hadamard_fp4, "fp4_e4m3": fp4_e4m3}[name]
+
+
+_QUANT_NAMES = ("fp8", "fp4", "hadamard_fp4", "fp4_e4m3")
 
 
 def _view(x):
@@ -72,12 +95,15 @@ class Compressor:
     rope        : (cos, sin) float32 [P, Dr/2] tables (``rope_table``; None: no
                   RoPE, as V4.1 which rotates outside the compressor): entry g is
                   rotated on its last Dr features at position g*ratio < P.
-    quant       : None, or a callable ``quant(entries) -> array or None`` applied
-                  last to every emitted [B, n, D] float32 array (None result: it
-                  rounded in place), e.g. FP8 of the first D - Dr features, or
-                  Hadamard + FP4 for the indexer.  The strings "fp8", "fp4" and
-                  "hadamard_fp4" are reserved for the package's rounding kernels
-                  and raise NotImplementedError until those are wired in.
+    quant       : the released QAT rounding applied last to every emitted entry:
+                  "fp8"  FP8 e4m3, ue8m0 scales, blocks of 64 over the first D - Dr
+                         features (V4 compressed KV; Dr from `rope`, else 64),
+                  "hadamard_fp4"  Hadamard rotation then FP4 e2m1 in blocks of 32
+                         (V4 indexer keys),
+                  "fp4"  FP4 e2m1, ue8m0 scales, blocks of 32,
+                  "fp4_e4m3"  FP4 in blocks of 16 with e4m3 scales (V4.1 KV),
+                  or a callable ``quant(entries) -> array or None`` given every
+                  emitted [B, n, D] float32 array (None result: rounded in place).
 
     Ratio 1 without overlap is V4.1's ungated entry: the token's own kv (score may
     be None), then the epilogue.
@@ -117,9 +143,8 @@ class Compressor:
             if quant not in _QUANT_NAMES:
                 raise ValueError(f"Compressor(): 'quant' must be None, a callable or one of "
                                  f"{_QUANT_NAMES}, got {quant!r}")
-            raise NotImplementedError(
-                f"Compressor(): quant={quant!r} needs the FP8/FP4 rounding kernels, which are "
-                f"not wired in yet; pass a callable quant(entries) instead")
+            quant = _quant_fn(quant, 2 * cos.shape[1] if cos is not None else 64,
+                              model_dtype == "bfloat16")
         if quant is not None and not callable(quant):
             raise TypeError(f"Compressor(): 'quant' must be None or callable, got "
                             f"{type(quant).__name__}")

@@ -355,11 +355,44 @@ def test_compressor_quant_hook(rng):
     assert calls == [(1, 1, 8), (1, 1, 8)]
     comp = dc.Compressor(1, 4, 8, quant=lambda x: x * 0)   # returning a new array
     assert not comp.prefill(kv[:, :8], sc[:, :8]).any()
-    for name in ("fp8", "fp4", "hadamard_fp4"):
-        with pytest.raises(NotImplementedError, match=name):
-            dc.Compressor(1, 4, 8, quant=name)
     with pytest.raises(ValueError, match="'quant'"):
         dc.Compressor(1, 4, 8, quant="int8")
+
+
+@pytest.mark.parametrize("quant", ["fp8", "fp4", "hadamard_fp4", "fp4_e4m3"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compressor_released_quant(rng, quant, dtype):
+    """The named QAT roundings equal the float32 reference of SPEC 7 applied to the
+    entries of the same Compressor without rounding, in prefill and in decode."""
+    import ref_quant
+    D, ratio, T = 128, 4, 19
+    kv, sc, ape = _inputs(rng, 2, T, 2 * D, ratio)
+    kw = _epilogue_kw(rng, D, ratio, T, dtype=dtype)
+    plain = dc.Compressor(2, ratio, D, overlap=True, ape=ape, **kw)
+    rounded = dc.Compressor(2, ratio, D, overlap=True, ape=ape, quant=quant, **kw)
+    entries = [plain.prefill(kv[:, :10], sc[:, :10])]
+    got = [rounded.prefill(kv[:, :10], sc[:, :10])]
+    for p in range(10, T):
+        e, g = plain.step(kv[:, p:p + 1], sc[:, p:p + 1], p), rounded.step(
+            kv[:, p:p + 1], sc[:, p:p + 1], p)
+        assert (e is None) == (g is None)
+        if e is not None:
+            entries.append(e)
+            got.append(g)
+    e = torch.from_numpy(np.concatenate(entries, 1))
+    if quant == "fp8":
+        want = e.clone()
+        want[..., :D - 64] = ref_quant.fp8_round(e[..., :D - 64], 64)
+    elif quant == "fp4":
+        want = ref_quant.fp4_round(e, 32)
+    elif quant == "hadamard_fp4":
+        h = ref_quant.hadamard(e)
+        want = ref_quant.fp4_round(h.bfloat16().float() if dtype == "bfloat16" else h, 32)
+    else:
+        want = ref_quant.fp4_round(e, 16, scale="e4m3")
+        if dtype == "bfloat16":
+            want = want.bfloat16().float()
+    assert_close(np.concatenate(got, 1), want.numpy(), rtol=0, atol=0, what=quant)
 
 
 def _state(comp):
