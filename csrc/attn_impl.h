@@ -217,6 +217,39 @@ static void CSA_V(attn_pv)(const float *const *R, csa_idx kb, const float *P, cs
 #endif
 }
 
+/* QT[d, h] = q[h, d] for h < hc, 0 for the padding heads hc <= h < hcp. */
+static void CSA_V(attn_transpose_q)(const float *q, csa_idx sq_h, csa_idx hc, csa_idx hcp,
+                                    csa_idx D, float *QT)
+{
+#ifdef __AVX512F__
+    if (sq_h > 0 && sq_h <= 0x7fffffff / 16) {
+        for (csa_idx h0 = 0; h0 < hcp; h0 += 16) {
+            const __mmask16 live = hc - h0 >= 16 ? (__mmask16)0xFFFF
+                                  : hc > h0 ? (__mmask16)((1u << (hc - h0)) - 1) : 0;
+            const __m512i off = _mm512_mullo_epi32(
+                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                _mm512_set1_epi32((int)sq_h));
+            if (!live) {
+                for (csa_idx d = 0; d < D; d++) _mm512_storeu_ps(QT + d * hcp + h0, _mm512_setzero_ps());
+                continue;
+            }
+            const float *qh = q + h0 * sq_h;
+            for (csa_idx d = 0; d < D; d++)
+                _mm512_storeu_ps(QT + d * hcp + h0,
+                                 _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, off, qh + d, 4));
+        }
+        return;
+    }
+#endif
+    for (csa_idx h = 0; h < hcp; h++) {
+        const float *qh = q + h * sq_h;
+        if (h < hc)
+            for (csa_idx d = 0; d < D; d++) QT[d * hcp + h] = qh[d];
+        else
+            for (csa_idx d = 0; d < D; d++) QT[d * hcp + h] = 0.0f;
+    }
+}
+
 /* Asks for the n gathered rows into L2 ahead of their use. */
 static void CSA_V(attn_prefetch)(const float *const *rows, csa_idx n, csa_idx D)
 {
@@ -225,10 +258,9 @@ static void CSA_V(attn_prefetch)(const float *const *rows, csa_idx n, csa_idx D)
 }
 
 /* One work item: query (b, s), heads h0 .. h0+hc-1.  ws: per-thread floats,
- * rows: per-thread pointers (K + ATTN_KB + ATTN_MR), zero_row: dp zeros. */
+ * rows: per-thread pointers (K + ATTN_KB + ATTN_MR). */
 static void CSA_V(attn_item)(const struct csa_attn_args *a, csa_idx b, csa_idx s, csa_idx h0,
-                             csa_idx hc, csa_idx hcp, csa_idx dp, float *ws, const float **rows,
-                             const float *zero_row)
+                             csa_idx hc, csa_idx hcp, csa_idx dp, float *ws, const float **rows)
 {
     const csa_idx D = a->D;
     const int32_t *ir = a->idx + b * a->si_b + s * a->si_s;
@@ -248,14 +280,10 @@ static void CSA_V(attn_item)(const struct csa_attn_args *a, csa_idx b, csa_idx s
     const float **blk = rows + a->K;  /* one block's rows, padded to a multiple of ATTN_MR */
     const csa_idx kbp_max = ((ATTN_KB + ATTN_MR - 1) / ATTN_MR) * ATTN_MR;
     float *QT = ws, *L = QT + D * hcp, *O = L + kbp_max * hcp;
-    float *m = O + hcp * dp, *sum = m + hcp, *alpha = sum + hcp;
+    float *m = O + hcp * dp, *sum = m + hcp, *alpha = sum + hcp, *tile = alpha + hcp;
 
+    CSA_V(attn_transpose_q)(q, a->sq_h, hc, hcp, D, QT);
     for (csa_idx h = 0; h < hcp; h++) {
-        const float *qh = q + h * a->sq_h;
-        if (h < hc)
-            for (csa_idx d = 0; d < D; d++) QT[d * hcp + h] = qh[d];
-        else
-            for (csa_idx d = 0; d < D; d++) QT[d * hcp + h] = 0.0f;
         m[h] = h < hc ? a->sink[h0 + h] : 0.0f;
         sum[h] = 1.0f; /* e^(sink - m) with m = sink */
     }
@@ -267,8 +295,16 @@ static void CSA_V(attn_item)(const struct csa_attn_args *a, csa_idx b, csa_idx s
         if (k0 + kb < n)  /* the gather is latency-bound otherwise: fetch ahead into L2 */
             CSA_V(attn_prefetch)(valid + k0 + kb, n - k0 - kb < ATTN_KB ? n - k0 - kb : ATTN_KB, D);
         const csa_idx kbp = ((kb + ATTN_MR - 1) / ATTN_MR) * ATTN_MR;
-        for (csa_idx i = 0; i < kb; i++) blk[i] = valid[k0 + i];
-        for (csa_idx i = kb; i < kbp; i++) blk[i] = zero_row;
+        /* copy the block into an aligned tile: user rows may sit at any offset (NumPy
+         * aligns to 16 bytes), and a split vector load costs two */
+        for (csa_idx i = 0; i < kbp; i++) {
+            float *t = tile + i * dp;
+            if (i < kb)
+                memcpy(t, valid[k0 + i], (size_t)D * sizeof(float));
+            else
+                memset(t, 0, (size_t)D * sizeof(float));
+            blk[i] = t;
+        }
         CSA_V(attn_logits)(blk, kbp, QT, hcp, D, L);
         CSA_V(attn_softmax)(L, kb, hcp, a->scale, m, sum, alpha);
         CSA_V(attn_pv)(blk, kb, L, hcp, alpha, O, D, dp);
@@ -293,20 +329,18 @@ static int CSA_V(sparse_attn_tuned)(const struct csa_attn_args *a)
     const csa_idx items = nq * nchunks;
     const csa_idx hcp = ((hc_max + 15) / 16) * 16, dp = ((D + 15) / 16) * 16;
     const csa_idx kbp_max = ((ATTN_KB + ATTN_MR - 1) / ATTN_MR) * ATTN_MR;
-    csa_idx per_thread = D * hcp + kbp_max * hcp + hcp * dp + 3 * hcp;
+    csa_idx per_thread = D * hcp + kbp_max * hcp + hcp * dp + 3 * hcp + kbp_max * dp;
     per_thread = ((per_thread + 15) / 16) * 16;
     const csa_idx per_rows = a->K + kbp_max;
 
     const int nt = csa_threads(items, 1);
-    float *ws = aligned_alloc(64, (size_t)(nt * per_thread + dp) * sizeof(float));
+    float *ws = aligned_alloc(64, (size_t)(nt * per_thread) * sizeof(float));
     const float **rows = malloc((size_t)(nt * per_rows) * sizeof(*rows));
     if (!ws || !rows) {
         free(ws);
         free(rows);
         return CSA_ENOMEM;
     }
-    float *zero_row = ws + nt * per_thread;
-    memset(zero_row, 0, (size_t)dp * sizeof(float));
 
 #pragma omp parallel num_threads(nt)
     {
@@ -316,7 +350,7 @@ static int CSA_V(sparse_attn_tuned)(const struct csa_attn_args *a)
             const csa_idx qi = it / nchunks, c = it % nchunks;
             const csa_idx h0 = c * hc_max, hc = H - h0 < hc_max ? H - h0 : hc_max;
             CSA_V(attn_item)(a, qi / a->S, qi % a->S, h0, hc, hcp, dp, ws + t * per_thread,
-                             rows + t * per_rows, zero_row);
+                             rows + t * per_rows);
         }
     }
     free(ws);
