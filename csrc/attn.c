@@ -93,7 +93,7 @@ static int omp_tid(void)
 #define ATTN_MR 6    /* gathered rows per logits tile */
 #define ATTN_MH 8    /* heads per output tile */
 #define ATTN_HC 64   /* most heads per work item (all of them for V4-Flash prefill) */
-#define ATTN_HC_FEW 16 /* heads per work item when there are few queries (decode) */
+#define ATTN_HC_FEW 32 /* heads per work item when there are few queries (decode) */
 #define ATTN_FEW_QUERIES 8
 
 #define CSA_IMPL "attn_impl.h"
