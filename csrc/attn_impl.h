@@ -62,20 +62,22 @@ CSA_V(qk_tile)(const float *const *R, const float *QT, csa_idx hcp, csa_idx d0, 
         for (int j = 0; j < NV; j++) _mm512_storeu_ps(L + i * hcp + 16 * j, acc[i][j]);
 }
 
-/* O[h, 16*ND cols] = alpha_h O[h, ..] + sum_{k < kb} P[k, h] R_k[cols] for ATTN_MH heads. */
+/* O[h, col0 + 0 .. 16*ND) = alpha_h O[h, ..] + sum_{k < kb} P[k, h] R_k[shift + ..] for
+ * ATTN_MH heads; shift = col0 - pad may be negative (lanes before a row are masked). */
 static inline __attribute__((always_inline)) void
 CSA_V(pv_tile)(const float *const *R, csa_idx kb, const float *P, csa_idx hcp,
-               const float *alpha, float *O, csa_idx dp, csa_idx col0, const __mmask16 *mask,
-               const int ND)
+               const float *alpha, float *O, csa_idx dpo, csa_idx col0, csa_idx shift,
+               const __mmask16 *mask, const int ND)
 {
     __m512 acc[ATTN_MH][3];
     for (int i = 0; i < ATTN_MH; i++) {
         const __m512 a = _mm512_set1_ps(alpha[i]);
         for (int j = 0; j < ND; j++)
-            acc[i][j] = _mm512_mul_ps(_mm512_loadu_ps(O + i * dp + col0 + 16 * j), a);
+            acc[i][j] = _mm512_mul_ps(_mm512_loadu_ps(O + i * dpo + col0 + 16 * j), a);
     }
     for (csa_idx k = 0; k < kb; k++) {
-        const float *rk = R[k] + col0;
+        /* integer arithmetic: the masked lanes of a negative shift are never read */
+        const float *rk = (const float *)((uintptr_t)R[k] + (uintptr_t)(shift * 4));
         const float *pk = P + k * hcp;
         __m512 v[3];
         for (int j = 0; j < ND; j++) v[j] = _mm512_maskz_loadu_ps(mask[j], rk + 16 * j);
@@ -85,7 +87,7 @@ CSA_V(pv_tile)(const float *const *R, csa_idx kb, const float *P, csa_idx hcp,
         }
     }
     for (int i = 0; i < ATTN_MH; i++)
-        for (int j = 0; j < ND; j++) _mm512_storeu_ps(O + i * dp + col0 + 16 * j, acc[i][j]);
+        for (int j = 0; j < ND; j++) _mm512_storeu_ps(O + i * dpo + col0 + 16 * j, acc[i][j]);
 }
 #endif
 
@@ -181,29 +183,39 @@ static void CSA_V(attn_softmax)(float *L, csa_idx kb, csa_idx hcp, float scale, 
 #endif
 }
 
-/* O[h, :] = alpha_h O[h, :] + sum_{k < kb} P[k, h] R_k for all hcp heads. */
+/* O[h, pad + d] = alpha_h O[h, pad + d] + sum_{k < kb} P[k, h] R_k[d] for all hcp heads,
+ * d < D.  O rows hold dpo floats; feature d sits at column pad + d, so that when the
+ * rows start `pad` floats past a 64-byte boundary every vector load is aligned. */
 static void CSA_V(attn_pv)(const float *const *R, csa_idx kb, const float *P, csa_idx hcp,
-                           const float *alpha, float *O, csa_idx D, csa_idx dp)
+                           const float *alpha, float *O, csa_idx D, csa_idx pad, csa_idx dpo)
 {
 #ifdef __AVX512F__
-    const csa_idx nvec = dp / 16;
-    const __mmask16 last = (D % 16) ? (__mmask16)((1u << (D % 16)) - 1) : (__mmask16)0xFFFF;
+    const csa_idx nvec = dpo / 16;
     for (csa_idx v0 = 0; v0 < nvec; v0 += 3) {
         const int nd = nvec - v0 < 3 ? (int)(nvec - v0) : 3;
         __mmask16 mask[3];
-        for (int j = 0; j < 3; j++) mask[j] = (v0 + j == nvec - 1) ? last : (__mmask16)0xFFFF;
+        for (int j = 0; j < 3; j++) {
+            /* lanes whose feature 16*(v0+j) - pad + lane lies in [0, D) */
+            const csa_idx lo = 16 * (v0 + j) - pad;
+            unsigned mk = 0xFFFFu;
+            if (lo < 0) mk &= 0xFFFFu << (-lo);
+            if (D - lo < 16) mk &= D - lo > 0 ? (1u << (D - lo)) - 1 : 0u;
+            mask[j] = (__mmask16)mk;
+        }
+        const csa_idx col0 = 16 * v0, shift = col0 - pad;
         for (csa_idx h0 = 0; h0 < hcp; h0 += ATTN_MH) {
-            float *Oh = O + h0 * dp;
+            float *Oh = O + h0 * dpo;
+            const float *Ph = P + h0, *ah = alpha + h0;
             switch (nd) {
-            case 3: CSA_V(pv_tile)(R, kb, P + h0, hcp, alpha + h0, Oh, dp, 16 * v0, mask, 3); break;
-            case 2: CSA_V(pv_tile)(R, kb, P + h0, hcp, alpha + h0, Oh, dp, 16 * v0, mask, 2); break;
-            default: CSA_V(pv_tile)(R, kb, P + h0, hcp, alpha + h0, Oh, dp, 16 * v0, mask, 1); break;
+            case 3: CSA_V(pv_tile)(R, kb, Ph, hcp, ah, Oh, dpo, col0, shift, mask, 3); break;
+            case 2: CSA_V(pv_tile)(R, kb, Ph, hcp, ah, Oh, dpo, col0, shift, mask, 2); break;
+            default: CSA_V(pv_tile)(R, kb, Ph, hcp, ah, Oh, dpo, col0, shift, mask, 1); break;
             }
         }
     }
 #else
     for (csa_idx h = 0; h < hcp; h++) {
-        float *CSA_RESTRICT Oh = O + h * dp;
+        float *CSA_RESTRICT Oh = O + h * dpo + pad;
         const float a = alpha[h];
 #pragma omp simd
         for (csa_idx d = 0; d < D; d++) Oh[d] *= a;
@@ -281,14 +293,20 @@ static void CSA_V(attn_item)(const struct csa_attn_args *a, csa_idx b, csa_idx s
     const float **blk = rows + a->K;  /* one block's rows, padded to a multiple of ATTN_MR */
     const csa_idx kbp_max = ((ATTN_KB + ATTN_MR - 1) / ATTN_MR) * ATTN_MR;
     float *QT = ws, *L = QT + D * hcp, *O = L + kbp_max * hcp;
-    float *m = O + hcp * dp, *sum = m + hcp, *alpha = sum + hcp, *tile = alpha + hcp;
+    float *m = O + hcp * (dp + 16), *sum = m + hcp, *alpha = sum + hcp, *tile = alpha + hcp;
 
     CSA_V(attn_transpose_q)(q, a->sq_h, hc, hcp, D, QT);
     for (csa_idx h = 0; h < hcp; h++) {
         m[h] = h < hc ? a->sink[h0 + h] : 0.0f;
         sum[h] = 1.0f; /* e^(sink - m) with m = sink */
     }
-    memset(O, 0, (size_t)(hcp * dp) * sizeof(float));
+    /* Rows a multiple of 64 bytes apart share one offset within a cache line: read
+     * them in place, shifting the output grid by that offset (pad).  Otherwise copy
+     * each block into an aligned tile (small or odd shapes). */
+    const int direct = a->skv_n % 16 == 0 && (uintptr_t)kvb % 4 == 0;
+    const csa_idx pad = direct ? (csa_idx)(((uintptr_t)kvb % 64) / 4) : 0;
+    const csa_idx dpo = ((pad + D + 15) / 16) * 16;
+    memset(O, 0, (size_t)(hcp * dpo) * sizeof(float));
 
     CSA_V(attn_prefetch)(valid, n < ATTN_KB ? n : ATTN_KB, D);
     for (csa_idx k0 = 0; k0 < n; k0 += ATTN_KB) {
@@ -296,24 +314,27 @@ static void CSA_V(attn_item)(const struct csa_attn_args *a, csa_idx b, csa_idx s
         if (k0 + kb < n)  /* the gather is latency-bound otherwise: fetch ahead into L2 */
             CSA_V(attn_prefetch)(valid + k0 + kb, n - k0 - kb < ATTN_KB ? n - k0 - kb : ATTN_KB, D);
         const csa_idx kbp = ((kb + ATTN_MR - 1) / ATTN_MR) * ATTN_MR;
-        /* copy the block into an aligned tile: user rows may sit at any offset (NumPy
-         * aligns to 16 bytes), and a split vector load costs two */
+        /* this block's rows, padded with zero rows to a whole logits tile */
         for (csa_idx i = 0; i < kbp; i++) {
             float *t = tile + i * dp;
-            if (i < kb)
-                memcpy(t, valid[k0 + i], (size_t)D * sizeof(float));
-            else
-                memset(t, 0, (size_t)D * sizeof(float));
-            blk[i] = t;
+            if (i < kb && direct) {
+                blk[i] = valid[k0 + i];
+            } else {
+                if (i < kb)
+                    memcpy(t, valid[k0 + i], (size_t)D * sizeof(float));
+                else
+                    memset(t, 0, (size_t)D * sizeof(float));
+                blk[i] = t;
+            }
         }
         CSA_V(attn_logits)(blk, kbp, QT, hcp, D, L);
         CSA_V(attn_softmax)(L, kb, hcp, a->scale, m, sum, alpha);
-        CSA_V(attn_pv)(blk, kb, L, hcp, alpha, O, D, dp);
+        CSA_V(attn_pv)(blk, kb, L, hcp, alpha, O, D, pad, dpo);
     }
 
     for (csa_idx h = 0; h < hc; h++) {
         float *CSA_RESTRICT oh = out + h * a->so_h;
-        const float *CSA_RESTRICT Oh = O + h * dp;
+        const float *CSA_RESTRICT Oh = O + h * dpo + pad;
         const float den = sum[h];
 #pragma omp simd
         for (csa_idx d = 0; d < D; d++) oh[d] = Oh[d] / den;
@@ -330,7 +351,7 @@ static int CSA_V(sparse_attn_tuned)(const struct csa_attn_args *a)
     const csa_idx items = nq * nchunks;
     const csa_idx hcp = ((hc_max + 15) / 16) * 16, dp = ((D + 15) / 16) * 16;
     const csa_idx kbp_max = ((ATTN_KB + ATTN_MR - 1) / ATTN_MR) * ATTN_MR;
-    csa_idx per_thread = D * hcp + kbp_max * hcp + hcp * dp + 3 * hcp + kbp_max * dp;
+    csa_idx per_thread = D * hcp + kbp_max * hcp + hcp * (dp + 16) + 3 * hcp + kbp_max * dp;
     per_thread = ((per_thread + 15) / 16) * 16;
     const csa_idx per_rows = a->K + kbp_max;
 

@@ -259,6 +259,30 @@ def test_strided_inputs_and_out(isa, rng):
     assert np.all(ob[..., ::2] == 9.0), "out= wrote outside its view"
 
 
+@pytest.mark.parametrize("D", [512, 40])
+def test_same_bits_at_any_row_alignment(isa, rng, D):
+    """Rows are read in place at whatever offset within a cache line they start (or
+    copied when their stride is not a multiple of 64 bytes); no result depends on it."""
+    N, H = 50, 16
+    q = rng.standard_normal((1, 3, H, D), dtype=np.float32)
+    sink = rng.standard_normal(H, dtype=np.float32)
+    idx = rng.integers(-1, N, (1, 3, 70)).astype(np.int32)
+    src = rng.standard_normal((1, N, D), dtype=np.float32)
+    buf = np.zeros(N * (D + 16) + 32, np.float32)
+    a0 = (-buf.ctypes.data % 64) // 4
+    outs = []
+    for off in range(16):
+        kv = buf[a0 + off:a0 + off + N * D].reshape(1, N, D)
+        kv[:] = src
+        outs.append(dc.sparse_attn(q, kv, sink, idx, 0.1))
+    wide = buf[a0:a0 + N * (D + 1)].reshape(1, N, D + 1)   # stride not a multiple of 16
+    wide[..., :D] = src
+    outs.append(dc.sparse_attn(q, wide[..., :D], sink, idx, 0.1))
+    for o in outs[1:]:
+        assert np.array_equal(o.view(np.uint32), outs[0].view(np.uint32))
+    assert_close(outs[0], want(q, src, sink, idx, 0.1), rtol=RTOL, atol=ATOL)
+
+
 def test_torch_tensors_and_keywords(rng):
     q, kv, sink = inputs(rng, 1, 4, 8, 32, 20)
     idx = rng.integers(-1, 20, (1, 4, 10)).astype(np.int32)
