@@ -9,8 +9,10 @@
  *   P[k, h] = e^(scale L - m_h)    online softmax, m_h the running max (starts at sink)
  *   O[h, :] = alpha_h O[h, :] + sum_k P[k, h] R_k     tile ATTN_MH heads x 48 features
  *
- * R_k are pointers to the gathered kv rows (never copied, never a [S, K, D] block).
- * Per-thread scratch: Q^T [D, HCP], L/P [KBP, HCP], O [HCP, DP], m, sum, alpha.
+ * R_k point at the gathered kv rows in place (no [S, K, D] block is ever built); only
+ * rows whose stride is not a multiple of 64 bytes are copied, one block at a time,
+ * into an aligned [KBP, DP] tile.  Per-thread scratch (~0.4 MB for V4-Flash):
+ * Q^T [D, HCP], L/P [KBP, HCP], O [HCP, DP + 16], m, sum, alpha, the tile.
  * Every (h, d) result is a fixed-order chain (over d for logits, over k for O and
  * the softmax sums) that depends neither on the thread count nor on the chunking of
  * heads, so the output is bitwise identical at any thread count. */
