@@ -120,6 +120,28 @@ def test_small_shapes(isa, rng, B, S, H, D, N, K):
         assert np.all(got[0, 0] == 0), "a row with no valid index must give zeros"
 
 
+@pytest.mark.parametrize("shape", [(0, 2, 3, 8), (1, 2, 0, 8)])
+def test_empty_batch_or_heads(shape):
+    B, S, H, D = shape
+    out = dc.sparse_attn(np.zeros(shape, np.float32), np.zeros((B, 4, D), np.float32),
+                         np.zeros(H, np.float32), np.zeros((B, S, 3), np.int32), 0.5)
+    assert out.shape == shape
+
+
+def test_random_shapes_property(isa):
+    """Many random small problems (sizes around the tile edges) against the reference."""
+    rng = np.random.default_rng(7)
+    for _ in range(25 if isa != "ref" else 8):
+        B, S = rng.integers(1, 3), rng.integers(1, 12)
+        H, D = rng.integers(1, 40), rng.integers(1, 70)
+        N, K = rng.integers(1, 90), rng.integers(0, 140)
+        q, kv, sink = inputs(rng, B, S, H, D, N, sink_scale=3.0)
+        idx = rng.integers(-1, N, (B, S, K)).astype(np.int32)
+        scale = float(rng.uniform(0.01, 1.0))
+        assert_close(dc.sparse_attn(q, kv, sink, idx, scale), want(q, kv, sink, idx, scale),
+                     rtol=RTOL, atol=ATOL, what=f"B={B} S={S} H={H} D={D} N={N} K={K}")
+
+
 def test_empty_rows_give_zeros_not_nan(isa, rng):
     q, kv, sink = inputs(rng, 2, 3, 4, 16, 10)
     idx = np.full((2, 3, 6), -1, np.int32)
@@ -187,6 +209,16 @@ def test_nan_propagates_like_reference(isa, rng):
     assert_close(got, want(q, kv, sink, idx, 0.25), rtol=RTOL, atol=ATOL, what="nan")
     assert np.isnan(got[0, 0, 2]).all() and np.isfinite(got[0, 0, [0, 1, 3]]).all()
     assert np.isnan(got[0, 2]).all() and np.isfinite(got[0, 1]).all()
+
+
+def test_nan_sink_poisons_its_head_only(isa, rng):
+    q, kv, sink = inputs(rng, 1, 2, 4, 16, 10)
+    sink[3] = np.nan
+    idx = np.array([[[0, 1, 2], [-1, -1, -1]]], np.int32)
+    got = dc.sparse_attn(q, kv, sink, idx, 0.25)
+    assert_close(got, want(q, kv, sink, idx, 0.25), rtol=RTOL, atol=ATOL, what="nan sink")
+    assert np.isnan(got[0, 0, 3]).all() and np.isfinite(got[0, 0, :3]).all()
+    assert np.all(got[0, 1] == 0)
 
 
 def test_bf16_reference(rng):
