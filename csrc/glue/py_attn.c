@@ -108,7 +108,11 @@ static PyObject *py_sparse_attn(PyObject *self, PyObject *args, PyObject *kw)
 
     const npy_intp shape[4] = {B, S, H, D};
     PyArrayObject *ins[4] = {q, kv, sink, idx};
-    if (!(out = csa_out_array(oo, fn, 4, shape, ins, 4))) goto done;
+    if (oo == Py_None)  /* every element gets written: no need to zero it first */
+        out = (PyArrayObject *)PyArray_EMPTY(4, shape, NPY_FLOAT32, 0);
+    else
+        out = csa_out_array(oo, fn, 4, shape, ins, 4);
+    if (!out) goto done;
 
     if (!(qc = unit_inner(q)) || !(kvc = unit_inner(kv)) || !(sc = unit_inner(sink)) ||
         !(ic = unit_inner(idx)))
