@@ -93,6 +93,67 @@ CSA_V(pv_tile)(const float *const *R, csa_idx kb, const float *P, csa_idx hcp,
 }
 #endif
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* AVX2 tiles in GNU vector extensions (8 floats = one ymm), sized for 16 vector
+ * registers; the same per-element chains as the AVX-512 tiles.  (On the SSE2
+ * baseline GCC lowers 8-wide vectors poorly, so it keeps the plain loops.) */
+typedef float CSA_V(v8) __attribute__((vector_size(32), aligned(32)));
+typedef float CSA_V(v8u) __attribute__((vector_size(32), aligned(4)));
+
+/* L[i, 0:16] = sum_d R_i[d] * QT[d, 0:16] for ATTN_MR rows (QT, L 32-byte aligned). */
+static inline void CSA_V(qk_tile_v8)(const float *const *R, const float *QT, csa_idx hcp,
+                                     csa_idx D, float *L)
+{
+    CSA_V(v8) acc[ATTN_MR][2];
+#pragma GCC unroll 8
+    for (int i = 0; i < ATTN_MR; i++) acc[i][0] = acc[i][1] = (CSA_V(v8)){0};
+    for (csa_idx d = 0; d < D; d++) {
+        const CSA_V(v8) q0 = *(const CSA_V(v8) *)(QT + d * hcp);
+        const CSA_V(v8) q1 = *(const CSA_V(v8) *)(QT + d * hcp + 8);
+#pragma GCC unroll 8
+        for (int i = 0; i < ATTN_MR; i++) {
+            const float x = R[i][d];
+            acc[i][0] += x * q0;
+            acc[i][1] += x * q1;
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < ATTN_MR; i++) {
+        *(CSA_V(v8) *)(L + i * hcp) = acc[i][0];
+        *(CSA_V(v8) *)(L + i * hcp + 8) = acc[i][1];
+    }
+}
+
+/* O[h, d0 .. d0+24) = alpha_h O[..] + sum_k P[k, h] R_k[d0 ..] for 4 heads. */
+static inline void CSA_V(pv_tile_v8)(const float *const *R, csa_idx kb, const float *P,
+                                     csa_idx hcp, const float *alpha, float *O, csa_idx dpo,
+                                     csa_idx d0)
+{
+    CSA_V(v8) acc[4][3];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)
+#pragma GCC unroll 3
+        for (int j = 0; j < 3; j++)
+            acc[i][j] = *(const CSA_V(v8u) *)(O + i * dpo + d0 + 8 * j) * alpha[i];
+    for (csa_idx k = 0; k < kb; k++) {
+        const float *r = R[k] + d0;
+        const CSA_V(v8) v0 = *(const CSA_V(v8u) *)r, v1 = *(const CSA_V(v8u) *)(r + 8),
+                        v2 = *(const CSA_V(v8u) *)(r + 16);
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            const float p = P[k * hcp + i];
+            acc[i][0] += p * v0;
+            acc[i][1] += p * v1;
+            acc[i][2] += p * v2;
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)
+#pragma GCC unroll 3
+        for (int j = 0; j < 3; j++) *(CSA_V(v8u) *)(O + i * dpo + d0 + 8 * j) = acc[i][j];
+}
+#endif
+
 /* Logits of kbp (a multiple of ATTN_MR) gathered rows for all hcp heads: L[k, h]. */
 static void CSA_V(attn_logits)(const float *const *R, csa_idx kbp, const float *QT, csa_idx hcp,
                                csa_idx D, float *L)
@@ -114,6 +175,10 @@ static void CSA_V(attn_logits)(const float *const *R, csa_idx kbp, const float *
                 }
             }
     }
+#elif defined(__AVX2__)
+    for (csa_idx i0 = 0; i0 < kbp; i0 += ATTN_MR)
+        for (csa_idx h0 = 0; h0 < hcp; h0 += 16)
+            CSA_V(qk_tile_v8)(R + i0, QT + h0, hcp, D, L + i0 * hcp + h0);
 #else
     for (csa_idx i = 0; i < kbp; i++) {
         float *CSA_RESTRICT Li = L + i * hcp;
@@ -213,6 +278,19 @@ static void CSA_V(attn_pv)(const float *const *R, csa_idx kb, const float *P, cs
             case 2: CSA_V(pv_tile)(R, kb, Ph, hcp, ah, Oh, dpo, col0, shift, mask, 2); break;
             default: CSA_V(pv_tile)(R, kb, Ph, hcp, ah, Oh, dpo, col0, shift, mask, 1); break;
             }
+        }
+    }
+#elif defined(__AVX2__)
+    const csa_idx dv = D - D % 24;  /* features in whole 24-wide tiles */
+    for (csa_idx h0 = 0; h0 < hcp; h0 += 4)
+        for (csa_idx d0 = 0; d0 < dv; d0 += 24)
+            CSA_V(pv_tile_v8)(R, kb, P + h0, hcp, alpha + h0, O + h0 * dpo + pad, dpo, d0);
+    for (csa_idx h = 0; h < hcp; h++) {  /* the remaining D % 24 features */
+        float *CSA_RESTRICT Oh = O + h * dpo + pad;
+        for (csa_idx d = dv; d < D; d++) {
+            float o = Oh[d] * alpha[h];
+            for (csa_idx k = 0; k < kb; k++) o += P[k * hcp + h] * R[k][d];
+            Oh[d] = o;
         }
     }
 #else
