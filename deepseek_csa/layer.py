@@ -51,6 +51,11 @@ __all__ = ["CSALayer", "CSAShared", "layer_weight_shapes", "random_layer_weights
 _PROJ = "projections"
 
 
+def _hadamard_only(e):
+    """The indexer keys' epilogue with the QAT rounding off: the rotation alone."""
+    _dc.hadamard(e, out=e)
+
+
 def _clean_name(k: str) -> str:
     i = k.rfind("attn.")
     return k[i + 5:] if i >= 0 else k
@@ -217,20 +222,16 @@ class CSALayer:
             self._comp = _dc.Compressor(
                 self.batch, r, cfg.head_dim, overlap=r == 4, ape=W["compressor.ape"],
                 norm_weight=W["compressor.norm.weight"], eps=eps, rope=rope,
-                quant=lambda e: self._fp8(e[..., :-Dr], 64))
+                quant="fp8" if self.qat else None)
             if r == 4:
                 self._icomp = _dc.Compressor(
                     self.batch, r, cfg.index_head_dim, overlap=True,
                     ape=W["indexer.compressor.ape"],
                     norm_weight=W["indexer.compressor.norm.weight"], eps=eps, rope=rope,
-                    quant=self._hadamard_fp4)
+                    quant="hadamard_fp4" if self.qat else _hadamard_only)
         elif self.kv_source:
             self._comp = _dc.Compressor(self.batch, r, cfg.head_dim,
                                         norm_weight=W["compressor.norm.weight"], eps=eps)
-
-    def _hadamard_fp4(self, e):
-        _dc.hadamard(e, out=e)
-        self._fp4(e, 32)
 
     def reset(self):
         """Forgets the sequence (a prefill does this by itself)."""

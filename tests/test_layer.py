@@ -11,8 +11,7 @@ import deepseek_csa as dc
 import ref_layer as R
 from conftest import threads
 
-R.install_standins()  # no-op once every kernel is on main
-from deepseek_csa.layer import CSALayer, CSAShared, random_layer_weights  # noqa: E402
+from deepseek_csa.layer import CSALayer, CSAShared, random_layer_weights
 
 SMALL = dataclasses.replace(
     dc.V4_FLASH, name="small", dim=256, n_heads=8, head_dim=128, rope_dim=64, q_lora_rank=64,

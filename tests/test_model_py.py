@@ -32,8 +32,7 @@ import torch
 
 import ref_layer as R
 
-R.install_standins()  # no-op once every kernel is on main
-import deepseek_csa.torch as dct  # noqa: E402
+import deepseek_csa.torch as dct
 
 MODEL_PY = os.environ.get("DEEPSEEK_MODEL_PY")
 pytestmark = pytest.mark.skipif(
