@@ -156,8 +156,8 @@ class CSALayer:
             version = "v4.1" if cfg.kv_source_layers else "v4"
         if version not in ("v4", "v4.1"):
             raise ValueError(f"CSALayer: 'version' must be 'v4' or 'v4.1', got {version!r}")
-        if version == "v4" and ratio not in (0, 4, 128) and ratio <= 0:
-            raise ValueError(f"CSALayer: ratio must be >= 0, got {ratio}")
+        if int(ratio) < 0:
+            raise ValueError(f"CSALayer: 'ratio' must be >= 0, got {ratio}")
         self.cfg, self.ratio, self.version = cfg, int(ratio), version
         self.batch, self.max_seq_len = int(batch), int(max_seq_len)
         self.index_topk = int(index_topk or cfg.index_topk)
@@ -214,7 +214,6 @@ class CSALayer:
         rotates after its indexer has read the latent) and the QAT rounding."""
         r, cfg, W = self.ratio, self.cfg, self.w
         self._comp = self._icomp = None
-        self._n_comp = 0
         if not r:
             return
         Dr, eps, rope = cfg.rope_dim, cfg.norm_eps, (self._cos, self._sin)
@@ -235,7 +234,9 @@ class CSALayer:
 
     def reset(self):
         """Forgets the sequence (a prefill does this by itself)."""
-        self._new_state()
+        for c in (self._comp, self._icomp):
+            if c is not None:
+                c.reset()
         self._pos = 0
 
     def reset_timings(self):

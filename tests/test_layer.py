@@ -239,3 +239,12 @@ def test_bad_inputs():
         layer(x[:, :1], 9)
     with pytest.raises(ValueError, match="outside"):
         layer(np.zeros((1, 65, cfg.dim), np.float32), 0)
+    with pytest.raises(ValueError, match="ratio"):
+        CSALayer(w, cfg, ratio=-4)
+    cfg41 = dataclasses.replace(cfg, kv_source_layers=(1,))
+    w41 = random_layer_weights(cfg41, 1, version="v4.1", kv_source=False, index_source=False)
+    with pytest.raises(ValueError, match="shared"):
+        CSALayer(w41, cfg41, ratio=1, layer_id=2)
+    reader = CSALayer(w41, cfg41, ratio=1, layer_id=2, shared=CSAShared())
+    with pytest.raises(RuntimeError, match="index source"):
+        reader(np.zeros((1, 4, cfg.dim), np.float32), 0)
