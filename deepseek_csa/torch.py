@@ -175,7 +175,7 @@ def fp4_act_quant(x, block_size=32, inplace=True):
 def rotate_activation(x):
     """Released ``rotate_activation``: normalised Hadamard transform of the last dim
     (any float dtype; the released one asserts bfloat16)."""
-    return _out(_dc.hadamard(np.ascontiguousarray(_f32(x))), x)
+    return _out(_dc.hadamard(_f32(x)), x)
 
 
 def get_window_topk_idxs(window_size, bsz, seqlen, start_pos):
@@ -198,7 +198,6 @@ def compressor_forward(self, x, start_pos):
     of the projection, returns the normed latent before RoPE).  The pooling runs in
     deepseek_csa.gated_pool; the streaming state stays in the module's
     ``kv_state``/``score_state`` buffers in the released layout."""
-    torch = _torch()
     G = _mod_globals(self)
     r, dtype = self.compress_ratio, x.dtype
     b, s, _ = x.shape
@@ -223,8 +222,7 @@ def compressor_forward(self, x, start_pos):
             st_sc[:b, at:at + left] = sc[:, whole:] + (ape[:left] if v4 else 0)
         if whole == 0:
             return None
-        pooled = _dc.gated_pool(np.ascontiguousarray(kv[:, :whole]),
-                                np.ascontiguousarray(sc[:, :whole]), r, ape=ape, overlap=ov)
+        pooled = _dc.gated_pool(kv[:, :whole], sc[:, :whole], r, ape=ape, overlap=ov)
         rows = slice(0, whole, r)
     else:
         slot = start_pos % r
@@ -236,13 +234,11 @@ def compressor_forward(self, x, start_pos):
         if ov:
             # previous group (rows :r) + this group (rows r:) pooled as two overlapping
             # groups; the second entry is the one this step completes
-            pooled = _dc.gated_pool(np.ascontiguousarray(st_kv[:b]),
-                                    np.ascontiguousarray(st_sc[:b]), r, overlap=True)[:, 1:]
+            pooled = _dc.gated_pool(st_kv[:b], st_sc[:b], r, overlap=True)[:, 1:]
             st_kv[:b, :r] = st_kv[:b, r:]
             st_sc[:b, :r] = st_sc[:b, r:]
         else:
-            pooled = _dc.gated_pool(np.ascontiguousarray(st_kv[:b]),
-                                    np.ascontiguousarray(st_sc[:b]), r)
+            pooled = _dc.gated_pool(st_kv[:b], st_sc[:b], r)
         rows = slice(start_pos + 1 - r, start_pos + 2 - r)
     ent = self.norm(_out(pooled, xf).to(dtype))
     if not v4:
