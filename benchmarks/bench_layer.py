@@ -21,15 +21,28 @@ from harness import Case  # noqa: E402
 from deepseek_csa.layer import CSALayer  # noqa: E402
 
 
-def _ref_core(q, kv, ckv, csc, iq, iw, ickv, icsc, ape, iape, kvn, cn, icn, sink, fc,
+def _rope(x, cos, sin, inverse=False):
+    """In-place RoPE of adjacent pairs with real cos/sin tables [S, Dr/2] (no complex
+    tensors, which Inductor does not generate code for)."""
+    shape = [1, x.shape[1]] + [1] * (x.dim() - 3) + [cos.shape[-1]]
+    c, s = cos.reshape(shape), sin.reshape(shape)
+    if inverse:
+        s = -s
+    ev, od = x[..., 0::2].clone(), x[..., 1::2].clone()
+    x[..., 0::2] = ev * c - od * s
+    x[..., 1::2] = ev * s + od * c
+    return x
+
+
+def _ref_core(q, kv, ckv, csc, iq, iw, ickv, icsc, ape, iape, kvn, cn, icn, sink, cos, sin,
               window: int, ratio: int, topk: int, eps: float):
     """Reference prefill core: everything between the projections, float32 torch."""
     S, rd = q.shape[1], 64
     q = q.clone()
     qf = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + eps)
-    R.apply_rotary_emb(qf[..., -rd:], fc[:S])
+    _rope(qf[..., -rd:], cos[:S], sin[:S])
     kvh = kv * torch.rsqrt(kv.square().mean(-1, keepdim=True) + eps) * kvn
-    R.apply_rotary_emb(kvh[..., -rd:], fc[:S])
+    _rope(kvh[..., -rd:], cos[:S], sin[:S])
     kvh[..., :-rd] = R.fp8_qat(kvh[..., :-rd], 64)
     idx = R.get_window_topk_idxs(window, 1, S, 0)
     g = S // ratio
@@ -47,14 +60,14 @@ def _ref_core(q, kv, ckv, csc, iq, iw, ickv, icsc, ape, iape, kvn, cn, icn, sink
             kvp, scp = torch.cat((pk, kvp[..., dd:]), 2), torch.cat((ps, scp[..., dd:]), 2)
         e = (kvp * torch.softmax(scp, 2)).sum(2)
         e = e * torch.rsqrt(e.square().mean(-1, keepdim=True) + eps) * nw
-        R.apply_rotary_emb(e[..., -rd:], fc[:g * ratio:ratio])
+        _rope(e[..., -rd:], cos[:g * ratio:ratio], sin[:g * ratio:ratio])
         return e
 
     if ratio == 4:
         ik = R.hadamard(pool(ickv, icsc, iape, True, icn))
         ik = R.fp4_qat(ik, 32)
         iqq = iq.clone()
-        R.apply_rotary_emb(iqq[..., -rd:], fc[:S])
+        _rope(iqq[..., -rd:], cos[:S], sin[:S])
         iqq = R.fp4_qat(R.hadamard(iqq), 32)
         sc = R._causal_mask(R._scores(iqq, ik, iw), ratio, 0)
         cidx = R._index_select(sc, topk, ratio, 0, S, False)
@@ -64,7 +77,7 @@ def _ref_core(q, kv, ckv, csc, iq, iw, ickv, icsc, ape, iape, kvn, cn, icn, sink
     e[..., :-rd] = R.fp8_qat(e[..., :-rd], 64)
     allkv = torch.cat((kvh, e), 1)
     o = R.sparse_attn(qf, allkv, sink, torch.cat((idx, cidx), -1).int(), d ** -0.5)
-    R.apply_rotary_emb(o[..., -rd:], fc[:S], True)
+    _rope(o[..., -rd:], cos[:S], sin[:S], True)
     return o
 
 
@@ -102,7 +115,8 @@ def _prefill_case(ratio, S, rng):
             T(w["compressor.ape"]), T(w.get("indexer.compressor.ape", np.zeros(1, np.float32))),
             T(w["kv_norm.weight"]), T(w["compressor.norm.weight"]),
             T(w.get("indexer.compressor.norm.weight", np.zeros(1, np.float32))),
-            T(w["attn_sink"]), fc, cfg.window, ratio, cfg.index_topk, cfg.norm_eps)
+            T(w["attn_sink"]), fc.real.contiguous(), fc.imag.contiguous(), cfg.window, ratio,
+            cfg.index_topk, cfg.norm_eps)
     K = cfg.window + (cfg.index_topk if ratio == 4 else S // ratio)
     flops = 4 * S * H * K * D + (2 * S * Hi * Di * (S // ratio) if ratio == 4 else 0)
     name = f"V4-Flash ratio {ratio} prefill S={S} (no projections)"
