@@ -112,6 +112,7 @@ def model_py():
         spec = importlib.util.spec_from_file_location("deepseek_released_model", MODEL_PY)
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
+        mod._released_rotate_activation = mod.rotate_activation
         yield mod
     finally:
         for n, m in saved.items():
@@ -121,7 +122,7 @@ def model_py():
                 sys.modules[n] = m
 
 
-def _build(mod, seed=0):
+def _build(mod, seed=0, bf16=False):
     fields = {f.name for f in dataclasses.fields(mod.ModelArgs)}
     want = dict(max_batch_size=2, max_seq_len=256, dtype="bf16", vocab_size=256, dim=256,
                 moe_inter_dim=128, n_hash_layers=0, n_mtp_layers=0, n_heads=8,
@@ -136,7 +137,13 @@ def _build(mod, seed=0):
         want.update(n_layers=4, compress_ratios=(0, 4, 128, 4))
     args = mod.ModelArgs(**{k: v for k, v in want.items() if k in fields})
     torch.manual_seed(seed)
-    model = mod.Transformer(args)
+    prev = torch.get_default_dtype()
+    if bf16:  # as the released generate.py builds it
+        torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = mod.Transformer(args)
+    finally:
+        torch.set_default_dtype(prev)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -153,7 +160,9 @@ def _build(mod, seed=0):
                 v = torch.zeros(shape)
             else:
                 v = torch.randn(shape, generator=g)
-            p.data = v.float()
+            p.data = v.to(p.dtype) if bf16 else v.float()
+        if bf16:
+            return model, args
         for m in model.modules():
             for n, b in list(m._buffers.items()):
                 if b is not None and b.is_floating_point() and b.dtype != torch.float32:
@@ -196,3 +205,36 @@ def test_swap_ops_one_at_a_time(model_py):
     for op in dct.OPS:
         for r in R.swap_report(lambda: copy.deepcopy(base), run, layers=csa, ops=[op]):
             assert r["max_rel_err"] < 1e-4 and r["topk_equal"], (op, r)
+
+
+def test_swap_bf16_released_model(model_py):
+    """The released dtypes (bfloat16 activations and projections): each swapped layer
+    within bfloat16 tolerance of the unswapped run, >= 99% of the top-k entries shared."""
+    saved = model_py.rotate_activation
+    try:
+        # the bf16 run keeps the released rotate_activation (which asserts bfloat16)
+        model_py.rotate_activation = model_py._released_rotate_activation
+        base, args = _build(model_py, seed=4, bf16=True)
+        tokens = torch.randint(0, args.vocab_size, (1, 44),
+                               generator=torch.Generator().manual_seed(5))
+
+        def run(m):
+            m(tokens[:, :40], 0)
+            for p in range(40, 44):
+                m(tokens[:, p:p + 1], p)
+
+        b_out, b_tk = R.record(copy.deepcopy(base), run)
+        for lid in b_out:
+            m = copy.deepcopy(base)
+            with dct.swap(m, layers=[lid]):
+                outs, tks = R.record(m, run, substitute={lid: b_out[lid]})
+            for g, w in zip(outs[lid], b_out[lid]):
+                assert R.rel_err(g, w) < 3e-2, lid
+            for l in b_tk:
+                for g, w in zip(tks[l], b_tk[l]):
+                    rows = zip(g.reshape(-1, g.shape[-1]), w.reshape(-1, w.shape[-1]))
+                    same = sum(len(set(a[a >= 0].tolist()) & set(b[b >= 0].tolist()))
+                               for a, b in rows)
+                    assert same >= 0.99 * (w >= 0).sum(), (lid, l)
+    finally:
+        model_py.rotate_activation = saved
