@@ -147,8 +147,16 @@ PyArrayObject *csa_array(PyObject *obj, const char *fn, const char *name, int dt
             return NULL;
         }
     } else if (!well_behaved) {
+        /* With a NULL dtype PyArray_FromArray keeps the byte-swapped descriptor (the
+         * kernel would then read big-endian floats as native ones): ask for the
+         * native dtype explicitly. */
+        PyArray_Descr *native = PyArray_DescrFromType(PyArray_TYPE(a));
+        if (!native) {
+            Py_DECREF(a);
+            return NULL;
+        }
         PyArrayObject *c = (PyArrayObject *)PyArray_FromArray(
-            a, NULL, NPY_ARRAY_ALIGNED | NPY_ARRAY_NOTSWAPPED | NPY_ARRAY_ENSURECOPY);
+            a, native, NPY_ARRAY_ALIGNED | NPY_ARRAY_NOTSWAPPED | NPY_ARRAY_ENSURECOPY);
         Py_DECREF(a);
         if (!c) return NULL;
         a = c;

@@ -1,0 +1,388 @@
+"""One table of every public kernel, for the hardening suites.
+
+test_hardening.py (bad inputs), test_leaks.py (reference counts, memory) and
+test_threads.py (threads, determinism across OMP_NUM_THREADS, interrupts) all read
+this table instead of knowing each kernel.  An entry says how to build a valid call
+of a given size, which parameters are arrays (their shapes as symbols, dtype,
+accepted ranks, whether the kernel writes them), ints with their valid range,
+reals, choices and flags.  Entries whose function does not exist yet are skipped
+(``Entry.available``).
+
+Shapes are tuples of size symbols (str) or literal ints.  ``sizes`` draws each
+symbol from a range; ``derive`` adds the symbols that follow from others (e.g.
+``T = ratio * G + tail``) and may clamp drawn ones so a call is valid.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+import numpy as np
+
+import deepseek_csa as dc
+
+NO = object()          # "parameter not passed"
+
+
+# ---------------------------------------------------------------- parameter kinds
+
+@dataclasses.dataclass
+class Arr:
+    """An array parameter.
+
+    role: 'in' (read only), 'inout' (written in place, its values matter),
+          'out' (an ``out=`` buffer: None in the canonical call).
+    ndim: (lo, hi) ranks the function accepts (hi None = any); default the shape's rank.
+    index: for integer index arrays, sizes -> (lo, hi) inclusive valid values.
+    fill: (rng, shape, sizes) -> values for a valid call (default standard normal / index).
+    optional: None is a valid value (the canonical call may still pass an array).
+    """
+    shape: Tuple[Any, ...]
+    dtype: Any = np.float32
+    role: str = "in"
+    ndim: Optional[Tuple[int, Optional[int]]] = None
+    index: Optional[Callable[[dict], Tuple[int, int]]] = None
+    fill: Optional[Callable] = None
+    optional: bool = False
+    omit: bool = False          # canonical call omits it (passes the default)
+
+    def __post_init__(self):
+        self.dtype = np.dtype(self.dtype)
+        if self.ndim is None:
+            self.ndim = (len(self.shape), len(self.shape))
+
+    @property
+    def written(self):
+        return self.role in ("inout", "out")
+
+    def concrete_shape(self, sizes):
+        return tuple(sizes[s] if isinstance(s, str) else s for s in self.shape)
+
+
+@dataclasses.dataclass
+class Int:
+    """An int parameter; ``value`` (sizes -> int) builds the valid one; values outside
+    [lo, hi] must raise.  ``huge_ok``: an in-range but absurd value (2**40) may succeed
+    (e.g. a ratio larger than T gives zero entries) instead of raising."""
+    value: Callable[[dict], int]
+    lo: int = 0
+    hi: Optional[int] = None
+    huge_ok: bool = False
+    size_like: bool = False     # sizes an output: huge values may raise MemoryError
+
+
+@dataclasses.dataclass
+class Real:
+    value: Callable[[dict], float]
+    lo: float = -np.inf          # valid range, inclusive
+    hi: float = np.inf
+    finite: bool = True          # NaN / inf must raise
+    lo_open: bool = False
+
+
+@dataclasses.dataclass
+class Choice:
+    value: Callable[[dict], str]
+    choices: Sequence[str] = ()
+
+
+@dataclasses.dataclass
+class Flag:
+    value: Callable[[dict], bool]
+
+
+def _S(name):
+    return lambda s: s[name]
+
+
+def _C(v):
+    return lambda s: v
+
+
+# ---------------------------------------------------------------- entries
+
+@dataclasses.dataclass
+class Entry:
+    name: str                                   # id in test names
+    func: str                                   # attribute of deepseek_csa ("A.b" for methods)
+    params: Dict[str, Any]                      # in signature order
+    positional: Tuple[str, ...]                 # passed positionally in the canonical call
+    sizes: Dict[str, Tuple[int, int]]           # symbol -> (lo, hi) drawn by the tests
+    derive: Callable[[dict], dict] = lambda s: s
+    zero_ok: Tuple[str, ...] = ()               # symbols that may be 0 in a valid call
+    zero_bad: Tuple[str, ...] = ()              # symbols whose 0 must raise
+    result: Callable[[Any, dict], Tuple[np.ndarray, ...]] = None
+    call: Optional[Callable] = None             # (fn, args, kwargs, sizes) -> ret
+    loose: bool = False                         # layout variants compared at rtol 1e-5, not bitwise
+    nan_ok: bool = True                         # NaN/inf inputs are a valid call
+    in_place_ok: Tuple[str, ...] = ()           # 'out' may be the same array as these inputs
+    big: Optional[Dict[str, int]] = None        # sizes of a long (seconds) call
+    examples: int = 12                          # hypothesis examples (size draws)
+    notes: str = ""
+
+    def resolve(self):
+        obj = dc
+        for part in self.func.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                return None
+        return obj
+
+    def available(self):
+        return self.resolve() is not None
+
+    # ---- building a valid call
+
+    def make_sizes(self, drawn):
+        s = dict(drawn)
+        s = self.derive(s)
+        return s
+
+    def build(self, sizes, seed):
+        """Canonical valid arguments: an ordered dict name -> value (NO = not passed)."""
+        rng = np.random.default_rng(seed)
+        vals = {}
+        for name, p in self.params.items():
+            if isinstance(p, Arr):
+                if p.role == "out" or p.omit:
+                    vals[name] = NO
+                    continue
+                shape = p.concrete_shape(sizes)
+                if p.fill is not None:
+                    a = np.asarray(p.fill(rng, shape, sizes))
+                    a = np.ascontiguousarray(a, dtype=p.dtype)
+                elif p.index is not None:
+                    lo, hi = p.index(sizes)
+                    a = rng.integers(lo, hi + 1, size=shape, endpoint=False).astype(p.dtype) \
+                        if hi >= lo else np.full(shape, lo, p.dtype)
+                elif p.dtype == np.bool_:
+                    a = rng.random(shape) < 0.5
+                else:
+                    a = rng.standard_normal(shape).astype(p.dtype)
+                vals[name] = a
+            else:
+                vals[name] = p.value(sizes)
+        return vals
+
+    def split(self, vals):
+        """Positional arguments up to the first one not passed, keywords for the rest."""
+        args = []
+        for n in self.positional:
+            if vals.get(n, NO) is NO:
+                break
+            args.append(vals[n])
+        kwargs = {n: v for n, v in vals.items() if n not in self.positional[:len(args)]
+                  and v is not NO}
+        return args, kwargs
+
+    def invoke(self, vals, sizes):
+        fn = self.resolve()
+        args, kwargs = self.split(vals)
+        if self.call is not None:
+            return self.call(fn, args, kwargs, sizes)
+        return fn(*args, **kwargs)
+
+    def outputs(self, ret, vals):
+        """The arrays a call produced: its return value(s) and every written array."""
+        if self.result is not None:
+            got = self.result(ret, vals)
+        elif isinstance(ret, tuple):
+            got = ret
+        elif ret is None:
+            got = ()
+        else:
+            got = (ret,)
+        got = tuple(np.asarray(g) for g in got)
+        written = tuple(np.asarray(vals[n]) for n, p in self.params.items()
+                        if isinstance(p, Arr) and p.written and vals.get(n, NO) is not NO
+                        and vals[n] is not None)
+        return got + written
+
+    def arrays(self):
+        return [n for n, p in self.params.items() if isinstance(p, Arr)]
+
+    def symbol_users(self, sym):
+        return [n for n, p in self.params.items()
+                if (isinstance(p, Arr) and sym in p.shape)]
+
+
+# ---------------------------------------------------------------- the table
+
+def _rope_tables(rng, shape, sizes):
+    return np.cos(rng.uniform(-20, 20, shape))
+
+
+def _rope_derive(s):
+    s["D"] = 2 * s["Dh"] + s["extra"]
+    return s
+
+
+def _hadamard_derive(s):
+    s["N"] = 1 << s["logN"]
+    return s
+
+
+def _pool_derive(s):
+    s["T"] = s["ratio"] * s["G"] + min(s["tail"], s["ratio"] - 1)
+    s["CD"] = s["c"] * s["D"]
+    return s
+
+
+def _index_derive(s):
+    s["Tc"] = (s["p"] + s["S"]) // s["ratio"]
+    return s
+
+
+def _scores_derive(s):
+    s["Tc"] = (s["p"] + s["S"]) // s["ratio"] + s["more"]
+    return s
+
+
+def _blocks_derive(s):
+    s["L"] = s["NB"] * s["blk"]
+    return s
+
+
+ENTRIES = [
+    Entry("rms_norm", "rms_norm",
+          dict(x=Arr(("R", "D"), ndim=(1, None)),
+               weight=Arr(("D",), optional=True),
+               eps=Real(_C(1e-6), lo=0.0),
+               out=Arr(("R", "D"), role="out", ndim=(1, None))),
+          positional=("x", "weight"), sizes=dict(R=(1, 9), D=(1, 70)),
+          zero_ok=("R", "D"), in_place_ok=("x",), big=dict(R=65536, D=4096)),
+    Entry("rope_table", "rope_table",
+          dict(rope_dim=Int(lambda s: 2 * s["Dh"], lo=2, hi=8192),
+               seqlen=Int(_S("S"), lo=0, hi=1 << 31, size_like=True),
+               base=Real(_C(10000.0), lo=1.0, lo_open=True),
+               original_seq_len=Int(_S("osl"), lo=0, hi=1 << 40, huge_ok=True),
+               factor=Real(_C(16.0), lo=1e-30, hi=1e30),
+               beta_fast=Real(_C(32.0), lo=1e-30, hi=1e30),
+               beta_slow=Real(_C(1.0), lo=1e-30, hi=1e30)),
+          positional=("rope_dim", "seqlen"), sizes=dict(Dh=(1, 40), S=(0, 50), osl=(0, 70000)),
+          big=dict(Dh=32, S=1 << 21, osl=65536)),
+    Entry("apply_rope", "apply_rope",
+          dict(x=Arr(("B", "S", "H", "D"), role="inout", ndim=(3, 4)),
+               cos=Arr(("S", "Dh"), fill=_rope_tables),
+               sin=Arr(("S", "Dh"), fill=_rope_tables),
+               inverse=Flag(_C(False))),
+          positional=("x", "cos", "sin"),
+          sizes=dict(B=(1, 3), S=(1, 9), H=(1, 4), Dh=(1, 40), extra=(0, 9)),
+          derive=_rope_derive, zero_ok=("B", "S", "H", "Dh"),
+          big=dict(B=1, S=8192, H=64, Dh=32, extra=448)),
+
+    # ---- issue 3: the Compressor (signatures from the issue; fixed when it lands)
+    Entry("gated_pool", "gated_pool",
+          dict(kv=Arr(("B", "T", "CD")), score=Arr(("B", "T", "CD")),
+               ratio=Int(_S("ratio"), lo=1, huge_ok=True),
+               ape=Arr(("ratio", "CD"), optional=True),
+               overlap=Flag(_C(False)),
+               out=Arr(("B", "G", "D"), role="out")),
+          positional=("kv", "score", "ratio"),
+          sizes=dict(B=(1, 3), G=(0, 5), tail=(0, 7), ratio=(1, 9), D=(1, 24), c=(1, 1)),
+          derive=_pool_derive, zero_ok=("B", "G", "D")),
+    Entry("gated_pool_overlap", "gated_pool",
+          dict(kv=Arr(("B", "T", "CD")), score=Arr(("B", "T", "CD")),
+               ratio=Int(_S("ratio"), lo=1, huge_ok=True),
+               ape=Arr(("ratio", "CD"), optional=True),
+               overlap=Flag(_C(True)),
+               out=Arr(("B", "G", "D"), role="out")),
+          positional=("kv", "score", "ratio"),
+          sizes=dict(B=(1, 3), G=(0, 5), tail=(0, 7), ratio=(1, 9), D=(1, 24), c=(2, 2)),
+          derive=_pool_derive, zero_ok=("B", "G", "D"),
+          big=dict(B=1, G=2048, tail=0, ratio=4, D=512, c=2)),
+
+    # ---- issue 4: the indexer
+    Entry("index_scores", "index_scores",
+          dict(q=Arr(("B", "S", "Hi", "Di")), k=Arr(("B", "Tc", "Di")),
+               weights=Arr(("B", "S", "Hi")),
+               ratio=Int(_S("ratio"), lo=1, huge_ok=True),
+               start_pos=Int(_S("p"), lo=0, huge_ok=True)),
+          positional=("q", "k", "weights"),
+          sizes=dict(B=(1, 2), S=(1, 9), Hi=(1, 5), Di=(1, 20), ratio=(1, 5), p=(0, 12)),
+          derive=_index_derive, zero_ok=("B", "S", "Hi", "Di")),
+    Entry("index_topk", "index_topk",
+          dict(q=Arr(("B", "S", "Hi", "Di")), k=Arr(("B", "Tc", "Di")),
+               weights=Arr(("B", "S", "Hi")),
+               topk=Int(_S("topk"), lo=1, huge_ok=True),
+               ratio=Int(_S("ratio"), lo=1, huge_ok=True),
+               start_pos=Int(_S("p"), lo=0, huge_ok=True),
+               offset=Int(_S("off"), lo=0, huge_ok=True),
+               order=Choice(_C("score"), ("score", "position"))),
+          positional=("q", "k", "weights", "topk"),
+          sizes=dict(B=(1, 2), S=(1, 9), Hi=(1, 5), Di=(1, 20), ratio=(1, 5), p=(0, 12),
+                     topk=(1, 8), off=(0, 9)),
+          derive=_index_derive, zero_ok=("B", "S", "Hi", "Di"),
+          big=dict(B=1, S=4096, Hi=64, Di=128, ratio=4, p=0, topk=512, off=4096)),
+    Entry("topk_indices", "topk_indices",
+          dict(scores=Arr(("B", "S", "Tc")),
+               topk=Int(_S("topk"), lo=1, huge_ok=True),
+               ratio=Int(_S("ratio"), lo=1, huge_ok=True),
+               start_pos=Int(_S("p"), lo=0, huge_ok=True),
+               offset=Int(_S("off"), lo=0, huge_ok=True),
+               order=Choice(_C("position"), ("score", "position"))),
+          positional=("scores", "topk"),
+          sizes=dict(B=(1, 2), S=(1, 9), ratio=(1, 5), p=(0, 12), topk=(1, 8), off=(0, 9),
+                     more=(0, 0)),
+          derive=_scores_derive, zero_ok=("B", "S")),
+    Entry("window_topk_idxs", "window_topk_idxs",
+          dict(window=Int(_S("W"), lo=1, size_like=True),
+               batch=Int(_S("B"), lo=0, size_like=True),
+               seqlen=Int(_S("S"), lo=0, size_like=True),
+               start_pos=Int(_S("p"), lo=0, huge_ok=True)),
+          positional=("window", "batch", "seqlen", "start_pos"),
+          sizes=dict(W=(1, 9), B=(1, 3), S=(1, 9), p=(0, 20))),
+    Entry("compress_topk_idxs", "compress_topk_idxs",
+          dict(ratio=Int(_S("ratio"), lo=1, huge_ok=True),
+               batch=Int(_S("B"), lo=0, size_like=True),
+               seqlen=Int(_S("S"), lo=0, size_like=True),
+               start_pos=Int(_S("p"), lo=0, huge_ok=True),
+               offset=Int(_S("off"), lo=0, huge_ok=True)),
+          positional=("ratio", "batch", "seqlen", "start_pos", "offset"),
+          sizes=dict(ratio=(1, 9), B=(1, 3), S=(1, 9), p=(0, 20), off=(0, 9))),
+
+    # ---- issue 5: sparse attention
+    Entry("sparse_attn", "sparse_attn",
+          dict(q=Arr(("B", "S", "H", "D")), kv=Arr(("B", "N", "D")),
+               attn_sink=Arr(("H",)),
+               topk_idxs=Arr(("B", "S", "K"), dtype=np.int32,
+                             index=lambda s: (-1, s["N"] - 1)),
+               softmax_scale=Real(lambda s: s["D"] ** -0.5),
+               out=Arr(("B", "S", "H", "D"), role="out")),
+          positional=("q", "kv", "attn_sink", "topk_idxs", "softmax_scale"),
+          sizes=dict(B=(1, 2), S=(1, 6), H=(1, 5), D=(1, 40), N=(1, 20), K=(0, 9)),
+          zero_ok=("B", "S", "H", "K"), loose=True,
+          big=dict(B=1, S=4096, H=64, D=512, N=4096 + 1024, K=640)),
+
+    # ---- issue 6: QAT rounding and Hadamard
+    Entry("fp8_round", "fp8_round",
+          dict(x=Arr(("R", "L"), ndim=(1, None)),
+               block=Int(_S("blk"), lo=1),
+               out=Arr(("R", "L"), role="out", ndim=(1, None))),
+          positional=("x", "block"), sizes=dict(R=(1, 5), NB=(1, 4), blk=(1, 70)),
+          derive=_blocks_derive, zero_ok=("R",), big=dict(R=8192, NB=7, blk=64)),
+    Entry("fp4_round", "fp4_round",
+          dict(x=Arr(("R", "L"), ndim=(1, None)),
+               block=Int(_S("blk"), lo=1),
+               out=Arr(("R", "L"), role="out", ndim=(1, None))),
+          positional=("x", "block"), sizes=dict(R=(1, 5), NB=(1, 4), blk=(1, 40)),
+          derive=_blocks_derive,
+          zero_ok=("R",)),
+    Entry("hadamard", "hadamard",
+          dict(x=Arr(("R", "N"), ndim=(1, None)),
+               out=Arr(("R", "N"), role="out", ndim=(1, None))),
+          positional=("x",), sizes=dict(R=(1, 6), logN=(0, 8)),
+          derive=_hadamard_derive, zero_ok=("R",), loose=True),
+]
+
+BY_NAME = {e.name: e for e in ENTRIES}
+
+
+def available_entries():
+    return [e for e in ENTRIES if e.available()]
+
+
+def default_sizes(entry, pick=operator.itemgetter(1)):
+    """Sizes of a deterministic mid-size valid call (hi end of every range)."""
+    return entry.make_sizes({k: pick(v) for k, v in entry.sizes.items()})
