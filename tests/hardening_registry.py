@@ -118,6 +118,7 @@ class Entry:
     nan_ok: bool = True                         # NaN/inf inputs are a valid call
     in_place_ok: Tuple[str, ...] = ()           # 'out' may be the same array as these inputs
     big: Optional[Dict[str, int]] = None        # sizes of a long (seconds) call
+    medium: Optional[Dict[str, int]] = None     # ~10-100 ms, several OpenMP threads
     examples: int = 12                          # hypothesis examples (size draws)
     notes: str = ""
 
@@ -251,7 +252,8 @@ ENTRIES = [
                eps=Real(_C(1e-6), lo=0.0),
                out=Arr(("R", "D"), role="out", ndim=(1, None))),
           positional=("x", "weight"), sizes=dict(R=(1, 9), D=(1, 70)),
-          zero_ok=("R", "D"), in_place_ok=("x",), big=dict(R=65536, D=4096)),
+          zero_ok=("R", "D"), in_place_ok=("x",), big=dict(R=65536, D=4096),
+          medium=dict(R=8191, D=1031)),
     Entry("rope_table", "rope_table",
           dict(rope_dim=Int(lambda s: 2 * s["Dh"], lo=2, hi=8192),
                seqlen=Int(_S("S"), lo=0, hi=1 << 31, size_like=True),
@@ -261,7 +263,7 @@ ENTRIES = [
                beta_fast=Real(_C(32.0), lo=1e-30, hi=1e30),
                beta_slow=Real(_C(1.0), lo=1e-30, hi=1e30)),
           positional=("rope_dim", "seqlen"), sizes=dict(Dh=(1, 40), S=(0, 50), osl=(0, 70000)),
-          big=dict(Dh=32, S=1 << 21, osl=65536)),
+          big=dict(Dh=32, S=1 << 21, osl=65536), medium=dict(Dh=32, S=100001, osl=65536)),
     Entry("apply_rope", "apply_rope",
           dict(x=Arr(("B", "S", "H", "D"), role="inout", ndim=(3, 4)),
                cos=Arr(("S", "Dh"), fill=_rope_tables),
@@ -270,7 +272,8 @@ ENTRIES = [
           positional=("x", "cos", "sin"),
           sizes=dict(B=(1, 3), S=(1, 9), H=(1, 4), Dh=(1, 40), extra=(0, 9)),
           derive=_rope_derive, zero_ok=("B", "S", "H", "Dh"),
-          big=dict(B=1, S=8192, H=64, Dh=32, extra=448)),
+          big=dict(B=1, S=8192, H=64, Dh=32, extra=448),
+          medium=dict(B=2, S=4001, H=16, Dh=32, extra=5)),
 
     # ---- issue 3: the Compressor (signatures from the issue; fixed when it lands)
     Entry("gated_pool", "gated_pool",
@@ -291,7 +294,8 @@ ENTRIES = [
           positional=("kv", "score", "ratio"),
           sizes=dict(B=(1, 3), G=(0, 5), tail=(0, 7), ratio=(1, 9), D=(1, 24), c=(2, 2)),
           derive=_pool_derive, zero_ok=("B", "G", "D"),
-          big=dict(B=1, G=2048, tail=0, ratio=4, D=512, c=2)),
+          big=dict(B=1, G=2048, tail=0, ratio=4, D=512, c=2),
+          medium=dict(B=2, G=301, tail=3, ratio=4, D=512, c=2)),
 
     # ---- issue 4: the indexer
     Entry("index_scores", "index_scores",
@@ -314,7 +318,8 @@ ENTRIES = [
           sizes=dict(B=(1, 2), S=(1, 9), Hi=(1, 5), Di=(1, 20), ratio=(1, 5), p=(0, 12),
                      topk=(1, 8), off=(0, 9)),
           derive=_index_derive, zero_ok=("B", "S", "Hi", "Di"),
-          big=dict(B=1, S=4096, Hi=64, Di=128, ratio=4, p=0, topk=512, off=4096)),
+          big=dict(B=1, S=4096, Hi=64, Di=128, ratio=4, p=0, topk=512, off=4096),
+          medium=dict(B=1, S=513, Hi=64, Di=128, ratio=4, p=0, topk=64, off=513)),
     Entry("topk_indices", "topk_indices",
           dict(scores=Arr(("B", "S", "Tc")),
                topk=Int(_S("topk"), lo=1, huge_ok=True),
@@ -353,7 +358,8 @@ ENTRIES = [
           positional=("q", "kv", "attn_sink", "topk_idxs", "softmax_scale"),
           sizes=dict(B=(1, 2), S=(1, 6), H=(1, 5), D=(1, 40), N=(1, 20), K=(0, 9)),
           zero_ok=("B", "S", "H", "K"), loose=True,
-          big=dict(B=1, S=4096, H=64, D=512, N=4096 + 1024, K=640)),
+          big=dict(B=1, S=4096, H=64, D=512, N=4096 + 1024, K=640),
+          medium=dict(B=1, S=129, H=64, D=512, N=1200, K=640)),
 
     # ---- issue 6: QAT rounding and Hadamard
     Entry("fp8_round", "fp8_round",
@@ -361,7 +367,7 @@ ENTRIES = [
                block=Int(_S("blk"), lo=1),
                out=Arr(("R", "L"), role="out", ndim=(1, None))),
           positional=("x", "block"), sizes=dict(R=(1, 5), NB=(1, 4), blk=(1, 70)),
-          derive=_blocks_derive, zero_ok=("R",), big=dict(R=8192, NB=7, blk=64)),
+          derive=_blocks_derive, zero_ok=("R",), big=dict(R=8192, NB=7, blk=64), medium=dict(R=8193, NB=7, blk=64)),
     Entry("fp4_round", "fp4_round",
           dict(x=Arr(("R", "L"), ndim=(1, None)),
                block=Int(_S("blk"), lo=1),
