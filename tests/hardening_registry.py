@@ -263,7 +263,7 @@ ENTRIES = [
                beta_fast=Real(_C(32.0), lo=1e-30, hi=1e30),
                beta_slow=Real(_C(1.0), lo=1e-30, hi=1e30)),
           positional=("rope_dim", "seqlen"), sizes=dict(Dh=(1, 40), S=(0, 50), osl=(0, 70000)),
-          big=dict(Dh=32, S=1 << 21, osl=65536), medium=dict(Dh=32, S=100001, osl=65536)),
+          big=dict(Dh=32, S=1 << 19, osl=65536), medium=dict(Dh=32, S=100001, osl=65536)),
     Entry("apply_rope", "apply_rope",
           dict(x=Arr(("B", "S", "H", "D"), role="inout", ndim=(3, 4)),
                cos=Arr(("S", "Dh"), fill=_rope_tables),

@@ -197,6 +197,15 @@ def test_subprocess_survives_every_case_kind():
     assert "BAD 0" in r.stdout, r.stdout[-5000:]
 
 
+def test_sanitizer_build_is_live():
+    """Under `make asan` (sanitizer runtimes preloaded) the extension must really be the
+    instrumented build, or a clean run would prove nothing."""
+    if "libasan" not in os.environ.get("LD_PRELOAD", ""):
+        pytest.skip("not a sanitizer run (make asan)")
+    data = open(dc._core.__file__, "rb").read()
+    assert b"__asan_report" in data and b"__ubsan_handle" in data
+
+
 def test_zz_report_case_count(capsys):
     """Prints the number of distinct bad-input cases this run tried (and must reach)."""
     if not CASES:
