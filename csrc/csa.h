@@ -11,6 +11,23 @@
 
 typedef ptrdiff_t csa_idx;
 
+/* bfloat16 storage: the top 16 bits of a float32.  Kernels compute in float32 and
+ * round to bfloat16 (nearest-even, NaN kept quiet) only where the reference does. */
+typedef uint16_t csa_bf16;
+
+static inline float csa_bf16_to_f32(csa_bf16 h)
+{
+    union { uint32_t u; float f; } v = {(uint32_t)h << 16};
+    return v.f;
+}
+
+static inline csa_bf16 csa_f32_to_bf16(float f)
+{
+    union { float f; uint32_t u; } v = {f};
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (csa_bf16)((v.u >> 16) | 0x40);
+    return (csa_bf16)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
 #define CSA_RESTRICT __restrict__
 
 enum csa_status {

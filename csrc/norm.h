@@ -13,4 +13,10 @@ int csa_rms_norm(const float *x, csa_idx rows, csa_idx d, csa_idx sx_row, csa_id
 int csa_rms_norm_ref(const float *x, csa_idx rows, csa_idx d, csa_idx sx_row, csa_idx sx_col,
                      const float *w, csa_idx sw, float eps,
                      float *out, csa_idx so_row, csa_idx so_col);
+
+/* The same over bfloat16 x and out (w stays float32), computed in float32 and rounded
+ * once on store, as the reference's `.to(dtype)` does. */
+int csa_rms_norm_bf16(const csa_bf16 *x, csa_idx rows, csa_idx d, csa_idx sx_row,
+                      csa_idx sx_col, const float *w, csa_idx sw, float eps,
+                      csa_bf16 *out, csa_idx so_row, csa_idx so_col);
 #endif

@@ -20,4 +20,10 @@ int csa_apply_rope_ref(float *x, csa_idx n0, csa_idx n1, csa_idx n2, csa_idx hal
                        csa_idx s0, csa_idx s1, csa_idx s2, csa_idx s3,
                        const float *cos, csa_idx scr, csa_idx scc,
                        const float *sin, csa_idx ssr, csa_idx ssc, int inverse);
+
+/* The same on bfloat16 x: rotated in float32, rounded to bfloat16 on store. */
+int csa_apply_rope_bf16(csa_bf16 *x, csa_idx n0, csa_idx n1, csa_idx n2, csa_idx half,
+                        csa_idx s0, csa_idx s1, csa_idx s2, csa_idx s3,
+                        const float *cos, csa_idx scr, csa_idx scc,
+                        const float *sin, csa_idx ssr, csa_idx ssc, int inverse);
 #endif

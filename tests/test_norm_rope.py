@@ -279,3 +279,57 @@ def test_gil_released_during_compute(rng):
         stop.set()
         t.join()
     assert n1 > n0, "a pure-Python thread made no progress while the kernel ran"
+
+
+# ---------------------------------------------------------------- bfloat16 in and out
+
+def _bf16_ulps(got, want):
+    """Distance in bfloat16 units in the last place (both bf16 values as float32)."""
+    g = np.asarray(got, np.float32).view(np.int32) >> 16
+    w = np.asarray(want, np.float32).view(np.int32) >> 16
+    # map sign-magnitude to a monotone integer line
+    g = np.where(g < 0, -(g & 0x7FFF), g)
+    w = np.where(w < 0, -(w & 0x7FFF), w)
+    return np.abs(g.astype(np.int64) - w)
+
+
+@pytest.mark.parametrize("shape", [(64, 512), (3, 5, 7), (2, 0, 4)])
+def test_rms_norm_bf16_native_within_one_ulp(isa, rng, shape):
+    import ml_dtypes
+    x = rng.standard_normal(shape, dtype=np.float32).astype(ml_dtypes.bfloat16)
+    w = rng.standard_normal(shape[-1], dtype=np.float32)
+    with unchanged(x.view(np.uint16), w):
+        y = dc.rms_norm(x, w)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    want = ref.rms_norm(T(x.astype(np.float32)).bfloat16(), T(w)).float().numpy()
+    assert _bf16_ulps(y.astype(np.float32), want).max(initial=0) <= 1
+
+
+def test_bf16_torch_tensors_in_place_without_copy(rng):
+    t = torch.randn(4, 6, 2, 128, dtype=torch.bfloat16)
+    want = ref.rms_norm(t)
+    ptr = t.data_ptr()
+    assert dc.rms_norm(t, out=t) is t and t.data_ptr() == ptr
+    assert _bf16_ulps(t.float().numpy(), want.float().numpy()).max() <= 1
+    c, s = dc.rope_table(64, 6, base=1e4)
+    t2 = t.clone()
+    want = ref.apply_rope(t2, T(c), T(s))
+    assert dc.apply_rope(t2[..., -64:], c, s) is not None
+    assert _bf16_ulps(t2.float().numpy(), want.float().numpy()).max() <= 1
+    assert torch.equal(t2[..., :-64], t[..., :-64])
+
+
+def test_apply_rope_bf16_native_within_one_ulp(isa, rng):
+    import ml_dtypes
+    x = rng.standard_normal((2, 9, 3, 128), dtype=np.float32).astype(ml_dtypes.bfloat16)
+    c, s = dc.rope_table(64, 9, base=160000.0, original_seq_len=65536, factor=16)
+    want = ref.apply_rope(T(x.astype(np.float32)).bfloat16(), T(c), T(s), True).float().numpy()
+    dc.apply_rope(x[..., -64:], c, s, inverse=True)
+    assert _bf16_ulps(x.astype(np.float32), want).max() <= 1
+
+
+def test_bf16_out_must_match_dtype(rng):
+    import ml_dtypes
+    x = np.ones((2, 4), ml_dtypes.bfloat16)
+    with pytest.raises(TypeError, match="'out'.*bfloat16"):
+        dc.rms_norm(x, out=np.ones((2, 4), np.float32))

@@ -7,9 +7,11 @@ static const char *dtypes_str(int dtypes)
 {
     switch (dtypes) {
     case CSA_F32: return "float32";
+    case CSA_F32 | CSA_BF16: return "float32 or bfloat16";
+    case CSA_BF16: return "bfloat16";
     case CSA_I32: return "int32";
     case CSA_BOOL: return "bool";
-    default: return "float32 or int32";
+    default: return "float32, int32, bool or bfloat16";
     }
 }
 
@@ -25,12 +27,63 @@ const char *csa_shape_str(PyArrayObject *a, char *buf, size_t n)
     return buf;
 }
 
+int csa_is_bf16(PyArrayObject *a)
+{
+    const char *name = PyArray_DESCR(a)->typeobj->tp_name;
+    size_t n = strlen(name);
+    return PyArray_ITEMSIZE(a) == 2 && n >= 8 && strcmp(name + n - 8, "bfloat16") == 0;
+}
+
+PyArrayObject *csa_empty_like_dtype(PyArrayObject *proto, int ndim, const npy_intp *shape)
+{
+    PyArray_Descr *d = PyArray_DESCR(proto);
+    Py_INCREF(d);
+    return (PyArrayObject *)PyArray_NewFromDescr(&PyArray_Type, d, ndim, (npy_intp *)shape,
+                                                 NULL, NULL, 0, NULL);
+}
+
+/* A torch bfloat16 tensor as an ml_dtypes.bfloat16 ndarray sharing its memory, or NULL
+ * (no exception) when obj is not one. */
+static PyObject *torch_bf16_view(PyObject *obj)
+{
+    PyObject *mods = PySys_GetObject("modules");
+    PyObject *tm = mods ? PyDict_GetItemString(mods, "torch") : NULL;
+    if (!tm || !PyObject_HasAttrString(obj, "dtype")) return NULL;
+    PyObject *dt = PyObject_GetAttrString(obj, "dtype");
+    PyObject *bf = PyObject_GetAttrString(tm, "bfloat16");
+    int is = dt && bf && dt == bf;
+    Py_XDECREF(dt);
+    Py_XDECREF(bf);
+    PyErr_Clear();
+    if (!is) return NULL;
+    PyObject *mld = PyImport_ImportModule("ml_dtypes");
+    if (!mld) {
+        PyErr_Clear();
+        return NULL;
+    }
+    PyObject *i16 = PyObject_GetAttrString(tm, "int16");
+    PyObject *bft = PyObject_GetAttrString(mld, "bfloat16");
+    PyObject *det = i16 && bft ? PyObject_CallMethod(obj, "detach", NULL) : NULL;
+    PyObject *v = det ? PyObject_CallMethod(det, "view", "O", i16) : NULL;
+    PyObject *np = v ? PyObject_CallMethod(v, "numpy", NULL) : NULL;
+    PyObject *res = np ? PyObject_CallMethod(np, "view", "O", bft) : NULL;
+    Py_XDECREF(mld);
+    Py_XDECREF(i16);
+    Py_XDECREF(bft);
+    Py_XDECREF(det);
+    Py_XDECREF(v);
+    Py_XDECREF(np);
+    if (!res) PyErr_Clear();
+    return res;
+}
+
 static int dtype_ok(PyArrayObject *a, int dtypes)
 {
     int t = PyArray_TYPE(a);
     if ((dtypes & CSA_F32) && t == NPY_FLOAT32) return 1;
     if ((dtypes & CSA_I32) && (t == NPY_INT32 || (t == NPY_INT && sizeof(int) == 4))) return 1;
     if ((dtypes & CSA_BOOL) && t == NPY_BOOL) return 1;
+    if ((dtypes & CSA_BF16) && csa_is_bf16(a)) return 1;
     return 0;
 }
 
@@ -74,6 +127,8 @@ PyArrayObject *csa_array(PyObject *obj, const char *fn, const char *name, int dt
     if (PyArray_Check(obj)) {
         Py_INCREF(obj);
         a = (PyArrayObject *)obj;
+    } else if ((dtypes & CSA_BF16) && (a = (PyArrayObject *)torch_bf16_view(obj)) != NULL) {
+        /* a torch bfloat16 tensor, viewed without a copy */
     } else {
         a = (PyArrayObject *)PyArray_FromAny(obj, NULL, 0, 0, 0, NULL);
         if (!a) {

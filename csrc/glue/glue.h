@@ -29,6 +29,7 @@ extern PyMethodDef csa_bench_methods[];
 #define CSA_F32 1
 #define CSA_I32 2
 #define CSA_BOOL 4
+#define CSA_BF16 8   /* ml_dtypes.bfloat16 arrays; torch bfloat16 tensors are viewed as one */
 
 /* Returns a new reference to an ndarray view of `obj` (an ndarray, or anything with
  * __array__ / the buffer protocol such as a CPU torch tensor) WITHOUT copying and
@@ -38,6 +39,12 @@ extern PyMethodDef csa_bench_methods[];
  * byte-swapped read-only inputs are copied (never misread); writeable ones raise. */
 PyArrayObject *csa_array(PyObject *obj, const char *fn, const char *name, int dtypes,
                          int min_ndim, int max_ndim, int writeable);
+
+/* 1 if a holds bfloat16 (ml_dtypes.bfloat16). */
+int csa_is_bf16(PyArrayObject *a);
+
+/* New uninitialized C-contiguous array of `shape` with the dtype of `proto`. */
+PyArrayObject *csa_empty_like_dtype(PyArrayObject *proto, int ndim, const npy_intp *shape);
 
 /* Stride of `axis` in elements (validated arrays are aligned, so it divides). */
 static inline csa_idx csa_stride(PyArrayObject *a, int axis)

@@ -19,10 +19,12 @@ static int same_view(PyArrayObject *a, PyArrayObject *b)
 PyDoc_STRVAR(rms_norm_doc,
 "rms_norm(x, weight=None, eps=1e-6, *, out=None)\n--\n\n"
 "RMSNorm over the last axis, in float32: ``weight * x * rsqrt(mean(x**2) + eps)``.\n\n"
-"x      : float32 [..., D], any leading dims, any strides.\n"
+"x      : float32 or bfloat16 [..., D], any leading dims, any strides.\n"
 "weight : float32 [D] or None (no weight, as for the attention query).\n"
 "eps    : float.\n"
-"out    : float32 [..., D] or None; may be ``x`` itself (in place).\n"
+"out    : [..., D] of x's dtype, or None; may be ``x`` itself (in place).\n"
+"bfloat16 (ml_dtypes.bfloat16 arrays, torch bfloat16 tensors) is read and written\n"
+"as is, computed in float32 and rounded once on store, like the reference.\n"
 "Returns out (a new array when out is None).");
 
 static PyObject *py_rms_norm(PyObject *self, PyObject *args, PyObject *kw)
@@ -36,8 +38,9 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *args, PyObject *kw)
     if (epso && csa_float_arg(epso, fn, "eps", &eps)) return NULL;
     PyArrayObject *x = NULL, *w = NULL, *out = NULL, *xc = NULL, *tmp = NULL;
     PyObject *ret = NULL;
-    if (!(x = csa_array(xo, fn, "x", CSA_F32, 1, NPY_MAXDIMS, 0))) goto done;
+    if (!(x = csa_array(xo, fn, "x", CSA_F32 | CSA_BF16, 1, NPY_MAXDIMS, 0))) goto done;
     const int nd = PyArray_NDIM(x);
+    const int bf16 = csa_is_bf16(x);
     const npy_intp d = PyArray_DIM(x, nd - 1);
     if (wo != Py_None) {
         if (!(w = csa_array(wo, fn, "weight", CSA_F32, 1, 1, 0))) goto done;
@@ -48,18 +51,28 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *args, PyObject *kw)
         goto done;
     }
     if (oo != Py_None) {
-        PyArrayObject *o = csa_array(oo, fn, "out", CSA_F32, nd, nd, 1);
+        PyArrayObject *o = csa_array(oo, fn, "out", bf16 ? CSA_BF16 : CSA_F32, nd, nd, 1);
         if (!o) goto done;
-        if (same_view(o, x)) {
+        if (same_view(o, x) || bf16) {
             out = o;
+            char b1[256], b2[256];
+            if (!PyArray_CompareLists(PyArray_DIMS(o), PyArray_DIMS(x), nd)) {
+                PyErr_Format(PyExc_ValueError, "%s(): 'out' must have shape %s, got %s", fn,
+                             csa_shape_str(x, b1, sizeof b1), csa_shape_str(o, b2, sizeof b2));
+                goto done;
+            }
+            if (!same_view(o, x) && csa_may_overlap(o, x)) {
+                PyErr_Format(PyExc_ValueError,
+                             "%s(): 'out' overlaps an input; pass a separate array", fn);
+                goto done;
+            }
         } else {
             PyArrayObject *ins[2] = {x, w};
             Py_DECREF(o);
             if (!(out = csa_out_array(oo, fn, nd, PyArray_DIMS(x), ins, 2))) goto done;
         }
     } else {
-        if (!(out = (PyArrayObject *)PyArray_EMPTY(nd, PyArray_DIMS(x), NPY_FLOAT32, 0)))
-            goto done;
+        if (!(out = csa_empty_like_dtype(x, nd, PyArray_DIMS(x)))) goto done;
     }
 
     csa_idx rows, sxr, sor;
@@ -72,16 +85,20 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *args, PyObject *kw)
     }
     PyArrayObject *dst = out;
     if (csa_fold_rows(out, &rows, &sor)) {
-        if (!(tmp = (PyArrayObject *)PyArray_EMPTY(nd, PyArray_DIMS(x), NPY_FLOAT32, 0)))
-            goto done;
+        if (!(tmp = csa_empty_like_dtype(x, nd, PyArray_DIMS(x)))) goto done;
         dst = tmp;
         csa_fold_rows(tmp, &rows, &sor);
     }
     int st;
     Py_BEGIN_ALLOW_THREADS
-    st = csa_rms_norm((const float *)PyArray_DATA(xc), rows, d, sxr, csa_stride(xc, nd - 1),
-                      w ? (const float *)PyArray_DATA(w) : NULL, w ? csa_stride(w, 0) : 0,
-                      (float)eps, (float *)PyArray_DATA(dst), sor, csa_stride(dst, nd - 1));
+    if (bf16)
+        st = csa_rms_norm_bf16(PyArray_DATA(xc), rows, d, sxr, csa_stride(xc, nd - 1),
+                               w ? (const float *)PyArray_DATA(w) : NULL, w ? csa_stride(w, 0) : 0,
+                               (float)eps, PyArray_DATA(dst), sor, csa_stride(dst, nd - 1));
+    else
+        st = csa_rms_norm((const float *)PyArray_DATA(xc), rows, d, sxr, csa_stride(xc, nd - 1),
+                          w ? (const float *)PyArray_DATA(w) : NULL, w ? csa_stride(w, 0) : 0,
+                          (float)eps, (float *)PyArray_DATA(dst), sor, csa_stride(dst, nd - 1));
     Py_END_ALLOW_THREADS
     if (st) {
         csa_raise_status(st, fn);
@@ -167,7 +184,8 @@ PyDoc_STRVAR(apply_rope_doc,
 "apply_rope(x, cos, sin, *, inverse=False)\n--\n\n"
 "Rotates, in place, the last 2*cos.shape[-1] features of x as adjacent pairs\n"
 "(x[2i], x[2i+1]) by the angles of cos/sin; the first features are untouched.\n\n"
-"x        : float32 [B, S, D] or [B, S, H, D], writeable, any strides (e.g. x[..., -64:]).\n"
+"x        : float32 or bfloat16 [B, S, D] or [B, S, H, D], writeable, any strides\n"
+"           (e.g. x[..., -64:]); bfloat16 is rotated in float32 and rounded on store.\n"
 "cos, sin : float32 [S, Dr/2], rows matching axis 1 of x, any strides (e.g. cos[::4]).\n"
 "inverse  : rotate by minus the angle (de-rotation of the attention output).\n"
 "Returns x.");
@@ -184,7 +202,7 @@ static PyObject *py_apply_rope(PyObject *self, PyObject *args, PyObject *kw)
     PyArrayObject *x = NULL, *c = NULL, *s = NULL;
     PyObject *ret = NULL;
     char b1[256], b2[256];
-    if (!(x = csa_array(xo, fn, "x", CSA_F32, 3, 4, 1))) goto done;
+    if (!(x = csa_array(xo, fn, "x", CSA_F32 | CSA_BF16, 3, 4, 1))) goto done;
     if (!(c = csa_array(co, fn, "cos", CSA_F32, 2, 2, 0))) goto done;
     if (!(s = csa_array(so, fn, "sin", CSA_F32, 2, 2, 0))) goto done;
     const int nd = PyArray_NDIM(x);
@@ -209,13 +227,20 @@ static PyObject *py_apply_rope(PyObject *self, PyObject *args, PyObject *kw)
     const npy_intp n2 = nd == 4 ? PyArray_DIM(x, 2) : 1;
     const csa_idx s2 = nd == 4 ? csa_stride(x, 2) : 0;
     const csa_idx s3 = csa_stride(x, nd - 1);
-    float *base = (float *)PyArray_DATA(x) + (d - 2 * half) * s3;
+    const int bf16 = csa_is_bf16(x);
+    char *base = PyArray_BYTES(x) + (d - 2 * half) * PyArray_STRIDE(x, nd - 1);
+    const csa_idx n0 = PyArray_DIM(x, 0), n1 = PyArray_DIM(x, 1), s0 = csa_stride(x, 0),
+                  s1 = csa_stride(x, 1), scr = csa_stride(c, 0), scc = csa_stride(c, 1),
+                  ssr = csa_stride(s, 0), ssc = csa_stride(s, 1);
+    const float *cp = (const float *)PyArray_DATA(c), *sp = (const float *)PyArray_DATA(s);
     int st;
     Py_BEGIN_ALLOW_THREADS
-    st = csa_apply_rope(base, PyArray_DIM(x, 0), PyArray_DIM(x, 1), n2, half, csa_stride(x, 0),
-                        csa_stride(x, 1), s2, s3, (const float *)PyArray_DATA(c), csa_stride(c, 0),
-                        csa_stride(c, 1), (const float *)PyArray_DATA(s), csa_stride(s, 0),
-                        csa_stride(s, 1), inverse);
+    if (bf16)
+        st = csa_apply_rope_bf16((csa_bf16 *)base, n0, n1, n2, half, s0, s1, s2, s3, cp, scr, scc,
+                                 sp, ssr, ssc, inverse);
+    else
+        st = csa_apply_rope((float *)base, n0, n1, n2, half, s0, s1, s2, s3, cp, scr, scc, sp, ssr,
+                            ssc, inverse);
     Py_END_ALLOW_THREADS
     if (st) {
         csa_raise_status(st, fn);
