@@ -23,7 +23,7 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
-from hardening_registry import NO, Arr, Choice, Flag, Int, Real
+from hardening_registry import NO, Arr, Choice, Flag, Int, Real, to_numpy
 
 I32_MAX, I32_MIN = 2**31 - 1, -2**31
 
@@ -139,6 +139,11 @@ def torch_strided(a):
     v, buf, _ = strided(a)
     return torch.from_numpy(buf)[tuple(slice(1, 1 + n * 2, 2) for n in a.shape)]
 
+
+try:
+    from ml_dtypes import bfloat16 as BF16
+except ImportError:  # pragma: no cover
+    BF16 = None
 
 BAD_DTYPES = {
     "f": [np.float64, np.float16, np.int32, np.int64, np.uint8, np.bool_, np.complex64, object],
@@ -275,10 +280,12 @@ def _array_cases(entry, name, p, v0, vals, sizes, rng, d, with_, users):
         yield with_(name, None, d(name, "None (optional)"), Expect.anything())
     else:
         yield with_(name, None, d(name, "None"), Expect.raises(TypeError, name))
-    # wrong dtypes
-    for dt in BAD_DTYPES[_kind(p.dtype)]:
-        bad = v0.astype(dt)
-        yield with_(name, bad, d(name, "dtype", np.dtype(dt).name), Expect.raises(TypeError, name))
+    # wrong dtypes (and the documented alternatives, e.g. bfloat16)
+    for dt in BAD_DTYPES[_kind(p.dtype)] + ([BF16] if BF16 is not None and _kind(p.dtype) == "f"
+                                            else []):
+        alt = np.dtype(dt).name in p.also
+        yield with_(name, v0.astype(dt), d(name, "dtype", np.dtype(dt).name),
+                    Expect.anything() if alt else Expect.raises(TypeError, name))
     yield with_(name, byteswapped(v0) if v0.dtype.itemsize > 1 else v0.copy(),
                 d(name, "big-endian"),
                 Expect.raises((ValueError, TypeError), name) if p.written else Expect.same())
@@ -292,7 +299,9 @@ def _array_cases(entry, name, p, v0, vals, sizes, rng, d, with_, users):
             if (p.dtype == np.float32 and tdt == torch.float32) or (p.dtype == np.int32 and tdt == torch.int32):
                 continue
             t = torch.from_numpy(np.ascontiguousarray(v0).astype(np.float64)).to(tdt)
-            yield with_(name, t, d(name, "torch dtype", str(tdt)), Expect.raises(TypeError, name))
+            alt = str(tdt).replace("torch.", "") in p.also
+            yield with_(name, t, d(name, "torch dtype", str(tdt)),
+                        Expect.anything() if alt else Expect.raises(TypeError, name))
     except ImportError:
         pass
     # ranks
@@ -392,7 +401,8 @@ def _out_cases(entry, name, p, vals, sizes, rng, d, with_):
     for ax in range(len(shape)):
         yield with_(name, reversed_view(ok, ax), d(name, "reversed stride", f"axis {ax}"),
                     Expect.same())
-    for dt in BAD_DTYPES[_kind(p.dtype)]:
+    for dt in BAD_DTYPES[_kind(p.dtype)] + ([BF16] if BF16 is not None and _kind(p.dtype) == "f"
+                                            else []):
         yield with_(name, ok.astype(dt), d(name, "dtype", np.dtype(dt).name),
                     Expect.raises(TypeError, name))
     for ax in range(len(shape)):
@@ -486,15 +496,8 @@ def _real_cases(name, p, v0, d, with_):
 # ---------------------------------------------------------------- running a case
 
 def _snap(x):
-    try:
-        import torch
-        if isinstance(x, torch.Tensor):
-            x = x.detach()
-            if x.dtype == torch.bfloat16:
-                return x.contiguous().view(torch.int16).numpy().copy()
-            return x.numpy().copy()
-    except ImportError:
-        pass
+    if type(x).__module__.startswith("torch"):
+        return to_numpy(x).copy()
     if isinstance(x, np.ndarray):
         if x.size > (1 << 24) and not x.flags.writeable:
             return None       # a huge zero-stride read-only view: nothing to snapshot
@@ -503,13 +506,7 @@ def _snap(x):
 
 
 def _as_np(x):
-    try:
-        import torch
-        if isinstance(x, torch.Tensor):
-            return x.numpy()
-    except ImportError:
-        pass
-    return np.asarray(x)
+    return to_numpy(x)
 
 
 def _same_bits(a, b):
@@ -634,13 +631,13 @@ def _restore(vals, snaps):
         if s is None:
             out[k] = v
             continue
-        try:
+        if type(v).__module__.startswith("torch"):
             import torch
-            if isinstance(v, torch.Tensor):
+            if BF16 is not None and s.dtype == BF16:
+                out[k] = torch.from_numpy(s.view(np.int16).copy()).view(torch.bfloat16)
+            else:
                 out[k] = torch.from_numpy(s.copy())
-                continue
-        except ImportError:
-            pass
+            continue
         c = np.empty_like(v) if isinstance(v, np.ndarray) and v.flags.writeable else None
         if c is not None and not _has_zero_stride(v):
             c = _like_layout(v, s)

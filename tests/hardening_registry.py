@@ -46,6 +46,7 @@ class Arr:
     fill: Optional[Callable] = None
     optional: bool = False
     omit: bool = False          # canonical call omits it (passes the default)
+    also: Tuple[str, ...] = ()  # other dtypes accepted, by name (e.g. "bfloat16")
 
     def __post_init__(self):
         self.dtype = np.dtype(self.dtype)
@@ -90,6 +91,18 @@ class Choice:
 @dataclasses.dataclass
 class Flag:
     value: Callable[[dict], bool]
+
+
+def to_numpy(x):
+    """An ndarray view of x (torch tensors included; bfloat16 as ml_dtypes.bfloat16)."""
+    if type(x).__module__.startswith("torch"):
+        import torch
+        x = x.detach()
+        if x.dtype == torch.bfloat16:
+            from ml_dtypes import bfloat16
+            return x.view(torch.int16).numpy().view(bfloat16)
+        return x.numpy()
+    return np.asarray(x)
 
 
 def _S(name):
@@ -194,8 +207,8 @@ class Entry:
             got = ()
         else:
             got = (ret,)
-        got = tuple(np.asarray(g) for g in got)
-        written = tuple(np.asarray(vals[n]) for n, p in self.params.items()
+        got = tuple(to_numpy(g) for g in got)
+        written = tuple(to_numpy(vals[n]) for n, p in self.params.items()
                         if isinstance(p, Arr) and p.written and vals.get(n, NO) is not NO
                         and vals[n] is not None)
         return got + written
@@ -247,7 +260,7 @@ def _blocks_derive(s):
 
 ENTRIES = [
     Entry("rms_norm", "rms_norm",
-          dict(x=Arr(("R", "D"), ndim=(1, None)),
+          dict(x=Arr(("R", "D"), ndim=(1, None), also=("bfloat16",)),
                weight=Arr(("D",), optional=True),
                eps=Real(_C(1e-6), lo=0.0),
                out=Arr(("R", "D"), role="out", ndim=(1, None))),
@@ -265,7 +278,7 @@ ENTRIES = [
           positional=("rope_dim", "seqlen"), sizes=dict(Dh=(1, 40), S=(0, 50), osl=(0, 70000)),
           big=dict(Dh=32, S=1 << 19, osl=65536), medium=dict(Dh=32, S=100001, osl=65536)),
     Entry("apply_rope", "apply_rope",
-          dict(x=Arr(("B", "S", "H", "D"), role="inout", ndim=(3, 4)),
+          dict(x=Arr(("B", "S", "H", "D"), role="inout", ndim=(3, 4), also=("bfloat16",)),
                cos=Arr(("S", "Dh"), fill=_rope_tables),
                sin=Arr(("S", "Dh"), fill=_rope_tables),
                inverse=Flag(_C(False))),

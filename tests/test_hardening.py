@@ -16,7 +16,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import deepseek_csa as dc
@@ -28,8 +28,11 @@ CASES = set()                       # distinct case descriptions that ran
 RUNS = collections.Counter()        # executions per entry
 FAILS = []
 
+# No shrinking: each example already runs every mutation, and the failure report
+# lists the cases that misbehaved with their sizes.
 SETTINGS = settings(max_examples=int(os.environ.get("CSA_HARDEN_EXAMPLES", "6")),
                     deadline=None, derandomize=True, database=None, print_blob=False,
+                    phases=[Phase.explicit, Phase.generate],
                     suppress_health_check=list(HealthCheck))
 
 
