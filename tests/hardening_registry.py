@@ -47,6 +47,7 @@ class Arr:
     optional: bool = False
     omit: bool = False          # canonical call omits it (passes the default)
     also: Tuple[str, ...] = ()  # other dtypes accepted, by name (e.g. "bfloat16")
+    contiguous: bool = False    # an 'out' that must be C-contiguous (documented)
 
     def __post_init__(self):
         self.dtype = np.dtype(self.dtype)
@@ -71,6 +72,8 @@ class Int:
     hi: Optional[int] = None
     huge_ok: bool = False
     size_like: bool = False     # sizes an output: huge values may raise MemoryError
+    exact: bool = False         # any other value must raise ValueError (e.g. start_pos)
+    optional: bool = False      # None is valid (the default)
 
 
 @dataclasses.dataclass
@@ -80,12 +83,14 @@ class Real:
     hi: float = np.inf
     finite: bool = True          # NaN / inf must raise
     lo_open: bool = False
+    optional: bool = False       # None is valid
 
 
 @dataclasses.dataclass
 class Choice:
     value: Callable[[dict], str]
     choices: Sequence[str] = ()
+    none_ok: bool = False        # None means the default
 
 
 @dataclasses.dataclass
@@ -132,6 +137,8 @@ class Entry:
     in_place_ok: Tuple[str, ...] = ()           # 'out' may be the same array as these inputs
     big: Optional[Dict[str, int]] = None        # sizes of a long (seconds) call
     medium: Optional[Dict[str, int]] = None     # ~10-100 ms, several OpenMP threads
+    long: Optional[Dict[str, int]] = None       # ~1 s: the Ctrl-C test (big: the report)
+    huge_skip: Tuple[str, ...] = ()             # symbols whose length is the work itself
     examples: int = 12                          # hypothesis examples (size draws)
     notes: str = ""
 
@@ -253,6 +260,75 @@ def _scores_derive(s):
     return s
 
 
+def _topk_derive(s):
+    s["Tc"] = (s["p"] + s["S"]) // s["ratio"] + s["more"]
+    s["K"] = min(s["topk"], (s["p"] + s["S"]) // s["ratio"])
+    if "bs" in s:
+        s["NB"] = -(-s["Tc"] // s["bs"])
+    if "tb" in s:
+        s["NB"] = -(-s["Tc"] // s["bs"])
+    return s
+
+
+def _window_derive(s):
+    if s["p"] > 0:
+        s["S"] = min(s["S"], 1)           # decode: one token
+        s["Wn"] = s["W"]
+    else:
+        s["Wn"] = min(s["S"], s["W"])
+    return s
+
+
+def _hca_derive(s):
+    if s["p"] > 0:
+        s["S"] = min(s["S"], 1)
+    s["Wn"] = (s["p"] + s["S"]) // s["ratio"]
+    return s
+
+
+def _compressor_new(sizes):
+    c = 2 if sizes["c"] == 2 else 1
+    rng = np.random.default_rng(sizes["ratio"] * 7 + sizes["D"])
+    ape = rng.standard_normal((sizes["ratio"], c * sizes["D"])).astype(np.float32)
+    return dc.Compressor(sizes["B"] + sizes["more"], sizes["ratio"], sizes["D"],
+                         overlap=(c == 2), ape=ape)
+
+
+def _compressor_prefill(fn, args, kwargs, sizes):
+    comp = _compressor_new(sizes)
+    y = comp.prefill(*args, **kwargs)
+    return y, comp
+
+
+def _compressor_step(fn, args, kwargs, sizes):
+    """A Compressor that prefilled T tokens takes the step; a step that raises must
+    leave the state as it was: the next valid step then gives the entry a fresh
+    Compressor gives."""
+    comp = _compressor_new(sizes)
+    B, T, CD = sizes["B"] + sizes["more"], sizes["T"], sizes["CD"]
+    rng = np.random.default_rng(11)
+    pre = [rng.standard_normal((B, T, CD)).astype(np.float32) for _ in range(2)]
+    comp.prefill(*pre)
+    try:
+        y = comp.step(*args, **kwargs)
+    except Exception:
+        ref = _compressor_new(sizes)
+        ref.prefill(*pre)
+        good = [rng.standard_normal((sizes["B"], 1, CD)).astype(np.float32) for _ in range(2)]
+        a = ref.step(*good, T)
+        b = comp.step(*good, T)
+        if not (a is None and b is None) and not (
+                a is not None and b is not None and np.array_equal(a, b)):
+            raise AssertionError("Compressor state changed by a step that raised")
+        raise
+    return y, comp
+
+
+def _compressor_result(ret, vals):
+    y, comp = ret
+    return (np.zeros(0, np.float32) if y is None else y, comp.positions)
+
+
 def _blocks_derive(s):
     s["L"] = s["NB"] * s["blk"]
     return s
@@ -288,19 +364,20 @@ ENTRIES = [
           big=dict(B=1, S=8192, H=64, Dh=32, extra=448),
           medium=dict(B=2, S=4001, H=16, Dh=32, extra=5)),
 
-    # ---- issue 3: the Compressor (signatures from the issue; fixed when it lands)
+    # ---- issue 3: the Compressor
     Entry("gated_pool", "gated_pool",
-          dict(kv=Arr(("B", "T", "CD")), score=Arr(("B", "T", "CD")),
-               ratio=Int(_S("ratio"), lo=1, huge_ok=True),
+          dict(kv=Arr(("B", "T", "CD")), score=Arr(("B", "T", "CD"), optional=True),
+               ratio=Int(_S("ratio"), lo=1, hi=1 << 40, huge_ok=True),
                ape=Arr(("ratio", "CD"), optional=True),
                overlap=Flag(_C(False)),
                out=Arr(("B", "G", "D"), role="out")),
           positional=("kv", "score", "ratio"),
           sizes=dict(B=(1, 3), G=(0, 5), tail=(0, 7), ratio=(1, 9), D=(1, 24), c=(1, 1)),
-          derive=_pool_derive, zero_ok=("B", "G", "D")),
+          derive=_pool_derive, zero_ok=("B", "G", "D"),
+          medium=dict(B=2, G=1501, tail=3, ratio=4, D=512, c=1)),
     Entry("gated_pool_overlap", "gated_pool",
           dict(kv=Arr(("B", "T", "CD")), score=Arr(("B", "T", "CD")),
-               ratio=Int(_S("ratio"), lo=1, huge_ok=True),
+               ratio=Int(_S("ratio"), lo=1, hi=1 << 40, huge_ok=True),
                ape=Arr(("ratio", "CD"), optional=True),
                overlap=Flag(_C(True)),
                out=Arr(("B", "G", "D"), role="out")),
@@ -309,56 +386,122 @@ ENTRIES = [
           derive=_pool_derive, zero_ok=("B", "G", "D"),
           big=dict(B=1, G=2048, tail=0, ratio=4, D=512, c=2),
           medium=dict(B=2, G=301, tail=3, ratio=4, D=512, c=2)),
+    Entry("Compressor", "Compressor",
+          dict(batch=Int(_S("Bs"), lo=1, size_like=True),
+               ratio=Int(_S("ratio"), lo=1, size_like=True),
+               head_dim=Int(_S("D"), lo=1, size_like=True),
+               overlap=Flag(lambda s: s["c"] == 2),
+               ape=Arr(("ratio", "CD"), optional=True),
+               norm_weight=Arr(("D",), optional=True),
+               eps=Real(_C(1e-6), lo=0.0),
+               model_dtype=Choice(_C("float32"), ("float32", "bfloat16"))),
+          positional=("batch", "ratio", "head_dim"),
+          sizes=dict(Bs=(1, 3), ratio=(1, 9), D=(1, 24), c=(1, 2), G=(0, 0), tail=(0, 0)),
+          derive=_pool_derive, result=lambda c, v: (c.positions,)),
+    Entry("Compressor.prefill", "Compressor",
+          dict(kv=Arr(("B", "T", "CD")), score=Arr(("B", "T", "CD"), optional=True),
+               out=Arr(("B", "G", "D"), role="out", contiguous=True)),
+          positional=("kv", "score"),
+          sizes=dict(B=(1, 3), more=(0, 2), G=(0, 5), tail=(0, 7), ratio=(1, 9), D=(1, 24),
+                     c=(1, 2)),
+          derive=_pool_derive, zero_ok=("G", "tail", "more"), call=_compressor_prefill,
+          result=_compressor_result),
+    Entry("Compressor.step", "Compressor",
+          dict(kv=Arr(("B", 1, "CD")), score=Arr(("B", 1, "CD"), optional=True),
+               start_pos=Int(_S("T"), lo=0, exact=True)),
+          positional=("kv", "score", "start_pos"),
+          sizes=dict(B=(1, 3), more=(0, 2), G=(0, 5), tail=(0, 7), ratio=(1, 9), D=(1, 24),
+                     c=(1, 2)),
+          derive=_pool_derive, zero_ok=("G", "tail", "more"), call=_compressor_step,
+          result=_compressor_result),
 
     # ---- issue 4: the indexer
     Entry("index_scores", "index_scores",
           dict(q=Arr(("B", "S", "Hi", "Di")), k=Arr(("B", "Tc", "Di")),
                weights=Arr(("B", "S", "Hi")),
-               ratio=Int(_S("ratio"), lo=1, huge_ok=True),
-               start_pos=Int(_S("p"), lo=0, huge_ok=True)),
+               ratio=Int(_S("ratio"), lo=1, hi=2**31 - 1, huge_ok=True),
+               start_pos=Int(_S("p"), lo=0, hi=1 << 40, huge_ok=True),
+               out=Arr(("B", "S", "Tc"), role="out")),
           positional=("q", "k", "weights"),
-          sizes=dict(B=(1, 2), S=(1, 9), Hi=(1, 5), Di=(1, 20), ratio=(1, 5), p=(0, 12)),
-          derive=_index_derive, zero_ok=("B", "S", "Hi", "Di")),
+          sizes=dict(B=(1, 2), S=(1, 9), Hi=(1, 5), Di=(1, 20), ratio=(1, 5), p=(0, 12),
+                     more=(0, 2)),
+          derive=_scores_derive, zero_ok=("B", "S", "Hi", "Di", "more"),
+          huge_skip=("Hi", "Di"),   # 2**40 heads / features: valid, and the work itself
+          medium=dict(B=1, S=257, Hi=64, Di=128, ratio=4, p=0, more=0)),
     Entry("index_topk", "index_topk",
           dict(q=Arr(("B", "S", "Hi", "Di")), k=Arr(("B", "Tc", "Di")),
                weights=Arr(("B", "S", "Hi")),
-               topk=Int(_S("topk"), lo=1, huge_ok=True),
-               ratio=Int(_S("ratio"), lo=1, huge_ok=True),
-               start_pos=Int(_S("p"), lo=0, huge_ok=True),
+               topk=Int(_S("topk"), lo=1, hi=2**31 - 1, huge_ok=True),
+               ratio=Int(_S("ratio"), lo=1, hi=2**31 - 1, huge_ok=True),
+               start_pos=Int(_S("p"), lo=0, hi=1 << 40, huge_ok=True),
                offset=Int(_S("off"), lo=0, huge_ok=True),
-               order=Choice(_C("score"), ("score", "position"))),
+               order=Choice(_C("score"), ("score", "position")),
+               out=Arr(("B", "S", "K"), dtype=np.int32, role="out")),
           positional=("q", "k", "weights", "topk"),
           sizes=dict(B=(1, 2), S=(1, 9), Hi=(1, 5), Di=(1, 20), ratio=(1, 5), p=(0, 12),
-                     topk=(1, 8), off=(0, 9)),
-          derive=_index_derive, zero_ok=("B", "S", "Hi", "Di"),
-          big=dict(B=1, S=4096, Hi=64, Di=128, ratio=4, p=0, topk=512, off=4096),
-          medium=dict(B=1, S=513, Hi=64, Di=128, ratio=4, p=0, topk=64, off=513)),
+                     topk=(1, 8), off=(0, 9), more=(0, 2)),
+          derive=_topk_derive, zero_ok=("B", "S", "Hi", "Di", "more"),
+          huge_skip=("Hi", "Di"),   # 2**40 heads / features: valid, and the work itself
+          big=dict(B=1, S=4096, Hi=64, Di=128, ratio=4, p=0, topk=512, off=4096, more=0),
+          medium=dict(B=1, S=257, Hi=64, Di=128, ratio=4, p=0, topk=64, off=257, more=0)),
+    Entry("index_topk_candidates", "index_topk",
+          dict(q=Arr(("B", "S", "Hi", "Di")), k=Arr(("B", "Tc", "Di")),
+               weights=Arr(("B", "S", "Hi")),
+               topk=Int(_S("topk"), lo=1, hi=2**31 - 1, huge_ok=True),
+               ratio=Int(_S("ratio"), lo=1, hi=2**31 - 1, huge_ok=True),
+               start_pos=Int(_S("p"), lo=0, hi=1 << 40, huge_ok=True),
+               offset=Int(_S("off"), lo=0, huge_ok=True),
+               order=Choice(_C("position"), ("score", "position")),
+               candidates=Arr(("B", "S", "NB"), dtype=np.bool_, optional=True),
+               block_size=Int(_S("bs"), lo=1, hi=2**31 - 1, huge_ok=True, optional=True),
+               out=Arr(("B", "S", "K"), dtype=np.int32, role="out")),
+          positional=("q", "k", "weights", "topk"),
+          sizes=dict(B=(1, 2), S=(1, 9), Hi=(1, 5), Di=(1, 20), ratio=(1, 5), p=(0, 12),
+                     topk=(1, 8), off=(0, 9), more=(0, 2), bs=(1, 4)),
+          derive=_topk_derive, zero_ok=("B", "S", "Hi", "Di", "more"), huge_skip=("Hi", "Di")),
     Entry("topk_indices", "topk_indices",
           dict(scores=Arr(("B", "S", "Tc")),
-               topk=Int(_S("topk"), lo=1, huge_ok=True),
-               ratio=Int(_S("ratio"), lo=1, huge_ok=True),
-               start_pos=Int(_S("p"), lo=0, huge_ok=True),
+               topk=Int(_S("topk"), lo=1, hi=2**31 - 1, huge_ok=True),
+               ratio=Int(_S("ratio"), lo=1, hi=2**31 - 1, huge_ok=True),
+               start_pos=Int(_S("p"), lo=0, hi=1 << 40, huge_ok=True),
                offset=Int(_S("off"), lo=0, huge_ok=True),
-               order=Choice(_C("position"), ("score", "position"))),
+               order=Choice(_C("position"), ("score", "position")),
+               out=Arr(("B", "S", "K"), dtype=np.int32, role="out")),
           positional=("scores", "topk"),
           sizes=dict(B=(1, 2), S=(1, 9), ratio=(1, 5), p=(0, 12), topk=(1, 8), off=(0, 9),
-                     more=(0, 0)),
-          derive=_scores_derive, zero_ok=("B", "S")),
+                     more=(0, 2)),
+          derive=_topk_derive, zero_ok=("B", "S", "more"),
+          medium=dict(B=1, S=1025, ratio=4, p=0, topk=512, off=1025, more=0)),
+    Entry("select_candidate_blocks", "select_candidate_blocks",
+          dict(scores=Arr(("B", "S", "Tc")),
+               topk_blocks=Int(_S("tb"), lo=1, hi=2**31 - 1, huge_ok=True),
+               block_size=Int(_S("bs"), lo=1, hi=2**31 - 1, huge_ok=True),
+               ratio=Int(_S("ratio"), lo=1, hi=2**31 - 1, huge_ok=True),
+               start_pos=Int(_S("p"), lo=0, hi=1 << 40, huge_ok=True),
+               out=Arr(("B", "S", "NB"), dtype=np.bool_, role="out")),
+          positional=("scores", "topk_blocks", "block_size"),
+          sizes=dict(B=(1, 2), S=(1, 9), ratio=(1, 5), p=(0, 12), tb=(1, 4), bs=(1, 4),
+                     more=(0, 2), topk=(1, 1), off=(0, 0)),
+          derive=_topk_derive, zero_ok=("B", "S", "more")),
     Entry("window_topk_idxs", "window_topk_idxs",
-          dict(window=Int(_S("W"), lo=1, size_like=True),
-               batch=Int(_S("B"), lo=0, size_like=True),
-               seqlen=Int(_S("S"), lo=0, size_like=True),
-               start_pos=Int(_S("p"), lo=0, huge_ok=True)),
+          dict(window=Int(_S("W"), lo=1, hi=2**31 - 1, size_like=True),
+               batch=Int(_S("B"), lo=0, hi=2**31 - 1, size_like=True),
+               seqlen=Int(_S("S"), lo=0, hi=2**31 - 1, size_like=True),
+               start_pos=Int(_S("p"), lo=0, hi=1 << 40, huge_ok=True),
+               out=Arr(("B", "S", "Wn"), dtype=np.int32, role="out")),
           positional=("window", "batch", "seqlen", "start_pos"),
-          sizes=dict(W=(1, 9), B=(1, 3), S=(1, 9), p=(0, 20))),
+          sizes=dict(W=(1, 9), B=(1, 3), S=(1, 9), p=(0, 20)),
+          derive=_window_derive, zero_ok=("B", "S")),
     Entry("compress_topk_idxs", "compress_topk_idxs",
-          dict(ratio=Int(_S("ratio"), lo=1, huge_ok=True),
-               batch=Int(_S("B"), lo=0, size_like=True),
-               seqlen=Int(_S("S"), lo=0, size_like=True),
-               start_pos=Int(_S("p"), lo=0, huge_ok=True),
-               offset=Int(_S("off"), lo=0, huge_ok=True)),
+          dict(ratio=Int(_S("ratio"), lo=1, hi=2**31 - 1, huge_ok=True),
+               batch=Int(_S("B"), lo=0, hi=2**31 - 1, size_like=True),
+               seqlen=Int(_S("S"), lo=0, hi=2**31 - 1, size_like=True),
+               start_pos=Int(_S("p"), lo=0, hi=1 << 40, huge_ok=True),
+               offset=Int(_S("off"), lo=0, huge_ok=True),
+               out=Arr(("B", "S", "Wn"), dtype=np.int32, role="out")),
           positional=("ratio", "batch", "seqlen", "start_pos", "offset"),
-          sizes=dict(ratio=(1, 9), B=(1, 3), S=(1, 9), p=(0, 20), off=(0, 9))),
+          sizes=dict(ratio=(1, 9), B=(1, 3), S=(1, 9), p=(0, 20), off=(0, 9)),
+          derive=_hca_derive, zero_ok=("B", "S")),
 
     # ---- issue 5: sparse attention
     Entry("sparse_attn", "sparse_attn",
@@ -370,32 +513,69 @@ ENTRIES = [
                out=Arr(("B", "S", "H", "D"), role="out")),
           positional=("q", "kv", "attn_sink", "topk_idxs", "softmax_scale"),
           sizes=dict(B=(1, 2), S=(1, 6), H=(1, 5), D=(1, 40), N=(1, 20), K=(0, 9)),
-          zero_ok=("B", "S", "H", "K"), loose=True,
+          zero_ok=("B", "S", "H", "K", "D"), loose=True,
+          # K = 2**40 indices per query (zero strides) is valid and would take days
+          huge_skip=("K",),
           big=dict(B=1, S=4096, H=64, D=512, N=4096 + 1024, K=640),
-          medium=dict(B=1, S=129, H=64, D=512, N=1200, K=640)),
+          long=dict(B=1, S=512, H=64, D=512, N=4096 + 1024, K=640),
+          medium=dict(B=1, S=17, H=64, D=512, N=1200, K=640)),
 
     # ---- issue 6: QAT rounding and Hadamard
     Entry("fp8_round", "fp8_round",
-          dict(x=Arr(("R", "L"), ndim=(1, None)),
-               block=Int(_S("blk"), lo=1),
+          dict(x=Arr(("R", "L"), role="inout", ndim=(1, None)),
+               block=Int(_S("blk"), lo=1, hi=1 << 40, huge_ok=True),
+               scale=Choice(_C("ue8m0"), ("ue8m0", "fp32"), none_ok=True),
                out=Arr(("R", "L"), role="out", ndim=(1, None))),
           positional=("x", "block"), sizes=dict(R=(1, 5), NB=(1, 4), blk=(1, 70)),
-          derive=_blocks_derive, zero_ok=("R",), big=dict(R=8192, NB=7, blk=64), medium=dict(R=8193, NB=7, blk=64)),
+          derive=_blocks_derive, zero_ok=("R",), in_place_ok=("x",),
+          big=dict(R=8192, NB=7, blk=64), medium=dict(R=8193, NB=7, blk=64)),
     Entry("fp4_round", "fp4_round",
-          dict(x=Arr(("R", "L"), ndim=(1, None)),
-               block=Int(_S("blk"), lo=1),
+          dict(x=Arr(("R", "L"), role="inout", ndim=(1, None)),
+               block=Int(_S("blk"), lo=1, hi=1 << 40, huge_ok=True),
+               scale=Choice(_C("ue8m0"), ("ue8m0", "e4m3"), none_ok=True),
                out=Arr(("R", "L"), role="out", ndim=(1, None))),
           positional=("x", "block"), sizes=dict(R=(1, 5), NB=(1, 4), blk=(1, 40)),
-          derive=_blocks_derive,
-          zero_ok=("R",)),
+          derive=_blocks_derive, zero_ok=("R",), in_place_ok=("x",),
+          medium=dict(R=16385, NB=4, blk=32)),
     Entry("hadamard", "hadamard",
           dict(x=Arr(("R", "N"), ndim=(1, None)),
+               # a NaN / inf scale is not rejected: the documented product (NaN / inf)
+               scale=Real(_C(None), optional=True, finite=False),
                out=Arr(("R", "N"), role="out", ndim=(1, None))),
           positional=("x",), sizes=dict(R=(1, 6), logN=(0, 8)),
-          derive=_hadamard_derive, zero_ok=("R",), loose=True),
+          derive=_hadamard_derive, zero_ok=("R",), loose=True, in_place_ok=("x",),
+          medium=dict(R=16385, logN=7)),
 ]
 
 BY_NAME = {e.name: e for e in ENTRIES}
+
+# Misbehaviours found by the suite and left to their owners: (entry, regex on the case
+# description, what is wrong).  test_bad_inputs tolerates exactly these cases;
+# test_hardening.py::test_known_issue runs each as xfail(strict=True), so a fix shows
+# up as XPASS and its line must then be deleted here.
+KNOWN = [
+    ("Compressor", r"\|(batch|ratio|head_dim)\|int beyond int64\|",
+     "Compressor(batch|ratio|head_dim >= 2**63) raises NumPy's 'Maximum allowed dimension "
+     "exceeded', which does not name the argument (compressor.py Compressor._int has no "
+     "upper bound)"),
+    ("Compressor", r"\|(batch|ratio|head_dim)\|int wrong type\|bool",
+     "Compressor(True, ...) is accepted as batch 1 (operator.index(True) == 1); the C glue's "
+     "csa_int_arg rejects bools"),
+    ("Compressor", r"\|eps\|real wrong type\|",
+     "Compressor(eps=...) goes through float(): eps='1e-3' (a str) is accepted, and None, "
+     "a list, a complex or an array raise float()'s message, which does not name 'eps'"),
+    ("Compressor", r"\|(ape|norm_weight)\|torch dtype\|torch.bfloat16",
+     "Compressor(ape=<torch bfloat16 tensor>) raises torch's 'Got unsupported ScalarType "
+     "BFloat16' (from np.asarray), which does not name the argument"),
+]
+
+
+def known_issue(entry_name, desc):
+    import re
+    for e, pat, why in KNOWN:
+        if e == entry_name and re.search(pat, desc):
+            return why
+    return None
 
 
 def available_entries():

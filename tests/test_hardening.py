@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import deepseek_csa as dc
 from conftest import threads
 from hardening_cases import cases, run_case
-from hardening_registry import ENTRIES, NO
+from hardening_registry import ENTRIES, KNOWN, BY_NAME, known_issue
 
 CASES = set()                       # distinct case descriptions that ran
 RUNS = collections.Counter()        # executions per entry
@@ -30,7 +30,7 @@ FAILS = []
 
 # No shrinking: each example already runs every mutation, and the failure report
 # lists the cases that misbehaved with their sizes.
-SETTINGS = settings(max_examples=int(os.environ.get("CSA_HARDEN_EXAMPLES", "6")),
+SETTINGS = settings(max_examples=int(os.environ.get("CSA_HARDEN_EXAMPLES", "10")),
                     deadline=None, derandomize=True, database=None, print_blob=False,
                     phases=[Phase.explicit, Phase.generate],
                     suppress_health_check=list(HealthCheck))
@@ -56,7 +56,7 @@ def test_bad_inputs(entry):
             CASES.add(case.desc)
             RUNS[entry.name] += 1
             why = run_case(entry, case, sizes)
-            if why:
+            if why and not known_issue(entry.name, case.desc):
                 failures.append(f"{case.desc}: {why}")
         if failures:
             FAILS.extend(failures)
@@ -68,6 +68,29 @@ def test_bad_inputs(entry):
     # test_threads.py run the same kernels with several threads.
     with threads(1):
         run()
+
+
+@pytest.mark.parametrize("entry_name, pattern, why", KNOWN,
+                         ids=[f"{e}:{p}" for e, p, _ in KNOWN])
+@pytest.mark.xfail(strict=True, reason="a known misbehaviour (see hardening_registry.KNOWN)")
+def test_known_issue(entry_name, pattern, why):
+    """Each known misbehaviour, still failing; XPASS means it was fixed: delete its line."""
+    import re
+    entry = BY_NAME[entry_name]
+    if not entry.available():
+        pytest.skip(f"deepseek_csa.{entry.func} does not exist yet")
+    bad, ran = [], 0
+    for pick in (0, 1):
+        sizes = entry.make_sizes({k: r[pick] for k, r in entry.sizes.items()})
+        vals = entry.build(sizes, 5)
+        for case in cases(entry, sizes, vals, np.random.default_rng(6)):
+            if re.search(pattern, case.desc):
+                ran += 1
+                w = run_case(entry, case, sizes)
+                if w:
+                    bad.append(f"{case.desc}: {w}")
+    assert ran, f"no case matches {pattern!r}: stale entry in KNOWN"
+    assert not bad, f"{why}\n  " + "\n  ".join(bad[:10])
 
 
 # ---------------------------------------------------------------- beyond the table
@@ -175,7 +198,7 @@ def test_subprocess_survives_every_case_kind():
     taking pytest down, and the oracle path gets the same bad input."""
     code = textwrap.dedent("""
         import numpy as np, deepseek_csa as dc
-        from hardening_registry import ENTRIES
+        from hardening_registry import ENTRIES, known_issue
         from hardening_cases import cases, run_case
         dc.set_isa('ref')
         n = bad = 0
@@ -187,7 +210,7 @@ def test_subprocess_survives_every_case_kind():
             for c in cases(e, sizes, vals, np.random.default_rng(8)):
                 n += 1
                 why = run_case(e, c, sizes)
-                if why:
+                if why and not known_issue(e.name, c.desc):
                     bad += 1
                     print('FAIL', c.desc, why)
         print('RAN', n, 'BAD', bad)

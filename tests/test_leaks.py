@@ -32,6 +32,13 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 UNDER_ASAN = "libasan" in os.environ.get("LD_PRELOAD", "")
 
 
+def traced():
+    """Bytes tracemalloc holds, without the records of FAILED huge allocations: NumPy
+    tracks a failed np.zeros of 2**40 elements as if it had succeeded (its 4 TiB stay
+    in the total), which would drown any real leak."""
+    return sum(t.size for t in tracemalloc.take_snapshot().traces if t.size < 1 << 36)
+
+
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * PAGE
@@ -82,13 +89,13 @@ def test_flat_memory_and_refcounts(entry, capsys):
         refs0 = [[sys.getrefcount(v) for _, v in _tracked(c.vals)] for c, _, _ in calls]
         tracemalloc.start()
         gc.collect()
-        blocks0, mem0, rss0 = sys.getallocatedblocks(), tracemalloc.get_traced_memory()[0], rss()
+        blocks0, mem0, rss0 = sys.getallocatedblocks(), traced(), rss()
         t0 = time.perf_counter()
         for i in range(CALLS):
             one(i)
         dt = time.perf_counter() - t0
         gc.collect()
-        blocks1, mem1, rss1 = sys.getallocatedblocks(), tracemalloc.get_traced_memory()[0], rss()
+        blocks1, mem1, rss1 = sys.getallocatedblocks(), traced(), rss()
         tracemalloc.stop()
         refs1 = [[sys.getrefcount(v) for _, v in _tracked(c.vals)] for c, _, _ in calls]
 
@@ -100,9 +107,10 @@ def test_flat_memory_and_refcounts(entry, capsys):
     grew = [(c.desc, k, r0, r1) for (c, _, _), a, b in zip(calls, refs0, refs1)
             for (k, _), r0, r1 in zip(_tracked(c.vals), a, b) if r0 != r1]
     assert not grew, f"reference counts changed: {grew[:10]}"
-    # 10**4 leaked arrays of >= 1 KiB would be >= 10 MiB; objects >= 10**4 blocks
-    assert blocks1 - blocks0 < 500, f"{blocks1 - blocks0} more live Python objects"
-    assert mem1 - mem0 < 256 * 1024, f"traced memory grew by {(mem1 - mem0) / 1024:.0f} KiB"
+    # One leaked object per call would be >= 10**4 blocks and >= 1 MiB traced (a leaked
+    # array's buffer: >= 10 MiB); the slack absorbs caches that fill once.
+    assert blocks1 - blocks0 < 2000, f"{blocks1 - blocks0} more live Python objects"
+    assert mem1 - mem0 < 512 * 1024, f"traced memory grew by {(mem1 - mem0) / 1024:.0f} KiB"
     if not UNDER_ASAN:       # ASan's quarantine keeps freed memory resident on purpose
         assert rss1 - rss0 < 8 * 2**20, f"RSS grew by {(rss1 - rss0) / 2**20:.1f} MiB"
 
