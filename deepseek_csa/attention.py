@@ -1,2 +1,18 @@
-"""(filled in by its issue)"""
-__all__ = []
+"""Top-k sparse attention with an attention sink (SPEC section 5).
+
+``sparse_attn(q, kv, attn_sink, topk_idxs, softmax_scale, *, out=None)`` has the
+signature of the released reference kernel, so it can be dropped in:
+
+    o = sparse_attn(q, kv, attn_sink, topk_idxs, D ** -0.5)
+
+q [B, S, H, D] float32, kv [B, N, D] float32 (K = V, one KV head shared by all H
+heads), attn_sink [H] float32, topk_idxs [B, S, K] int32 with -1 for an empty slot;
+returns float32 [B, S, H, D].  The softmax runs online over blocks of gathered rows
+with the running maximum taken over the logits and the sink (same result as the
+textbook formula, no overflow); the sink only enlarges the denominator; a query
+whose indices are all -1 gets zeros.  Indices outside [-1, N) raise IndexError
+before anything is written.
+"""
+from ._core import sparse_attn
+
+__all__ = ["sparse_attn"]

@@ -1,2 +1,14 @@
-"""(filled in by its issue)"""
-__all__ = []
+"""QAT rounding and the Hadamard rotation (SPEC section 7).
+
+fp8_round(x, block, *, scale="ue8m0", out=None)
+    FP8 e4m3 quantize-dequantize per block of the last axis; in place unless out=.
+fp4_round(x, block, *, scale="ue8m0", out=None)
+    FP4 e2m1 quantize-dequantize per block; scale="e4m3" for V4.1's compressed KV.
+hadamard(x, *, scale=None, out=None)
+    Normalized fast Walsh-Hadamard transform of the last axis (a new array unless out=).
+
+The arithmetic is in C (csrc/quant.c); see each function's docstring.
+"""
+from ._core import fp4_round, fp8_round, hadamard
+
+__all__ = ["fp8_round", "fp4_round", "hadamard"]

@@ -39,13 +39,15 @@ def threads(n):
 @contextlib.contextmanager
 def unchanged(*arrays):
     """Asserts that the arrays hold the same bits after the block (raising or not)."""
-    snaps = [np.array(a, copy=True) for a in arrays]
+    def raw(a):   # the bytes of every element, whatever the strides
+        return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+    snaps = [raw(np.array(a, copy=True)) for a in arrays]
     try:
         yield
     finally:
         for i, (a, s) in enumerate(zip(arrays, snaps)):
-            assert np.array_equal(np.asarray(a).view(np.uint8), s.view(np.uint8)), \
-                f"input {i} was modified"
+            assert np.array_equal(raw(a), s), f"input {i} was modified"
 
 
 def assert_close(got, want, *, rtol=1e-5, atol=1e-6, what=""):

@@ -42,38 +42,56 @@ PyArrayObject *csa_empty_like_dtype(PyArrayObject *proto, int ndim, const npy_in
                                                  NULL, NULL, 0, NULL);
 }
 
-/* A torch bfloat16 tensor as an ml_dtypes.bfloat16 ndarray sharing its memory, or NULL
- * (no exception) when obj is not one. */
-static PyObject *torch_bf16_view(PyObject *obj)
+/* A CPU torch tensor as an ndarray sharing its memory, or NULL (no exception) when obj
+ * is not a tensor or NumPy cannot view it (GPU, requires grad: the generic path then
+ * raises).  Tensor.numpy() is several times cheaper than the __array__ protocol, which
+ * matters for one-token decode calls; bfloat16 tensors (when `bf16` allows them) are
+ * viewed as int16 and then as ml_dtypes.bfloat16.  *failed says obj was a tensor
+ * that could not be viewed. */
+static PyObject *torch_view(PyObject *obj, int bf16, int *failed)
 {
+    *failed = 0;
     PyObject *mods = PySys_GetObject("modules");
     PyObject *tm = mods ? PyDict_GetItemString(mods, "torch") : NULL;
-    if (!tm || !PyObject_HasAttrString(obj, "dtype")) return NULL;
-    PyObject *dt = PyObject_GetAttrString(obj, "dtype");
-    PyObject *bf = PyObject_GetAttrString(tm, "bfloat16");
-    int is = dt && bf && dt == bf;
-    Py_XDECREF(dt);
-    Py_XDECREF(bf);
-    PyErr_Clear();
-    if (!is) return NULL;
-    PyObject *mld = PyImport_ImportModule("ml_dtypes");
-    if (!mld) {
+    if (!tm) return NULL;
+    PyObject *tensor = PyObject_GetAttrString(tm, "Tensor");
+    int is = tensor ? PyObject_IsInstance(obj, tensor) : 0;
+    Py_XDECREF(tensor);
+    if (is != 1) {
         PyErr_Clear();
         return NULL;
     }
-    PyObject *i16 = PyObject_GetAttrString(tm, "int16");
-    PyObject *bft = PyObject_GetAttrString(mld, "bfloat16");
-    PyObject *det = i16 && bft ? PyObject_CallMethod(obj, "detach", NULL) : NULL;
-    PyObject *v = det ? PyObject_CallMethod(det, "view", "O", i16) : NULL;
-    PyObject *np = v ? PyObject_CallMethod(v, "numpy", NULL) : NULL;
-    PyObject *res = np ? PyObject_CallMethod(np, "view", "O", bft) : NULL;
-    Py_XDECREF(mld);
-    Py_XDECREF(i16);
-    Py_XDECREF(bft);
-    Py_XDECREF(det);
-    Py_XDECREF(v);
-    Py_XDECREF(np);
-    if (!res) PyErr_Clear();
+    PyObject *dt = PyObject_GetAttrString(obj, "dtype");
+    PyObject *bf = PyObject_GetAttrString(tm, "bfloat16");
+    const int is_bf = dt && bf && dt == bf;
+    Py_XDECREF(dt);
+    Py_XDECREF(bf);
+    PyObject *res = NULL;
+    if (is_bf && !bf16) {
+        *failed = 2;
+        return NULL;
+    }
+    if (!is_bf) {
+        res = PyObject_CallMethod(obj, "numpy", NULL);
+    } else if (bf16) {
+        PyObject *mld = PyImport_ImportModule("ml_dtypes");
+        PyObject *i16 = mld ? PyObject_GetAttrString(tm, "int16") : NULL;
+        PyObject *bft = i16 ? PyObject_GetAttrString(mld, "bfloat16") : NULL;
+        PyObject *v = bft ? PyObject_CallMethod(obj, "view", "O", i16) : NULL;
+        PyObject *np = v ? PyObject_CallMethod(v, "numpy", NULL) : NULL;
+        res = np ? PyObject_CallMethod(np, "view", "O", bft) : NULL;
+        Py_XDECREF(mld);
+        Py_XDECREF(i16);
+        Py_XDECREF(bft);
+        Py_XDECREF(v);
+        Py_XDECREF(np);
+    }
+    if (!res || !PyArray_Check(res)) {
+        Py_XDECREF(res);
+        *failed = 1;
+        PyErr_Clear();
+        return NULL;
+    }
     return res;
 }
 
@@ -124,11 +142,26 @@ PyArrayObject *csa_array(PyObject *obj, const char *fn, const char *name, int dt
         return NULL;
     }
     PyArrayObject *a;
+    int tfail = 0;
     if (PyArray_Check(obj)) {
         Py_INCREF(obj);
         a = (PyArrayObject *)obj;
-    } else if ((dtypes & CSA_BF16) && (a = (PyArrayObject *)torch_bf16_view(obj)) != NULL) {
-        /* a torch bfloat16 tensor, viewed without a copy */
+    } else if ((a = (PyArrayObject *)torch_view(obj, dtypes & CSA_BF16, &tfail)) != NULL) {
+        /* a CPU torch tensor, viewed without a copy */
+    } else if (tfail == 2) {
+        PyErr_Format(PyExc_TypeError, "%s(): '%s' must be a %s array, got a torch bfloat16 tensor",
+                     fn, name, dtypes_str(dtypes));
+        return NULL;
+    } else if (tfail) {
+        PyObject *dt = PyObject_GetAttrString(obj, "dtype");
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError,
+                     "%s(): '%s' must be a %s array; got a torch tensor (dtype %S) that NumPy "
+                     "cannot view without a copy (on a GPU, or requiring grad: pass "
+                     "t.detach().cpu())",
+                     fn, name, dtypes_str(dtypes), dt ? dt : Py_None);
+        Py_XDECREF(dt);
+        return NULL;
     } else {
         a = (PyArrayObject *)PyArray_FromAny(obj, NULL, 0, 0, 0, NULL);
         if (!a) {

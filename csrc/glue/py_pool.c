@@ -1,6 +1,373 @@
-/* Glue for the pool kernels (filled in by its issue). */
+/* gated_pool, and the private calls behind deepseek_csa.Compressor. */
 #include "glue.h"
 
+#include <math.h>
+
+#include "../pool.h"
+
+/* A contiguous-inner-axis version of a validated array: itself (new reference) when
+ * its last stride is one element, else a C-contiguous copy. */
+static PyArrayObject *unit_inner(PyArrayObject *a)
+{
+    int nd = PyArray_NDIM(a);
+    if (nd == 0 || PyArray_DIM(a, nd - 1) <= 1 || csa_stride(a, nd - 1) == 1) {
+        Py_INCREF(a);
+        return a;
+    }
+    return (PyArrayObject *)PyArray_NewCopy(a, NPY_CORDER);
+}
+
+/* kv / score / ape checks shared by gated_pool and the Compressor: returns c*d. */
+static int check_inputs(const char *fn, PyArrayObject *kv, PyArrayObject *score,
+                        PyArrayObject *ape, long long ratio, int overlap)
+{
+    char b1[256], b2[256];
+    const npy_intp cd = PyArray_DIM(kv, 2);
+    if (overlap && cd % 2) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): with overlap 'kv' must have an even last dimension (2*D), got "
+                     "shape %s",
+                     fn, csa_shape_str(kv, b1, sizeof b1));
+        return -1;
+    }
+    if (score) {
+        if (PyArray_NDIM(score) != 3 || PyArray_DIM(score, 0) != PyArray_DIM(kv, 0) ||
+            PyArray_DIM(score, 1) != PyArray_DIM(kv, 1) || PyArray_DIM(score, 2) != cd) {
+            PyErr_Format(PyExc_ValueError, "%s(): 'score' must have the shape of 'kv' %s, got %s",
+                         fn, csa_shape_str(kv, b1, sizeof b1),
+                         csa_shape_str(score, b2, sizeof b2));
+            return -1;
+        }
+    }
+    if (ape) {
+        if (PyArray_DIM(ape, 0) != ratio || PyArray_DIM(ape, 1) != cd) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s(): 'ape' must have shape [ratio, kv.shape[-1]] = [%lld, %lld], got "
+                         "%s",
+                         fn, ratio, (long long)cd, csa_shape_str(ape, b1, sizeof b1));
+            return -1;
+        }
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(gated_pool_doc,
+"gated_pool(kv, score, ratio, *, ape=None, overlap=False, out=None)\n--\n\n"
+"Gated pooling of the complete groups of a prefill (SPEC section 3), float32.\n\n"
+"kv, score : float32 [B, T, c*D], c = 2 with overlap else 1, any strides.\n"
+"ratio     : int >= 1, tokens per entry.\n"
+"ape       : float32 [ratio, c*D] added to the scores (None: zeros, as in V4.1).\n"
+"overlap   : V4's ratio-4 scheme: entry g softmaxes over 2*ratio candidates, the\n"
+"            tokens of group g-1 through features [0, D) and those of group g through\n"
+"            features [D, 2D); group -1 does not exist (weight 0).\n"
+"out       : float32 [B, T // ratio, D] or None.\n\n"
+"Without overlap entry g pools tokens g*ratio .. g*ratio+ratio-1 per feature with\n"
+"softmax(score + ape) weights.  Ratio 1 without overlap is V4.1's ungated entry:\n"
+"the token's own kv (score is ignored and may be None).  The T % ratio trailing\n"
+"tokens make no entry (deepseek_csa.Compressor keeps them for decode).\n"
+"Returns out [B, T // ratio, D].");
+
+static PyObject *py_gated_pool(PyObject *self, PyObject *args, PyObject *kw)
+{
+    static const char *fn = "gated_pool";
+    static char *kwlist[] = {"kv", "score", "ratio", "ape", "overlap", "out", NULL};
+    PyObject *kvo, *so, *ro, *apo = Py_None, *oo = Py_None;
+    int overlap = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|$OpO:gated_pool", kwlist, &kvo, &so, &ro,
+                                     &apo, &overlap, &oo))
+        return NULL;
+    PyArrayObject *kv = NULL, *sc = NULL, *ape = NULL, *out = NULL, *kvc = NULL, *scc = NULL,
+                  *apc = NULL, *tmp = NULL;
+    PyObject *ret = NULL;
+    long long ratio;
+    if (csa_int_arg(ro, fn, "ratio", 1, (long long)1 << 40, &ratio)) return NULL;
+    const int gate = ratio > 1 || overlap;
+    if (!(kv = csa_array(kvo, fn, "kv", CSA_F32, 3, 3, 0))) goto done;
+    if (so != Py_None || gate)
+        if (!(sc = csa_array(so, fn, "score", CSA_F32, 3, 3, 0))) goto done;
+    if (apo != Py_None && !(ape = csa_array(apo, fn, "ape", CSA_F32, 2, 2, 0))) goto done;
+    if (check_inputs(fn, kv, sc, ape, ratio, overlap)) goto done;
+    const npy_intp B = PyArray_DIM(kv, 0), T = PyArray_DIM(kv, 1);
+    const npy_intp d = PyArray_DIM(kv, 2) / (overlap ? 2 : 1);
+    npy_intp shape[3] = {B, T / ratio, d};
+    PyArrayObject *ins[3] = {kv, sc, ape};
+    if (!(out = csa_out_array(oo, fn, 3, shape, ins, 3))) goto done;
+    if (!(kvc = unit_inner(kv))) goto done;
+    if (sc && !(scc = unit_inner(sc))) goto done;
+    if (ape && !(apc = unit_inner(ape))) goto done;
+    PyArrayObject *dst = out;
+    if (shape[2] > 1 && csa_stride(out, 2) != 1) {
+        if (!(tmp = (PyArrayObject *)PyArray_EMPTY(3, shape, NPY_FLOAT32, 0))) goto done;
+        dst = tmp;
+    }
+    int st;
+    Py_BEGIN_ALLOW_THREADS
+    st = csa_gated_pool((const float *)PyArray_DATA(kvc), csa_stride(kvc, 0), csa_stride(kvc, 1),
+                        1, scc ? (const float *)PyArray_DATA(scc) : NULL,
+                        scc ? csa_stride(scc, 0) : 0, scc ? csa_stride(scc, 1) : 0, 1,
+                        apc ? (const float *)PyArray_DATA(apc) : NULL,
+                        apc ? csa_stride(apc, 0) : 0, 1, B, T, d, ratio, overlap,
+                        (float *)PyArray_DATA(dst), csa_stride(dst, 0), csa_stride(dst, 1), 1);
+    Py_END_ALLOW_THREADS
+    if (st) {
+        csa_raise_status(st, fn);
+        goto done;
+    }
+    if (tmp && PyArray_CopyInto(out, tmp)) goto done;
+    ret = (oo != Py_None) ? (Py_INCREF(oo), oo) : (Py_INCREF(out), (PyObject *)out);
+done:
+    Py_XDECREF(kv);
+    Py_XDECREF(sc);
+    Py_XDECREF(ape);
+    Py_XDECREF(out);
+    Py_XDECREF(kvc);
+    Py_XDECREF(scc);
+    Py_XDECREF(apc);
+    Py_XDECREF(tmp);
+    return ret;
+}
+
+/* ---------------------------------------------------------------- Compressor state
+ *
+ * The Python object keeps its state as a tuple built once (deepseek_csa/compressor.py):
+ *   (ratio, overlap, d, kv_state, score_state, prev_kv, prev_score, pos,
+ *    ape or None, norm_w or None, eps, cos or None, sin or None, bf16)
+ * with C-contiguous float32 arrays (pos int64) of the shapes in pool.h. */
+
+typedef struct {
+    csa_pool_state st;
+    csa_pool_epilogue ep;
+    const float *ape;
+} state_view;
+
+static int state_arr(PyObject *o, int type, npy_intp n, const char *what, const char *fn)
+{
+    if (!PyArray_Check(o) || PyArray_TYPE((PyArrayObject *)o) != type ||
+        !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)o) || PyArray_SIZE((PyArrayObject *)o) < n ||
+        !PyArray_ISWRITEABLE((PyArrayObject *)o)) {
+        PyErr_Format(PyExc_RuntimeError, "%s(): the Compressor's %s array is corrupt", fn, what);
+        return -1;
+    }
+    return 0;
+}
+
+static int parse_state(PyObject *tup, const char *fn, state_view *v)
+{
+    Py_ssize_t ratio, d;
+    int overlap, bf16;
+    double eps;
+    PyObject *ks, *ss, *pk, *ps, *pos, *ape, *nw, *co, *so;
+    if (!PyTuple_Check(tup) ||
+        !PyArg_ParseTuple(tup, "ninOOOOOOOdOOi", &ratio, &overlap, &d, &ks, &ss, &pk, &ps, &pos,
+                          &ape, &nw, &eps, &co, &so, &bf16)) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_TypeError, "%s(): the Compressor's state is corrupt", fn);
+        return -1;
+    }
+    const npy_intp batch = PyArray_Check(pos) ? PyArray_SIZE((PyArrayObject *)pos) : 0;
+    const npy_intp cd = (overlap ? 2 : 1) * d;
+    if (ratio < 1 || d < 0 || state_arr(pos, NPY_INT64, batch, "pos", fn) ||
+        state_arr(ks, NPY_FLOAT32, batch * ratio * cd, "kv state", fn) ||
+        state_arr(ss, NPY_FLOAT32, batch * ratio * cd, "score state", fn) ||
+        state_arr(pk, NPY_FLOAT32, overlap ? batch * ratio * d : 0, "previous kv", fn) ||
+        state_arr(ps, NPY_FLOAT32, overlap ? batch * ratio * d : 0, "previous score", fn) ||
+        (ape != Py_None && state_arr(ape, NPY_FLOAT32, ratio * cd, "ape", fn)) ||
+        (nw != Py_None && state_arr(nw, NPY_FLOAT32, d, "norm weight", fn)))
+        return -1;
+    v->st = (csa_pool_state){batch, ratio, d, overlap,
+                             PyArray_DATA((PyArrayObject *)ks), PyArray_DATA((PyArrayObject *)ss),
+                             PyArray_DATA((PyArrayObject *)pk), PyArray_DATA((PyArrayObject *)ps),
+                             PyArray_DATA((PyArrayObject *)pos)};
+    v->ape = ape == Py_None ? NULL : PyArray_DATA((PyArrayObject *)ape);
+    v->ep = (csa_pool_epilogue){bf16, nw == Py_None ? NULL : PyArray_DATA((PyArrayObject *)nw),
+                                (float)eps, NULL, NULL, 0, 0, 0};
+    if (co != Py_None) {
+        PyArrayObject *c = (PyArrayObject *)co, *s = (PyArrayObject *)so;
+        if (!PyArray_Check(co) || !PyArray_Check(so) || PyArray_NDIM(c) != 2 ||
+            PyArray_TYPE(c) != NPY_FLOAT32 || PyArray_TYPE(s) != NPY_FLOAT32 ||
+            !PyArray_IS_C_CONTIGUOUS(c) || !PyArray_IS_C_CONTIGUOUS(s) ||
+            PyArray_SIZE(c) != PyArray_SIZE(s) || 2 * PyArray_DIM(c, 1) > d) {
+            PyErr_Format(PyExc_RuntimeError, "%s(): the Compressor's RoPE tables are corrupt", fn);
+            return -1;
+        }
+        v->ep.cos = PyArray_DATA(c);
+        v->ep.sin = PyArray_DATA(s);
+        v->ep.half = PyArray_DIM(c, 1);
+        v->ep.rows = PyArray_DIM(c, 0);
+        v->ep.srow = PyArray_DIM(c, 1);
+    }
+    return 0;
+}
+
+/* The kv / score of a prefill or step, validated against the state. */
+static int state_inputs(const char *fn, state_view *v, PyObject *kvo, PyObject *so,
+                        PyArrayObject **kv, PyArrayObject **sc)
+{
+    const int gate = v->st.ratio > 1 || v->st.overlap;
+    const npy_intp cd = (v->st.overlap ? 2 : 1) * v->st.d;
+    char b1[256];
+    if (!(*kv = csa_array(kvo, fn, "kv", CSA_F32, 3, 3, 0))) return -1;
+    if ((so != Py_None || gate) && !(*sc = csa_array(so, fn, "score", CSA_F32, 3, 3, 0)))
+        return -1;
+    if (PyArray_DIM(*kv, 2) != cd) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): 'kv' must have shape[2] == %lld (%s), got shape %s", fn,
+                     (long long)cd, v->st.overlap ? "2*head_dim, overlap" : "head_dim",
+                     csa_shape_str(*kv, b1, sizeof b1));
+        return -1;
+    }
+    if (check_inputs(fn, *kv, *sc, NULL, v->st.ratio, v->st.overlap)) return -1;
+    if (PyArray_DIM(*kv, 0) > v->st.batch) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): 'kv' has %lld rows but the Compressor holds state for batch=%lld",
+                     fn, (long long)PyArray_DIM(*kv, 0), (long long)v->st.batch);
+        return -1;
+    }
+    return 0;
+}
+
+static int check_rope_rows(const char *fn, const state_view *v, long long last_g)
+{
+    if (v->ep.cos && last_g >= 0 && last_g * v->st.ratio >= v->ep.rows) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): entry %lld is rotated at position %lld but the RoPE tables have "
+                     "only %lld rows",
+                     fn, last_g, last_g * (long long)v->st.ratio, (long long)v->ep.rows);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *py_pool_prefill(PyObject *self, PyObject *args)
+{
+    static const char *fn = "Compressor.prefill";
+    PyObject *to, *kvo, *so, *oo = Py_None;
+    if (!PyArg_ParseTuple(args, "OOO|O:_pool_prefill", &to, &kvo, &so, &oo)) return NULL;
+    state_view v;
+    if (parse_state(to, fn, &v)) return NULL;
+    PyArrayObject *kv = NULL, *sc = NULL, *kvc = NULL, *scc = NULL, *out = NULL;
+    PyObject *ret = NULL;
+    if (state_inputs(fn, &v, kvo, so, &kv, &sc)) goto done;
+    const npy_intp B = PyArray_DIM(kv, 0), T = PyArray_DIM(kv, 1), G = T / v.st.ratio;
+    if (check_rope_rows(fn, &v, (long long)G - 1)) goto done;
+    npy_intp shape[3] = {B, G, v.st.d};
+    PyArrayObject *ins[2] = {kv, sc};
+    if (!(out = csa_out_array(oo, fn, 3, shape, ins, 2))) goto done;
+    if (!PyArray_IS_C_CONTIGUOUS(out)) {
+        PyErr_Format(PyExc_ValueError, "%s(): 'out' must be C-contiguous", fn);
+        goto done;
+    }
+    if (!(kvc = unit_inner(kv))) goto done;
+    if (sc && !(scc = unit_inner(sc))) goto done;
+    int st;
+    Py_BEGIN_ALLOW_THREADS
+    st = csa_pool_prefill(&v.st, (const float *)PyArray_DATA(kvc), csa_stride(kvc, 0),
+                          csa_stride(kvc, 1), scc ? (const float *)PyArray_DATA(scc) : NULL,
+                          scc ? csa_stride(scc, 0) : 0, scc ? csa_stride(scc, 1) : 0, v.ape, B, T,
+                          &v.ep, (float *)PyArray_DATA(out), G * v.st.d, v.st.d);
+    Py_END_ALLOW_THREADS
+    if (st) {
+        csa_raise_status(st, fn);
+        goto done;
+    }
+    ret = (oo != Py_None) ? (Py_INCREF(oo), oo) : (Py_INCREF(out), (PyObject *)out);
+done:
+    Py_XDECREF(kv);
+    Py_XDECREF(sc);
+    Py_XDECREF(kvc);
+    Py_XDECREF(scc);
+    Py_XDECREF(out);
+    return ret;
+}
+
+static PyObject *py_pool_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *fn = "Compressor.step";
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "_pool_step(): takes 4 arguments, got %zd", nargs);
+        return NULL;
+    }
+    state_view v;
+    if (parse_state(args[0], fn, &v)) return NULL;
+    PyArrayObject *kv = NULL, *sc = NULL, *kvc = NULL, *scc = NULL, *out = NULL;
+    PyObject *ret = NULL;
+    long long p;
+    if (state_inputs(fn, &v, args[1], args[2], &kv, &sc)) goto done;
+    if (csa_int_arg(args[3], fn, "start_pos", 0, (long long)1 << 62, &p)) goto done;
+    char b1[256];
+    if (PyArray_DIM(kv, 1) != 1) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): 'kv' must hold one token per row, shape [B, 1, %lld], got %s", fn,
+                     (long long)PyArray_DIM(kv, 2), csa_shape_str(kv, b1, sizeof b1));
+        goto done;
+    }
+    const npy_intp B = PyArray_DIM(kv, 0);
+    for (npy_intp b = 0; b < B; b++)
+        if (v.st.pos[b] != p) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s(): 'start_pos' must be %lld, the next position of row %lld of the "
+                         "state, got %lld (prefill() or reset() starts a new sequence)",
+                         fn, (long long)v.st.pos[b], (long long)b, p);
+            goto done;
+        }
+    const int emit = (p + 1) % v.st.ratio == 0;
+    if (emit && check_rope_rows(fn, &v, p / v.st.ratio)) goto done;
+    npy_intp shape[3] = {B, 1, v.st.d};
+    if (!(out = (PyArrayObject *)PyArray_EMPTY(3, shape, NPY_FLOAT32, 0))) goto done;
+    if (!(kvc = unit_inner(kv))) goto done;
+    if (sc && !(scc = unit_inner(sc))) goto done;
+    int st, emitted = 0;
+    Py_BEGIN_ALLOW_THREADS
+    st = csa_pool_step(&v.st, (const float *)PyArray_DATA(kvc), csa_stride(kvc, 0),
+                       scc ? (const float *)PyArray_DATA(scc) : NULL, scc ? csa_stride(scc, 0) : 0,
+                       v.ape, B, p, &v.ep, (float *)PyArray_DATA(out), v.st.d, &emitted);
+    Py_END_ALLOW_THREADS
+    if (st) {
+        csa_raise_status(st, fn);
+        goto done;
+    }
+    if (emitted) {
+        Py_INCREF(out);
+        ret = (PyObject *)out;
+    } else {
+        Py_INCREF(Py_None);
+        ret = Py_None;
+    }
+done:
+    Py_XDECREF(kv);
+    Py_XDECREF(sc);
+    Py_XDECREF(kvc);
+    Py_XDECREF(scc);
+    Py_XDECREF(out);
+    return ret;
+}
+
+PyDoc_STRVAR(round_bf16_doc,
+"_round_bf16(x)\n--\n\n"
+"Rounds a writeable float32 array to bfloat16 precision in place (nearest-even).");
+
+static PyObject *py_round_bf16(PyObject *self, PyObject *xo)
+{
+    PyArrayObject *x = csa_array(xo, "_round_bf16", "x", CSA_F32, 0, NPY_MAXDIMS, 1);
+    if (!x) return NULL;
+    if (!PyArray_IS_C_CONTIGUOUS(x)) {
+        Py_DECREF(x);
+        PyErr_SetString(PyExc_ValueError, "_round_bf16(): 'x' must be C-contiguous");
+        return NULL;
+    }
+    csa_round_bf16((float *)PyArray_DATA(x), PyArray_SIZE(x), 1);
+    Py_DECREF(x);
+    Py_INCREF(xo);
+    return xo;
+}
+
 PyMethodDef csa_pool_methods[] = {
+    {"gated_pool", (PyCFunction)(void (*)(void))py_gated_pool, METH_VARARGS | METH_KEYWORDS,
+     gated_pool_doc},
+    {"_pool_prefill", (PyCFunction)py_pool_prefill, METH_VARARGS,
+     "_pool_prefill(state, kv, score, out=None)\n--\n\nPrivate: Compressor.prefill."},
+    {"_pool_step", (PyCFunction)(void (*)(void))py_pool_step, METH_FASTCALL,
+     "_pool_step(state, kv, score, start_pos)\n--\n\nPrivate: Compressor.step."},
+    {"_round_bf16", (PyCFunction)py_round_bf16, METH_O, round_bf16_doc},
     {NULL, NULL, 0, NULL},
 };

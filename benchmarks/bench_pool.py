@@ -1,0 +1,85 @@
+"""Gated pooling (the Compressor): memory-bound prefill at V4-Flash shapes against the
+torch eager reference pooling and torch.compile of it, and one decode step per kind."""
+import numpy as np
+import torch
+
+import deepseek_csa as dc
+from harness import Case
+
+
+def _pool_ref(kv, score, ape, ratio: int, overlap: bool):
+    """Torch eager reference pooling (SPEC 3), as the released module computes it:
+    group, add ape, (overlap: gather the 2r candidates), softmax, weighted sum."""
+    B, T, cd = kv.shape
+    G = T // ratio
+    k = kv[:, :G * ratio].unflatten(1, (G, ratio))
+    s = score[:, :G * ratio].unflatten(1, (G, ratio)) + ape
+    if overlap:
+        d = cd // 2
+        kk = k.new_zeros(B, G, 2 * ratio, d)
+        ss = s.new_full((B, G, 2 * ratio, d), float("-inf"))
+        kk[:, :, ratio:] = k[..., d:]
+        ss[:, :, ratio:] = s[..., d:]
+        kk[:, 1:, :ratio] = k[:, :-1, :, :d]
+        ss[:, 1:, :ratio] = s[:, :-1, :, :d]
+        k, s = kk, ss
+    return (k * s.softmax(dim=2)).sum(dim=2)
+
+
+def _prefill_case(rng, T, cd, ratio, overlap, name):
+    kv = rng.standard_normal((1, T, cd), dtype=np.float32)
+    sc = rng.standard_normal((1, T, cd), dtype=np.float32)
+    ape = rng.standard_normal((ratio, cd), dtype=np.float32)
+    d = cd // (2 if overlap else 1)
+    out = np.empty((1, T // ratio, d), np.float32)
+    tk, ts, ta = torch.from_numpy(kv), torch.from_numpy(sc), torch.from_numpy(ape)
+    fn = _pool_ref if overlap else _pool_ref_plain
+    args = (tk, ts, ta, ratio, True) if overlap else (tk, ts, ta, ratio)
+    return Case("gated_pool", name,
+                ours=lambda: dc.gated_pool(kv, sc, ratio, ape=ape, overlap=overlap, out=out),
+                eager=lambda: fn(*args), compile_fn=fn, compile_args=args,
+                bytes=kv.nbytes + sc.nbytes + ape.nbytes + out.nbytes)
+
+
+def _pool_ref_plain(kv, score, ape, ratio: int):
+    return _pool_ref(kv, score, ape, ratio, False)
+
+
+def _step_case(rng, ratio, overlap, D, n_tokens):
+    """Compressor.step calls over a decode of n_tokens (one entry per `ratio` calls),
+    batch 1, NumPy inputs, no epilogue."""
+    c = 2 if overlap else 1
+    kv = rng.standard_normal((1, n_tokens, c * D), dtype=np.float32)
+    sc = rng.standard_normal((1, n_tokens, c * D), dtype=np.float32)
+    ape = rng.standard_normal((ratio, c * D), dtype=np.float32) if ratio > 1 else None
+    comp = dc.Compressor(1, ratio, D, overlap=overlap, ape=ape)
+    toks = [(kv[:, p:p + 1], sc[:, p:p + 1] if ratio > 1 or overlap else None)
+            for p in range(n_tokens)]
+
+    def run():
+        comp.reset()
+        step = comp.step
+        for p, (k, s) in enumerate(toks):
+            step(k, s, p)
+
+    # the harness times `run`; per call = time / n_tokens (printed in the name)
+    return Case("compressor_step", f"r{ratio}{'ov' if overlap else ''} D{D}, {n_tokens} calls"
+                + (" (ms = us per call)" if n_tokens == 1000 else ""),
+                ours=run)
+
+
+def cases(quick=False):
+    rng = np.random.default_rng(0)
+    T = 8192 if not quick else 1024
+    out = [
+        _prefill_case(rng, T, 1024, 4, True, f"V4 CSA r4 overlap+ape [1,{T},1024]"),
+        _prefill_case(rng, T, 512, 128, False, f"V4 HCA r128 ape [1,{T},512]"),
+        _prefill_case(rng, T, 512, 2, False, f"V4.1 r2 [1,{T},512]"),
+        _prefill_case(rng, T, 1024, 128, False, f"r128 [1,{T},1024]"),
+        _prefill_case(rng, T, 1024, 2, False, f"r2 [1,{T},1024]"),
+        _prefill_case(rng, T, 256, 4, True, f"V4 indexer r4 overlap [1,{T},256]"),
+    ]
+    n = 1000                      # so the time in ms reads as microseconds per call
+    for ratio, overlap in ((4, True), (128, False), (2, False), (1, False)):
+        out.append(_step_case(rng, ratio, overlap, 512, n))
+    return out

@@ -1,0 +1,461 @@
+/* Tuned sparse attention body, compiled once per ISA level by csa_isa_variants.h.
+ *
+ * MQA structure: a query's H heads share every gathered KV row, so one work item is
+ * (b, s, a chunk of up to ATTN_HC heads) and its arithmetic is two small GEMMs per
+ * block of ATTN_KB gathered rows:
+ *
+ *   L[k, h] = Q[h, :] . R_k        logits^T, tile ATTN_MR rows x 64 heads, reduction
+ *                                 over D in ATTN_DB slices of Q^T (kept in L1)
+ *   P[k, h] = e^(scale L - m_h)    online softmax, m_h the running max (starts at sink)
+ *   O[h, :] = alpha_h O[h, :] + sum_k P[k, h] R_k     tile ATTN_MH heads x 48 features
+ *
+ * R_k point at the gathered kv rows in place (no [S, K, D] block is ever built); only
+ * rows whose stride is not a multiple of 64 bytes are copied, one block at a time,
+ * into an aligned [KBP, DP] tile.  Per-thread scratch (~0.4 MB for V4-Flash):
+ * Q^T [D, HCP], L/P [KBP, HCP], O [HCP, DP + 16], m, sum, alpha, the tile.
+ * Every (h, d) result is a fixed-order chain (over d for logits, over k for O and
+ * the softmax sums) that depends neither on the thread count nor on the chunking of
+ * heads, so the output is bitwise identical at any thread count. */
+
+#ifdef __AVX512F__
+/* e^x for x <= 0 or NaN (x - max, never positive here): Cody-Waite reduction to
+ * r in [-ln2/2, ln2/2], degree-7 Cephes polynomial (~1 ulp), 2^n by vscalefps.
+ * NaN propagates; x < -110 gives exactly 0 (as expf does below ~-103.9). */
+static inline __m512 CSA_V(exp512)(__m512 x)
+{
+    x = _mm512_max_ps(_mm512_set1_ps(-110.0f), x); /* NaN in x is kept (2nd operand) */
+    x = _mm512_min_ps(_mm512_set1_ps(88.0f), x);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* L[i, 0:16*NV] (+)= sum_{d0 <= d < d1} R_i[d] * QT[d, 0:16*NV] for ATTN_MR rows. */
+static inline __attribute__((always_inline)) void
+CSA_V(qk_tile)(const float *const *R, const float *QT, csa_idx hcp, csa_idx d0, csa_idx d1,
+               float *L, int first, const int NV)
+{
+    __m512 acc[ATTN_MR][4];
+    const float *r[ATTN_MR];
+    for (int i = 0; i < ATTN_MR; i++) {
+        r[i] = R[i];
+        for (int j = 0; j < NV; j++)
+            acc[i][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(L + i * hcp + 16 * j);
+    }
+    for (csa_idx d = d0; d < d1; d++) {
+        const float *qt = QT + d * hcp;
+        __m512 qv[4];
+        for (int j = 0; j < NV; j++) qv[j] = _mm512_loadu_ps(qt + 16 * j);
+        for (int i = 0; i < ATTN_MR; i++) {
+            const __m512 x = _mm512_set1_ps(r[i][d]);
+            for (int j = 0; j < NV; j++) acc[i][j] = _mm512_fmadd_ps(x, qv[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < ATTN_MR; i++)
+        for (int j = 0; j < NV; j++) _mm512_storeu_ps(L + i * hcp + 16 * j, acc[i][j]);
+}
+
+/* O[h, col0 + 0 .. 16*ND) = alpha_h O[h, ..] + sum_{k < kb} P[k, h] R_k[shift + ..] for
+ * ATTN_MH heads; shift = col0 - pad may be negative (lanes before a row are masked). */
+static inline __attribute__((always_inline)) void
+CSA_V(pv_tile)(const float *const *R, csa_idx kb, const float *P, csa_idx hcp,
+               const float *alpha, float *O, csa_idx dpo, csa_idx col0, csa_idx shift,
+               const __mmask16 *mask, const int ND)
+{
+    __m512 acc[ATTN_MH][3];
+    for (int i = 0; i < ATTN_MH; i++) {
+        const __m512 a = _mm512_set1_ps(alpha[i]);
+        for (int j = 0; j < ND; j++)
+            acc[i][j] = _mm512_mul_ps(_mm512_loadu_ps(O + i * dpo + col0 + 16 * j), a);
+    }
+    for (csa_idx k = 0; k < kb; k++) {
+        /* integer arithmetic: the masked lanes of a negative shift are never read */
+        const float *rk = (const float *)((uintptr_t)R[k] + (uintptr_t)(shift * 4));
+        const float *pk = P + k * hcp;
+        __m512 v[3];
+        for (int j = 0; j < ND; j++) v[j] = _mm512_maskz_loadu_ps(mask[j], rk + 16 * j);
+        for (int i = 0; i < ATTN_MH; i++) {
+            const __m512 p = _mm512_set1_ps(pk[i]);
+            for (int j = 0; j < ND; j++) acc[i][j] = _mm512_fmadd_ps(p, v[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < ATTN_MH; i++)
+        for (int j = 0; j < ND; j++) _mm512_storeu_ps(O + i * dpo + col0 + 16 * j, acc[i][j]);
+}
+#endif
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* AVX2 tiles in GNU vector extensions (8 floats = one ymm), sized for 16 vector
+ * registers; the same per-element chains as the AVX-512 tiles.  (On the SSE2
+ * baseline GCC lowers 8-wide vectors poorly, so it keeps the plain loops.) */
+typedef float CSA_V(v8) __attribute__((vector_size(32), aligned(32)));
+typedef float CSA_V(v8u) __attribute__((vector_size(32), aligned(4)));
+
+/* L[i, 0:16] = sum_d R_i[d] * QT[d, 0:16] for ATTN_MR rows (QT, L 32-byte aligned). */
+static inline void CSA_V(qk_tile_v8)(const float *const *R, const float *QT, csa_idx hcp,
+                                     csa_idx D, float *L)
+{
+    CSA_V(v8) acc[ATTN_MR][2];
+#pragma GCC unroll 8
+    for (int i = 0; i < ATTN_MR; i++) acc[i][0] = acc[i][1] = (CSA_V(v8)){0};
+    for (csa_idx d = 0; d < D; d++) {
+        const CSA_V(v8) q0 = *(const CSA_V(v8) *)(QT + d * hcp);
+        const CSA_V(v8) q1 = *(const CSA_V(v8) *)(QT + d * hcp + 8);
+#pragma GCC unroll 8
+        for (int i = 0; i < ATTN_MR; i++) {
+            const float x = R[i][d];
+            acc[i][0] += x * q0;
+            acc[i][1] += x * q1;
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < ATTN_MR; i++) {
+        *(CSA_V(v8) *)(L + i * hcp) = acc[i][0];
+        *(CSA_V(v8) *)(L + i * hcp + 8) = acc[i][1];
+    }
+}
+
+/* O[h, d0 .. d0+24) = alpha_h O[..] + sum_k P[k, h] R_k[d0 ..] for 4 heads. */
+static inline void CSA_V(pv_tile_v8)(const float *const *R, csa_idx kb, const float *P,
+                                     csa_idx hcp, const float *alpha, float *O, csa_idx dpo,
+                                     csa_idx d0)
+{
+    CSA_V(v8) acc[4][3];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)
+#pragma GCC unroll 3
+        for (int j = 0; j < 3; j++)
+            acc[i][j] = *(const CSA_V(v8u) *)(O + i * dpo + d0 + 8 * j) * alpha[i];
+    for (csa_idx k = 0; k < kb; k++) {
+        const float *r = R[k] + d0;
+        const CSA_V(v8) v0 = *(const CSA_V(v8u) *)r, v1 = *(const CSA_V(v8u) *)(r + 8),
+                        v2 = *(const CSA_V(v8u) *)(r + 16);
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            const float p = P[k * hcp + i];
+            acc[i][0] += p * v0;
+            acc[i][1] += p * v1;
+            acc[i][2] += p * v2;
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)
+#pragma GCC unroll 3
+        for (int j = 0; j < 3; j++) *(CSA_V(v8u) *)(O + i * dpo + d0 + 8 * j) = acc[i][j];
+}
+#endif
+
+/* Logits of kbp (a multiple of ATTN_MR) gathered rows for all hcp heads: L[k, h]. */
+static void CSA_V(attn_logits)(const float *const *R, csa_idx kbp, const float *QT, csa_idx hcp,
+                               csa_idx D, float *L)
+{
+#ifdef __AVX512F__
+    const csa_idx nvec = hcp / 16;
+    for (csa_idx d0 = 0; d0 < D; d0 += ATTN_DB) {
+        const csa_idx d1 = d0 + ATTN_DB < D ? d0 + ATTN_DB : D;
+        for (csa_idx i0 = 0; i0 < kbp; i0 += ATTN_MR)
+            for (csa_idx v0 = 0; v0 < nvec; v0 += 4) {
+                const float *const *Ri = R + i0;
+                float *Li = L + i0 * hcp + 16 * v0;
+                const float *Q = QT + 16 * v0;
+                switch (nvec - v0 < 4 ? nvec - v0 : 4) {
+                case 4: CSA_V(qk_tile)(Ri, Q, hcp, d0, d1, Li, d0 == 0, 4); break;
+                case 3: CSA_V(qk_tile)(Ri, Q, hcp, d0, d1, Li, d0 == 0, 3); break;
+                case 2: CSA_V(qk_tile)(Ri, Q, hcp, d0, d1, Li, d0 == 0, 2); break;
+                default: CSA_V(qk_tile)(Ri, Q, hcp, d0, d1, Li, d0 == 0, 1); break;
+                }
+            }
+    }
+#elif defined(__AVX2__)
+    for (csa_idx i0 = 0; i0 < kbp; i0 += ATTN_MR)
+        for (csa_idx h0 = 0; h0 < hcp; h0 += 16)
+            CSA_V(qk_tile_v8)(R + i0, QT + h0, hcp, D, L + i0 * hcp + h0);
+#else
+    for (csa_idx i = 0; i < kbp; i++) {
+        float *CSA_RESTRICT Li = L + i * hcp;
+        const float *CSA_RESTRICT r = R[i];
+        for (csa_idx h = 0; h < hcp; h++) Li[h] = 0.0f;
+        for (csa_idx d = 0; d < D; d++) {
+            const float x = r[d];
+            const float *CSA_RESTRICT qt = QT + d * hcp;
+#pragma omp simd
+            for (csa_idx h = 0; h < hcp; h++) Li[h] += x * qt[h];
+        }
+    }
+#endif
+}
+
+/* Online softmax step over kb rows of L (scaled here): updates the running max m and
+ * sum (which includes the sink's e^(sink - m)), turns L into P = e^(l - m), and sets
+ * alpha = e^(m_old - m_new), the factor for what O accumulated so far.  A logit of
+ * -inf weighs exactly 0 even when m is still -inf (sink = -inf). */
+static void CSA_V(attn_softmax)(float *L, csa_idx kb, csa_idx hcp, float scale, float *m,
+                                float *sum, float *alpha)
+{
+#ifdef __AVX512F__
+    const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    for (csa_idx h = 0; h < hcp; h += 16) {
+        const __m512 mold = _mm512_loadu_ps(m + h);
+        __m512 mn = mold;
+        for (csa_idx i = 0; i < kb; i++) {
+            const __m512 l = _mm512_mul_ps(_mm512_loadu_ps(L + i * hcp + h), sc);
+            _mm512_storeu_ps(L + i * hcp + h, l);
+            mn = _mm512_max_ps(l, mn); /* a NaN logit never becomes the max */
+        }
+        __m512 al = CSA_V(exp512)(_mm512_sub_ps(mold, mn));
+        al = _mm512_mask_mov_ps(al, _mm512_cmp_ps_mask(mold, mn, _CMP_EQ_OQ),
+                                _mm512_set1_ps(1.0f));
+        __m512 s = _mm512_setzero_ps();
+        for (csa_idx i = 0; i < kb; i++) {
+            const __m512 l = _mm512_loadu_ps(L + i * hcp + h);
+            __m512 p = CSA_V(exp512)(_mm512_sub_ps(l, mn));
+            p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(l, ninf, _CMP_NEQ_UQ), p);
+            _mm512_storeu_ps(L + i * hcp + h, p);
+            s = _mm512_add_ps(s, p);
+        }
+        _mm512_storeu_ps(sum + h, _mm512_fmadd_ps(_mm512_loadu_ps(sum + h), al, s));
+        _mm512_storeu_ps(m + h, mn);
+        _mm512_storeu_ps(alpha + h, al);
+    }
+#else
+    for (csa_idx h = 0; h < hcp; h++) {
+        const float mold = m[h];
+        float mn = mold;
+        for (csa_idx i = 0; i < kb; i++) {
+            const float l = L[i * hcp + h] * scale;
+            L[i * hcp + h] = l;
+            if (l > mn) mn = l;
+        }
+        const float al = mold == mn ? 1.0f : expf(mold - mn);
+        float s = 0.0f;
+        for (csa_idx i = 0; i < kb; i++) {
+            const float l = L[i * hcp + h];
+            const float p = l == -INFINITY ? 0.0f : expf(l - mn);
+            L[i * hcp + h] = p;
+            s += p;
+        }
+        sum[h] = sum[h] * al + s;
+        m[h] = mn;
+        alpha[h] = al;
+    }
+#endif
+}
+
+/* O[h, pad + d] = alpha_h O[h, pad + d] + sum_{k < kb} P[k, h] R_k[d] for all hcp heads,
+ * d < D.  O rows hold dpo floats; feature d sits at column pad + d, so that when the
+ * rows start `pad` floats past a 64-byte boundary every vector load is aligned. */
+static void CSA_V(attn_pv)(const float *const *R, csa_idx kb, const float *P, csa_idx hcp,
+                           const float *alpha, float *O, csa_idx D, csa_idx pad, csa_idx dpo)
+{
+#ifdef __AVX512F__
+    const csa_idx nvec = dpo / 16;
+    for (csa_idx v0 = 0; v0 < nvec; v0 += 3) {
+        const int nd = nvec - v0 < 3 ? (int)(nvec - v0) : 3;
+        __mmask16 mask[3];
+        for (int j = 0; j < 3; j++) {
+            /* lanes whose feature 16*(v0+j) - pad + lane lies in [0, D) */
+            const csa_idx lo = 16 * (v0 + j) - pad;
+            unsigned mk = 0xFFFFu;
+            if (lo < 0) mk &= 0xFFFFu << (-lo);
+            if (D - lo < 16) mk &= D - lo > 0 ? (1u << (D - lo)) - 1 : 0u;
+            mask[j] = (__mmask16)mk;
+        }
+        const csa_idx col0 = 16 * v0, shift = col0 - pad;
+        for (csa_idx h0 = 0; h0 < hcp; h0 += ATTN_MH) {
+            float *Oh = O + h0 * dpo;
+            const float *Ph = P + h0, *ah = alpha + h0;
+            switch (nd) {
+            case 3: CSA_V(pv_tile)(R, kb, Ph, hcp, ah, Oh, dpo, col0, shift, mask, 3); break;
+            case 2: CSA_V(pv_tile)(R, kb, Ph, hcp, ah, Oh, dpo, col0, shift, mask, 2); break;
+            default: CSA_V(pv_tile)(R, kb, Ph, hcp, ah, Oh, dpo, col0, shift, mask, 1); break;
+            }
+        }
+    }
+#elif defined(__AVX2__)
+    const csa_idx dv = D - D % 24;  /* features in whole 24-wide tiles */
+    for (csa_idx h0 = 0; h0 < hcp; h0 += 4)
+        for (csa_idx d0 = 0; d0 < dv; d0 += 24)
+            CSA_V(pv_tile_v8)(R, kb, P + h0, hcp, alpha + h0, O + h0 * dpo + pad, dpo, d0);
+    for (csa_idx h = 0; h < hcp; h++) {  /* the remaining D % 24 features */
+        float *CSA_RESTRICT Oh = O + h * dpo + pad;
+        for (csa_idx d = dv; d < D; d++) {
+            float o = Oh[d] * alpha[h];
+            for (csa_idx k = 0; k < kb; k++) o += P[k * hcp + h] * R[k][d];
+            Oh[d] = o;
+        }
+    }
+#else
+    for (csa_idx h = 0; h < hcp; h++) {
+        float *CSA_RESTRICT Oh = O + h * dpo + pad;
+        const float a = alpha[h];
+#pragma omp simd
+        for (csa_idx d = 0; d < D; d++) Oh[d] *= a;
+        for (csa_idx k = 0; k < kb; k++) {
+            const float p = P[k * hcp + h];
+            const float *CSA_RESTRICT r = R[k];
+#pragma omp simd
+            for (csa_idx d = 0; d < D; d++) Oh[d] += p * r[d];
+        }
+    }
+#endif
+}
+
+/* QT[d, h] = q[h, d] for h < hc, 0 for the padding heads hc <= h < hcp. */
+static void CSA_V(attn_transpose_q)(const float *q, csa_idx sq_h, csa_idx hc, csa_idx hcp,
+                                    csa_idx D, float *QT)
+{
+#ifdef __AVX512F__
+    if (sq_h > 0 && sq_h <= 0x7fffffff / 16) {
+        for (csa_idx h0 = 0; h0 < hcp; h0 += 16) {
+            const __mmask16 live = hc - h0 >= 16 ? (__mmask16)0xFFFF
+                                  : hc > h0 ? (__mmask16)((1u << (hc - h0)) - 1) : 0;
+            const __m512i off = _mm512_mullo_epi32(
+                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                _mm512_set1_epi32((int)sq_h));
+            if (!live) {
+                for (csa_idx d = 0; d < D; d++) _mm512_storeu_ps(QT + d * hcp + h0, _mm512_setzero_ps());
+                continue;
+            }
+            const float *qh = q + h0 * sq_h;
+            for (csa_idx d = 0; d < D; d++)
+                _mm512_storeu_ps(QT + d * hcp + h0,
+                                 _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, off, qh + d, 4));
+        }
+        return;
+    }
+#endif
+    for (csa_idx h = 0; h < hcp; h++) {
+        const float *qh = q + h * sq_h;
+        if (h < hc)
+            for (csa_idx d = 0; d < D; d++) QT[d * hcp + h] = qh[d];
+        else
+            for (csa_idx d = 0; d < D; d++) QT[d * hcp + h] = 0.0f;
+    }
+}
+
+/* Asks for the n gathered rows into L2 ahead of their use (every 4th line; the L2
+ * streamer follows a row once it has started). */
+static void CSA_V(attn_prefetch)(const float *const *rows, csa_idx n, csa_idx D)
+{
+    for (csa_idx i = 0; i < n; i++)
+        for (csa_idx d = 0; d < D; d += 64) __builtin_prefetch(rows[i] + d, 0, 2);
+}
+
+/* One work item: query (b, s), heads h0 .. h0+hc-1.  ws: per-thread floats,
+ * rows: per-thread pointers (K + ATTN_KB + ATTN_MR). */
+static void CSA_V(attn_item)(const struct csa_attn_args *a, csa_idx b, csa_idx s, csa_idx h0,
+                             csa_idx hc, csa_idx hcp, csa_idx dp, float *ws, const float **rows)
+{
+    const csa_idx D = a->D;
+    const int32_t *ir = a->idx + b * a->si_b + s * a->si_s;
+    const float *kvb = a->kv + b * a->skv_b;
+    const float *q = a->q + b * a->sq_b + s * a->sq_s + h0 * a->sq_h;
+    float *out = a->out + b * a->so_b + s * a->so_s + h0 * a->so_h;
+
+    /* the valid rows, in index order (a -1 entry weighs exactly 0 in the formula) */
+    const float **valid = rows;
+    csa_idx n = 0;
+    for (csa_idx k = 0; k < a->K; k++)
+        if (ir[k] >= 0) valid[n++] = kvb + (csa_idx)ir[k] * a->skv_n;
+    if (n == 0) {
+        for (csa_idx h = 0; h < hc; h++) memset(out + h * a->so_h, 0, (size_t)D * sizeof(float));
+        return;
+    }
+    const float **blk = rows + a->K;  /* one block's rows, padded to a multiple of ATTN_MR */
+    const csa_idx kbp_max = ((ATTN_KB + ATTN_MR - 1) / ATTN_MR) * ATTN_MR;
+    float *QT = ws, *L = QT + D * hcp, *O = L + kbp_max * hcp;
+    float *m = O + hcp * (dp + 16), *sum = m + hcp, *alpha = sum + hcp, *tile = alpha + hcp;
+
+    CSA_V(attn_transpose_q)(q, a->sq_h, hc, hcp, D, QT);
+    for (csa_idx h = 0; h < hcp; h++) {
+        m[h] = h < hc ? a->sink[h0 + h] : 0.0f;
+        sum[h] = 1.0f; /* e^(sink - m) with m = sink */
+    }
+    /* Rows a multiple of 64 bytes apart share one offset within a cache line: read
+     * them in place, shifting the output grid by that offset (pad).  Otherwise copy
+     * each block into an aligned tile (small or odd shapes). */
+    const int direct = a->skv_n % 16 == 0 && (uintptr_t)kvb % 4 == 0;
+    const csa_idx pad = direct ? (csa_idx)(((uintptr_t)kvb % 64) / 4) : 0;
+    const csa_idx dpo = ((pad + D + 15) / 16) * 16;
+    memset(O, 0, (size_t)(hcp * dpo) * sizeof(float));
+
+    CSA_V(attn_prefetch)(valid, n < ATTN_KB ? n : ATTN_KB, D);
+    for (csa_idx k0 = 0; k0 < n; k0 += ATTN_KB) {
+        const csa_idx kb = n - k0 < ATTN_KB ? n - k0 : ATTN_KB;
+        if (k0 + kb < n)  /* the gather is latency-bound otherwise: fetch ahead into L2 */
+            CSA_V(attn_prefetch)(valid + k0 + kb, n - k0 - kb < ATTN_KB ? n - k0 - kb : ATTN_KB, D);
+        const csa_idx kbp = ((kb + ATTN_MR - 1) / ATTN_MR) * ATTN_MR;
+        /* this block's rows, padded with zero rows to a whole logits tile */
+        for (csa_idx i = 0; i < kbp; i++) {
+            float *t = tile + i * dp;
+            if (i < kb && direct) {
+                blk[i] = valid[k0 + i];
+            } else {
+                if (i < kb)
+                    memcpy(t, valid[k0 + i], (size_t)D * sizeof(float));
+                else
+                    memset(t, 0, (size_t)D * sizeof(float));
+                blk[i] = t;
+            }
+        }
+        CSA_V(attn_logits)(blk, kbp, QT, hcp, D, L);
+        CSA_V(attn_softmax)(L, kb, hcp, a->scale, m, sum, alpha);
+        CSA_V(attn_pv)(blk, kb, L, hcp, alpha, O, D, pad, dpo);
+    }
+
+    for (csa_idx h = 0; h < hc; h++) {
+        float *CSA_RESTRICT oh = out + h * a->so_h;
+        const float *CSA_RESTRICT Oh = O + h * dpo + pad;
+        const float den = sum[h];
+#pragma omp simd
+        for (csa_idx d = 0; d < D; d++) oh[d] = Oh[d] / den;
+    }
+}
+
+static int CSA_V(sparse_attn_tuned)(const struct csa_attn_args *a)
+{
+    const csa_idx nq = a->B * a->S, D = a->D, H = a->H;
+    /* Chunks of heads per work item, chosen from the shape alone. */
+    csa_idx hc_max = nq >= ATTN_FEW_QUERIES ? ATTN_HC : ATTN_HC_FEW;
+    if (hc_max > H) hc_max = H;
+    const csa_idx nchunks = (H + hc_max - 1) / hc_max;
+    const csa_idx items = nq * nchunks;
+    const csa_idx hcp = ((hc_max + 15) / 16) * 16, dp = ((D + 15) / 16) * 16;
+    const csa_idx kbp_max = ((ATTN_KB + ATTN_MR - 1) / ATTN_MR) * ATTN_MR;
+    csa_idx per_thread = D * hcp + kbp_max * hcp + hcp * (dp + 16) + 3 * hcp + kbp_max * dp;
+    per_thread = ((per_thread + 15) / 16) * 16;
+    const csa_idx per_rows = a->K + kbp_max;
+
+    const int nt = csa_threads(items, 1);
+    float *ws = aligned_alloc(64, (size_t)(nt * per_thread) * sizeof(float));
+    const float **rows = malloc((size_t)(nt * per_rows) * sizeof(*rows));
+    if (!ws || !rows) {
+        free(ws);
+        free(rows);
+        return CSA_ENOMEM;
+    }
+
+#pragma omp parallel num_threads(nt)
+    {
+        const int t = omp_tid();
+#pragma omp for schedule(dynamic, 1)
+        for (csa_idx it = 0; it < items; it++) {
+            const csa_idx qi = it / nchunks, c = it % nchunks;
+            const csa_idx h0 = c * hc_max, hc = H - h0 < hc_max ? H - h0 : hc_max;
+            CSA_V(attn_item)(a, qi / a->S, qi % a->S, h0, hc, hcp, dp, ws + t * per_thread,
+                             rows + t * per_rows);
+        }
+    }
+    free(ws);
+    free(rows);
+    return CSA_OK;
+}

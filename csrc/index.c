@@ -1,0 +1,417 @@
+/* Indexer scoring and top-k selection, window and HCA index lists (index.h).
+ *
+ * Selection works on a 32-bit key per score that orders like the score with NaN on
+ * top and -0.0 == +0.0 (score_key); ties go to the lower position.  The tuned path
+ * finds the k-th key with a radix select (4 histogram passes of 8 bits over the
+ * shrinking candidate set), takes the winners in position order in one scan, and for
+ * the V4 order sorts them with a stable LSD radix sort by descending key.  The `_ref`
+ * oracle sorts composite (key, position) pairs with qsort instead. */
+#include "index.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------ ranking */
+
+static inline uint32_t score_key(float f)
+{
+    if (f != f) return 0xFFFFFFFFu; /* NaN above +inf (0xFF800000) */
+    if (f == 0.0f) return 0x80000000u;
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+static inline csa_idx visible(csa_idx pos, csa_idx ratio) { return (pos + 1) / ratio; }
+
+static inline csa_idx imin(csa_idx a, csa_idx b) { return a < b ? a : b; }
+
+/* Per-thread selection workspace: n entries of key/pos/cbuf, K of tkey/tpos. */
+struct sel_ws {
+    uint32_t *key, *cbuf, *tkey;
+    int32_t *pos, *tpos;
+};
+
+static void sel_ws_free(struct sel_ws *w)
+{
+    free(w->key);
+    free(w->cbuf);
+    free(w->tkey);
+    free(w->pos);
+    free(w->tpos);
+    memset(w, 0, sizeof *w);
+}
+
+static int sel_ws_alloc(struct sel_ws *w, csa_idx n, csa_idx K)
+{
+    n = n > 0 ? n : 1;
+    K = K > 0 ? K : 1;
+    w->key = malloc((size_t)n * sizeof(uint32_t));
+    w->cbuf = malloc((size_t)n * sizeof(uint32_t));
+    w->pos = malloc((size_t)n * sizeof(int32_t));
+    w->tkey = malloc((size_t)K * sizeof(uint32_t));
+    w->tpos = malloc((size_t)K * sizeof(int32_t));
+    if (!w->key || !w->cbuf || !w->pos || !w->tkey || !w->tpos) {
+        sel_ws_free(w);
+        return CSA_ENOMEM;
+    }
+    return CSA_OK;
+}
+
+/* Keeps, in place and in their original (ascending position) order, the k = min(K, m)
+ * best of the m entries key/pos[0..m) and returns k. */
+static csa_idx select_keys(uint32_t *key, int32_t *pos, csa_idx m, csa_idx K, uint32_t *cbuf)
+{
+    if (K >= m) return m;
+    if (K <= 0) return 0;
+    const uint32_t *src = key;
+    csa_idx n = m, need = K;
+    uint32_t thr = 0;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        uint32_t hist[256] = {0};
+        for (csa_idx i = 0; i < n; i++) hist[(src[i] >> shift) & 255u]++;
+        int b = 255;
+        csa_idx above = 0;
+        for (; b > 0; b--) {
+            if (above + (csa_idx)hist[b] >= need) break;
+            above += hist[b];
+        }
+        need -= above;
+        thr |= (uint32_t)b << shift;
+        csa_idx n2 = 0; /* branch-free gather: half the entries may go either way */
+        for (csa_idx i = 0; i < n; i++) {
+            cbuf[n2] = src[i];
+            n2 += ((src[i] >> shift) & 255u) == (uint32_t)b;
+        }
+        src = cbuf;
+        n = n2;
+    }
+    /* thr is the k-th best key; `need` of the entries equal to it win, the lowest
+     * positions first. */
+    csa_idx j = 0, eq = need;
+    for (csa_idx i = 0; i < m; i++) {
+        const uint32_t u = key[i];
+        const csa_idx tie = u == thr, take = (u > thr) | (tie & (eq > 0));
+        eq -= tie;
+        key[j] = u;
+        pos[j] = pos[i];
+        j += take;
+    }
+    return j;
+}
+
+/* Stable sort of key/pos[0..k) by descending key: LSD radix on ~key, the four 8-bit
+ * digit histograms counted in one pass, passes whose digit is constant skipped;
+ * *key / *pos are left pointing at the arrays holding the result (the inputs or
+ * tkey/tpos). */
+static void sort_desc(uint32_t **key, int32_t **pos, csa_idx k, uint32_t *tkey, int32_t *tpos)
+{
+    uint32_t *a = *key, *ta = tkey;
+    int32_t *p = *pos, *tp = tpos;
+    if (k <= 1) return;
+    uint32_t hist[4][256];
+    memset(hist, 0, sizeof hist);
+    for (csa_idx i = 0; i < k; i++) {
+        const uint32_t u = ~a[i];
+        hist[0][u & 255u]++;
+        hist[1][(u >> 8) & 255u]++;
+        hist[2][(u >> 16) & 255u]++;
+        hist[3][u >> 24]++;
+    }
+    for (int pass = 0; pass < 4; pass++) {
+        const int shift = 8 * pass;
+        uint32_t *h = hist[pass];
+        if (h[((~a[0]) >> shift) & 255u] == (uint32_t)k) continue;
+        uint32_t sum = 0;
+        for (int b = 0; b < 256; b++) {
+            const uint32_t c = h[b];
+            h[b] = sum;
+            sum += c;
+        }
+        for (csa_idx i = 0; i < k; i++) {
+            const uint32_t d = h[((~a[i]) >> shift) & 255u]++;
+            ta[d] = a[i];
+            tp[d] = p[i];
+        }
+        uint32_t *x = a;
+        a = ta;
+        ta = x;
+        int32_t *y = p;
+        p = tp;
+        tp = y;
+    }
+    *key = a;
+    *pos = p;
+}
+
+/* A row's candidate mask (NULL = all kept). */
+static inline const uint8_t *cand_row(const struct csa_index_cand *c, csa_idx b, csa_idx s)
+{
+    return (c && c->mask) ? c->mask + b * c->scb + s * c->scs : NULL;
+}
+
+/* Selects the top-K of the first nvis entries of one row of scores (stride sst) that
+ * lie in kept blocks, writes K indices to out. */
+static void select_row(const float *sc, csa_idx sst, csa_idx nvis, const uint8_t *cm,
+                       const struct csa_index_cand *c, csa_idx K, csa_idx offset, int order,
+                       int32_t *out, struct sel_ws *ws)
+{
+    uint32_t *key = ws->key;
+    int32_t *pos = ws->pos;
+    csa_idx m = 0;
+    if (cm) {
+        const csa_idx bs = c->block_size;
+        for (csa_idx j = 0; j * bs < nvis; j++) {
+            if (!cm[j * c->scn]) continue;
+            const csa_idx t1 = imin(nvis, (j + 1) * bs);
+            for (csa_idx t = j * bs; t < t1; t++) {
+                key[m] = score_key(sc[t * sst]);
+                pos[m++] = (int32_t)t;
+            }
+        }
+    } else if (sst == 1) {
+        for (csa_idx t = 0; t < nvis; t++) {
+            key[t] = score_key(sc[t]);
+            pos[t] = (int32_t)t;
+        }
+        m = nvis;
+    } else {
+        for (csa_idx t = 0; t < nvis; t++) {
+            key[t] = score_key(sc[t * sst]);
+            pos[t] = (int32_t)t;
+        }
+        m = nvis;
+    }
+    const csa_idx k = select_keys(key, pos, m, K, ws->cbuf);
+    if (order == CSA_ORDER_SCORE) sort_desc(&key, &pos, k, ws->tkey, ws->tpos);
+    for (csa_idx j = 0; j < k; j++) out[j] = (int32_t)(pos[j] + offset);
+    for (csa_idx j = k; j < K; j++) out[j] = -1;
+}
+
+/* ------------------------------------------------------------------ oracle */
+
+static int cmp_u64_desc(const void *a, const void *b)
+{
+    const uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x < y) - (x > y);
+}
+
+static int cmp_i32(const void *a, const void *b)
+{
+    const int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Sorts (key, ~position) pairs: the plainest statement of the ranking. */
+static int select_row_ref(const float *sc, csa_idx sst, csa_idx nvis, const uint8_t *cm,
+                          const struct csa_index_cand *c, csa_idx K, csa_idx offset, int order,
+                          int32_t *out)
+{
+    uint64_t *all = malloc((size_t)(nvis > 0 ? nvis : 1) * sizeof(uint64_t));
+    if (!all) return CSA_ENOMEM;
+    csa_idx m = 0;
+    for (csa_idx t = 0; t < nvis; t++) {
+        if (cm && !cm[(t / c->block_size) * c->scn]) continue;
+        all[m++] = ((uint64_t)score_key(sc[t * sst]) << 32) | (uint64_t)(0xFFFFFFFFu - (uint32_t)t);
+    }
+    qsort(all, (size_t)m, sizeof(uint64_t), cmp_u64_desc);
+    const csa_idx k = imin(m, K);
+    for (csa_idx j = 0; j < k; j++) out[j] = (int32_t)(0xFFFFFFFFu - (uint32_t)all[j]);
+    if (order == CSA_ORDER_POSITION) qsort(out, (size_t)k, sizeof(int32_t), cmp_i32);
+    for (csa_idx j = 0; j < k; j++) out[j] = (int32_t)(out[j] + offset);
+    for (csa_idx j = k; j < K; j++) out[j] = -1;
+    free(all);
+    return CSA_OK;
+}
+
+static float score_ref(const struct csa_index_problem *p, csa_idx b, csa_idx s, csa_idx t)
+{
+    const float *qr = p->q + b * p->sqb + s * p->sqs;
+    const float *kr = p->k + b * p->skb + t * p->skt;
+    const float *wr = p->w + b * p->swb + s * p->sws;
+    float acc = 0.0f;
+    for (csa_idx h = 0; h < p->Hi; h++) {
+        float dot = 0.0f;
+        for (csa_idx d = 0; d < p->Di; d++) dot += qr[h * p->sqh + d] * kr[d];
+        const float r = dot < 0.0f ? 0.0f : dot; /* keeps NaN */
+        acc += r * wr[h * p->swh];
+    }
+    return acc;
+}
+
+int csa_index_scores_ref(const struct csa_index_problem *p, float *out, csa_idx sob, csa_idx sos)
+{
+    for (csa_idx b = 0; b < p->B; b++)
+        for (csa_idx s = 0; s < p->S; s++) {
+            const csa_idx nv = visible(p->start_pos + s, p->ratio);
+            float *o = out + b * sob + s * sos;
+            for (csa_idx t = 0; t < p->Tc; t++) o[t] = t < nv ? score_ref(p, b, s, t) : -INFINITY;
+        }
+    return CSA_OK;
+}
+
+int csa_index_topk_ref(const struct csa_index_problem *p, const struct csa_index_cand *c,
+                       csa_idx K, csa_idx offset, int order, int32_t *out)
+{
+    float *row = malloc((size_t)(p->Tc > 0 ? p->Tc : 1) * sizeof(float));
+    if (!row) return CSA_ENOMEM;
+    int st = CSA_OK;
+    for (csa_idx b = 0; b < p->B && !st; b++)
+        for (csa_idx s = 0; s < p->S && !st; s++) {
+            const csa_idx nv = visible(p->start_pos + s, p->ratio);
+            for (csa_idx t = 0; t < nv; t++) row[t] = score_ref(p, b, s, t);
+            st = select_row_ref(row, 1, nv, cand_row(c, b, s), c, K, offset, order,
+                                out + (b * p->S + s) * K);
+        }
+    free(row);
+    return st;
+}
+
+int csa_topk_indices_ref(const float *scores, csa_idx B, csa_idx S, csa_idx Tc, csa_idx ssb,
+                         csa_idx sss, csa_idx sst, csa_idx ratio, csa_idx start_pos,
+                         const struct csa_index_cand *c, csa_idx K, csa_idx offset, int order,
+                         int32_t *out)
+{
+    (void)Tc;
+    for (csa_idx b = 0; b < B; b++)
+        for (csa_idx s = 0; s < S; s++) {
+            int st = select_row_ref(scores + b * ssb + s * sss, sst,
+                                    visible(start_pos + s, ratio), cand_row(c, b, s), c, K,
+                                    offset, order, out + (b * S + s) * K);
+            if (st) return st;
+        }
+    return CSA_OK;
+}
+
+/* ------------------------------------------------------------------ tuned */
+
+#define CSA_IMPL "index_impl.h"
+#include "csa_isa_variants.h"
+
+int csa_index_scores(const struct csa_index_problem *p, float *out, csa_idx sob, csa_idx sos)
+{
+    CSA_DISPATCH(index_scores_tuned, (p, out, sob, sos), csa_index_scores_ref(p, out, sob, sos));
+}
+
+int csa_index_topk(const struct csa_index_problem *p, const struct csa_index_cand *c,
+                   csa_idx K, csa_idx offset, int order, int32_t *out)
+{
+    CSA_DISPATCH(index_topk_tuned, (p, c, K, offset, order, out),
+                 csa_index_topk_ref(p, c, K, offset, order, out));
+}
+
+int csa_topk_indices(const float *scores, csa_idx B, csa_idx S, csa_idx Tc, csa_idx ssb,
+                     csa_idx sss, csa_idx sst, csa_idx ratio, csa_idx start_pos,
+                     const struct csa_index_cand *c, csa_idx K, csa_idx offset, int order,
+                     int32_t *out)
+{
+    if (csa_isa_get() == CSA_ISA_REF)
+        return csa_topk_indices_ref(scores, B, S, Tc, ssb, sss, sst, ratio, start_pos, c, K,
+                                    offset, order, out);
+    const csa_idx rows = B * S;
+    int err = CSA_OK;
+#pragma omp parallel num_threads(csa_threads(rows, 16))
+    {
+        struct sel_ws ws;
+        const int st = sel_ws_alloc(&ws, Tc, K);
+        if (st) {
+#pragma omp atomic write
+            err = st;
+        }
+#pragma omp for schedule(dynamic, 16)
+        for (csa_idx r = 0; r < rows; r++) {
+            if (st) continue;
+            const csa_idx b = r / S, s = r % S;
+            select_row(scores + b * ssb + s * sss, sst, visible(start_pos + s, ratio),
+                       cand_row(c, b, s), c, K, offset, order, out + r * K, &ws);
+        }
+        sel_ws_free(&ws);
+    }
+    return err;
+}
+
+int csa_select_candidate_blocks(const float *scores, csa_idx B, csa_idx S, csa_idx Tc,
+                                csa_idx ssb, csa_idx sss, csa_idx sst, csa_idx ratio,
+                                csa_idx start_pos, csa_idx topk_blocks, csa_idx bs,
+                                uint8_t *out)
+{
+    const csa_idx nb = (Tc + bs - 1) / bs, rows = B * S;
+    int err = CSA_OK;
+#pragma omp parallel num_threads(csa_threads(rows, 64))
+    {
+        struct sel_ws ws;
+        const int st = sel_ws_alloc(&ws, nb, 1);
+        if (st) {
+#pragma omp atomic write
+            err = st;
+        }
+#pragma omp for schedule(static)
+        for (csa_idx r = 0; r < rows; r++) {
+            if (st) continue;
+            const csa_idx b = r / S, s = r % S;
+            const float *sc = scores + b * ssb + s * sss;
+            uint8_t *o = out + r * nb;
+            memset(o, 0, (size_t)nb);
+            const csa_idx nv = imin(visible(start_pos + s, ratio), Tc);
+            if (nv <= 0) continue;
+            const csa_idx forced = (nv - 1) / bs; /* newest visible entry's block */
+            o[forced] = 1;
+            /* Blocks before `forced` are fully visible. */
+            for (csa_idx j = 0; j < forced; j++) {
+                uint32_t best = 0;
+                for (csa_idx t = j * bs; t < (j + 1) * bs; t++) {
+                    const uint32_t u = score_key(sc[t * sst]);
+                    best = u > best ? u : best;
+                }
+                ws.key[j] = best;
+                ws.pos[j] = (int32_t)j;
+            }
+            const csa_idx k = select_keys(ws.key, ws.pos, forced, topk_blocks - 1, ws.cbuf);
+            for (csa_idx j = 0; j < k; j++) o[ws.pos[j]] = 1;
+        }
+        sel_ws_free(&ws);
+    }
+    return err;
+}
+
+/* ------------------------------------------------------------------ index lists */
+
+int csa_window_topk_idxs(int32_t *out, csa_idx window, csa_idx B, csa_idx S, csa_idx start_pos)
+{
+    if (window <= 0 || (start_pos > 0 && S != 1)) return CSA_EINVAL;
+    if (start_pos == 0) {
+        const csa_idx W = imin(S, window), rows = B * S;
+#pragma omp parallel for num_threads(csa_threads(rows, 4096 / (W + 1) + 1)) schedule(static)
+        for (csa_idx r = 0; r < rows; r++) {
+            const csa_idx s = r % S, lo = s - window + 1 > 0 ? s - window + 1 : 0;
+            int32_t *o = out + r * W;
+            for (csa_idx j = 0; j < W; j++) o[j] = lo + j <= s ? (int32_t)(lo + j) : -1;
+        }
+        return CSA_OK;
+    }
+    for (csa_idx b = 0; b < B; b++) {
+        int32_t *o = out + b * window;
+        for (csa_idx j = 0; j < window; j++) {
+            if (start_pos >= window - 1)
+                o[j] = (int32_t)((start_pos + 1 + j) % window);
+            else
+                o[j] = j <= start_pos ? (int32_t)j : -1;
+        }
+    }
+    return CSA_OK;
+}
+
+int csa_compress_topk_idxs(int32_t *out, csa_idx ratio, csa_idx B, csa_idx S,
+                           csa_idx start_pos, csa_idx offset)
+{
+    if (ratio <= 0 || (start_pos > 0 && S != 1)) return CSA_EINVAL;
+    const csa_idx W = (start_pos + S) / ratio, rows = B * S;
+#pragma omp parallel for num_threads(csa_threads(rows, 4096 / (W + 1) + 1)) schedule(static)
+    for (csa_idx r = 0; r < rows; r++) {
+        const csa_idx nv = visible(start_pos + r % S, ratio);
+        int32_t *o = out + r * W;
+        for (csa_idx t = 0; t < W; t++) o[t] = t < nv ? (int32_t)(t + offset) : -1;
+    }
+    return CSA_OK;
+}

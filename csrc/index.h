@@ -1,0 +1,95 @@
+/* Indexer scoring and top-k selection (SPEC section 4), window and HCA index lists
+ * (SPEC sections 4 and 6). */
+#ifndef CSA_INDEX_H
+#define CSA_INDEX_H
+#include "csa.h"
+
+/* Scoring problem shared by the kernels below.  All strides in elements; the
+ * innermost (Di) strides of q and k are 1.
+ *   q : [B, S, Hi, Di]  strides (sqb, sqs, sqh, 1)
+ *   k : [B, Tc, Di]     strides (skb, skt, 1)
+ *   w : [B, S, Hi]      strides (swb, sws, swh)
+ * score[b, s, t] = sum_h relu(q[b,s,h,:] . k[b,t,:]) * w[b,s,h] for the entries the
+ * query at absolute position P = start_pos + s can see, t < (P + 1) / ratio; the
+ * caller guarantees Tc >= (start_pos + S) / ratio, so every visible t < Tc.
+ *
+ * Summation order: each dot product runs over d = 0 .. Di-1 in order; the head sum
+ * follows a fixed order that depends on the ISA level only, never on the thread
+ * count or on which other queries or keys are in the call, so the same (q row,
+ * k row, w row) always gives the same bits at a given ISA level, in every function
+ * of this file.  relu keeps NaN (relu(NaN) = NaN, as torch). */
+struct csa_index_problem {
+    const float *q, *k, *w;
+    csa_idx B, S, Hi, Di, Tc;
+    csa_idx sqb, sqs, sqh;
+    csa_idx skb, skt;
+    csa_idx swb, sws, swh;
+    csa_idx ratio, start_pos;
+};
+
+/* V4.1 candidate blocks: mask [B, S, n_blocks] (nonzero = kept) with strides
+ * (scb, scs, scn); entry t belongs to block t / block_size.  NULL mask = all kept. */
+struct csa_index_cand {
+    const uint8_t *mask;
+    csa_idx n_blocks, block_size;
+    csa_idx scb, scs, scn;
+};
+
+/* Selection and ordering of the top-k.
+ *   Ranking: a higher score ranks first; NaN ranks above +inf (as torch.topk);
+ *   -0.0 equals +0.0; equal scores (and NaNs among themselves) rank by LOWER
+ *   position first.  The selected set is therefore unique.
+ *   Only visible entries (t < (P+1)/ratio) of kept blocks take part; a row whose
+ *   candidates are fewer than K fills its last slots with -1.
+ *   order CSA_ORDER_SCORE: by rank (V4); CSA_ORDER_POSITION: ascending position
+ *   (V4.1).  Visible entries are written as t + offset, the -1 padding comes last. */
+enum { CSA_ORDER_SCORE = 0, CSA_ORDER_POSITION = 1 };
+
+/* out: float32 [B, S, Tc], strides (sob, sos, 1); invisible entries get -inf. */
+int csa_index_scores(const struct csa_index_problem *p, float *out, csa_idx sob, csa_idx sos);
+int csa_index_scores_ref(const struct csa_index_problem *p, float *out, csa_idx sob,
+                         csa_idx sos);
+
+/* Fused scoring + selection; out: int32 [B, S, K] contiguous.  Extra memory is
+ * O(threads * Tc) (O(B*S*Tc) when B*S is small enough to split keys across
+ * threads), never [S, Tc, Hi]. */
+int csa_index_topk(const struct csa_index_problem *p, const struct csa_index_cand *c,
+                   csa_idx K, csa_idx offset, int order, int32_t *out);
+int csa_index_topk_ref(const struct csa_index_problem *p, const struct csa_index_cand *c,
+                       csa_idx K, csa_idx offset, int order, int32_t *out);
+
+/* Selection over precomputed scores [B, S, Tc] (strides ssb, sss, sst); only the
+ * visible entries are read.  Same ranking as csa_index_topk, so the two agree
+ * exactly on the scores of csa_index_scores. out: int32 [B, S, K] contiguous. */
+int csa_topk_indices(const float *scores, csa_idx B, csa_idx S, csa_idx Tc, csa_idx ssb,
+                     csa_idx sss, csa_idx sst, csa_idx ratio, csa_idx start_pos,
+                     const struct csa_index_cand *c, csa_idx K, csa_idx offset, int order,
+                     int32_t *out);
+int csa_topk_indices_ref(const float *scores, csa_idx B, csa_idx S, csa_idx Tc, csa_idx ssb,
+                         csa_idx sss, csa_idx sst, csa_idx ratio, csa_idx start_pos,
+                         const struct csa_index_cand *c, csa_idx K, csa_idx offset, int order,
+                         int32_t *out);
+
+/* V4.1 level one.  Block j of a row covers entries [j*bs, (j+1)*bs); its score is
+ * the max over its VISIBLE entries (NaN ranks highest, as above); a block with no
+ * visible entry is unreachable and never kept.  The block holding the newest visible
+ * entry is always kept and counts among `topk_blocks`; the others are the best
+ * reachable blocks, ties by lower block index.  out: uint8 [B, S, n_blocks]
+ * contiguous, n_blocks = ceil(Tc / bs), 1 = kept. */
+int csa_select_candidate_blocks(const float *scores, csa_idx B, csa_idx S, csa_idx Tc,
+                                csa_idx ssb, csa_idx sss, csa_idx sst, csa_idx ratio,
+                                csa_idx start_pos, csa_idx topk_blocks, csa_idx bs,
+                                uint8_t *out);
+
+/* SPEC 6.  Prefill (start_pos == 0): out [B, S, min(S, window)], row s lists
+ * max(0, s-window+1) .. s in ascending order, then -1.  Decode (start_pos > 0, S == 1):
+ * out [B, 1, window]: while the ring fills (start_pos < window-1) slots 0 .. start_pos
+ * then -1; afterwards the ring slots (start_pos+1+j) mod window, oldest first. */
+int csa_window_topk_idxs(int32_t *out, csa_idx window, csa_idx B, csa_idx S, csa_idx start_pos);
+
+/* SPEC 4, HCA.  Prefill: out [B, S, S/ratio], row s lists t + offset for
+ * t < (s+1)/ratio, then -1.  Decode (S == 1): out [B, 1, (start_pos+1)/ratio],
+ * t + offset for every t. */
+int csa_compress_topk_idxs(int32_t *out, csa_idx ratio, csa_idx B, csa_idx S,
+                           csa_idx start_pos, csa_idx offset);
+#endif

@@ -1,0 +1,466 @@
+"""Indexer scoring, top-k selection, candidate blocks and index lists against the
+float32 reference (tests/ref_index.py)."""
+import numpy as np
+import pytest
+import torch
+
+import deepseek_csa as dc
+from conftest import assert_close, bf16_round, threads, unchanged
+import ref_index as ref
+
+T = torch.from_numpy
+
+
+def _inputs(rng, B, S, Hi, Di, Tc, scale=1.0):
+    q = rng.standard_normal((B, S, Hi, Di), dtype=np.float32) * scale
+    k = rng.standard_normal((B, Tc, Di), dtype=np.float32)
+    w = rng.standard_normal((B, S, Hi), dtype=np.float32) * (Di ** -0.5 * Hi ** -0.5)
+    return q, k, w
+
+
+def _score_bound(q, k, w):
+    """Rounding budget of a score: a few float32 ulps of sum_h |q.k| |w| (no cancellation
+    credit), so near-zero sums of large terms are judged fairly."""
+    a = torch.einsum("bshd,btd->bsht", T(np.abs(q)), T(np.abs(k)))
+    return (a * T(np.abs(w))[..., None]).sum(2).numpy()
+
+
+def _check_scores(got, q, k, w, ratio, start_pos, factor=2e-5):
+    want = ref.index_scores(T(q), T(k), T(w), ratio, start_pos).numpy()
+    assert got.shape == want.shape and got.dtype == np.float32
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want), err_msg="-inf mask")
+    fin = np.isfinite(want)
+    bound = factor * _score_bound(q, k, w) + 1e-30
+    err = np.abs(got[fin] - want[fin])
+    assert (err <= bound[fin]).all(), f"worst err/bound {(err / bound[fin]).max():.3g}"
+    return want
+
+
+def _check_topk(got, ref_scores, topk, ratio, start_pos, offset, order, candidates=None,
+                block_size=None, rtol=1e-5, atol_frac=1e-5):
+    """Our selection against the reference's: per row the same -1 pattern and set, or,
+    where scores (nearly) tie at the k-th place, the same multiset of reference scores."""
+    ref_scores = np.asarray(ref_scores)
+    B, S, Tc = ref_scores.shape
+    K = min(topk, (start_pos + S) // ratio)
+    assert got.shape == (B, S, K) and got.dtype == np.int32
+    want = ref.topk_indices(T(ref_scores), topk, ratio, start_pos, offset, order, candidates,
+                            block_size).numpy()
+    e = ref.eligible(B, S, Tc, ratio, start_pos, candidates, block_size).numpy()
+    for b in range(B):
+        for s in range(S):
+            g, wv = got[b, s], want[b, s]
+            n = min(K, int(e[b, s].sum()))
+            assert (g[n:] == -1).all() and (g[:n] >= offset).all(), (b, s, g)
+            t = g[:n] - offset
+            assert len(set(t.tolist())) == n and e[b, s, t].all(), (b, s, "ineligible/dup")
+            if order == "position":
+                assert (np.diff(t) > 0).all(), (b, s, "not ascending")
+            if set(t.tolist()) != set((wv[:n] - offset).tolist()):
+                mine = np.sort(ref_scores[b, s, t])
+                theirs = np.sort(ref_scores[b, s, wv[:n] - offset])
+                scale = np.abs(ref_scores[b, s, e[b, s]]).max()
+                assert_close(mine, theirs, rtol=rtol, atol=atol_frac * scale,
+                             what=f"row {(b, s)} selected scores")
+
+
+# ---------------------------------------------------------------- scores
+
+SHAPES = [  # B, S, Hi, Di, Tc, ratio, start_pos
+    (1, 64, 64, 128, 16, 4, 0),        # V4-Flash indexer, prefill
+    (1, 1, 64, 128, 2048, 4, 8191),    # V4-Flash decode
+    (2, 37, 5, 19, 20, 2, 0),          # odd everything, batch 2, V4.1 ratio 2
+    (3, 9, 17, 33, 40, 3, 7),          # chunk starting mid-group
+    (1, 3, 2, 8, 0, 4, 0),             # S < r: nothing visible, Tc = 0
+    (2, 5, 16, 16, 9, 1, 3),           # ratio 1, Tc longer than needed
+    (1, 0, 4, 8, 3, 4, 0),             # S = 0
+    (1, 1, 1, 1, 1, 1, 0),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_index_scores_matches_reference(isa, rng, shape):
+    B, S, Hi, Di, Tc, r, p = shape
+    q, k, w = _inputs(rng, B, S, Hi, Di, Tc)
+    with unchanged(q, k, w):
+        got = dc.index_scores(q, k, w, ratio=r, start_pos=p)
+    _check_scores(got, q, k, w, r, p)
+
+
+def test_index_scores_v4_flash_prefill_chunk(rng):
+    """Released indexer shape, a 256-query chunk at start_pos 3840 over Tc = 1024."""
+    q, k, w = _inputs(rng, 1, 256, 64, 128, 1024)
+    got = dc.index_scores(q, k, w, ratio=4, start_pos=3840)
+    _check_scores(got, q, k, w, 4, 3840)
+
+
+def test_index_scores_strided_views_and_out(rng):
+    qb, kb, wb = _inputs(rng, 2, 12, 6, 40, 30)
+    q, k, w = qb[:, ::2, ::-1, ::2], kb[:, 3:, ::2], wb[:, ::2, ::-1]
+    want = ref.index_scores(*(T(np.ascontiguousarray(a)) for a in (q, k, w)), 2, 0).numpy()
+    got = dc.index_scores(q, k, w, ratio=2)
+    assert_close(got, want, rtol=2e-5, atol=2e-5)
+    out = np.zeros((2, 6, 54), np.float32)[:, :, ::2]
+    assert dc.index_scores(q, k, w, ratio=2, out=out) is out
+    assert_close(out, want, rtol=2e-5, atol=2e-5)
+
+
+def test_index_scores_torch_tensors(rng):
+    q, k, w = _inputs(rng, 1, 8, 4, 16, 4)
+    got = dc.index_scores(T(q), T(k), T(w), ratio=2)
+    _check_scores(got, q, k, w, 2, 0)
+
+
+def test_index_scores_bf16_tolerance(rng):
+    """The reference run in bfloat16 on the same (bf16-representable) inputs."""
+    q, k, w = (bf16_round(a) for a in _inputs(rng, 1, 32, 64, 128, 1024))
+    got = dc.index_scores(q, k, w, ratio=4, start_pos=4064)
+    want = ref.index_scores(T(q).bfloat16(), T(k).bfloat16(), T(w).bfloat16(), 4, 4064)
+    want = want.float().numpy()
+    scale = np.abs(want[np.isfinite(want)]).max()
+    assert_close(got, want, rtol=3e-2, atol=3e-2 * scale, what="bf16 scores")
+    # top-k overlap with the bfloat16 path (SPEC 8: >= 99%)
+    mine = dc.index_topk(q, k, w, 512, ratio=4, start_pos=4064)
+    theirs = ref.topk_indices(T(want), 512, 4, 4064).numpy()
+    overlap = np.mean([len(set(a) & set(b)) / len(a) for a, b in
+                       zip(mine.reshape(-1, 512), theirs.reshape(-1, 512))])
+    assert overlap >= 0.99, overlap
+
+
+def test_index_scores_nan_inf_like_reference(rng):
+    q, k, w = _inputs(rng, 1, 8, 4, 16, 8)
+    q[0, 3, 1, 5] = np.nan        # row 3: NaN everywhere it sees
+    k[0, 2, 7] = np.inf           # key 2: +-inf dots -> relu -> inf or 0 ... or NaN via w
+    w[0, 5, 0] = 0.0              # 0 * inf = NaN in row 5 if head 0 sees +inf
+    got = dc.index_scores(q, k, w, ratio=1)
+    want = ref.index_scores(T(q), T(k), T(w), 1, 0).numpy()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+    fin = np.isfinite(want)
+    assert_close(got[fin], want[fin], rtol=2e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- fused top-k
+
+TOPK_CASES = [  # B, S, Hi, Di, Tc, ratio, start_pos, topk
+    (1, 512, 64, 128, 128, 4, 0, 64),        # V4-Flash heads, prefill with real selection
+    (1, 1, 64, 128, 16384, 4, 65535, 512),   # V4-Flash decode at 64K context
+    (1, 256, 64, 128, 1024, 4, 3840, 512),   # V4-Flash topk over 1024 entries
+    (2, 37, 5, 19, 20, 2, 0, 6),
+    (3, 9, 17, 33, 40, 3, 7, 4),
+    (2, 7, 3, 8, 10, 1, 0, 100),             # topk larger than what is visible
+    (1, 3, 2, 8, 0, 4, 0, 5),                # Tc = 0 -> width 0
+    (1, 6, 1, 4, 6, 1, 0, 3),                # Hi = 1: many exact-zero ties
+]
+
+
+@pytest.mark.parametrize("case", TOPK_CASES)
+@pytest.mark.parametrize("order", ["score", "position"])
+def test_index_topk_matches_reference(isa, rng, case, order):
+    B, S, Hi, Di, Tc, r, p, topk = case
+    if isa == "ref" and S * Tc * Hi * Di > 2e7:
+        pytest.skip("the scalar oracle is slow on the released shapes; small shapes cover it")
+    q, k, w = _inputs(rng, B, S, Hi, Di, Tc)
+    offset = 128 if p else S
+    with unchanged(q, k, w):
+        got = dc.index_topk(q, k, w, topk, ratio=r, start_pos=p, offset=offset, order=order)
+    want_scores = ref.index_scores(T(q), T(k), T(w), r, p).numpy()
+    _check_topk(got, want_scores, topk, r, p, offset, order)
+    # the fused kernel and the two-step path agree exactly, ties included
+    sc = dc.index_scores(q, k, w, ratio=r, start_pos=p)
+    two = dc.topk_indices(sc, topk, ratio=r, start_pos=p, offset=offset, order=order)
+    np.testing.assert_array_equal(got, two)
+    np.testing.assert_array_equal(got, ref.exact_topk(sc, topk, r, p, offset, order))
+
+
+def test_index_topk_ties_by_lower_position(isa, rng):
+    """relu zeros: with one head and negative dots most scores are exactly 0."""
+    q, k, w = _inputs(rng, 2, 40, 1, 4, 40)
+    w[:] = 1.0
+    k[:, ::3] = -np.abs(k[:, ::3])
+    q[:] = np.abs(q)
+    got = dc.index_topk(q, k, w, 12, ratio=1, order="score")
+    sc = dc.index_scores(q, k, w, ratio=1)
+    assert (sc[np.isfinite(sc)] == 0).sum() > 100
+    np.testing.assert_array_equal(got, ref.exact_topk(sc, 12, 1))
+    _check_topk(got, ref.index_scores(T(q), T(k), T(w), 1, 0).numpy(), 12, 1, 0, 0, "score")
+
+
+@pytest.mark.parametrize("order", ["score", "position"])
+def test_topk_indices_exact_ranking(isa, rng, order):
+    """Many ties, NaN, +-inf, -0.0: the documented total order, exactly."""
+    B, S, Tc = 2, 50, 300
+    sc = rng.integers(-4, 5, (B, S, Tc)).astype(np.float32) * 0.5
+    sc[sc == 0] = rng.choice(np.array([0.0, -0.0], np.float32), size=int((sc == 0).sum()))
+    sc[0, :, 7] = np.nan
+    sc[1, :, 100:103] = np.nan
+    sc[0, :, 11] = np.inf
+    sc[1, :, 5] = -np.inf
+    for p, r, topk, off in [(0, 1, 20, 0), (250, 2, 64, 7), (0, 3, 500, 128), (549, 2, 1, 3)]:
+        with unchanged(sc):
+            got = dc.topk_indices(sc, topk, ratio=r, start_pos=p, offset=off, order=order)
+        np.testing.assert_array_equal(got, ref.exact_topk(sc, topk, r, p, off, order),
+                                      err_msg=f"p={p} r={r} topk={topk}")
+
+
+def test_topk_indices_large_rows_radix_paths(rng):
+    """Long rows with dense ties around the k-th key exercise every radix level."""
+    sc = rng.standard_normal((1, 3, 20000)).astype(np.float32)
+    sc[0, 1] = np.round(sc[0, 1] * 3) / 3       # few distinct values
+    sc[0, 2, 5000:15000] = 0.25                 # a plateau straddling the k-th
+    for order in ("score", "position"):
+        got = dc.topk_indices(sc, 9000, ratio=1, start_pos=19997, order=order)
+        np.testing.assert_array_equal(got, ref.exact_topk(sc, 9000, 1, 19997, 0, order))
+
+
+def test_topk_indices_strided_scores_and_out(rng):
+    base = rng.standard_normal((2, 10, 64)).astype(np.float32)
+    sc = base[:, ::2, ::2]
+    want = ref.exact_topk(np.ascontiguousarray(sc), 5, 2, 20, 3, "score")
+    np.testing.assert_array_equal(dc.topk_indices(sc, 5, ratio=2, start_pos=20, offset=3), want)
+    out = np.zeros((2, 5, 10), np.int32)[:, :, ::2]
+    assert dc.topk_indices(sc, 5, ratio=2, start_pos=20, offset=3, out=out) is out
+    np.testing.assert_array_equal(out, want)
+
+
+# ---------------------------------------------------------------- V4.1 candidate blocks
+
+def test_select_candidate_blocks_contract(rng):
+    B, S, Tc, bs = 2, 40, 70, 8
+    sc = rng.integers(-3, 4, (B, S, Tc)).astype(np.float32)
+    sc[0, :, 17] = np.nan
+    for p, r, tb in [(0, 2, 3), (100, 2, 1), (30, 1, 4), (0, 1, 20)]:
+        got = dc.select_candidate_blocks(sc, tb, bs, ratio=r, start_pos=p)
+        assert got.dtype == np.bool_ and got.shape == (B, S, 9)
+        np.testing.assert_array_equal(got, ref.exact_candidate_blocks(sc, tb, bs, r, p),
+                                      err_msg=f"p={p} r={r} tb={tb}")
+        nv = np.minimum((p + np.arange(S) + 1) // r, Tc)
+        assert (got.sum(-1) == np.minimum(tb, -(-nv // bs))).all()
+
+
+@pytest.mark.parametrize("order", ["score", "position"])
+def test_index_topk_with_candidates(isa, rng, order):
+    """Two-level V4.1 selection: entries outside kept blocks are never selected."""
+    B, S, Hi, Di, Tc, r, p, bs = 2, 24, 8, 16, 64, 2, 90, 8
+    q, k, w = _inputs(rng, B, S, Hi, Di, Tc)
+    sc = dc.index_scores(q, k, w, ratio=r, start_pos=p)
+    cand = dc.select_candidate_blocks(sc, 3, bs, ratio=r, start_pos=p)
+    with unchanged(cand):
+        got = dc.index_topk(q, k, w, 16, ratio=r, start_pos=p, order=order, candidates=cand)
+    np.testing.assert_array_equal(got, ref.exact_topk(sc, 16, r, p, 0, order, cand, bs))
+    np.testing.assert_array_equal(got, dc.topk_indices(sc, 16, ratio=r, start_pos=p,
+                                                        order=order, candidates=cand))
+    _check_topk(got, ref.index_scores(T(q), T(k), T(w), r, p).numpy(), 16, r, p, 0, order,
+                cand, bs)
+    # Tc not a multiple of the block size needs block_size
+    k2 = k[:, :60]
+    cand2 = cand[:, :, :8]
+    got2 = dc.index_topk(q, k2, w, 16, ratio=r, start_pos=p, order=order, candidates=cand2,
+                         block_size=8)
+    sc2 = dc.index_scores(q, k2, w, ratio=r, start_pos=p)
+    np.testing.assert_array_equal(got2, ref.exact_topk(sc2, 16, r, p, 0, order, cand2, 8))
+
+
+# ---------------------------------------------------------------- determinism
+
+@pytest.mark.parametrize("S, Tc, p", [(300, 128, 0), (1, 4096, 16383), (3, 700, 2797),
+                                     (20, 600, 2380)])
+def test_bitwise_identical_at_1_2_3_threads(rng, S, Tc, p):
+    q, k, w = _inputs(rng, 1, S, 64, 128, Tc)
+    outs = []
+    for n in (1, 2, 3):
+        with threads(n):
+            outs.append((dc.index_scores(q, k, w, ratio=4, start_pos=p),
+                         dc.index_topk(q, k, w, 100, ratio=4, start_pos=p),
+                         dc.index_topk(q, k, w, 100, ratio=4, start_pos=p, order="position")))
+    for o in outs[1:]:
+        for a, b in zip(o, outs[0]):
+            assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def test_rows_score_the_same_alone_or_in_a_batch(rng):
+    """A query row's scores do not depend on the other rows of the call (prefill vs
+    decode work splits)."""
+    q, k, w = _inputs(rng, 1, 40, 64, 128, 40)
+    full = dc.index_scores(q, k, w, ratio=1)
+    for s in (0, 17, 39):
+        one = dc.index_scores(q[:, s:s + 1], k, w[:, s:s + 1], ratio=1, start_pos=s)
+        assert np.array_equal(one[0, 0], full[0, s])
+
+
+# ---------------------------------------------------------------- bad inputs
+
+def _good(rng):
+    return _inputs(rng, 2, 8, 4, 16, 8)
+
+
+@pytest.mark.parametrize("mutate, kw, exc, words", [
+    (lambda q, k, w: (q[..., :8], k, w), {}, ValueError, ["'k'", "Di"]),
+    (lambda q, k, w: (q, k, w[..., :3]), {}, ValueError, ["'weights'", "[2, 8, 4]"]),
+    (lambda q, k, w: (q, k[:1], w), {}, ValueError, ["'k'", "batch"]),
+    (lambda q, k, w: (q, k[:, :3], w), {}, ValueError, ["'k'", "(start_pos + S) // ratio", "4"]),
+    (lambda q, k, w: (q.astype(np.float64), k, w), {}, TypeError, ["'q'", "float64"]),
+    (lambda q, k, w: (q, k.astype(np.float16), w), {}, TypeError, ["'k'", "float16"]),
+    (lambda q, k, w: (q, k, w.astype(np.int32)), {}, TypeError, ["'weights'", "int32"]),
+    (lambda q, k, w: (q[0], k, w), {}, ValueError, ["'q'", "4 dimensions"]),
+    (lambda q, k, w: (q, k, w), {"ratio": 0}, ValueError, ["'ratio'"]),
+    (lambda q, k, w: (q, k, w), {"start_pos": -1}, ValueError, ["'start_pos'"]),
+    (lambda q, k, w: (q, k, w), {"start_pos": 10}, ValueError, ["'k'", "(10 + 8) // 2 = 9"]),
+])
+def test_scoring_bad_inputs(rng, mutate, kw, exc, words):
+    q, k, w = _good(rng)
+    qq, kk, ww = mutate(q, k, w)
+    args = dict(ratio=2)
+    args.update(kw)
+    for call in (lambda: dc.index_scores(qq, kk, ww, **args),
+                 lambda: dc.index_topk(qq, kk, ww, 3, **args)):
+        with unchanged(q, k, w):
+            with pytest.raises(exc) as e:
+                call()
+        for word in words:
+            assert word in str(e.value), (word, str(e.value))
+
+
+@pytest.mark.parametrize("kw, exc, words", [
+    ({"topk": 0}, ValueError, ["'topk'"]),
+    ({"topk": -3}, ValueError, ["'topk'"]),
+    ({"topk": 2.5}, TypeError, ["'topk'"]),
+    ({"order": "descending"}, ValueError, ["'order'", "position"]),
+    ({"offset": -1}, ValueError, ["'offset'"]),
+    ({"candidates": np.ones((2, 8, 3), np.int32)}, TypeError, ["'candidates'", "bool"]),
+    ({"candidates": np.ones((2, 8, 3), bool)}, ValueError, ["'candidates'", "block_size"]),
+    ({"candidates": np.ones((2, 8, 3), bool), "block_size": 2}, ValueError,
+     ["'candidates'", "ceil"]),
+    ({"candidates": np.ones((2, 7, 4), bool)}, ValueError, ["'candidates'"]),
+    ({"block_size": 2}, ValueError, ["'block_size'"]),
+    ({"out": np.zeros((2, 8, 3), np.int32)}, ValueError, ["'out'", "[2, 8, 4]"]),
+    ({"out": np.zeros((2, 8, 4), np.float32)}, TypeError, ["'out'"]),
+])
+def test_topk_bad_inputs(rng, kw, exc, words):
+    q, k, w = _good(rng)
+    args = dict(topk=4, ratio=2)
+    args.update(kw)
+    with unchanged(q, k, w):
+        with pytest.raises(exc) as e:
+            dc.index_topk(q, k, w, **args)
+    for word in words:
+        assert word in str(e.value), (word, str(e.value))
+    sc = dc.index_scores(q, k, w, ratio=2)
+    with unchanged(sc):
+        with pytest.raises(exc) as e:
+            dc.topk_indices(sc, **args)
+    for word in words:
+        assert word in str(e.value), (word, str(e.value))
+
+
+def test_other_bad_inputs():
+    sc = np.zeros((1, 4, 8), np.float32)
+    with pytest.raises(ValueError, match="'scores'"):
+        dc.topk_indices(sc[:, :, :1], 2, ratio=2)
+    with pytest.raises(TypeError, match="'scores'"):
+        dc.topk_indices(sc.astype(np.float64), 2, ratio=2)
+    with pytest.raises(TypeError, match="ratio"):
+        dc.topk_indices(sc, 2)
+    with pytest.raises(ValueError, match="'topk_blocks'"):
+        dc.select_candidate_blocks(sc, 0, 4, ratio=1)
+    with pytest.raises(ValueError, match="'block_size'"):
+        dc.select_candidate_blocks(sc, 1, 0, ratio=1)
+    with pytest.raises(ValueError, match="'window'"):
+        dc.window_topk_idxs(0, 1, 4, 0)
+    with pytest.raises(ValueError, match="'seqlen'"):
+        dc.window_topk_idxs(128, 1, 4, 5)
+    with pytest.raises(ValueError, match="'seqlen'"):
+        dc.compress_topk_idxs(4, 1, 2, 9, 0)
+    with pytest.raises(ValueError, match="'offset'"):
+        dc.compress_topk_idxs(4, 1, 8, 0, -1)
+    with pytest.raises(ValueError, match="'ratio'"):
+        dc.compress_topk_idxs(0, 1, 8, 0, 0)
+    ro = np.zeros((1, 4, 2), np.int32)
+    ro.setflags(write=False)
+    with pytest.raises(ValueError, match="'out' is read-only"):
+        dc.topk_indices(sc, 2, ratio=2, out=ro)
+
+
+# ---------------------------------------------------------------- index lists
+
+@pytest.mark.parametrize("window, batch, seqlen, p", [
+    (128, 1, 4096, 0), (128, 2, 100, 0), (4, 1, 9, 0), (128, 1, 1, 0), (3, 2, 0, 0),
+    (128, 2, 1, 1), (128, 1, 1, 126), (128, 1, 1, 127), (128, 3, 1, 128), (128, 1, 1, 1000),
+    (5, 1, 1, 3), (5, 1, 1, 4), (1, 1, 1, 7)])
+def test_window_topk_idxs(window, batch, seqlen, p):
+    got = dc.window_topk_idxs(window, batch, seqlen, p)
+    want = ref.window_topk_idxs(window, batch, seqlen, p).numpy()
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, want)
+    if p > 0:  # the slot written at p is in the list; ring order ends with it
+        assert (got[..., -1] == p % window).all() or p < window - 1
+
+
+@pytest.mark.parametrize("ratio, batch, seqlen, p, offset", [
+    (128, 1, 4096, 0, 4096), (128, 2, 300, 0, 300), (4, 1, 9, 0, 9), (128, 1, 100, 0, 100),
+    (128, 2, 1, 1000, 128), (128, 1, 1, 127, 128), (128, 1, 1, 126, 128), (2, 1, 0, 0, 0)])
+def test_compress_topk_idxs(ratio, batch, seqlen, p, offset):
+    got = dc.compress_topk_idxs(ratio, batch, seqlen, p, offset)
+    want = ref.compress_topk_idxs(ratio, batch, seqlen, p, offset).numpy()
+    assert got.dtype == np.int32 and got.shape == (batch, seqlen, (p + seqlen) // ratio)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_index_lists_out_and_keywords():
+    out = np.full((1, 9, 4), 7, np.int32)
+    assert dc.window_topk_idxs(window=4, batch=1, seqlen=9, start_pos=0, out=out) is out
+    np.testing.assert_array_equal(out, ref.window_topk_idxs(4, 1, 9, 0).numpy())
+
+
+@pytest.mark.parametrize("order", ["score", "position"])
+def test_index_topk_decode_batch_with_candidates(isa, rng, order):
+    """Decode rows (keys split across threads) with a batch and V4.1 candidates."""
+    B, Hi, Di, Tc, r, p, bs = 3, 64, 128, 3000, 2, 5998, 64
+    q, k, w = _inputs(rng, B, 1, Hi, Di, Tc)
+    if isa == "ref":
+        q, k = q[..., :16], k[..., :16]
+    sc = dc.index_scores(q, k, w, ratio=r, start_pos=p)
+    cand = dc.select_candidate_blocks(sc, 8, bs, ratio=r, start_pos=p)
+    assert cand[:, 0, -1].all() and (cand.sum(-1) == 8).all()
+    with threads(2):
+        got = dc.index_topk(q, k, w, 256, ratio=r, start_pos=p, offset=128, order=order,
+                            candidates=cand, block_size=bs)
+    np.testing.assert_array_equal(got, ref.exact_topk(sc, 256, r, p, 128, order, cand, bs))
+    _check_topk(got, ref.index_scores(T(q), T(k), T(w), r, p).numpy(), 256, r, p, 128, order,
+                cand, bs)
+
+
+def test_torch_inputs_for_topk_and_candidates(rng):
+    q, k, w = _inputs(rng, 1, 12, 4, 16, 12)
+    sc = dc.index_scores(q, k, w, ratio=1)
+    cand = dc.select_candidate_blocks(sc, 2, 4, ratio=1)
+    got = dc.index_topk(T(q), T(k), T(w), 5, ratio=1, candidates=torch.from_numpy(cand))
+    np.testing.assert_array_equal(got, ref.exact_topk(sc, 5, 1, 0, 0, "score", cand, 4))
+    np.testing.assert_array_equal(dc.topk_indices(T(sc), 5, ratio=1), ref.exact_topk(sc, 5, 1))
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 40), st.integers(1, 4), st.integers(0, 30),
+       st.integers(1, 50), st.sampled_from(["score", "position"]), st.integers(0, 2**31 - 1))
+def test_topk_indices_property(B, S, ratio, p, topk, order, seed):
+    """Random small rows drawn from few values (ties, zeros of both signs, NaN, inf)."""
+    r = np.random.default_rng(seed)
+    Tc = (p + S) // ratio + int(r.integers(0, 3))
+    vals = np.array([0.0, -0.0, 1.0, -1.0, 2.5, np.inf, -np.inf, np.nan], np.float32)
+    sc = r.choice(vals, size=(B, S, Tc)) * r.choice(np.array([1, 1, 1, 0.5], np.float32),
+                                                     size=(B, S, Tc))
+    got = dc.topk_indices(sc, topk, ratio=ratio, start_pos=p, offset=3, order=order)
+    np.testing.assert_array_equal(got, ref.exact_topk(sc, topk, ratio, p, 3, order))
+    if Tc:
+        bs = int(r.integers(1, Tc + 1))
+        cand = r.random((B, S, -(-Tc // bs))) < 0.6
+        got = dc.topk_indices(sc, topk, ratio=ratio, start_pos=p, order=order, candidates=cand,
+                              block_size=bs)
+        np.testing.assert_array_equal(got, ref.exact_topk(sc, topk, ratio, p, 0, order, cand, bs))
+        tb = int(r.integers(1, 5))
+        np.testing.assert_array_equal(
+            dc.select_candidate_blocks(sc, tb, bs, ratio=ratio, start_pos=p),
+            ref.exact_candidate_blocks(sc, tb, bs, ratio, p))

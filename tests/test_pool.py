@@ -1,0 +1,529 @@
+"""Gated pooling and the streaming Compressor against the float32 reference
+(tests/ref_pool.py), the prefill/decode invariant, bad inputs, NaN/inf, threads."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import deepseek_csa as dc
+from conftest import ISA_LEVELS, assert_close, bf16_round, threads, unchanged
+import ref_pool as ref
+
+T_ = torch.from_numpy
+CFG = dc.V4_FLASH
+# kinds of released compressors: (ratio, overlap, has ape)
+V4_CSA, V4_HCA, V41_PAIR, V41_ONE = (4, True, True), (128, False, True), (2, False, False), \
+    (1, False, False)
+
+
+def _inputs(rng, B, T, cd, ratio, ape=True, scale=2.0):
+    kv = rng.standard_normal((B, T, cd), dtype=np.float32)
+    sc = rng.standard_normal((B, T, cd), dtype=np.float32) * scale
+    ap = rng.standard_normal((ratio, cd), dtype=np.float32) if ape else None
+    return kv, sc, ap
+
+
+def _ref_pool(kv, sc, ratio, ape, overlap):
+    return ref.pool(T_(kv), None if sc is None else T_(sc), ratio,
+                    None if ape is None else T_(ape), overlap).numpy()
+
+
+# ---------------------------------------------------------------- gated_pool
+
+@pytest.mark.parametrize("kind, D, T", [
+    (V4_CSA, 512, 1024), (V4_CSA, 128, 1024), (V4_HCA, 512, 1024), (V41_PAIR, 512, 1024),
+    (V41_ONE, 512, 256)])
+def test_gated_pool_released_shapes(isa, rng, kind, D, T):
+    ratio, overlap, has_ape = kind
+    if isa == "ref" and T > 256 and D > 128:
+        T = 256                     # the scalar oracle is slow; the shape logic is the same
+    c = 2 if overlap else 1
+    kv, sc, ape = _inputs(rng, 1, T + 3, c * D, ratio, has_ape)
+    with unchanged(kv, sc, *([ape] if has_ape else [])):
+        got = dc.gated_pool(kv, sc, ratio, ape=ape, overlap=overlap)
+    assert got.shape == (1, (T + 3) // ratio, D)
+    assert_close(got, _ref_pool(kv, sc, ratio, ape, overlap), rtol=1e-5, atol=2e-6,
+                 what=f"ratio {ratio}")
+
+
+@pytest.mark.parametrize("B, T, D, ratio, overlap", [
+    (3, 13, 17, 4, True), (2, 3, 8, 4, True), (2, 4, 8, 4, True), (1, 11, 600, 5, False),
+    (2, 9, 33, 2, False), (2, 7, 16, 1, True), (2, 7, 5, 1, False), (1, 300, 24, 128, False),
+    (2, 25, 1, 3, True), (1, 5, 1030, 2, True), (0, 8, 8, 2, False), (2, 0, 8, 4, True),
+    (2, 8, 0, 2, False)])
+def test_gated_pool_odd_shapes(isa, rng, B, T, D, ratio, overlap):
+    c = 2 if overlap else 1
+    kv, sc, ape = _inputs(rng, B, T, c * D, ratio)
+    want = _ref_pool(kv, sc, ratio, ape, overlap)
+    assert_close(dc.gated_pool(kv, sc, ratio, ape=ape, overlap=overlap), want, rtol=1e-5,
+                 atol=2e-6, what="ape")
+    want = _ref_pool(kv, sc, ratio, None, overlap)
+    assert_close(dc.gated_pool(kv, sc, ratio, overlap=overlap), want, rtol=1e-5, atol=2e-6,
+                 what="no ape")
+
+
+def test_gated_pool_ratio1_ignores_score(rng):
+    kv = rng.standard_normal((2, 5, 16), dtype=np.float32)
+    assert np.array_equal(dc.gated_pool(kv, None, 1), kv)
+    sc = np.full_like(kv, np.nan)
+    assert np.array_equal(dc.gated_pool(kv, sc, 1), kv)
+
+
+def test_gated_pool_strided_views_torch_and_out(rng):
+    base = rng.standard_normal((2, 40, 3, 64), dtype=np.float32)
+    kv = base[:, ::2, 0, ::-1]              # [2, 20, 64], reversed feature stride
+    sc = base[:, 1::2, 2, :]
+    ape = rng.standard_normal((4, 128), dtype=np.float32)[:, ::2]
+    want = _ref_pool(np.ascontiguousarray(kv), np.ascontiguousarray(sc), 4,
+                     np.ascontiguousarray(ape), True)
+    assert_close(dc.gated_pool(kv, sc, 4, ape=ape, overlap=True), want, rtol=1e-5, atol=2e-6)
+    out = np.full((2, 5, 64), 9.0, np.float32)[:, :, ::2]
+    assert dc.gated_pool(kv, sc, 4, ape=ape, overlap=True, out=out) is out
+    assert_close(out, want, rtol=1e-5, atol=2e-6, what="strided out")
+    tk, ts = torch.from_numpy(np.ascontiguousarray(kv)), torch.from_numpy(np.ascontiguousarray(sc))
+    assert_close(dc.gated_pool(tk, ts, 4, ape=torch.from_numpy(np.ascontiguousarray(ape)),
+                               overlap=True), want, rtol=1e-5, atol=2e-6, what="torch")
+
+
+def test_gated_pool_nan_inf_like_torch_softmax(isa):
+    """-inf logits get weight 0, all -inf is NaN, a NaN or +inf logit makes the feature
+    NaN, an inf value with weight 0 is NaN (0 * inf), as the reference computes them."""
+    ratio, D = 4, 20
+    kv = np.ones((1, 12, 2 * D), np.float32)
+    sc = np.zeros((1, 12, 2 * D), np.float32)
+    sc[0, 4:8, D + 0] = -np.inf                      # entry 1: current group masked -> prev only
+    sc[0, 0:4, 1] = -np.inf                          # entry 1: prev masked
+    sc[0, 8:12, D + 2] = -np.inf                     # entry 2: half masked
+    sc[0, 0:4, D + 3] = -np.inf                      # entry 0: no prev, all masked -> NaN
+    sc[0, 5, D + 4] = np.nan                         # entry 1: NaN logit
+    sc[0, 9, D + 5] = np.inf                         # entry 2: +inf logit
+    kv[0, 6, D + 6] = np.inf                         # entry 1: inf value
+    kv[0, 2, D + 7] = np.nan                         # entry 0: NaN value
+    sc[0, 2, D + 8] = -np.inf
+    kv[0, 2, D + 8] = np.inf                         # weight-0 inf value -> NaN, as 0 * inf
+    kv[0, 9, D + 9] = -1e37
+    kv[0, 10, D + 9] = -1e37                         # large values (sum(e*kv) / sum(e): values
+    #                                                  within 2r of FLT_MAX would overflow)
+    want = _ref_pool(kv, sc, ratio, None, True)
+    got = dc.gated_pool(kv, sc, ratio, overlap=True)
+    assert np.isnan(want[0, 0, 3]) and np.isnan(want[0, 1, 4]) and np.isnan(want[0, 2, 5])
+    assert_close(got, want, rtol=1e-5, atol=2e-6, what="nan/inf")
+    # non-overlap, huge logit spread (exp underflows for all but the max)
+    sc2 = np.array([[[0.0], [-200.0], [-90.0], [-87.0]]], np.float32)
+    kv2 = np.array([[[1.0], [2.0], [3.0], [4.0]]], np.float32)
+    assert_close(dc.gated_pool(kv2, sc2, 4), _ref_pool(kv2, sc2, 4, None, False), rtol=1e-6)
+
+
+def test_gated_pool_exp_accuracy_over_logit_range(isa, rng):
+    """The tuned exp across the whole float range of logit differences."""
+    T, D = 4 * 2048, 16
+    sc = rng.uniform(-120, 0, (1, T, D)).astype(np.float32)
+    sc[0, ::4] = 0.0
+    kv = rng.standard_normal((1, T, D), dtype=np.float32)
+    assert_close(dc.gated_pool(kv, sc, 4), _ref_pool(kv, sc, 4, None, False), rtol=2e-6,
+                 atol=1e-6, what="exp")
+
+
+@pytest.mark.parametrize("make, exc, words", [
+    (lambda kv, sc, ap: ((kv.astype(np.float64), sc, 4), {"ape": ap, "overlap": True}),
+     TypeError, ["'kv'", "float64"]),
+    (lambda kv, sc, ap: ((kv, sc.astype(np.float16), 4), {"ape": ap, "overlap": True}),
+     TypeError, ["'score'", "float16"]),
+    (lambda kv, sc, ap: ((kv, sc[:, :, :-2], 4), {"ape": ap, "overlap": True}),
+     ValueError, ["'score'", "[2, 9, 16]", "[2, 9, 14]"]),
+    (lambda kv, sc, ap: ((kv, sc, 4), {"ape": ap[:, :8], "overlap": True}),
+     ValueError, ["'ape'", "[4, 16]", "[4, 8]"]),
+    (lambda kv, sc, ap: ((kv, sc, 2), {"ape": ap, "overlap": True}),
+     ValueError, ["'ape'", "[2, 16]"]),
+    (lambda kv, sc, ap: ((kv, sc, 0), {}), ValueError, ["'ratio'", "got 0"]),
+    (lambda kv, sc, ap: ((kv, sc, -4), {}), ValueError, ["'ratio'"]),
+    (lambda kv, sc, ap: ((kv, sc, 4.0), {}), TypeError, ["'ratio'"]),
+    (lambda kv, sc, ap: ((kv[:, :, :15], sc[:, :, :15], 4), {"overlap": True}),
+     ValueError, ["even", "'kv'"]),
+    (lambda kv, sc, ap: ((kv, None, 4), {}), TypeError, ["'score'", "None"]),
+    (lambda kv, sc, ap: ((kv[0], sc[0], 4), {}), ValueError, ["'kv'", "3 dimensions"]),
+    (lambda kv, sc, ap: ((kv, sc, 4), {"out": np.zeros((2, 3, 16), np.float32)}),
+     ValueError, ["'out'", "[2, 2, 16]", "[2, 3, 16]"]),
+    (lambda kv, sc, ap: ((kv, sc, 4), {"out": kv[:, :2]}), ValueError, ["'out'", "overlaps"]),
+])
+def test_gated_pool_bad_inputs(rng, make, exc, words):
+    kv, sc, ap = _inputs(rng, 2, 9, 16, 4)
+    args, kwargs = make(kv, sc, ap)
+    with unchanged(kv, sc, ap):
+        with pytest.raises(exc) as e:
+            dc.gated_pool(*args, **kwargs)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_gated_pool_bitwise_identical_at_any_thread_count(rng):
+    outs = []
+    kv, sc, ape = _inputs(rng, 2, 1001, 1024, 4)
+    kv2, sc2, ape2 = _inputs(rng, 1, 1030, 512, 128)
+    for n in (1, 2, 3):
+        with threads(n):
+            outs.append((dc.gated_pool(kv, sc, 4, ape=ape, overlap=True),
+                         dc.gated_pool(kv2, sc2, 128, ape=ape2)))
+    for o in outs[1:]:
+        assert np.array_equal(o[0], outs[0][0]) and np.array_equal(o[1], outs[0][1])
+
+
+# ---------------------------------------------------------------- Compressor
+
+KINDS = [(r, ov) for r in (1, 2, 3, 4, 5, 8) for ov in (False, True)] + [(128, False),
+                                                                         (128, True)]
+
+
+def _epilogue_kw(rng, D, ratio, positions, rope=True, dtype="float32"):
+    w = rng.standard_normal(D, dtype=np.float32)
+    kw = dict(norm_weight=w, eps=1e-6, model_dtype=dtype)
+    if rope:
+        cos, sin = dc.rope_table(min(D - D % 2, 64), positions, **CFG.rope_kwargs(4))
+        kw["rope"] = (cos, sin)
+    return kw
+
+
+def _stream(comp, kv, sc, T1):
+    """prefill(T1) then one step per token: all entries along axis 1."""
+    outs = [comp.prefill(kv[:, :T1], None if sc is None else sc[:, :T1])]
+    for p in range(T1, kv.shape[1]):
+        y = comp.step(kv[:, p:p + 1], None if sc is None else sc[:, p:p + 1], p)
+        assert (y is not None) == ((p + 1) % comp.ratio == 0)
+        if y is not None:
+            outs.append(y)
+    return np.concatenate(outs, axis=1)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_prefill_then_decode_is_bitwise_prefill(data):
+    """For every ratio/overlap, random T and every split point: prefill(T1) + decode
+    steps == prefill(T), bitwise, with and without the epilogue, at every ISA level;
+    the state is per row (fresh rows beside used ones do not matter)."""
+    ratio, overlap = data.draw(st.sampled_from(KINDS), label="kind")
+    isa = data.draw(st.sampled_from(ISA_LEVELS), label="isa")
+    B = data.draw(st.integers(1, 3), label="B")
+    D = data.draw(st.sampled_from([1, 4, 17, 64, 130]), label="D")
+    T = data.draw(st.integers(0, 3 * ratio + 5 if ratio < 128 else 300), label="T")
+    epi = data.draw(st.sampled_from([None, "float32", "bfloat16"]), label="epilogue")
+    seed = data.draw(st.integers(0, 2**31), label="seed")
+    rng = np.random.default_rng(seed)
+    c = 2 if overlap else 1
+    kv, sc, ape = _inputs(rng, B, T, c * D, ratio, ape=data.draw(st.booleans(), label="ape"))
+    if ratio == 1 and not overlap and data.draw(st.booleans(), label="score None"):
+        sc = None
+    kw = {} if epi is None else _epilogue_kw(rng, D, ratio, T + 1, rope=D >= 2, dtype=epi)
+    before = dc.get_isa()
+    dc.set_isa(isa)
+    try:
+        full = dc.Compressor(B + 1, ratio, D, overlap=overlap, ape=ape, **kw).prefill(kv, sc)
+        splits = range(T + 1) if T <= 40 else sorted({0, 1, T // 2, T - 1, T} |
+                                                      set(data.draw(st.lists(
+                                                          st.integers(0, T), max_size=3))))
+        comp = dc.Compressor(B + 1, ratio, D, overlap=overlap, ape=ape, **kw)
+        for T1 in splits:
+            got = _stream(comp, kv, sc, T1)      # prefill restarts the sequence each time
+            assert got.shape == full.shape
+            assert np.array_equal(got.view(np.uint32), full.view(np.uint32)), \
+                f"split {T1} of {T} differs"
+            assert list(comp.positions[:B]) == [T] * B
+        # batch rows are independent: each row alone gives its rows' bits
+        for b in range(B):
+            one = dc.Compressor(1, ratio, D, overlap=overlap, ape=ape, **kw).prefill(
+                kv[b:b + 1], None if sc is None else sc[b:b + 1])
+            assert np.array_equal(one.view(np.uint32), full[b:b + 1].view(np.uint32))
+    finally:
+        dc.set_isa(before)
+
+
+@pytest.mark.parametrize("kind, D", [(V4_CSA, 512), (V4_CSA, 128), (V4_HCA, 512),
+                                     (V41_PAIR, 512), (V41_ONE, 512)])
+@pytest.mark.parametrize("epilogue", [False, True])
+def test_compressor_matches_released_module(rng, kind, D, epilogue):
+    """Prefill (T % ratio != 0) then decode steps through the reference module with its
+    buffers, entries compared one by one at float32 tolerance."""
+    ratio, overlap, has_ape = kind
+    c = 2 if overlap else 1
+    T1 = {4: 37, 128: 300, 2: 9, 1: 5}[ratio]
+    T = T1 + (2 * ratio + 3 if ratio < 128 else 140)
+    B = 2
+    kv, sc, ape = _inputs(rng, B, T, c * D, ratio, has_ape)
+    kw, rkw = {}, {}
+    if epilogue:
+        kw = _epilogue_kw(rng, D, ratio, T)
+        cos, sin = kw["rope"]
+        rkw = dict(norm_w=T_(kw["norm_weight"]), eps=1e-6, cos=T_(cos), sin=T_(sin))
+    comp = dc.Compressor(3, ratio, D, overlap=overlap, ape=ape, **kw)
+    rc = ref.RefCompressor(3, ratio, D, overlap, None if ape is None else T_(ape), **rkw)
+    tol = dict(rtol=2e-5, atol=5e-6)
+    got = comp.prefill(kv[:, :T1], sc[:, :T1])
+    want = rc(T_(kv[:, :T1]), T_(sc[:, :T1]), 0)
+    assert_close(got, want.numpy(), **tol, what="prefill")
+    n = 0
+    for p in range(T1, T):
+        y = comp.step(kv[:, p:p + 1], sc[:, p:p + 1], p)
+        w = rc(T_(kv[:, p:p + 1]), T_(sc[:, p:p + 1]), p)
+        assert (y is None) == (w is None), p
+        if y is not None:
+            n += 1
+            assert y.shape == (B, 1, D)
+            assert_close(y, w.numpy(), **tol, what=f"step {p}")
+    assert n == (T // ratio) - (T1 // ratio)
+
+
+@pytest.mark.parametrize("kind, D", [(V4_CSA, 512), (V4_HCA, 512), (V41_PAIR, 512),
+                                     (V41_ONE, 512)])
+def test_compressor_bf16_path(rng, kind, D):
+    """The reference in the bfloat16 model dtype against ours in bfloat16 (and in
+    float32) at bf16 tolerance."""
+    ratio, overlap, has_ape = kind
+    c = 2 if overlap else 1
+    T = 8 * ratio + ratio // 2 + 1
+    kv, sc, ape = _inputs(rng, 1, T, c * D, ratio, has_ape)
+    if ratio == 1:
+        kv = bf16_round(kv)           # V4.1's ratio-1 projection is bf16
+    kw = _epilogue_kw(rng, D, ratio, T, dtype="bfloat16")
+    kw["norm_weight"] = bf16_round(kw["norm_weight"])
+    cos, sin = kw["rope"]
+    rc = ref.RefCompressor(1, ratio, D, overlap, None if ape is None else T_(ape),
+                           norm_w=T_(kw["norm_weight"]), cos=T_(cos), sin=T_(sin),
+                           dtype=torch.bfloat16)
+    want = rc(T_(kv), T_(sc), 0).numpy()
+    got = dc.Compressor(1, ratio, D, overlap=overlap, ape=ape, **kw).prefill(kv, sc)
+    assert np.array_equal(got, bf16_round(got)), "bfloat16 mode returns bf16 values"
+    assert_close(got, want, rtol=1.6e-2, atol=1e-2, what="bf16 vs bf16")
+    kw32 = dict(kw, model_dtype="float32")
+    got32 = dc.Compressor(1, ratio, D, overlap=overlap, ape=ape, **kw32).prefill(kv, sc)
+    assert_close(got32, want, rtol=1.6e-2, atol=1e-2, what="fp32 vs bf16")
+
+
+def test_compressor_short_prefill_and_mid_group_start(rng):
+    """T < ratio emits nothing; a decode start mid-group; step at position 0."""
+    kv, sc, ape = _inputs(rng, 1, 11, 16, 4)
+    comp = dc.Compressor(1, 4, 8, overlap=True, ape=ape)
+    y = comp.prefill(kv[:, :2], sc[:, :2])
+    assert y.shape == (1, 0, 8) and list(comp.positions) == [2]
+    assert comp.step(kv[:, 2:3], sc[:, 2:3], 2) is None
+    y = comp.step(kv[:, 3:4], sc[:, 3:4], 3)
+    assert_close(y, _ref_pool(kv[:, :4], sc[:, :4], 4, ape, True), rtol=1e-5, atol=2e-6)
+    comp.reset()
+    outs = [comp.step(kv[:, p:p + 1], sc[:, p:p + 1], p) for p in range(8)]
+    assert [o is None for o in outs] == [True, True, True, False] * 2
+    want = dc.gated_pool(kv[:, :8], sc[:, :8], 4, ape=ape, overlap=True)
+    assert np.array_equal(np.concatenate([outs[3], outs[7]], 1), want)
+
+
+def test_compressor_reset_and_partial_batch(rng):
+    """Rows beyond B keep their state; reset(rows) makes rows fresh; a second sequence
+    never sees the first one's leftovers (unlike the released module)."""
+    ratio, D = 4, 8
+    kv, sc, ape = _inputs(rng, 3, 20, 2 * D, ratio)
+    comp = dc.Compressor(3, ratio, D, overlap=True, ape=ape)
+    comp.prefill(kv, sc[:, :, :])
+    comp.prefill(kv[:1, :6], sc[:1, :6])                      # row 0 restarts
+    assert list(comp.positions) == [6, 20, 20]
+    with pytest.raises(ValueError, match="row 1"):
+        comp.step(kv[:2, 6:7], sc[:2, 6:7], 6)                 # rows 0, 1 disagree
+    comp.step(kv[:1, 6:7], sc[:1, 6:7], 6)
+    y = comp.step(kv[:1, 7:8], sc[:1, 7:8], 7)
+    assert np.array_equal(y, dc.gated_pool(kv[:1, :8], sc[:1, :8], 4, ape=ape, overlap=True)[:, 1:])
+    comp.reset(1)
+    assert list(comp.positions) == [8, 0, 20]
+    # a fresh row-1 sequence of 3 tokens then decode: same as a brand-new Compressor
+    fresh = dc.Compressor(1, ratio, D, overlap=True, ape=ape)
+    kv2, sc2, _ = _inputs(rng, 1, 8, 2 * D, ratio)
+    comp2 = dc.Compressor(2, ratio, D, overlap=True, ape=ape)
+    comp2.prefill(kv[:2], sc[:2])                              # leftovers in both rows
+    got = _stream(comp2, np.concatenate([kv2, kv2]), np.concatenate([sc2, sc2]), 3)
+    want = _stream(fresh, kv2, sc2, 3)
+    assert np.array_equal(got[:1], want) and np.array_equal(got[1:], want)
+
+
+def test_compressor_quant_hook(rng):
+    calls = []
+
+    def q(x):
+        calls.append(x.shape)
+        x[...] = np.round(x)           # in place, returns None
+
+    kv, sc, _ = _inputs(rng, 1, 9, 8, 4)
+    comp = dc.Compressor(1, 4, 8, quant=q)
+    y = comp.prefill(kv[:, :7], sc[:, :7])
+    assert np.array_equal(y, np.round(dc.gated_pool(kv[:, :7], sc[:, :7], 4)))
+    y = comp.step(kv[:, 7:8], sc[:, 7:8], 7)
+    assert np.array_equal(y, np.round(dc.gated_pool(kv[:, :8], sc[:, :8], 4)[:, 1:]))
+    assert calls == [(1, 1, 8), (1, 1, 8)]
+    comp = dc.Compressor(1, 4, 8, quant=lambda x: x * 0)   # returning a new array
+    assert not comp.prefill(kv[:, :8], sc[:, :8]).any()
+    with pytest.raises(ValueError, match="'quant'"):
+        dc.Compressor(1, 4, 8, quant="int8")
+
+
+@pytest.mark.parametrize("quant", ["fp8", "fp4", "hadamard_fp4", "fp4_e4m3"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compressor_released_quant(rng, quant, dtype):
+    """The named QAT roundings equal the float32 reference of SPEC 7 applied to the
+    entries of the same Compressor without rounding, in prefill and in decode."""
+    import ref_quant
+    D, ratio, T = 128, 4, 19
+    kv, sc, ape = _inputs(rng, 2, T, 2 * D, ratio)
+    kw = _epilogue_kw(rng, D, ratio, T, dtype=dtype)
+    plain = dc.Compressor(2, ratio, D, overlap=True, ape=ape, **kw)
+    rounded = dc.Compressor(2, ratio, D, overlap=True, ape=ape, quant=quant, **kw)
+    entries = [plain.prefill(kv[:, :10], sc[:, :10])]
+    got = [rounded.prefill(kv[:, :10], sc[:, :10])]
+    for p in range(10, T):
+        e, g = plain.step(kv[:, p:p + 1], sc[:, p:p + 1], p), rounded.step(
+            kv[:, p:p + 1], sc[:, p:p + 1], p)
+        assert (e is None) == (g is None)
+        if e is not None:
+            entries.append(e)
+            got.append(g)
+    e = torch.from_numpy(np.concatenate(entries, 1))
+    if quant == "fp8":
+        want = e.clone()
+        want[..., :D - 64] = ref_quant.fp8_round(e[..., :D - 64], 64)
+    elif quant == "fp4":
+        want = ref_quant.fp4_round(e, 32)
+    elif quant == "hadamard_fp4":
+        h = ref_quant.hadamard(e)
+        want = ref_quant.fp4_round(h.bfloat16().float() if dtype == "bfloat16" else h, 32)
+    else:
+        want = ref_quant.fp4_round(e, 16, scale="e4m3")
+        if dtype == "bfloat16":
+            want = want.bfloat16().float()
+    assert_close(np.concatenate(got, 1), want.numpy(), rtol=0, atol=0, what=quant)
+
+
+def _state(comp):
+    return [comp._kv.copy(), comp._score.copy(), comp._prev_kv.copy(),
+            comp._prev_score.copy(), comp._pos.copy()]
+
+
+def _same_state(a, b):
+    return all(np.array_equal(x.view(np.uint8), y.view(np.uint8)) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("call, exc, words", [
+    (lambda c, kv, sc: c.step(kv[:, 5:6], sc[:, 5:6], 6), ValueError,
+     ["'start_pos'", "must be 5", "got 6"]),
+    (lambda c, kv, sc: c.step(kv[:, 5:6], sc[:, 5:6], 4), ValueError, ["'start_pos'"]),
+    (lambda c, kv, sc: c.step(kv[:, 5:6], sc[:, 5:6], -1), ValueError, ["'start_pos'"]),
+    (lambda c, kv, sc: c.step(kv[:, 5:6], sc[:, 5:6], 5.0), TypeError, ["'start_pos'"]),
+    (lambda c, kv, sc: c.step(kv[:, 5:7], sc[:, 5:7], 5), ValueError, ["one token", "'kv'"]),
+    (lambda c, kv, sc: c.step(np.concatenate([kv] * 2)[:, 5:6], np.concatenate([sc] * 2)[:, 5:6],
+                              5), ValueError, ["rows", "batch=3"]),
+    (lambda c, kv, sc: c.step(kv[:, 5:6].astype(np.float64), sc[:, 5:6], 5), TypeError,
+     ["'kv'", "float64"]),
+    (lambda c, kv, sc: c.step(kv[:, 5:6], sc[:, 5:6, :8], 5), ValueError, ["'score'"]),
+    (lambda c, kv, sc: c.step(kv[:, 5:6, :8], sc[:, 5:6, :8], 5), ValueError,
+     ["'kv'", "16"]),
+    (lambda c, kv, sc: c.step(kv[:, 5:6], None, 5), TypeError, ["'score'"]),
+    (lambda c, kv, sc: c.prefill(np.concatenate([kv] * 2), np.concatenate([sc] * 2)),
+     ValueError, ["rows", "batch=3"]),
+    (lambda c, kv, sc: c.prefill(kv.astype(np.float64), sc), TypeError, ["'kv'"]),
+    (lambda c, kv, sc: c.prefill(kv, sc.astype(np.int32)), TypeError, ["'score'"]),
+    (lambda c, kv, sc: c.prefill(kv[:, :, :12], sc[:, :, :12]), ValueError, ["'kv'"]),
+    (lambda c, kv, sc: c.prefill(kv, sc[:, :-1]), ValueError, ["'score'"]),
+])
+def test_compressor_bad_inputs_leave_state_unchanged(rng, call, exc, words):
+    kv, sc, ape = _inputs(rng, 3, 12, 16, 4)
+    comp = dc.Compressor(3, 4, 8, overlap=True, ape=ape)
+    comp.prefill(kv[:, :5], sc[:, :5])
+    s0 = _state(comp)
+    with unchanged(kv, sc):
+        with pytest.raises(exc) as e:
+            call(comp, kv, sc)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+    assert _same_state(s0, _state(comp)), "a rejected call changed the state"
+    # and it still continues correctly
+    outs = [comp.step(kv[:, p:p + 1], sc[:, p:p + 1], p) for p in range(5, 8)]
+    assert np.array_equal(outs[-1], dc.gated_pool(kv[:, :8], sc[:, :8], 4, ape=ape,
+                                                  overlap=True)[:, 1:])
+
+
+def test_compressor_rope_table_too_short_is_rejected(rng):
+    kv, sc, _ = _inputs(rng, 1, 12, 16, 4)
+    cos, sin = dc.rope_table(8, 8, base=1e4)
+    comp = dc.Compressor(1, 4, 16, rope=(cos, sin))
+    with pytest.raises(ValueError, match="RoPE tables"):
+        comp.prefill(kv, sc)                         # entry 2 at position 8
+    assert list(comp.positions) == [0]
+    comp.prefill(kv[:, :8], sc[:, :8])
+    s0 = _state(comp)
+    for p in range(8, 11):
+        comp.step(kv[:, p:p + 1], sc[:, p:p + 1], p)
+    s1 = _state(comp)
+    with pytest.raises(ValueError, match="RoPE tables"):
+        comp.step(kv[:, 11:12], sc[:, 11:12], 11)
+    assert _same_state(s1, _state(comp)) and not _same_state(s0, s1)
+
+
+@pytest.mark.parametrize("args, kwargs, exc, word", [
+    ((1, 0, 8), {}, ValueError, "'ratio'"),
+    ((1, -2, 8), {}, ValueError, "'ratio'"),
+    ((0, 4, 8), {}, ValueError, "'batch'"),
+    ((1, 4, 0), {}, ValueError, "'head_dim'"),
+    ((1, 4.0, 8), {}, TypeError, "'ratio'"),
+    ((1, 4, 8), {"ape": np.zeros((4, 8), np.float32), "overlap": True}, ValueError, "'ape'"),
+    ((1, 4, 8), {"ape": np.zeros((2, 8), np.float32)}, ValueError, "'ape'"),
+    ((1, 4, 8), {"ape": np.zeros((4, 8))}, TypeError, "'ape'"),
+    ((1, 4, 8), {"norm_weight": np.zeros(7, np.float32)}, ValueError, "'norm_weight'"),
+    ((1, 4, 8), {"eps": -1.0}, ValueError, "'eps'"),
+    ((1, 4, 8), {"model_dtype": "float16"}, ValueError, "'model_dtype'"),
+    ((1, 4, 8), {"rope": (np.zeros((4, 8), np.float32),) * 2}, ValueError, "'rope'"),
+    ((1, 4, 8), {"rope": np.zeros((4, 2), np.float32)}, TypeError, "'rope'"),
+    ((1, 4, 8), {"quant": 3}, TypeError, "'quant'"),
+])
+def test_compressor_bad_construction(args, kwargs, exc, word):
+    with pytest.raises(exc, match=word):
+        dc.Compressor(*args, **kwargs)
+
+
+def test_compressor_decode_bitwise_at_any_thread_count(rng):
+    kv, sc, ape = _inputs(rng, 4, 300, 1024, 4)
+    res = []
+    for n in (1, 2, 3):
+        with threads(n):
+            res.append(_stream(dc.Compressor(4, 4, 512, overlap=True, ape=ape), kv, sc, 257))
+    assert all(np.array_equal(r, res[0]) for r in res[1:])
+
+
+def test_compressor_takes_torch_tensors(rng):
+    kv, sc, ape = _inputs(rng, 2, 10, 16, 4)
+    want = _stream(dc.Compressor(2, 4, 8, overlap=True, ape=ape), kv, sc, 5)
+    comp = dc.Compressor(2, 4, 8, overlap=True, ape=T_(ape))
+    got = _stream(comp, T_(kv), T_(sc), 5)
+    assert np.array_equal(got, want)
+    s0 = _state(comp)
+    with pytest.raises(TypeError, match="'kv'"):
+        comp.step(T_(kv[:, :1]).bfloat16(), T_(sc[:, :1]), 10)
+    with pytest.raises(TypeError, match="'score'"):
+        comp.step(T_(kv[:, :1]), T_(sc[:, :1]).requires_grad_(), 10)
+    assert _same_state(s0, _state(comp))
+
+
+def test_gil_released_during_pooling(rng):
+    import threading
+    import time
+    kv, sc, ape = _inputs(rng, 1, 8192, 1024, 4)
+    ticks, stop = [], threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            ticks.append(1)
+            time.sleep(0)
+
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        time.sleep(0.01)
+        n0 = len(ticks)
+        for _ in range(3):
+            dc.gated_pool(kv, sc, 4, ape=ape, overlap=True)
+        n1 = len(ticks)
+    finally:
+        stop.set()
+        t.join()
+    assert n1 > n0, "a pure-Python thread made no progress while the kernel ran"
