@@ -218,8 +218,8 @@ PyArrayObject *csa_array(PyObject *obj, const char *fn, const char *name, int dt
         if (!PyArray_Check(obj) && PyArray_CHKFLAGS(a, NPY_ARRAY_OWNDATA)) {
             /* e.g. a list: the conversion made a copy, so writing to it would be lost. */
             PyErr_Format(PyExc_TypeError,
-                         "%s(): '%s' is written in place, so it must be an array (or tensor) "
-                         "that owns its memory, got %s",
+                         "%s(): '%s' is written in place, so it must be an array or tensor; "
+                         "a %s would be converted to a temporary copy and the result lost",
                          fn, name, Py_TYPE(obj)->tp_name);
             Py_DECREF(a);
             return NULL;
