@@ -223,6 +223,34 @@ def test_subprocess_survives_every_case_kind():
     assert "BAD 0" in r.stdout, r.stdout[-5000:]
 
 
+@pytest.mark.xfail(strict=True, raises=SystemError,
+                   reason="py_pool.c: _pool_step returns NULL without an exception when the "
+                          "state tuple's ratio is 0 (private API, reachable only by "
+                          "corrupting Compressor._state)")
+def test_private_pool_step_corrupt_ratio_raises_cleanly():
+    if not hasattr(dc, "Compressor"):
+        pytest.skip("no Compressor yet")
+    from deepseek_csa import _core
+    comp = dc.Compressor(2, 4, 8, overlap=True)
+    state = list(comp._state)
+    state[0] = 0
+    one = np.zeros((2, 1, 16), np.float32)
+    with pytest.raises((ValueError, RuntimeError, TypeError)):
+        _core._pool_step(tuple(state), one, one, 0)
+
+
+def test_isa_controls_reject_bad_levels():
+    before = dc.get_isa()
+    try:
+        for bad in ("x", 1.5, None, True, -1, "AVX512 "):
+            with pytest.raises((ValueError, TypeError), match="set_isa"):
+                dc.set_isa(bad)
+            assert dc.get_isa() == before
+            CASES.add(f"set_isa|level|{bad!r}")
+    finally:
+        dc.set_isa(before)
+
+
 def test_sanitizer_build_is_live():
     """Under `make asan` (sanitizer runtimes preloaded) the extension must really be the
     instrumented build, or a clean run would prove nothing."""
@@ -243,3 +271,4 @@ def test_zz_report_case_count(capsys):
               f"{len(FAILS)} misbehaved")
     # the bar (500) once every kernel of the table exists; pro rata before that
     assert len(CASES) >= (500 if len(avail) == len(ENTRIES) else 100 * len(avail))
+
