@@ -333,7 +333,7 @@ def _compressor_step(fn, args, kwargs, sizes):
     """A Compressor that prefilled T tokens takes the step; a step that raises must
     leave the state as it was: the next valid step then gives the entry a fresh
     Compressor gives."""
-    pre, good, want = _cached(("step", _sizes_key(sizes)), lambda: _step_data(sizes))
+    pre, good, want = _cached(("step", dc.get_isa(), _sizes_key(sizes)), lambda: _step_data(sizes))
     comp = _compressor_new(sizes)
     comp.prefill(*pre)
     try:

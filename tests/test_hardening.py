@@ -193,16 +193,17 @@ def test_messages_format_their_numbers():
 
 
 def test_subprocess_survives_every_case_kind():
-    """Crash guard: the whole table once more in a child process at the scalar ISA
-    level (the 'ref' kernels), so a segfault is reported as a failure instead of
-    taking pytest down, and the oracle path gets the same bad input."""
+    """Crash guard: the whole table once more in a child process, with the default
+    OpenMP threads (the table test above runs with one), at the best ISA level and at
+    the scalar 'ref' level (the oracle kernels, which users can select), so a
+    segfault is reported as a failure instead of taking pytest down."""
     code = textwrap.dedent("""
         import numpy as np, deepseek_csa as dc
         from hardening_registry import ENTRIES, known_issue
         from hardening_cases import cases, run_case
-        dc.set_isa('ref')
         n = bad = 0
-        for e in ENTRIES:
+        for isa, e in [(i, e) for i in (dc.best_isa(), 'ref') for e in ENTRIES]:
+            dc.set_isa(isa)
             if not e.available():
                 continue
             sizes = e.make_sizes({k: min(hi, lo + 2) for k, (lo, hi) in e.sizes.items()})
