@@ -224,10 +224,6 @@ def test_subprocess_survives_every_case_kind():
     assert "BAD 0" in r.stdout, r.stdout[-5000:]
 
 
-@pytest.mark.xfail(strict=True, raises=SystemError,
-                   reason="py_pool.c: _pool_step returns NULL without an exception when the "
-                          "state tuple's ratio is 0 (private API, reachable only by "
-                          "corrupting Compressor._state)")
 def test_private_pool_step_corrupt_ratio_raises_cleanly():
     if not hasattr(dc, "Compressor"):
         pytest.skip("no Compressor yet")
