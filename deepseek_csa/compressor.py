@@ -66,7 +66,11 @@ def _view(x):
 
 def _f32(x, name, shape, what):
     """A C-contiguous float32 copy of an argument, checked against `shape` (None = any)."""
-    a = np.asarray(x)
+    try:
+        a = np.asarray(_view(x))
+    except Exception:
+        raise TypeError(f"Compressor(): '{name}' must be a float32 array, got "
+                        f"{getattr(x, 'dtype', type(x).__name__)}") from None
     if a.dtype != np.float32:
         raise TypeError(f"Compressor(): '{name}' must be a float32 array, got dtype {a.dtype}")
     if shape is not None and tuple(a.shape) != tuple(shape):
@@ -124,6 +128,9 @@ class Compressor:
                                             "[ratio, c*head_dim]")
         nw = None if norm_weight is None else _f32(norm_weight, "norm_weight", (head_dim,),
                                                   "[head_dim]")
+        if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, (int, float, np.floating,
+                                                                    np.integer)):
+            raise TypeError(f"Compressor(): 'eps' must be a float, got {type(eps).__name__}")
         eps = float(eps)
         if not np.isfinite(eps) or eps < 0:
             raise ValueError(f"Compressor(): 'eps' must be finite and >= 0, got {eps}")
@@ -164,14 +171,16 @@ class Compressor:
                        int(model_dtype == "bfloat16"))
 
     @staticmethod
-    def _int(name, v, lo):
+    def _int(name, v, lo, hi=1 << 40):
         try:
+            if isinstance(v, (bool, np.bool_)):
+                raise TypeError
             v = operator.index(v)
         except TypeError:
             raise TypeError(f"Compressor(): '{name}' must be an int, got "
                             f"{type(v).__name__}") from None
-        if v < lo:
-            raise ValueError(f"Compressor(): '{name}' must be >= {lo}, got {v}")
+        if not lo <= v <= hi:
+            raise ValueError(f"Compressor(): '{name}' must be in [{lo}, {hi}], got {v}")
         return v
 
     @property

@@ -105,6 +105,34 @@ static int dtype_ok(PyArrayObject *a, int dtypes)
     return 0;
 }
 
+int csa_self_overlap(PyArrayObject *a)
+{
+    /* Sufficient test for distinct elements: sorted by |stride|, each stride must step
+     * past the whole extent of the faster axes.  Conservative: a few exotic
+     * as_strided layouts that do not overlap are reported too. */
+    int nd = PyArray_NDIM(a), n = 0;
+    npy_intp st[NPY_MAXDIMS], dm[NPY_MAXDIMS];
+    for (int i = 0; i < nd; i++) {
+        if (PyArray_DIM(a, i) == 0) return 0;
+        if (PyArray_DIM(a, i) == 1) continue;
+        npy_intp s = PyArray_STRIDE(a, i);
+        st[n] = s < 0 ? -s : s;
+        dm[n] = PyArray_DIM(a, i);
+        n++;
+    }
+    for (int i = 1; i < n; i++)
+        for (int j = i; j > 0 && st[j] < st[j - 1]; j--) {
+            npy_intp t = st[j]; st[j] = st[j - 1]; st[j - 1] = t;
+            t = dm[j]; dm[j] = dm[j - 1]; dm[j - 1] = t;
+        }
+    npy_intp ext = PyArray_ITEMSIZE(a);
+    for (int i = 0; i < n; i++) {
+        if (st[i] < ext) return 1;
+        ext = st[i] * (dm[i] - 1) + ext;   /* fits: numpy bounds the array's span */
+    }
+    return 0;
+}
+
 PyArrayObject *csa_array(PyObject *obj, const char *fn, const char *name, int dtypes,
                          int min_ndim, int max_ndim, int writeable)
 {
@@ -187,9 +215,36 @@ PyArrayObject *csa_array(PyObject *obj, const char *fn, const char *name, int dt
             Py_DECREF(a);
             return NULL;
         }
+        if (!PyArray_Check(obj) && PyArray_CHKFLAGS(a, NPY_ARRAY_OWNDATA)) {
+            /* e.g. a list: the conversion made a copy, so writing to it would be lost. */
+            PyErr_Format(PyExc_TypeError,
+                         "%s(): '%s' is written in place, so it must be an array or tensor; "
+                         "a %s would be converted to a temporary copy and the result lost",
+                         fn, name, Py_TYPE(obj)->tp_name);
+            Py_DECREF(a);
+            return NULL;
+        }
+        if (csa_self_overlap(a)) {
+            char buf[256];
+            PyErr_Format(PyExc_ValueError,
+                         "%s(): '%s' is written but its elements may overlap in memory (a zero "
+                         "or overlapping stride, e.g. from broadcasting; shape %s); pass a "
+                         "copy",
+                         fn, name, csa_shape_str(a, buf, sizeof buf));
+            Py_DECREF(a);
+            return NULL;
+        }
     } else if (!well_behaved) {
+        /* With a NULL dtype PyArray_FromArray keeps the byte-swapped descriptor (the
+         * kernel would then read big-endian floats as native ones): ask for the
+         * native dtype explicitly. */
+        PyArray_Descr *native = PyArray_DescrFromType(PyArray_TYPE(a));
+        if (!native) {
+            Py_DECREF(a);
+            return NULL;
+        }
         PyArrayObject *c = (PyArrayObject *)PyArray_FromArray(
-            a, NULL, NPY_ARRAY_ALIGNED | NPY_ARRAY_NOTSWAPPED | NPY_ARRAY_ENSURECOPY);
+            a, native, NPY_ARRAY_ALIGNED | NPY_ARRAY_NOTSWAPPED | NPY_ARRAY_ENSURECOPY);
         Py_DECREF(a);
         if (!c) return NULL;
         a = c;
@@ -325,4 +380,32 @@ int csa_int_arg(PyObject *obj, const char *fn, const char *name, long long lo, l
     }
     *out = v;
     return 0;
+}
+
+int csa_float_arg(PyObject *obj, const char *fn, const char *name, double *out)
+{
+    if (!obj || PyBool_Check(obj) || !(PyFloat_Check(obj) || PyIndex_Check(obj) ||
+                                       PyNumber_Check(obj)) || PyComplex_Check(obj) ||
+        (PyArray_Check(obj) && PyArray_NDIM((PyArrayObject *)obj) > 0)) {
+        PyErr_Format(PyExc_TypeError, "%s(): '%s' must be a real number, got %s", fn, name,
+                     obj ? Py_TYPE(obj)->tp_name : "nothing");
+        return -1;
+    }
+    double v = PyFloat_AsDouble(obj);
+    if (v == -1.0 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s(): '%s' must be a real number, got %s", fn, name,
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+PyObject *csa_value_error_f(const char *fn, const char *name, const char *want, double got)
+{
+    char buf[64];
+    snprintf(buf, sizeof buf, "%.17g", got);
+    PyErr_Format(PyExc_ValueError, "%s(): '%s' must be %s, got %s", fn, name, want, buf);
+    return NULL;
 }

@@ -80,4 +80,15 @@ PyObject *csa_raise_status(int status, const char *fn);
 int csa_int_arg(PyObject *obj, const char *fn, const char *name, long long lo, long long hi,
                 long long *out);
 
+/* 1 if two elements of `a` may share memory (zero or overlapping strides). csa_array
+ * rejects such arrays when they are written. */
+int csa_self_overlap(PyArrayObject *a);
+
+/* Parses a real number (float, int, numpy scalar; not bool/complex/str) into *out;
+ * TypeError naming the argument otherwise. */
+int csa_float_arg(PyObject *obj, const char *fn, const char *name, double *out);
+
+/* Sets "fn(): 'name' must be <want>, got <got>" as a ValueError; returns NULL. */
+PyObject *csa_value_error_f(const char *fn, const char *name, const char *want, double got);
+
 #endif

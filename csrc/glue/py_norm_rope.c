@@ -31,10 +31,11 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *args, PyObject *kw)
 {
     static const char *fn = "rms_norm";
     static char *kwlist[] = {"x", "weight", "eps", "out", NULL};
-    PyObject *xo, *wo = Py_None, *oo = Py_None;
+    PyObject *xo, *wo = Py_None, *oo = Py_None, *epso = NULL;
     double eps = 1e-6;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|Od$O:rms_norm", kwlist, &xo, &wo, &eps, &oo))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OO$O:rms_norm", kwlist, &xo, &wo, &epso, &oo))
         return NULL;
+    if (epso && csa_float_arg(epso, fn, "eps", &eps)) return NULL;
     PyArrayObject *x = NULL, *w = NULL, *out = NULL, *xc = NULL, *tmp = NULL;
     PyObject *ret = NULL;
     if (!(x = csa_array(xo, fn, "x", CSA_F32 | CSA_BF16, 1, NPY_MAXDIMS, 0))) goto done;
@@ -46,7 +47,7 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *args, PyObject *kw)
         if (csa_check_dim(w, fn, "weight", 0, d, "x.shape[-1]")) goto done;
     }
     if (!isfinite(eps) || eps < 0) {
-        PyErr_Format(PyExc_ValueError, "%s(): 'eps' must be finite and >= 0, got %g", fn, eps);
+        csa_value_error_f(fn, "eps", "finite and >= 0", eps);
         goto done;
     }
     if (oo != Py_None) {
@@ -126,10 +127,10 @@ static PyObject *py_rope_table(PyObject *self, PyObject *args, PyObject *kw)
     static const char *fn = "rope_table";
     static char *kwlist[] = {"rope_dim", "seqlen", "base", "original_seq_len", "factor",
                              "beta_fast", "beta_slow", NULL};
-    PyObject *rdo, *slo, *oslo = NULL;
-    double base = NAN, factor = 1.0, beta_fast = 32.0, beta_slow = 1.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|$dOddd:rope_table", kwlist, &rdo, &slo, &base,
-                                     &oslo, &factor, &beta_fast, &beta_slow))
+    PyObject *rdo, *slo, *oslo = NULL, *baseo = NULL, *fo = NULL, *bfo = NULL, *bso = NULL;
+    double base = 0, factor = 1.0, beta_fast = 32.0, beta_slow = 1.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|$OOOOO:rope_table", kwlist, &rdo, &slo, &baseo,
+                                     &oslo, &fo, &bfo, &bso))
         return NULL;
     long long rope_dim, seqlen, osl = 0;
     if (csa_int_arg(rdo, fn, "rope_dim", 2, 8192, &rope_dim)) return NULL;
@@ -140,22 +141,24 @@ static PyObject *py_rope_table(PyObject *self, PyObject *args, PyObject *kw)
     if (csa_int_arg(slo, fn, "seqlen", 0, (long long)1 << 31, &seqlen)) return NULL;
     if (oslo && csa_int_arg(oslo, fn, "original_seq_len", 0, (long long)1 << 40, &osl))
         return NULL;
-    if (isnan(base)) {
+    if (!baseo) {
         PyErr_Format(PyExc_TypeError, "%s(): missing required keyword argument 'base'", fn);
         return NULL;
     }
-    if (!isfinite(base) || base <= 1.0) {
-        PyErr_Format(PyExc_ValueError, "%s(): 'base' must be finite and > 1, got %g", fn, base);
+    if (csa_float_arg(baseo, fn, "base", &base) || (fo && csa_float_arg(fo, fn, "factor", &factor)) ||
+        (bfo && csa_float_arg(bfo, fn, "beta_fast", &beta_fast)) ||
+        (bso && csa_float_arg(bso, fn, "beta_slow", &beta_slow)))
         return NULL;
-    }
-    if (!isfinite(factor) || factor <= 0 || !isfinite(beta_fast) || beta_fast <= 0 ||
-        !isfinite(beta_slow) || beta_slow <= 0) {
-        PyErr_Format(PyExc_ValueError,
-                     "%s(): 'factor', 'beta_fast' and 'beta_slow' must be finite and > 0, got "
-                     "%g, %g, %g",
-                     fn, factor, beta_fast, beta_slow);
-        return NULL;
-    }
+    /* The table is computed in float32: every parameter must survive that cast
+     * (a factor of 1e-50 would become 0 and turn the whole table into NaN). */
+    if (!isfinite(base) || base <= 1.0 || !isfinite((float)base))
+        return csa_value_error_f(fn, "base", "finite in float32 and > 1", base);
+    if (!(factor >= 1e-30 && factor <= 1e30))
+        return csa_value_error_f(fn, "factor", "in [1e-30, 1e30]", factor);
+    if (!(beta_fast >= 1e-30 && beta_fast <= 1e30))
+        return csa_value_error_f(fn, "beta_fast", "in [1e-30, 1e30]", beta_fast);
+    if (!(beta_slow >= 1e-30 && beta_slow <= 1e30))
+        return csa_value_error_f(fn, "beta_slow", "in [1e-30, 1e30]", beta_slow);
     npy_intp shape[2] = {(npy_intp)seqlen, (npy_intp)(rope_dim / 2)};
     PyArrayObject *c = (PyArrayObject *)PyArray_EMPTY(2, shape, NPY_FLOAT32, 0);
     PyArrayObject *s = (PyArrayObject *)PyArray_EMPTY(2, shape, NPY_FLOAT32, 0);

@@ -166,7 +166,11 @@ static int parse_state(PyObject *tup, const char *fn, state_view *v)
     }
     const npy_intp batch = PyArray_Check(pos) ? PyArray_SIZE((PyArrayObject *)pos) : 0;
     const npy_intp cd = (overlap ? 2 : 1) * d;
-    if (ratio < 1 || d < 0 || state_arr(pos, NPY_INT64, batch, "pos", fn) ||
+    if (ratio < 1 || d < 0) {
+        PyErr_Format(PyExc_RuntimeError, "%s(): the Compressor's state is corrupt", fn);
+        return -1;
+    }
+    if (state_arr(pos, NPY_INT64, batch, "pos", fn) ||
         state_arr(ks, NPY_FLOAT32, batch * ratio * cd, "kv state", fn) ||
         state_arr(ss, NPY_FLOAT32, batch * ratio * cd, "score state", fn) ||
         state_arr(pk, NPY_FLOAT32, overlap ? batch * ratio * d : 0, "previous kv", fn) ||
