@@ -136,18 +136,18 @@ def main(argv=None):
                run_layer("HCA ratio 128", cfg, 128, a.seqlen, a.steps, 1)]
 
     print(f"\nprefill {a.seqlen} tokens, then {a.steps} decode steps (median step)\n")
-    head = f"{'op':<14}" + "".join(f"{r['name'] + ' prefill ms':>24}{'step us':>10}"
+    head = f"{'op':<14}" + "".join(f"{r['name'] + ' prefill ms':>28}{'step us':>10}"
                                   for r in results)
     print(head)
     print("-" * len(head))
     for op in OPS:
         row = f"{op:<14}"
         for r in results:
-            row += f"{r['prefill_ops'].get(op, 0) * 1e3:24.1f}{r['decode_ops'].get(op, 0) * 1e6:10.0f}"
+            row += f"{r['prefill_ops'].get(op, 0) * 1e3:28.1f}{r['decode_ops'].get(op, 0) * 1e6:10.0f}"
         print(row)
     row = f"{'total':<14}"
     for r in results:
-        row += f"{r['t_prefill'] * 1e3:24.1f}{r['t_step'] * 1e6:10.0f}"
+        row += f"{r['t_prefill'] * 1e3:28.1f}{r['t_step'] * 1e6:10.0f}"
     print(row)
     print()
     for r in results:
