@@ -17,27 +17,9 @@
  * the softmax sums) that depends neither on the thread count nor on the chunking of
  * heads, so the output is bitwise identical at any thread count. */
 
+#include "vexp_impl.h"
+
 #ifdef __AVX512F__
-/* e^x for x <= 0 or NaN (x - max, never positive here): Cody-Waite reduction to
- * r in [-ln2/2, ln2/2], degree-7 Cephes polynomial (~1 ulp), 2^n by vscalefps.
- * NaN propagates; x < -110 gives exactly 0 (as expf does below ~-103.9). */
-static inline __m512 CSA_V(exp512)(__m512 x)
-{
-    x = _mm512_max_ps(_mm512_set1_ps(-110.0f), x); /* NaN in x is kept (2nd operand) */
-    x = _mm512_min_ps(_mm512_set1_ps(88.0f), x);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
 
 /* L[i, 0:16*NV] (+)= sum_{d0 <= d < d1} R_i[d] * QT[d, 0:16*NV] for ATTN_MR rows. */
 static inline __attribute__((always_inline)) void
@@ -211,13 +193,13 @@ static void CSA_V(attn_softmax)(float *L, csa_idx kb, csa_idx hcp, float scale, 
             _mm512_storeu_ps(L + i * hcp + h, l);
             mn = _mm512_max_ps(l, mn); /* a NaN logit never becomes the max */
         }
-        __m512 al = CSA_V(exp512)(_mm512_sub_ps(mold, mn));
+        __m512 al = CSA_V(exp512_neg)(_mm512_sub_ps(mold, mn));
         al = _mm512_mask_mov_ps(al, _mm512_cmp_ps_mask(mold, mn, _CMP_EQ_OQ),
                                 _mm512_set1_ps(1.0f));
         __m512 s = _mm512_setzero_ps();
         for (csa_idx i = 0; i < kb; i++) {
             const __m512 l = _mm512_loadu_ps(L + i * hcp + h);
-            __m512 p = CSA_V(exp512)(_mm512_sub_ps(l, mn));
+            __m512 p = CSA_V(exp512_neg)(_mm512_sub_ps(l, mn));
             p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(l, ninf, _CMP_NEQ_UQ), p);
             _mm512_storeu_ps(L + i * hcp + h, p);
             s = _mm512_add_ps(s, p);

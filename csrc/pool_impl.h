@@ -15,53 +15,7 @@ _Static_assert(POOL_FC % 64 == 0, "POOL_FC must be whole 64-feature blocks");
 #define POOL_RUN 8
 #endif
 
-#ifdef __AVX512F__
-/* exp(x) for x <= 0 or NaN (x = l - max): the profile is all exp, and GCC does not
- * vectorize expf without -ffast-math.  Cephes' degree-6 polynomial on
- * x - n ln2, |x - n ln2| <= ln2/2, then vscalefps by 2^n: ~1 ulp, exact 0 below
- * the float range, NaN in -> NaN out (the max below keeps x when x is NaN). */
-static inline __m512 CSA_V(exp_neg)(__m512 x)
-{
-    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-    const __m512 r2 = _mm512_mul_ps(r, r);
-    p = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-/* The same exp on 8 lanes; without vscalefps, 2^n is built from its exponent bits,
- * so results below FLT_MIN (x < -87) are 0 instead of subnormal: relative to the
- * sum of the weights (>= 1) that is below 1e-38. */
-static inline __m256 CSA_V(exp_neg8)(__m256 x)
-{
-    const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
-    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);          /* NaN stays x */
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
-    const __m256 r2 = _mm256_mul_ps(r, r);
-    p = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.0f));
-    const __m256i k = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(k)));
-}
-#endif
+#include "vexp_impl.h"
 
 static int CSA_V(pool_entry_tuned)(const pool_cands *c, int nc, csa_idx d, float *out)
 {
@@ -123,7 +77,7 @@ static int CSA_V(pool_entry_tuned)(const pool_cands *c, int nc, csa_idx d, float
                     for (int v = 0; v < 4; v++) {
                         __m512 l = _mm512_maskz_loadu_ps(mk[v], sc + 16 * v);
                         if (ap) l = _mm512_add_ps(l, _mm512_maskz_loadu_ps(mk[v], ap + 16 * v));
-                        const __m512 e = CSA_V(exp_neg)(_mm512_sub_ps(l, mv[v]));
+                        const __m512 e = CSA_V(exp512_neg)(_mm512_sub_ps(l, mv[v]));
                         sv[v] = _mm512_add_ps(sv[v], e);
                         av[v] = _mm512_fmadd_ps(e, _mm512_maskz_loadu_ps(mk[v], kv + 16 * v), av[v]);
                     }
@@ -162,7 +116,7 @@ static int CSA_V(pool_entry_tuned)(const pool_cands *c, int nc, csa_idx d, float
                     const __m256i mk = f == fv ? tail : full;
                     __m256 l = _mm256_maskload_ps(sc + f, mk);
                     if (ap) l = _mm256_add_ps(l, _mm256_maskload_ps(ap + f, mk));
-                    const __m256 e = CSA_V(exp_neg8)(_mm256_sub_ps(l, _mm256_load_ps(m + f)));
+                    const __m256 e = CSA_V(exp256_neg)(_mm256_sub_ps(l, _mm256_load_ps(m + f)));
                     _mm256_store_ps(s + f, _mm256_add_ps(_mm256_load_ps(s + f), e));
                     _mm256_store_ps(acc + f, _mm256_fmadd_ps(e, _mm256_maskload_ps(kv + f, mk),
                                                              _mm256_load_ps(acc + f)));
