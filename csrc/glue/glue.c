@@ -345,6 +345,16 @@ int csa_fold_rows(PyArrayObject *a, csa_idx *rows, csa_idx *row_stride)
     return 0;
 }
 
+PyObject *csa_finish(int status, const char *fn, PyObject *out_arg, PyArrayObject *out,
+                     PyArrayObject *tmp)
+{
+    if (status) return csa_raise_status(status, fn);
+    if (tmp && PyArray_CopyInto(out, tmp)) return NULL;
+    PyObject *r = (out_arg && out_arg != Py_None) ? out_arg : (PyObject *)out;
+    Py_INCREF(r);
+    return r;
+}
+
 PyObject *csa_raise_status(int status, const char *fn)
 {
     switch (status) {

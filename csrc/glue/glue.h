@@ -73,6 +73,12 @@ int csa_may_overlap(PyArrayObject *a, PyArrayObject *b);
  * its layout allows; returns 0 and sets rows/row_stride, or -1 when it does not. */
 int csa_fold_rows(PyArrayObject *a, csa_idx *rows, csa_idx *row_stride);
 
+/* The end of a call that returns an array: raises for a bad kernel status, copies a
+ * temporary result `tmp` (if any) into `out`, and returns a new reference to what the
+ * caller gets: their `out_arg` object when they passed one, else `out`; NULL on error. */
+PyObject *csa_finish(int status, const char *fn, PyObject *out_arg, PyArrayObject *out,
+                     PyArrayObject *tmp);
+
 /* Raises the exception for a kernel status (after the GIL is back); returns NULL. */
 PyObject *csa_raise_status(int status, const char *fn);
 

@@ -131,12 +131,7 @@ static PyObject *py_sparse_attn(PyObject *self, PyObject *args, PyObject *kw)
                          (float *)PyArray_DATA(dst), csa_stride(dst, 0), csa_stride(dst, 1),
                          csa_stride(dst, 2), B, S, H, D, N, K, (float)scale);
     Py_END_ALLOW_THREADS
-    if (st) {
-        csa_raise_status(st, fn);
-        goto done;
-    }
-    if (tmp && PyArray_CopyInto(out, tmp)) goto done;
-    ret = (oo != Py_None) ? (Py_INCREF(oo), oo) : (Py_INCREF(out), (PyObject *)out);
+    ret = csa_finish(st, fn, oo, out, tmp);
 done:
     Py_XDECREF(q);
     Py_XDECREF(kv);

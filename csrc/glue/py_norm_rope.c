@@ -100,12 +100,7 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *args, PyObject *kw)
                           w ? (const float *)PyArray_DATA(w) : NULL, w ? csa_stride(w, 0) : 0,
                           (float)eps, (float *)PyArray_DATA(dst), sor, csa_stride(dst, nd - 1));
     Py_END_ALLOW_THREADS
-    if (st) {
-        csa_raise_status(st, fn);
-        goto done;
-    }
-    if (tmp && PyArray_CopyInto(out, tmp)) goto done;
-    ret = (oo != Py_None) ? (Py_INCREF(oo), oo) : (Py_INCREF(out), (PyObject *)out);
+    ret = csa_finish(st, fn, oo, out, tmp);
 done:
     Py_XDECREF(x);
     Py_XDECREF(w);

@@ -109,12 +109,7 @@ static PyObject *py_gated_pool(PyObject *self, PyObject *args, PyObject *kw)
                         apc ? csa_stride(apc, 0) : 0, 1, B, T, d, ratio, overlap,
                         (float *)PyArray_DATA(dst), csa_stride(dst, 0), csa_stride(dst, 1), 1);
     Py_END_ALLOW_THREADS
-    if (st) {
-        csa_raise_status(st, fn);
-        goto done;
-    }
-    if (tmp && PyArray_CopyInto(out, tmp)) goto done;
-    ret = (oo != Py_None) ? (Py_INCREF(oo), oo) : (Py_INCREF(out), (PyObject *)out);
+    ret = csa_finish(st, fn, oo, out, tmp);
 done:
     Py_XDECREF(kv);
     Py_XDECREF(sc);
