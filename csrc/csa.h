@@ -44,6 +44,8 @@ enum csa_isa {
     CSA_ISA_BASE = 1,    /* x86-64 baseline (SSE2) or whatever the compiler targets */
     CSA_ISA_AVX2 = 2,    /* AVX2 + FMA */
     CSA_ISA_AVX512 = 3,  /* AVX-512 F/BW/DQ/VL */
+    CSA_ISA_AMX = 4,     /* AVX-512 + AVX512_BF16 + AMX-BF16 tiles the OS lets us use:
+                          * the bfloat16 dot products of attention and the indexer */
 };
 
 int csa_isa_best(void);       /* highest level this CPU supports */
@@ -63,6 +65,7 @@ int csa_threads(csa_idx items, csa_idx min_items);
 #define CSA_DISPATCH(name, args, ref_call)                      \
     do {                                                        \
         switch (csa_isa_get()) {                                \
+        case CSA_ISA_AMX:                                       \
         case CSA_ISA_AVX512: return name##_avx512 args;         \
         case CSA_ISA_AVX2: return name##_avx2 args;             \
         case CSA_ISA_BASE: return name##_base args;             \

@@ -6,6 +6,36 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
+#endif
+#if defined(__x86_64__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+/* AVX512_BF16 and AMX-BF16 in the CPU, tile state enabled by the OS (XCR0 bits 17
+ * and 18), and on Linux the per-process permission to use it, which the kernel
+ * grants once asked (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); without
+ * it the first tile instruction would kill the process with SIGILL. */
+static int amx_usable(void)
+{
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+    const int amx_tile = (d >> 24) & 1, amx_bf16 = (d >> 22) & 1;
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return 0;
+    const int avx512_bf16 = (a >> 5) & 1;
+    if (!(amx_tile && amx_bf16 && avx512_bf16)) return 0;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1)) return 0; /* OSXSAVE */
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & (3u << 17)) != (3u << 17)) return 0;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+#else
+    return 0;
+#endif
+}
 
 static int detect_best(void)
 {
@@ -13,7 +43,7 @@ static int detect_best(void)
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
-        return CSA_ISA_AVX512;
+        return amx_usable() ? CSA_ISA_AMX : CSA_ISA_AVX512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
         return CSA_ISA_AVX2;
 #endif
@@ -31,12 +61,12 @@ int csa_isa_best(void)
 
 static int level_from_env(void)
 {
-    /* DEEPSEEK_CSA_ISA=ref|base|avx2|avx512 caps the level (e.g. to test the
+    /* DEEPSEEK_CSA_ISA=ref|base|avx2|avx512|amx caps the level (e.g. to test the
      * portable path on an AVX-512 machine). */
     const char *s = getenv("DEEPSEEK_CSA_ISA");
     int best = csa_isa_best();
     if (!s || !*s) return best;
-    for (int l = CSA_ISA_REF; l <= CSA_ISA_AVX512; l++)
+    for (int l = CSA_ISA_REF; l <= CSA_ISA_AMX; l++)
         if (strcmp(s, csa_isa_name(l)) == 0) return l < best ? l : best;
     return best;
 }
@@ -63,6 +93,7 @@ const char *csa_isa_name(int level)
     case CSA_ISA_BASE: return "base";
     case CSA_ISA_AVX2: return "avx2";
     case CSA_ISA_AVX512: return "avx512";
+    case CSA_ISA_AMX: return "amx";
     default: return "unknown";
     }
 }

@@ -9,18 +9,30 @@ import pytest
 
 import deepseek_csa as dc
 
-ISA_LEVELS = [l for l in ("ref", "base", "avx2", "avx512")
-              if ["ref", "base", "avx2", "avx512"].index(l)
-              <= ["ref", "base", "avx2", "avx512"].index(dc.best_isa())]
+ALL_LEVELS = ("ref", "base", "avx2", "avx512", "amx")
+# Every level this CPU has.  'amx' differs from 'avx512' only in the bfloat16 dot
+# products (AVX512_BF16 / AMX tiles), so float32-only tests skip it.
+ISA_LEVELS_BF16 = list(ALL_LEVELS[:ALL_LEVELS.index(dc.best_isa()) + 1])
+ISA_LEVELS = [l for l in ISA_LEVELS_BF16 if l != "amx"]
+
+
+def _at_level(request):
+    before = dc.get_isa()
+    dc.set_isa(request.param)
+    yield request.param
+    dc.set_isa(before)
 
 
 @pytest.fixture(params=ISA_LEVELS)
 def isa(request):
     """Runs the test once per ISA level this CPU has ('ref' is the scalar oracle)."""
-    before = dc.get_isa()
-    dc.set_isa(request.param)
-    yield request.param
-    dc.set_isa(before)
+    yield from _at_level(request)
+
+
+@pytest.fixture(params=ISA_LEVELS_BF16)
+def isa_bf16(request):
+    """Like `isa`, plus 'amx' (the native bfloat16 dot products) when the CPU has it."""
+    yield from _at_level(request)
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@
 #include <omp.h>
 #endif
 
-static const char *isa_names[] = {"ref", "base", "avx2", "avx512"};
+static const char *isa_names[] = {"ref", "base", "avx2", "avx512", "amx"};
 
 static PyObject *py_get_isa(PyObject *self, PyObject *noargs)
 {
@@ -23,10 +23,11 @@ static PyObject *py_best_isa(PyObject *self, PyObject *noargs)
 static PyObject *py_set_isa(PyObject *self, PyObject *arg)
 {
     const char *s = PyUnicode_Check(arg) ? PyUnicode_AsUTF8(arg) : NULL;
-    for (int l = 0; s && l < 4; l++)
+    for (int l = 0; s && l < (int)(sizeof isa_names / sizeof *isa_names); l++)
         if (strcmp(s, isa_names[l]) == 0) return PyUnicode_FromString(csa_isa_name(csa_isa_set(l)));
     PyErr_Format(PyExc_ValueError,
-                 "set_isa(): level must be 'ref', 'base', 'avx2' or 'avx512', got %R", arg);
+                 "set_isa(): level must be 'ref', 'base', 'avx2', 'avx512' or 'amx', got %R",
+                 arg);
     return NULL;
 }
 
@@ -44,8 +45,9 @@ static PyMethodDef core_methods[] = {
     {"best_isa", py_best_isa, METH_NOARGS,
      "best_isa()\n--\n\nThe highest ISA level this CPU supports."},
     {"set_isa", py_set_isa, METH_O,
-     "set_isa(level)\n--\n\nRun kernels at 'ref' (scalar oracle), 'base', 'avx2' or 'avx512'\n"
-     "(clamped to what the CPU supports); returns the level set.  The environment\n"
+     "set_isa(level)\n--\n\nRun kernels at 'ref' (scalar oracle), 'base', 'avx2', 'avx512' or\n"
+     "'amx' (AVX-512 with the AVX512_BF16 and AMX-BF16 dot products for bfloat16 inputs),\n"
+     "clamped to what the CPU supports; returns the level set.  The environment\n"
      "variable DEEPSEEK_CSA_ISA sets the starting level."},
     {"max_threads", py_max_threads, METH_NOARGS,
      "max_threads()\n--\n\nThreads an OpenMP region may use now (OMP_NUM_THREADS, threadpoolctl)."},
