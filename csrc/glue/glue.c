@@ -290,9 +290,20 @@ int csa_may_overlap(PyArrayObject *a, PyArrayObject *b)
 PyArrayObject *csa_out_array(PyObject *out, const char *fn, int ndim, const npy_intp *shape,
                              PyArrayObject **inputs, int n_in)
 {
-    if (out == NULL || out == Py_None)
-        return (PyArrayObject *)PyArray_ZEROS(ndim, (npy_intp *)shape, NPY_FLOAT32, 0);
-    PyArrayObject *o = csa_array(out, fn, "out", CSA_F32, ndim, ndim, 1);
+    return csa_out_array_as(out, fn, ndim, shape, NULL, inputs, n_in);
+}
+
+PyArrayObject *csa_out_array_as(PyObject *out, const char *fn, int ndim, const npy_intp *shape,
+                                PyArrayObject *proto, PyArrayObject **inputs, int n_in)
+{
+    const int bf16 = proto && csa_is_bf16(proto);
+    if (out == NULL || out == Py_None) {
+        if (!bf16) return (PyArrayObject *)PyArray_ZEROS(ndim, (npy_intp *)shape, NPY_FLOAT32, 0);
+        PyArrayObject *o = csa_empty_like_dtype(proto, ndim, shape);
+        if (o) memset(PyArray_DATA(o), 0, (size_t)PyArray_NBYTES(o));
+        return o;
+    }
+    PyArrayObject *o = csa_array(out, fn, "out", bf16 ? CSA_BF16 : CSA_F32, ndim, ndim, 1);
     if (!o) return NULL;
     for (int i = 0; i < ndim; i++) {
         if (PyArray_DIM(o, i) != shape[i]) {

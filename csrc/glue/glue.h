@@ -66,6 +66,11 @@ int csa_check_dim(PyArrayObject *a, const char *fn, const char *name, int axis,
 PyArrayObject *csa_out_array(PyObject *out, const char *fn, int ndim, const npy_intp *shape,
                              PyArrayObject **inputs, int n_in);
 
+/* csa_out_array for a result in the dtype of `proto` (float32 or bfloat16; NULL means
+ * float32): a new zeroed array of that dtype, or a writeable `out` of exactly it. */
+PyArrayObject *csa_out_array_as(PyObject *out, const char *fn, int ndim, const npy_intp *shape,
+                                PyArrayObject *proto, PyArrayObject **inputs, int n_in);
+
 /* 1 if the memory spans of a and b overlap. */
 int csa_may_overlap(PyArrayObject *a, PyArrayObject *b);
 
