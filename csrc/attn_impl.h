@@ -425,8 +425,15 @@ static void CSA_V(attn_item)(const struct csa_attn_args *a, csa_idx b, csa_idx s
     }
 }
 
+#if defined(__AVX512F__) && defined(CSA_HAVE_AMX)
+#include "attn_amx_impl.h"
+#endif
+
 static int CSA_V(sparse_attn_tuned)(const struct csa_attn_args *a)
 {
+#if defined(__AVX512F__) && defined(CSA_HAVE_AMX)
+    if (a->bf16 && csa_isa_get() >= CSA_ISA_AMX) return CSA_V(sparse_attn_amx)(a);
+#endif
     const csa_idx nq = a->B * a->S, D = a->D, H = a->H;
     /* Chunks of heads per work item, chosen from the shape alone. */
     csa_idx hc_max = nq >= ATTN_FEW_QUERIES ? ATTN_HC : ATTN_HC_FEW;
