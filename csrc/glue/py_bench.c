@@ -20,6 +20,23 @@ static PyObject *py_peak_fma(PyObject *self, PyObject *args)
     return PyFloat_FromDouble(flops + 0.0 * sink);
 }
 
+static PyObject *py_peak_amx_bf16(PyObject *self, PyObject *args)
+{
+    long long iters;
+    int threads;
+    if (!PyArg_ParseTuple(args, "Li:_peak_amx_bf16", &iters, &threads)) return NULL;
+    if (iters < 1 || threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "_peak_amx_bf16(): iters and threads must be >= 1");
+        return NULL;
+    }
+    float sink = 0;
+    double flops;
+    Py_BEGIN_ALLOW_THREADS
+    flops = csa_peak_amx_bf16(iters, threads, &sink);
+    Py_END_ALLOW_THREADS
+    return PyFloat_FromDouble(flops + 0.0 * sink);
+}
+
 static PyObject *py_stream_triad(PyObject *self, PyObject *args)
 {
     PyObject *ao, *bo, *co;
@@ -50,6 +67,8 @@ static PyObject *py_stream_triad(PyObject *self, PyObject *args)
 
 PyMethodDef csa_bench_methods[] = {
     {"_peak_fma", py_peak_fma, METH_VARARGS, "_peak_fma(iters, threads) -> flops done"},
+    {"_peak_amx_bf16", py_peak_amx_bf16, METH_VARARGS,
+     "_peak_amx_bf16(iters, threads) -> flops done (0 below ISA level amx)"},
     {"_stream_triad", py_stream_triad, METH_VARARGS, "_stream_triad(a, b, c, threads)"},
     {NULL, NULL, 0, NULL},
 };
