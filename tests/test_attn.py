@@ -365,15 +365,18 @@ def test_bitwise_identical_at_any_thread_count(rng, shape):
         assert np.array_equal(o.view(np.uint32), outs[0].view(np.uint32))
 
 
-def test_a_query_gives_the_same_bits_alone_or_in_a_batch(rng):
+@pytest.mark.parametrize("dtype", [np.float32, BF16])
+def test_a_query_gives_the_same_bits_alone_or_in_a_batch(rng, dtype):
     """Heads are split into work items differently for one query (decode) and many
     (prefill); no head's arithmetic depends on that split."""
     q, kv, sink = inputs(rng, 1, 16, 64, 512, 700)
+    q, kv = q.astype(dtype), kv.astype(dtype)
     idx = rng.integers(-1, 700, (1, 16, 640)).astype(np.int32)
+    bits = np.uint32 if dtype == np.float32 else np.uint16
     many = dc.sparse_attn(q, kv, sink, idx, 0.05)
     for s in (0, 7, 15):
         one = dc.sparse_attn(q[:, s:s + 1], kv, sink, idx[:, s:s + 1], 0.05)
-        assert np.array_equal(one.view(np.uint32), many[:, s:s + 1].view(np.uint32))
+        assert np.array_equal(one.view(bits), many[:, s:s + 1].view(bits))
 
 
 # ---------------------------------------------------------------- layouts
