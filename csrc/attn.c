@@ -1,4 +1,5 @@
 #include "attn.h"
+#include "amx.h"
 
 #include <math.h>
 #include <stdlib.h>

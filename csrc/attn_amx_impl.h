@@ -22,26 +22,6 @@
 
 #define AMX_KC 256 /* gathered rows per chunk (a multiple of 32) */
 
-struct CSA_V(amx_tilecfg) {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-/* Tiles 0-3 accumulate a 2 x 2 block of 16 x 16 float32 results, 4-5 hold two A
- * operands, 6-7 two B operands; all 16 rows x 64 bytes. */
-static void CSA_V(amx_configure)(void)
-{
-    struct CSA_V(amx_tilecfg) c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        c.rows[i] = 16;
-        c.colsb[i] = 64;
-    }
-    _tile_loadconfig(&c);
-}
-
 /* Transposes the 16 x 16 block of 32-bit elements in r[0..15]: four stages that swap
  * off-diagonal blocks of 8, 4, 2 and 1 elements between rows i and i + s. */
 static inline __attribute__((always_inline)) void CSA_V(amx_transpose16)(__m512i r[16])
@@ -321,7 +301,7 @@ static int CSA_V(sparse_attn_amx)(const struct csa_attn_args *a)
         w.m = (float *)p, p += vec;
         w.sum = (float *)p, p += vec;
         w.alpha = (float *)p;
-        CSA_V(amx_configure)();
+        csa_amx_tiles_16x64(); /* tiles 0-3: a 2 x 2 block of results, 4-5: A, 6-7: B */
 #pragma omp for schedule(dynamic, 1)
         for (csa_idx it = 0; it < items; it++) {
             const csa_idx qi = it / nchunks, c = it % nchunks;

@@ -1,9 +1,6 @@
 #include "peak.h"
 
-#include <string.h>
-#if defined(CSA_HAVE_AMX)
-#include <immintrin.h>
-#endif
+#include "amx.h"
 
 static double peak_ref(long long iters, int threads, float *sink)
 {
@@ -33,14 +30,7 @@ void csa_stream_triad(float *a, const float *b, const float *c, csa_idx n, float
 #pragma GCC target("avx512f,avx512bf16,amx-tile,amx-bf16")
 static void amx_peak_thread(long long iters, float *sink)
 {
-    struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        c.rows[i] = 16;
-        c.colsb[i] = 64;
-    }
-    _tile_loadconfig(&c);
+    csa_amx_tiles_16x64();
     uint16_t ab[16 * 32];
     float out[16 * 16];
     for (int i = 0; i < 16 * 32; i++) ab[i] = 0x3c00; /* 2^-7: sums stay finite */
