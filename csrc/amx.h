@@ -22,7 +22,10 @@ __attribute__((target("amx-tile"))) static inline void csa_amx_tiles_16x64(void)
         c.rows[i] = 16;
         c.colsb[i] = 64;
     }
-    _tile_loadconfig(&c);
+    /* GCC 12's _tile_loadconfig tells the compiler it reads only the first 8 bytes of
+     * the config, which lets it drop the stores of the row and column sizes; an asm
+     * with the whole struct as its memory operand keeps them. */
+    __asm__ volatile("ldtilecfg %0" ::"m"(c));
 }
 #endif
 #endif

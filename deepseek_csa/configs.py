@@ -31,7 +31,13 @@ class CSAConfig:
     beta_fast: float
     beta_slow: float
     norm_eps: float
-    kv_source_layers: Optional[Tuple[int, ...]] = None  # V4.1 only
+    # V4.1 only: the layers that pool compressed KV / run an indexer, the indexer layer
+    # whose candidate blocks (two-level top-k) the later index layers score within
+    kv_source_layers: Optional[Tuple[int, ...]] = None
+    index_source_layers: Optional[Tuple[int, ...]] = None
+    candidate_source_layer: Optional[int] = None
+    candidate_topk_blocks: int = 0
+    candidate_block_size: int = 0
 
     def rope_kwargs(self, ratio: int) -> dict:
         """Keyword arguments of ``rope_table`` for a layer of this compress ratio."""
@@ -56,13 +62,15 @@ V4_PRO = CSAConfig(
     compress_ratios=(128, 128) + (4, 128) * 29 + (4, 0),
     index_heads=64, index_head_dim=128, index_topk=1024, norm_eps=1e-6, **_YARN)
 
-# V4.1-Flash: SPEC gives the shape of its ratio list; fields it leaves to the
-# released config ("see its config") take the V4-Flash values here.
+# V4.1-Flash: the released config.json (SPEC's table leaves most of these to it, and
+# its "hidden size 4096" is 5120 there; tests/test_norm_rope.py records the difference).
+# compress_ratios includes the three trailing entries of the MTP layers, as released.
 V41_FLASH = CSAConfig(
-    name="DeepSeek-V4.1-Flash", dim=4096, n_layers=40, n_heads=64, head_dim=512, rope_dim=64,
-    q_lora_rank=1024, o_lora_rank=1024, o_groups=8, window=128,
-    compress_ratios=(0, 0) + (2,) * 18 + (1,) * 20,
-    index_heads=64, index_head_dim=128, index_topk=512, norm_eps=1e-6,
-    kv_source_layers=(2, 8, 14, 20), **_YARN)
+    name="DeepSeek-V4.1-Flash", dim=5120, n_layers=40, n_heads=64, head_dim=512, rope_dim=64,
+    q_lora_rank=1280, o_lora_rank=1024, o_groups=8, window=128,
+    compress_ratios=(0, 0) + (2,) * 18 + (1,) * 20 + (0,) * 3,
+    index_heads=32, index_head_dim=128, index_topk=512, norm_eps=1e-20,
+    kv_source_layers=(2, 8, 14, 20), index_source_layers=(2, 8, 14, 20, 24, 28, 32, 36),
+    candidate_source_layer=20, candidate_topk_blocks=2048, candidate_block_size=8, **_YARN)
 
 PRESETS = {c.name: c for c in (V4_FLASH, V4_PRO, V41_FLASH)}

@@ -148,6 +148,9 @@ class CSALayer:
     V4.1 roles : kv_source (pools its own compressed KV), index_source (runs an indexer),
                  candidate_source / uses_candidates with candidate_topk_blocks and
                  candidate_block_size; ``shared`` (CSAShared) links the stack's layers.
+                 Given ``layer_id``, each role left as None comes from cfg
+                 (kv_source_layers, index_source_layers, candidate_source_layer: the
+                 index layers after the candidate source score within its blocks).
     index_topk : defaults to cfg.index_topk.
     decode_blas_threads : BLAS threads for the projections of decode-sized calls
                  (B*S <= 16; None, the default, leaves BLAS alone).  Those GEMVs are
@@ -168,7 +171,8 @@ class CSALayer:
                  layer_id: Optional[int] = None, version: Optional[str] = None, batch: int = 1,
                  max_seq_len: int = 8192, index_topk: Optional[int] = None,
                  kv_source: Optional[bool] = None, index_source: Optional[bool] = None,
-                 candidate_source: bool = False, uses_candidates: bool = False,
+                 candidate_source: Optional[bool] = None,
+                 uses_candidates: Optional[bool] = None,
                  candidate_topk_blocks: int = 0, candidate_block_size: int = 0,
                  shared: Optional[CSAShared] = None, qat: bool = True,
                  decode_blas_threads: Optional[int] = None):
@@ -190,13 +194,23 @@ class CSALayer:
             if kv_source is None:
                 kv_source = layer_id is not None and layer_id in (cfg.kv_source_layers or ())
             if index_source is None:
-                index_source = bool(kv_source)
+                index_source = (layer_id in cfg.index_source_layers
+                                if layer_id is not None and cfg.index_source_layers is not None
+                                else bool(kv_source))
+            cand = cfg.candidate_source_layer if layer_id is not None else None
+            if candidate_source is None:
+                candidate_source = cand is not None and index_source and layer_id == cand
+            if uses_candidates is None:
+                uses_candidates = cand is not None and index_source and layer_id > cand
+            if candidate_source or uses_candidates:
+                candidate_topk_blocks = candidate_topk_blocks or cfg.candidate_topk_blocks
+                candidate_block_size = candidate_block_size or cfg.candidate_block_size
             if shared is None:
                 if not kv_source:
                     raise ValueError("CSALayer: a V4.1 reader layer needs the stack's 'shared'")
                 shared = CSAShared()
         self.kv_source, self.index_source = bool(kv_source), bool(index_source)
-        self.candidate_source, self.uses_candidates = candidate_source, uses_candidates
+        self.candidate_source, self.uses_candidates = bool(candidate_source), bool(uses_candidates)
         self.candidate_topk_blocks = candidate_topk_blocks
         self.candidate_block_size = candidate_block_size
         self.shared = shared

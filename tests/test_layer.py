@@ -251,3 +251,47 @@ def test_bad_inputs():
     reader = CSALayer(w41, cfg41, ratio=1, layer_id=2, shared=CSAShared())
     with pytest.raises(RuntimeError, match="index source"):
         reader(np.zeros((1, 4, cfg.dim), np.float32), 0)
+
+
+# ---------------------------------------------------------------- presets
+
+def test_v41_flash_preset_is_the_released_config():
+    """SPEC's table leaves most V4.1-Flash fields to the released config.json; where it
+    gives one (hidden size 4096) the released config says 5120, and the released
+    config is the truth (SPEC: 'the released code's behaviour is the truth')."""
+    c = dc.V41_FLASH
+    assert (c.dim, c.q_lora_rank, c.o_lora_rank, c.o_groups) == (5120, 1280, 1024, 8)
+    assert (c.n_heads, c.head_dim, c.rope_dim, c.window) == (64, 512, 64, 128)
+    assert (c.index_heads, c.index_head_dim, c.index_topk) == (32, 128, 512)
+    assert c.norm_eps == 1e-20
+    assert c.compress_ratios == (0, 0) + (2,) * 18 + (1,) * 20 + (0,) * 3
+    assert c.kv_source_layers == (2, 8, 14, 20)
+    assert c.index_source_layers == (2, 8, 14, 20, 24, 28, 32, 36)
+    assert (c.candidate_source_layer, c.candidate_topk_blocks, c.candidate_block_size) == \
+        (20, 2048, 8)
+    assert (c.compress_rope_theta, c.yarn_factor, c.original_seq_len) == (160000.0, 16.0, 65536)
+
+
+def test_v41_layer_roles_follow_the_config():
+    """CSALayer(layer_id=...) takes its V4.1 role from the preset: pools KV on the kv
+    sources, runs an indexer on the index sources, selects candidate blocks on the
+    candidate source and scores within them on the index layers after it."""
+    cfg = dataclasses.replace(dc.V41_FLASH, dim=64, n_heads=2, head_dim=64, q_lora_rank=32,
+                              o_lora_rank=16, o_groups=2, index_heads=2, index_head_dim=64)
+    shared = CSAShared()
+    roles = {}
+    for lid in (2, 3, 20, 21, 24):
+        ratio = cfg.compress_ratios[lid]
+        kv_src = lid in cfg.kv_source_layers
+        idx_src = lid in cfg.index_source_layers
+        w = random_layer_weights(cfg, ratio, seed=lid, version="v4.1", kv_source=kv_src,
+                                 index_source=idx_src)
+        layer = CSALayer(w, cfg, layer_id=lid, shared=shared, max_seq_len=64)
+        roles[lid] = (layer.ratio, layer.kv_source, layer.index_source, layer.candidate_source,
+                      layer.uses_candidates, layer.candidate_topk_blocks,
+                      layer.candidate_block_size)
+    assert roles[2] == (2, True, True, False, False, 0, 0)
+    assert roles[3] == (2, False, False, False, False, 0, 0)
+    assert roles[20] == (1, True, True, True, False, 2048, 8)
+    assert roles[21] == (1, False, False, False, False, 0, 0)
+    assert roles[24] == (1, False, True, False, True, 2048, 8)
