@@ -235,8 +235,8 @@ static void CSA_V(ix_pack_row)(const struct csa_index_problem *p, csa_idx b, csa
  * rows of the call.
  *
  * Tiles: tmm0-3 = C for up to 4 head groups (64 heads a pass; more heads take more
- * passes), tmm4 = A, tmm5/6 = B (alternating, so a load need not wait for the
- * previous product). */
+ * passes), tmm4 = A, tmm5-7 = B (groups 0-3 use 5, 6, 5, 7, so a load seldom waits
+ * for the product still reading its tile). */
 #define IX_HAVE_AMX 1
 #define IX_AMX_FN                                                                          \
     static __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma,"  \
@@ -341,8 +341,8 @@ static inline __attribute__((always_inline)) __m512 CSA_V(ix_amx_hsum16)(const _
                 _tile_dpbf16ps(2, 4, 5);                                                   \
             }                                                                              \
             if (NG > 3) {                                                                  \
-                _tile_loadd(6, bq + 3 * DC * IX_AMX_TILE, 64);                             \
-                _tile_dpbf16ps(3, 4, 6);                                                   \
+                _tile_loadd(7, bq + 3 * DC * IX_AMX_TILE, 64);                             \
+                _tile_dpbf16ps(3, 4, 7);                                                   \
             }                                                                              \
         }                                                                                  \
         _tile_stored(0, cbuf, 64);                                                         \
