@@ -1,6 +1,7 @@
 """Top-k sparse attention with a sink: compute-bound (4*S*H*K*D FLOPs, every index
 valid), so GFLOP/s against the fp32 FMA peak.  The eager reference gathers kv[idx]
 into [B, S, K, D] and runs einsum + softmax with the sink as an extra logit."""
+import ml_dtypes
 import numpy as np
 import torch
 
@@ -15,24 +16,28 @@ def _attn_ref(q, kv, sink, idx, scale: float):
     g = kv[torch.arange(B)[:, None, None], idx.clamp(min=0).long()]          # [B, S, K, D]
     logits = torch.einsum("bshd,bskd->bshk", q, g) * scale
     logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
-    sinks = sink.view(1, 1, H, 1).expand(B, S, H, 1)
+    sinks = sink.to(q.dtype).view(1, 1, H, 1).expand(B, S, H, 1)
     probs = torch.cat([logits, sinks], dim=-1).softmax(dim=-1)[..., :K]
     return torch.einsum("bshk,bskd->bshd", probs, g)
 
 
-def _case(name, B, S, H, D, N, K, rng):
+def _case(name, B, S, H, D, N, K, rng, bf16=False):
     q = rng.standard_normal((B, S, H, D), dtype=np.float32)
     kv = rng.standard_normal((B, N, D), dtype=np.float32)
     sink = rng.standard_normal(H, dtype=np.float32)
     idx = rng.integers(0, N, (B, S, K)).astype(np.int32)
-    out = np.empty_like(q)
     scale = D ** -0.5
     args = tuple(map(torch.from_numpy, (q, kv, sink, idx))) + (scale,)
+    if bf16:  # the released dtypes: ours reads bf16 natively, the reference runs in bf16
+        q, kv = q.astype(ml_dtypes.bfloat16), kv.astype(ml_dtypes.bfloat16)
+        args = (args[0].bfloat16(), args[1].bfloat16()) + args[2:]
+        name += " bf16"
+    out = np.empty_like(q)
     return Case("sparse_attn", name,
                 ours=lambda: dc.sparse_attn(q, kv, sink, idx, scale, out=out),
                 eager=lambda: _attn_ref(*args), compile_fn=_attn_ref, compile_args=args,
                 bytes=2 * q.nbytes + kv.nbytes + idx.nbytes, flops=4.0 * B * S * H * K * D,
-                bound="compute")
+                bound="compute_bf16" if bf16 else "compute")
 
 
 def cases(quick=False):
@@ -41,4 +46,7 @@ def cases(quick=False):
     return [
         _case(f"prefill B=1 S={S} H=64 D=512 K=640", 1, S, 64, 512, S + S // 4, 640, rng),
         _case("decode B=1 S=1 H=64 D=512 K=640", 1, 1, 64, 512, 128 + 4096, 640, rng),
+        _case(f"prefill B=1 S={S} H=64 D=512 K=640", 1, S, 64, 512, S + S // 4, 640, rng,
+              bf16=True),
+        _case("decode B=1 S=1 H=64 D=512 K=640", 1, 1, 64, 512, 128 + 4096, 640, rng, bf16=True),
     ]

@@ -31,7 +31,8 @@ class Case:
              harness can torch.compile it (None to skip).
     bytes:   bytes a kernel must move at least (for GB/s and the bandwidth fraction).
     flops:   floating-point operations (for GFLOP/s and the FMA-peak fraction).
-    bound:   "memory" or "compute": which ceiling the fraction of peak is taken of.
+    bound:   "memory", "compute" (fp32 FMA) or "compute_bf16" (AMX-BF16 tiles where the
+             CPU has them, else fp32 FMA): which ceiling the fraction of peak is taken of.
     """
     kernel: str
     name: str
@@ -88,7 +89,7 @@ def machine_peaks(threads: int, refresh=False) -> dict:
     path = RESULTS / "peaks.json"
     cache = json.loads(path.read_text()) if path.exists() else {}
     key = f"{platform.node()}:{threads}"
-    if key in cache and not refresh:
+    if key in cache and "amx_bf16_gflops" in cache[key] and not refresh:
         return cache[key]
     best = 0.0
     for _ in range(5):
@@ -96,6 +97,11 @@ def machine_peaks(threads: int, refresh=False) -> dict:
         t0 = time.perf_counter()
         flops = _core._peak_fma(iters, threads)
         best = max(best, flops / (time.perf_counter() - t0) / 1e9)
+    amx = 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        flops = _core._peak_amx_bf16(2_000_000, threads)
+        amx = max(amx, flops / (time.perf_counter() - t0) / 1e9)
     n = 96 * 1024 * 1024  # 3 x 384 MiB: beyond the caches
     a = np.zeros(n, np.float32)
     b = np.ones(n, np.float32)
@@ -106,7 +112,8 @@ def machine_peaks(threads: int, refresh=False) -> dict:
         _core._stream_triad(a, b, c, threads)
         bw = max(bw, 3 * 4 * n / (time.perf_counter() - t0) / 1e9)
     del a, b, c
-    cache[key] = {"fma_gflops": best, "stream_gbs": bw, "threads": threads,
+    cache[key] = {"fma_gflops": best, "stream_gbs": bw, "amx_bf16_gflops": amx or best,
+                  "threads": threads,
                   "isa": _core.get_isa()}
     path.write_text(json.dumps(cache, indent=1))
     return cache[key]
@@ -140,7 +147,8 @@ def run_case(case: Case, peaks: dict, do_compile=True) -> dict:
         row["frac_stream"] = row["gbs"] / peaks["stream_gbs"]
     if case.flops:
         row["gflops"] = case.flops / t / 1e9
-        row["frac_fma_peak"] = row["gflops"] / peaks["fma_gflops"]
+        row["frac_fma_peak"] = row["gflops"] / peaks[
+            "amx_bf16_gflops" if case.bound == "compute_bf16" else "fma_gflops"]
     return row
 
 
@@ -155,7 +163,8 @@ def fmt_row(r: dict) -> str:
     if "gbs" in r and r["bound"] == "memory":
         parts.append(f"{r['gbs']:7.1f} GB/s ({100 * r['frac_stream']:4.0f}% stream)")
     if "gflops" in r:
-        parts.append(f"{r['gflops']:7.1f} GFLOP/s ({100 * r['frac_fma_peak']:4.0f}% FMA peak)")
+        peak = "AMX peak" if r["bound"] == "compute_bf16" else "FMA peak"
+        parts.append(f"{r['gflops']:7.1f} GFLOP/s ({100 * r['frac_fma_peak']:4.0f}% {peak})")
     parts.append(f"mem {r['ours_peak_mem_bytes'] / 2**20:7.1f} MiB")
     return "  ".join(parts)
 
@@ -175,11 +184,11 @@ def plot(rows, path):
     axes[0].set_ylabel("speed-up (x)")
     axes[0].set_yscale("log")
     axes[0].legend()
-    frac = [100 * (r.get("frac_fma_peak") if r["bound"] == "compute" else r.get("frac_stream", 0))
-            for r in rows]
-    axes[1].bar(x, frac, 0.5, color=["tab:red" if r["bound"] == "compute" else "tab:green"
-                                     for r in rows])
-    axes[1].set_ylabel("% of machine peak\n(green: stream BW, red: FMA)")
+    frac = [100 * (r.get("frac_fma_peak") if r["bound"].startswith("compute")
+                   else r.get("frac_stream", 0)) for r in rows]
+    colour = {"compute": "tab:red", "compute_bf16": "tab:purple", "memory": "tab:green"}
+    axes[1].bar(x, frac, 0.5, color=[colour.get(r["bound"], "tab:gray") for r in rows])
+    axes[1].set_ylabel("% of machine peak\n(green: stream BW, red: fp32 FMA,\npurple: AMX bf16)")
     for ax in axes:
         ax.set_xticks(x)
         ax.set_xticklabels(labels, fontsize=7, rotation=30, ha="right")

@@ -33,7 +33,8 @@ def main():
     torch.set_num_threads(a.threads)
     with threadpool_limits(a.threads, user_api="openmp"):
         peaks = harness.machine_peaks(a.threads, refresh=a.refresh_peaks)
-        print(f"machine: fp32 FMA peak {peaks['fma_gflops']:.1f} GFLOP/s, stream triad "
+        print(f"machine: fp32 FMA peak {peaks['fma_gflops']:.1f} GFLOP/s, AMX bf16 peak "
+              f"{peaks['amx_bf16_gflops']:.1f} GFLOP/s, stream triad "
               f"{peaks['stream_gbs']:.1f} GB/s on {a.threads} threads ({peaks['isa']})")
         rows = []
         for path in sorted(HERE.glob("bench_*.py")):

@@ -1,4 +1,5 @@
 #include "attn.h"
+#include "amx.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -10,11 +11,78 @@
 #include <immintrin.h>
 #endif
 
-static float dot_ref(const float *a, const float *b, csa_idx n)
+/* Element i of a float32 (bf16 = 0) or bfloat16 (bf16 = 1) array. */
+static inline float ld(const void *p, csa_idx i, int bf16)
+{
+    return bf16 ? csa_bf16_to_f32(((const csa_bf16 *)p)[i]) : ((const float *)p)[i];
+}
+
+static float dot_ref(const void *a, const void *b, csa_idx n, int bf16)
 {
     float s = 0.0f;
-    for (csa_idx i = 0; i < n; i++) s += a[i] * b[i];
+    for (csa_idx i = 0; i < n; i++) s += ld(a, i, bf16) * ld(b, i, bf16);
     return s;
+}
+
+static int attn_ref(const void *q, csa_idx sq_b, csa_idx sq_s, csa_idx sq_h,
+                    const void *kv, csa_idx skv_b, csa_idx skv_n, const float *sink,
+                    const int32_t *idx, csa_idx si_b, csa_idx si_s,
+                    void *out, csa_idx so_b, csa_idx so_s, csa_idx so_h,
+                    csa_idx B, csa_idx S, csa_idx H, csa_idx D, csa_idx N, csa_idx K,
+                    float scale, int bf16)
+{
+    const size_t es = bf16 ? sizeof(csa_bf16) : sizeof(float);
+    float *o = NULL;
+    for (csa_idx b = 0; b < B; b++)
+        for (csa_idx s = 0; s < S; s++) {
+            const int32_t *ir = idx + b * si_b + s * si_s;
+            const char *kvb = (const char *)kv + (size_t)(b * skv_b) * es;
+            csa_idx valid = 0;
+            for (csa_idx k = 0; k < K; k++) {
+                if (ir[k] < -1 || ir[k] >= N) {
+                    free(o);
+                    return CSA_EINDEX;
+                }
+                valid += ir[k] >= 0;
+            }
+            if (!o && !(o = malloc((size_t)(D > 0 ? D : 1) * sizeof(float)))) return CSA_ENOMEM;
+            for (csa_idx h = 0; h < H; h++) {
+                const void *qh = (const char *)q + (size_t)(b * sq_b + s * sq_s + h * sq_h) * es;
+                for (csa_idx d = 0; d < D; d++) o[d] = 0.0f;
+                float den = 1.0f;
+                if (valid) {
+                    /* pass 1: the maximum over the sink and the logits (a NaN logit never
+                     * wins the comparison; it reaches the output through its exp) */
+                    float m = sink[h];
+                    for (csa_idx k = 0; k < K; k++) {
+                        if (ir[k] < 0) continue;
+                        const float l = scale * dot_ref(qh, kvb + (size_t)(ir[k] * skv_n) * es, D, bf16);
+                        if (l > m) m = l;
+                    }
+                    /* pass 2: weights, denominator with the sink, weighted sum of rows;
+                     * bf16 multiplies the rows by the weight rounded to bf16 */
+                    den = expf(sink[h] - m);
+                    for (csa_idx k = 0; k < K; k++) {
+                        if (ir[k] < 0) continue;
+                        const void *v = kvb + (size_t)(ir[k] * skv_n) * es;
+                        const float p = expf(scale * dot_ref(qh, v, D, bf16) - m);
+                        const float pw = bf16 ? csa_bf16_to_f32(csa_f32_to_bf16(p)) : p;
+                        den += p;
+                        for (csa_idx d = 0; d < D; d++) o[d] += pw * ld(v, d, bf16);
+                    }
+                }
+                const csa_idx off = b * so_b + s * so_s + h * so_h;
+                for (csa_idx d = 0; d < D; d++) {
+                    const float y = o[d] / den;
+                    if (bf16)
+                        ((csa_bf16 *)out)[off + d] = csa_f32_to_bf16(y);
+                    else
+                        ((float *)out)[off + d] = y;
+                }
+            }
+        }
+    free(o);
+    return CSA_OK;
 }
 
 int csa_sparse_attn_ref(const float *q, csa_idx sq_b, csa_idx sq_s, csa_idx sq_h,
@@ -25,56 +93,36 @@ int csa_sparse_attn_ref(const float *q, csa_idx sq_b, csa_idx sq_s, csa_idx sq_h
                         csa_idx B, csa_idx S, csa_idx H, csa_idx D, csa_idx N, csa_idx K,
                         float scale)
 {
-    for (csa_idx b = 0; b < B; b++)
-        for (csa_idx s = 0; s < S; s++) {
-            const int32_t *ir = idx + b * si_b + s * si_s;
-            const float *kvb = kv + b * skv_b;
-            csa_idx valid = 0;
-            for (csa_idx k = 0; k < K; k++) {
-                if (ir[k] < -1 || ir[k] >= N) return CSA_EINDEX;
-                valid += ir[k] >= 0;
-            }
-            for (csa_idx h = 0; h < H; h++) {
-                const float *qh = q + b * sq_b + s * sq_s + h * sq_h;
-                float *o = out + b * so_b + s * so_s + h * so_h;
-                for (csa_idx d = 0; d < D; d++) o[d] = 0.0f;
-                if (!valid) continue;
-                /* pass 1: the maximum over the sink and the logits (a NaN logit never
-                 * wins the comparison; it reaches the output through its exp) */
-                float m = sink[h];
-                for (csa_idx k = 0; k < K; k++) {
-                    if (ir[k] < 0) continue;
-                    const float l = scale * dot_ref(qh, kvb + ir[k] * skv_n, D);
-                    if (l > m) m = l;
-                }
-                /* pass 2: weights, denominator with the sink, weighted sum of rows */
-                float den = expf(sink[h] - m);
-                for (csa_idx k = 0; k < K; k++) {
-                    if (ir[k] < 0) continue;
-                    const float *v = kvb + ir[k] * skv_n;
-                    const float p = expf(scale * dot_ref(qh, v, D) - m);
-                    den += p;
-                    for (csa_idx d = 0; d < D; d++) o[d] += p * v[d];
-                }
-                for (csa_idx d = 0; d < D; d++) o[d] /= den;
-            }
-        }
-    return CSA_OK;
+    return attn_ref(q, sq_b, sq_s, sq_h, kv, skv_b, skv_n, sink, idx, si_b, si_s, out, so_b,
+                    so_s, so_h, B, S, H, D, N, K, scale, 0);
+}
+
+int csa_sparse_attn_bf16_ref(const csa_bf16 *q, csa_idx sq_b, csa_idx sq_s, csa_idx sq_h,
+                             const csa_bf16 *kv, csa_idx skv_b, csa_idx skv_n,
+                             const float *sink,
+                             const int32_t *idx, csa_idx si_b, csa_idx si_s,
+                             csa_bf16 *out, csa_idx so_b, csa_idx so_s, csa_idx so_h,
+                             csa_idx B, csa_idx S, csa_idx H, csa_idx D, csa_idx N, csa_idx K,
+                             float scale)
+{
+    return attn_ref(q, sq_b, sq_s, sq_h, kv, skv_b, skv_n, sink, idx, si_b, si_s, out, so_b,
+                    so_s, so_h, B, S, H, D, N, K, scale, 1);
 }
 
 /* Everything the tuned body needs, passed by pointer through the dispatch. */
 struct csa_attn_args {
-    const float *q;
+    const void *q;     /* float32, or bfloat16 when bf16 */
     csa_idx sq_b, sq_s, sq_h;
-    const float *kv;
+    const void *kv;    /* same dtype as q */
     csa_idx skv_b, skv_n;
     const float *sink;
     const int32_t *idx;
     csa_idx si_b, si_s;
-    float *out;
+    void *out;         /* same dtype as q */
     csa_idx so_b, so_s, so_h;
     csa_idx B, S, H, D, N, K;
     float scale;
+    int bf16;
 };
 
 static int omp_tid(void)
@@ -99,6 +147,19 @@ static int omp_tid(void)
 #define CSA_IMPL "attn_impl.h"
 #include "csa_isa_variants.h"
 
+/* No read out of bounds and no partial output: scan every index first. */
+static int scan_indices(const int32_t *idx, csa_idx si_b, csa_idx si_s, csa_idx B, csa_idx S,
+                        csa_idx N, csa_idx K)
+{
+    for (csa_idx b = 0; b < B; b++)
+        for (csa_idx s = 0; s < S; s++) {
+            const int32_t *ir = idx + b * si_b + s * si_s;
+            for (csa_idx k = 0; k < K; k++)
+                if (ir[k] < -1 || ir[k] >= N) return CSA_EINDEX;
+        }
+    return CSA_OK;
+}
+
 int csa_sparse_attn(const float *q, csa_idx sq_b, csa_idx sq_s, csa_idx sq_h,
                     const float *kv, csa_idx skv_b, csa_idx skv_n,
                     const float *sink,
@@ -107,17 +168,28 @@ int csa_sparse_attn(const float *q, csa_idx sq_b, csa_idx sq_s, csa_idx sq_h,
                     csa_idx B, csa_idx S, csa_idx H, csa_idx D, csa_idx N, csa_idx K,
                     float scale)
 {
-    /* No read out of bounds and no partial output: scan every index first. */
-    for (csa_idx b = 0; b < B; b++)
-        for (csa_idx s = 0; s < S; s++) {
-            const int32_t *ir = idx + b * si_b + s * si_s;
-            for (csa_idx k = 0; k < K; k++)
-                if (ir[k] < -1 || ir[k] >= N) return CSA_EINDEX;
-        }
+    if (scan_indices(idx, si_b, si_s, B, S, N, K)) return CSA_EINDEX;
     if (B <= 0 || S <= 0 || H <= 0 || D <= 0) return CSA_OK;
     const struct csa_attn_args a = {q, sq_b, sq_s, sq_h, kv, skv_b, skv_n, sink, idx, si_b, si_s,
-                                    out, so_b, so_s, so_h, B, S, H, D, N, K, scale};
+                                    out, so_b, so_s, so_h, B, S, H, D, N, K, scale, 0};
     CSA_DISPATCH(sparse_attn_tuned, (&a),
                  csa_sparse_attn_ref(q, sq_b, sq_s, sq_h, kv, skv_b, skv_n, sink, idx, si_b, si_s,
                                      out, so_b, so_s, so_h, B, S, H, D, N, K, scale));
+}
+
+int csa_sparse_attn_bf16(const csa_bf16 *q, csa_idx sq_b, csa_idx sq_s, csa_idx sq_h,
+                         const csa_bf16 *kv, csa_idx skv_b, csa_idx skv_n,
+                         const float *sink,
+                         const int32_t *idx, csa_idx si_b, csa_idx si_s,
+                         csa_bf16 *out, csa_idx so_b, csa_idx so_s, csa_idx so_h,
+                         csa_idx B, csa_idx S, csa_idx H, csa_idx D, csa_idx N, csa_idx K,
+                         float scale)
+{
+    if (scan_indices(idx, si_b, si_s, B, S, N, K)) return CSA_EINDEX;
+    if (B <= 0 || S <= 0 || H <= 0 || D <= 0) return CSA_OK;
+    const struct csa_attn_args a = {q, sq_b, sq_s, sq_h, kv, skv_b, skv_n, sink, idx, si_b, si_s,
+                                    out, so_b, so_s, so_h, B, S, H, D, N, K, scale, 1};
+    CSA_DISPATCH(sparse_attn_tuned, (&a),
+                 csa_sparse_attn_bf16_ref(q, sq_b, sq_s, sq_h, kv, skv_b, skv_n, sink, idx, si_b,
+                                          si_s, out, so_b, so_s, so_h, B, S, H, D, N, K, scale));
 }

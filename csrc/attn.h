@@ -35,7 +35,23 @@ int csa_sparse_attn(const float *q, csa_idx sq_b, csa_idx sq_s, csa_idx sq_h,
                     csa_idx B, csa_idx S, csa_idx H, csa_idx D, csa_idx N, csa_idx K,
                     float scale);
 
-/* The scalar oracle: the formula above, two passes per (b, s, h), no scratch. */
+/* The same on bfloat16 q, kv and out (sink stays float32), the released model's
+ * dtypes.  Logits, softmax and the accumulation of the output are float32; the
+ * weights e^(l_j - m) are rounded to bfloat16 before they multiply kv (a bf16 GEMM,
+ * as the released kernel runs it) while the denominator sums them unrounded; the
+ * output is rounded to bfloat16 once.  At ISA level amx the two products run on
+ * AMX-BF16 tiles, whose float32 summation order differs from the other levels' and
+ * which treat bfloat16 subnormals as zero; every level is within bf16 rounding of the
+ * others, and each is bitwise the same at any thread count. */
+int csa_sparse_attn_bf16(const csa_bf16 *q, csa_idx sq_b, csa_idx sq_s, csa_idx sq_h,
+                         const csa_bf16 *kv, csa_idx skv_b, csa_idx skv_n,
+                         const float *sink,
+                         const int32_t *idx, csa_idx si_b, csa_idx si_s,
+                         csa_bf16 *out, csa_idx so_b, csa_idx so_s, csa_idx so_h,
+                         csa_idx B, csa_idx S, csa_idx H, csa_idx D, csa_idx N, csa_idx K,
+                         float scale);
+
+/* The scalar oracles: the formula above, two passes per (b, s, h), no scratch. */
 int csa_sparse_attn_ref(const float *q, csa_idx sq_b, csa_idx sq_s, csa_idx sq_h,
                         const float *kv, csa_idx skv_b, csa_idx skv_n,
                         const float *sink,
@@ -43,4 +59,11 @@ int csa_sparse_attn_ref(const float *q, csa_idx sq_b, csa_idx sq_s, csa_idx sq_h
                         float *out, csa_idx so_b, csa_idx so_s, csa_idx so_h,
                         csa_idx B, csa_idx S, csa_idx H, csa_idx D, csa_idx N, csa_idx K,
                         float scale);
+int csa_sparse_attn_bf16_ref(const csa_bf16 *q, csa_idx sq_b, csa_idx sq_s, csa_idx sq_h,
+                             const csa_bf16 *kv, csa_idx skv_b, csa_idx skv_n,
+                             const float *sink,
+                             const int32_t *idx, csa_idx si_b, csa_idx si_s,
+                             csa_bf16 *out, csa_idx so_b, csa_idx so_s, csa_idx so_h,
+                             csa_idx B, csa_idx S, csa_idx H, csa_idx D, csa_idx N, csa_idx K,
+                             float scale);
 #endif

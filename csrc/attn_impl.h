@@ -292,9 +292,17 @@ static void CSA_V(attn_pv)(const float *const *R, csa_idx kb, const float *P, cs
 }
 
 /* QT[d, h] = q[h, d] for h < hc, 0 for the padding heads hc <= h < hcp. */
-static void CSA_V(attn_transpose_q)(const float *q, csa_idx sq_h, csa_idx hc, csa_idx hcp,
-                                    csa_idx D, float *QT)
+static void CSA_V(attn_transpose_q)(const void *qv, int bf16, csa_idx sq_h, csa_idx hc,
+                                    csa_idx hcp, csa_idx D, float *QT)
 {
+    if (bf16) {
+        const csa_bf16 *q = qv;
+        for (csa_idx h = 0; h < hcp; h++)
+            for (csa_idx d = 0; d < D; d++)
+                QT[d * hcp + h] = h < hc ? csa_bf16_to_f32(q[h * sq_h + d]) : 0.0f;
+        return;
+    }
+    const float *q = qv;
 #ifdef __AVX512F__
     if (sq_h > 0 && sq_h <= 0x7fffffff / 16) {
         for (csa_idx h0 = 0; h0 < hcp; h0 += 16) {
@@ -338,18 +346,20 @@ static void CSA_V(attn_item)(const struct csa_attn_args *a, csa_idx b, csa_idx s
                              csa_idx hc, csa_idx hcp, csa_idx dp, float *ws, const float **rows)
 {
     const csa_idx D = a->D;
+    const int bf16 = a->bf16;
+    const size_t es = bf16 ? sizeof(csa_bf16) : sizeof(float);
     const int32_t *ir = a->idx + b * a->si_b + s * a->si_s;
-    const float *kvb = a->kv + b * a->skv_b;
-    const float *q = a->q + b * a->sq_b + s * a->sq_s + h0 * a->sq_h;
-    float *out = a->out + b * a->so_b + s * a->so_s + h0 * a->so_h;
+    const char *kvb = (const char *)a->kv + (size_t)(b * a->skv_b) * es;
+    const char *q = (const char *)a->q + (size_t)(b * a->sq_b + s * a->sq_s + h0 * a->sq_h) * es;
+    char *out = (char *)a->out + (size_t)(b * a->so_b + s * a->so_s + h0 * a->so_h) * es;
 
     /* the valid rows, in index order (a -1 entry weighs exactly 0 in the formula) */
-    const float **valid = rows;
+    const float **valid = rows;  /* bf16: they point at bfloat16 rows */
     csa_idx n = 0;
     for (csa_idx k = 0; k < a->K; k++)
-        if (ir[k] >= 0) valid[n++] = kvb + (csa_idx)ir[k] * a->skv_n;
+        if (ir[k] >= 0) valid[n++] = (const float *)(kvb + (size_t)((csa_idx)ir[k] * a->skv_n) * es);
     if (n == 0) {
-        for (csa_idx h = 0; h < hc; h++) memset(out + h * a->so_h, 0, (size_t)D * sizeof(float));
+        for (csa_idx h = 0; h < hc; h++) memset(out + (size_t)(h * a->so_h) * es, 0, (size_t)D * es);
         return;
     }
     const float **blk = rows + a->K;  /* one block's rows, padded to a multiple of ATTN_MR */
@@ -357,7 +367,7 @@ static void CSA_V(attn_item)(const struct csa_attn_args *a, csa_idx b, csa_idx s
     float *QT = ws, *L = QT + D * hcp, *O = L + kbp_max * hcp;
     float *m = O + hcp * (dp + 16), *sum = m + hcp, *alpha = sum + hcp, *tile = alpha + hcp;
 
-    CSA_V(attn_transpose_q)(q, a->sq_h, hc, hcp, D, QT);
+    CSA_V(attn_transpose_q)(q, bf16, a->sq_h, hc, hcp, D, QT);
     for (csa_idx h = 0; h < hcp; h++) {
         m[h] = h < hc ? a->sink[h0 + h] : 0.0f;
         sum[h] = 1.0f; /* e^(sink - m) with m = sink */
@@ -365,16 +375,17 @@ static void CSA_V(attn_item)(const struct csa_attn_args *a, csa_idx b, csa_idx s
     /* Rows a multiple of 64 bytes apart share one offset within a cache line: read
      * them in place, shifting the output grid by that offset (pad).  Otherwise copy
      * each block into an aligned tile (small or odd shapes). */
-    const int direct = a->skv_n % 16 == 0 && (uintptr_t)kvb % 4 == 0;
+    const int direct = !bf16 && a->skv_n % 16 == 0 && (uintptr_t)kvb % 4 == 0;
     const csa_idx pad = direct ? (csa_idx)(((uintptr_t)kvb % 64) / 4) : 0;
     const csa_idx dpo = ((pad + D + 15) / 16) * 16;
     memset(O, 0, (size_t)(hcp * dpo) * sizeof(float));
 
-    CSA_V(attn_prefetch)(valid, n < ATTN_KB ? n : ATTN_KB, D);
+    const csa_idx dfl = bf16 ? (D + 1) / 2 : D;  /* a row's size in floats, for prefetching */
+    CSA_V(attn_prefetch)(valid, n < ATTN_KB ? n : ATTN_KB, dfl);
     for (csa_idx k0 = 0; k0 < n; k0 += ATTN_KB) {
         const csa_idx kb = n - k0 < ATTN_KB ? n - k0 : ATTN_KB;
         if (k0 + kb < n)  /* the gather is latency-bound otherwise: fetch ahead into L2 */
-            CSA_V(attn_prefetch)(valid + k0 + kb, n - k0 - kb < ATTN_KB ? n - k0 - kb : ATTN_KB, D);
+            CSA_V(attn_prefetch)(valid + k0 + kb, n - k0 - kb < ATTN_KB ? n - k0 - kb : ATTN_KB, dfl);
         const csa_idx kbp = ((kb + ATTN_MR - 1) / ATTN_MR) * ATTN_MR;
         /* this block's rows, padded with zero rows to a whole logits tile */
         for (csa_idx i = 0; i < kbp; i++) {
@@ -382,7 +393,11 @@ static void CSA_V(attn_item)(const struct csa_attn_args *a, csa_idx b, csa_idx s
             if (i < kb && direct) {
                 blk[i] = valid[k0 + i];
             } else {
-                if (i < kb)
+                if (i < kb && bf16) {
+                    const csa_bf16 *CSA_RESTRICT src = (const csa_bf16 *)valid[k0 + i];
+#pragma omp simd
+                    for (csa_idx d = 0; d < D; d++) t[d] = csa_bf16_to_f32(src[d]);
+                } else if (i < kb)
                     memcpy(t, valid[k0 + i], (size_t)D * sizeof(float));
                 else
                     memset(t, 0, (size_t)D * sizeof(float));
@@ -391,20 +406,34 @@ static void CSA_V(attn_item)(const struct csa_attn_args *a, csa_idx b, csa_idx s
         }
         CSA_V(attn_logits)(blk, kbp, QT, hcp, D, L);
         CSA_V(attn_softmax)(L, kb, hcp, a->scale, m, sum, alpha);
+        if (bf16)  /* the weights meet the bf16 rows as bf16 (sum keeps them unrounded) */
+            for (csa_idx i = 0; i < kb * hcp; i++) L[i] = csa_bf16_to_f32(csa_f32_to_bf16(L[i]));
         CSA_V(attn_pv)(blk, kb, L, hcp, alpha, O, D, pad, dpo);
     }
 
     for (csa_idx h = 0; h < hc; h++) {
-        float *CSA_RESTRICT oh = out + h * a->so_h;
         const float *CSA_RESTRICT Oh = O + h * dpo + pad;
         const float den = sum[h];
+        if (bf16) {
+            csa_bf16 *CSA_RESTRICT oh = (csa_bf16 *)out + h * a->so_h;
+            for (csa_idx d = 0; d < D; d++) oh[d] = csa_f32_to_bf16(Oh[d] / den);
+        } else {
+            float *CSA_RESTRICT oh = (float *)out + h * a->so_h;
 #pragma omp simd
-        for (csa_idx d = 0; d < D; d++) oh[d] = Oh[d] / den;
+            for (csa_idx d = 0; d < D; d++) oh[d] = Oh[d] / den;
+        }
     }
 }
 
+#if defined(__AVX512F__) && defined(CSA_HAVE_AMX)
+#include "attn_amx_impl.h"
+#endif
+
 static int CSA_V(sparse_attn_tuned)(const struct csa_attn_args *a)
 {
+#if defined(__AVX512F__) && defined(CSA_HAVE_AMX)
+    if (a->bf16 && csa_isa_get() >= CSA_ISA_AMX) return CSA_V(sparse_attn_amx)(a);
+#endif
     const csa_idx nq = a->B * a->S, D = a->D, H = a->H;
     /* Chunks of heads per work item, chosen from the shape alone. */
     csa_idx hc_max = nq >= ATTN_FEW_QUERIES ? ATTN_HC : ATTN_HC_FEW;

@@ -48,6 +48,12 @@ enum csa_isa {
                           * the bfloat16 dot products of attention and the indexer */
 };
 
+/* The compiler can build AMX-BF16 / AVX512_BF16 code (GCC >= 11, clang >= 12). */
+#if defined(__x86_64__) && ((defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11) || \
+                            (defined(__clang__) && __clang_major__ >= 12))
+#define CSA_HAVE_AMX 1
+#endif
+
 int csa_isa_best(void);       /* highest level this CPU supports */
 int csa_isa_get(void);        /* level kernels dispatch to now */
 int csa_isa_set(int level);   /* clamp to [REF, best], set, return the level set */

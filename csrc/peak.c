@@ -1,5 +1,7 @@
 #include "peak.h"
 
+#include "amx.h"
+
 static double peak_ref(long long iters, int threads, float *sink)
 {
     (void)threads;
@@ -21,4 +23,51 @@ void csa_stream_triad(float *a, const float *b, const float *c, csa_idx n, float
 {
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (csa_idx i = 0; i < n; i++) a[i] = b[i] + s * c[i];
+}
+
+#if defined(CSA_HAVE_AMX)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bf16,amx-tile,amx-bf16")
+static void amx_peak_thread(long long iters, float *sink)
+{
+    csa_amx_tiles_16x64();
+    uint16_t ab[16 * 32];
+    float out[16 * 16];
+    for (int i = 0; i < 16 * 32; i++) ab[i] = 0x3c00; /* 2^-7: sums stay finite */
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_loadd(4, ab, 64);
+    _tile_loadd(5, ab, 64);
+    _tile_loadd(6, ab, 64);
+    _tile_loadd(7, ab, 64);
+    for (long long i = 0; i < iters; i++) {
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, out, 64);
+    _tile_release();
+    *sink += out[0];
+}
+#pragma GCC pop_options
+#endif
+
+double csa_peak_amx_bf16(long long iters, int threads, float *sink)
+{
+#if defined(CSA_HAVE_AMX)
+    if (csa_isa_get() < CSA_ISA_AMX) return 0.0;
+    float s = 0.0f;
+#pragma omp parallel num_threads(threads) reduction(+ : s)
+    amx_peak_thread(iters, &s);
+    *sink += s;
+    return (double)iters * threads * 4 * (16.0 * 16 * 32 * 2);
+#else
+    (void)iters;
+    (void)threads;
+    (void)sink;
+    return 0.0;
+#endif
 }

@@ -20,7 +20,7 @@
  * it the first tile instruction would kill the process with SIGILL. */
 static int amx_usable(void)
 {
-#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
+#if defined(CSA_HAVE_AMX) && defined(__linux__)
     unsigned a, b, c, d;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
     const int amx_tile = (d >> 24) & 1, amx_bf16 = (d >> 22) & 1;

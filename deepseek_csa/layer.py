@@ -150,10 +150,12 @@ class CSALayer:
                  candidate_block_size; ``shared`` (CSAShared) links the stack's layers.
     index_topk : defaults to cfg.index_topk.
     decode_blas_threads : BLAS threads for the projections of decode-sized calls
-                 (B*S <= 16; None leaves BLAS alone).  One by default: those GEMVs are
-                 memory-bound, and a BLAS pool spinning after each call takes the cores
-                 the kernels' OpenMP threads need next (measured on 2 cores: a V4-Flash
-                 decode step 349 -> 219 ms under load).  Needs threadpoolctl.
+                 (B*S <= 16; None, the default, leaves BLAS alone).  Those GEMVs are
+                 memory-bound and want every core on an idle machine (2 cores, V4-Flash
+                 decode step after 512 tokens: 32 ms with BLAS's own threads, 48 ms at 1),
+                 but when other work shares the cores a BLAS pool spinning after each
+                 call takes the cores the kernels' OpenMP threads need next, and 1 is
+                 better (349 -> 219 ms on a loaded machine).  Needs threadpoolctl.
     qat        : False skips the FP8/FP4 quantization-aware rounding (the Hadamard rotation
                  stays), to study what the rounding does or to compare with a reference
                  without its discontinuities.
@@ -169,7 +171,7 @@ class CSALayer:
                  candidate_source: bool = False, uses_candidates: bool = False,
                  candidate_topk_blocks: int = 0, candidate_block_size: int = 0,
                  shared: Optional[CSAShared] = None, qat: bool = True,
-                 decode_blas_threads: Optional[int] = 1):
+                 decode_blas_threads: Optional[int] = None):
         if ratio is None:
             if layer_id is None:
                 raise ValueError("CSALayer: give 'ratio' or 'layer_id'")

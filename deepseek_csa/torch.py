@@ -18,8 +18,8 @@ Drop-in functions (same arguments and results as the released ones):
 Tensors: CPU float32 tensors are handed to the kernels as NumPy views of the same memory
 (no copies; in-place ops write into the caller's tensor) and results come back as tensors
 over the kernels' output buffers (``torch.from_numpy``, no copy).  bfloat16 tensors are
-read natively by ``rms_norm`` and ``apply_rotary_emb`` (no copies, float32 inside, one
-rounding on store); for the other ops the bridge still converts them to float32, runs the
+read natively by ``rms_norm``, ``apply_rotary_emb`` and ``sparse_attn`` (no copies,
+float32 inside, one rounding on store); for the other ops the bridge still converts them to float32, runs the
 kernel and converts the result back (one copy each way) until their kernels take
 bfloat16, which is also where the released model rounds to bfloat16.
 
@@ -82,6 +82,12 @@ def _out(a, like):
     return t
 
 
+def _native_bf16(*ts):
+    """True when every tensor is a CPU bfloat16 one: the kernels then read them in place."""
+    torch = _torch()
+    return all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in ts)
+
+
 def _inplace(x, fn):
     """Runs fn on a float32 NumPy view of x (bf16: a float32 copy, written back)."""
     torch = _torch()
@@ -102,6 +108,11 @@ def sparse_attn(q, kv, attn_sink, topk_idxs, softmax_scale):
     torch = _torch()
     idx = topk_idxs.detach()
     idx = idx.numpy() if idx.dtype == torch.int32 else idx.to(torch.int32).numpy()
+    if _native_bf16(q, kv):
+        out = torch.empty(q.shape, dtype=torch.bfloat16)
+        _dc.sparse_attn(q.detach(), kv.detach(), _f32(attn_sink), idx, float(softmax_scale),
+                        out=out)
+        return out
     o = _dc.sparse_attn(_f32(q), _f32(kv), _f32(attn_sink), idx, float(softmax_scale))
     return _out(o, q)
 

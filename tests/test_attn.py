@@ -1,4 +1,5 @@
 """sparse_attn against the float32 torch reference (tests/ref_attn.py) and a bf16 run of it."""
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -235,6 +236,114 @@ def test_bf16_reference(rng):
     assert np.abs(got - w32).max() < np.abs(w16.numpy() - w32).max()
 
 
+# ---------------------------------------------------------------- native bfloat16
+
+BF16 = ml_dtypes.bfloat16
+
+
+def bf16_cases(rng):
+    """(name, q, kv, sink, idx) in float32 holding bf16 values: released shapes (a short
+    prefill, a decode step) and odd ones (H, D, K not multiples of 16/32, -1 rows)."""
+    out = []
+    q, kv, sink = inputs(rng, 1, 40, 64, 512, 40 + 10)
+    out.append(("prefill", q, kv, sink, prefill_indices(1, 40, rng)))
+    q, kv, sink = inputs(rng, 1, 1, 64, 512, WINDOW + 700)
+    out.append(("decode", q, kv, sink, decode_indices(1, 900, 700, rng)))
+    q, kv, sink = inputs(rng, 2, 5, 3, 40, 17)
+    idx = rng.integers(-1, 17, (2, 5, 9)).astype(np.int32)
+    idx[1, 2] = -1
+    out.append(("odd", q, kv, sink, idx))
+    q, kv, sink = inputs(rng, 1, 3, 37, 33, 300)
+    out.append(("odd-long", q, kv, sink, rng.integers(-1, 300, (1, 3, 290)).astype(np.int32)))
+    return [(n, bf16_round(q), bf16_round(kv), s, i) for n, q, kv, s, i in out]
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_bf16_native_matches_references(isa_bf16, rng, case):
+    """bf16 q/kv in, bf16 out: against the float32 reference on the same (bf16) values
+    the error is bf16 rounding (the weights and the output), and it must not exceed
+    the error of the reference's own bf16 run; against the scalar oracle's bf16 path,
+    a few bf16 ulps (only the float32 summation order differs)."""
+    name, q, kv, sink, idx = bf16_cases(rng)[case]
+    if isa_bf16 == "ref" and name in ("prefill",):
+        pytest.skip("the scalar oracle is slow on the released prefill; the others cover it")
+    scale = q.shape[-1] ** -0.5
+    qb, kvb = q.astype(BF16), kv.astype(BF16)
+    with unchanged(qb, kvb, sink, idx):
+        got = dc.sparse_attn(qb, kvb, sink, idx, scale)
+    assert got.dtype == BF16 and got.shape == q.shape
+    got = got.astype(np.float32)
+    w32 = want(q, kv, sink, idx, scale)
+    w16 = ref.sparse_attn(T(q).bfloat16(), T(kv).bfloat16(), T(sink), T(idx), scale).float().numpy()
+    amax = np.abs(w32).max()
+    assert_close(got, w32, rtol=2 ** -7, atol=2 ** -8 * amax, what=f"{name} vs float32")
+    assert np.abs(got - w32).max() <= max(np.abs(w16 - w32).max(), 2 ** -8 * amax)
+    dc.set_isa("ref")
+    oracle = dc.sparse_attn(qb, kvb, sink, idx, scale).astype(np.float32)
+    assert_close(got, oracle, rtol=2 ** -6, atol=2 ** -9 * amax, what=f"{name} vs oracle")
+
+
+def test_bf16_zero_rows_nan_and_sink(isa_bf16, rng):
+    """All -1 rows give exact zeros, NaN in one kv row poisons exactly the queries that
+    pick it, a huge sink gives (near) zeros, not NaN."""
+    q, kv, sink = (bf16_round(a) for a in inputs(rng, 1, 4, 32, 64, 40))
+    kv[0, 7, 3] = np.nan
+    idx = rng.integers(0, 40, (1, 4, 64)).astype(np.int32)
+    idx[0, 0] = -1
+    idx[0, 1][idx[0, 1] == 7] = 8
+    idx[0, 2, 5] = 7
+    idx[0, 3][idx[0, 3] == 7] = 8
+    sink[1] = 1e30
+    got = dc.sparse_attn(q.astype(BF16), kv.astype(BF16), sink, idx, 0.125).astype(np.float32)
+    assert np.all(got[0, 0] == 0)
+    assert np.isnan(got[0, 2]).all()
+    assert np.isfinite(got[0, 1]).all() and np.isfinite(got[0, 3]).all()
+    assert np.abs(got[0, 1, 1]).max() < 1e-30 and np.abs(got[0, 3, 1]).max() < 1e-30
+
+
+@pytest.mark.parametrize("shape", ["prefill", "decode"])
+def test_bf16_bitwise_identical_at_any_thread_count(isa_bf16, rng, shape):
+    if isa_bf16 == "ref":
+        pytest.skip("the oracle is single-threaded")
+    if shape == "prefill":
+        q, kv, sink = inputs(rng, 1, 24, 64, 512, 60)
+        idx = prefill_indices(1, 24, rng, window=16, topk=300)
+    else:
+        q, kv, sink = inputs(rng, 1, 1, 64, 512, 900)
+        idx = decode_indices(1, 500, 900 - WINDOW, rng)
+    qb, kvb = q.astype(BF16), kv.astype(BF16)
+    outs = []
+    for n in (1, 2, 3):
+        with threads(n):
+            outs.append(dc.sparse_attn(qb, kvb, sink, idx, 0.07).view(np.uint16))
+    for o in outs[1:]:
+        assert np.array_equal(o, outs[0])
+
+
+def test_bf16_torch_views_out_and_dtype_rules(rng):
+    """torch bf16 tensors go in without copies (a strided view too), out= takes bf16,
+    and mixed or wrong dtypes are refused with the argument named."""
+    q, kv, sink = inputs(rng, 1, 3, 16, 64, 20)
+    idx = rng.integers(-1, 20, (1, 3, 10)).astype(np.int32)
+    qt = T(q).bfloat16()
+    big = T(np.concatenate([kv, kv], axis=-1)).bfloat16()
+    kvt = big[..., :64]                                     # a strided view
+    got = dc.sparse_attn(qt, kvt, T(sink), T(idx), 0.125)
+    want16 = dc.sparse_attn(qt.float().numpy().astype(BF16),
+                            np.ascontiguousarray(kvt.float().numpy()).astype(BF16), sink, idx, 0.125)
+    assert got.dtype == BF16 and np.array_equal(got.view(np.uint16), want16.view(np.uint16))
+    out = torch.zeros(1, 3, 16, 64, dtype=torch.bfloat16)
+    r = dc.sparse_attn(qt, kvt, T(sink), T(idx), 0.125, out=out)
+    assert r is out and np.array_equal(out.view(torch.int16).numpy().view(np.uint16),
+                                       want16.view(np.uint16))
+    with pytest.raises(TypeError, match="'kv' must have q's dtype"):
+        dc.sparse_attn(qt, T(kv), T(sink), T(idx), 0.125)
+    with pytest.raises(TypeError, match="'kv' must have q's dtype"):
+        dc.sparse_attn(q, kvt, sink, idx, 0.125)
+    with pytest.raises((TypeError, ValueError), match="out"):
+        dc.sparse_attn(qt, kvt, T(sink), T(idx), 0.125, out=np.zeros(q.shape, np.float32))
+
+
 # ---------------------------------------------------------------- determinism
 
 @pytest.mark.parametrize("shape", ["prefill", "decode", "small"])
@@ -256,15 +365,18 @@ def test_bitwise_identical_at_any_thread_count(rng, shape):
         assert np.array_equal(o.view(np.uint32), outs[0].view(np.uint32))
 
 
-def test_a_query_gives_the_same_bits_alone_or_in_a_batch(rng):
+@pytest.mark.parametrize("dtype", [np.float32, BF16])
+def test_a_query_gives_the_same_bits_alone_or_in_a_batch(rng, dtype):
     """Heads are split into work items differently for one query (decode) and many
     (prefill); no head's arithmetic depends on that split."""
     q, kv, sink = inputs(rng, 1, 16, 64, 512, 700)
+    q, kv = q.astype(dtype), kv.astype(dtype)
     idx = rng.integers(-1, 700, (1, 16, 640)).astype(np.int32)
+    bits = np.uint32 if dtype == np.float32 else np.uint16
     many = dc.sparse_attn(q, kv, sink, idx, 0.05)
     for s in (0, 7, 15):
         one = dc.sparse_attn(q[:, s:s + 1], kv, sink, idx[:, s:s + 1], 0.05)
-        assert np.array_equal(one.view(np.uint32), many[:, s:s + 1].view(np.uint32))
+        assert np.array_equal(one.view(bits), many[:, s:s + 1].view(bits))
 
 
 # ---------------------------------------------------------------- layouts

@@ -3,6 +3,7 @@ bfloat16 through float32) and layer-by-layer swaps on the reference model (tests
 shaped like the released model.py)."""
 import copy
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -46,6 +47,11 @@ def test_sparse_attn_dropin(rng):
     assert gb.dtype == torch.bfloat16
     torch.testing.assert_close(gb.float(), R.sparse_attn(qb, kvb, sink, idx, 0.125).float(),
                                rtol=2e-2, atol=2e-2)
+    # bf16 goes to the kernel as is: the same bits as calling it on the bf16 arrays
+    direct = dc.sparse_attn(qb.float().numpy().astype(ml_dtypes.bfloat16),
+                            kvb.float().numpy().astype(ml_dtypes.bfloat16), sink.numpy(),
+                            idx.numpy(), 0.125)
+    assert np.array_equal(gb.view(torch.int16).numpy().view(np.uint16), direct.view(np.uint16))
 
 
 def test_rope_dropin_in_place_no_copy(rng):

@@ -47,13 +47,17 @@ PyDoc_STRVAR(sparse_attn_doc,
 "out[b,s,h] = sum_j e^(l_j - m) kv[b, idx_j] / (sum_j e^(l_j - m) + e^(attn_sink[h] - m)).\n"
 "K = V (one KV head shared by all heads); the sink adds to the denominator only;\n"
 "a query with no valid index gets zeros; duplicate indices count once each.\n\n"
-"q             : float32 [B, S, H, D], any strides.\n"
-"kv            : float32 [B, N, D], any strides.\n"
+"q             : float32 or bfloat16 [B, S, H, D], any strides.\n"
+"kv            : [B, N, D] of q's dtype, any strides.\n"
 "attn_sink     : float32 [H].\n"
 "topk_idxs     : int32 [B, S, K], every entry in [-1, N) (else IndexError, nothing written).\n"
 "softmax_scale : finite float (D**-0.5 in the model).\n"
-"out           : float32 [B, S, H, D] or None; must not overlap an input.\n"
-"Returns out (a new array when out is None).  Bitwise identical at any thread count.");
+"out           : [B, S, H, D] of q's dtype, or None; must not overlap an input.\n"
+"Returns out (a new array when out is None).  Bitwise identical at any thread count.\n\n"
+"bfloat16 (ml_dtypes.bfloat16 arrays, torch bf16 tensors viewed without a copy): float32\n"
+"logits, softmax and accumulation; the weights are rounded to bf16 before they\n"
+"multiply kv, as in a bf16 GEMM; the output is rounded once.  At ISA level 'amx' the\n"
+"products run on AMX-BF16 tiles (bf16 subnormals count as zero there).");
 
 static PyObject *py_sparse_attn(PyObject *self, PyObject *args, PyObject *kw)
 {
@@ -67,8 +71,15 @@ static PyObject *py_sparse_attn(PyObject *self, PyObject *args, PyObject *kw)
     PyArrayObject *qc = NULL, *kvc = NULL, *sc = NULL, *ic = NULL, *tmp = NULL;
     PyObject *ret = NULL;
 
-    if (!(q = csa_array(qo, fn, "q", CSA_F32, 4, 4, 0))) goto done;
-    if (!(kv = csa_array(kvo, fn, "kv", CSA_F32, 3, 3, 0))) goto done;
+    if (!(q = csa_array(qo, fn, "q", CSA_F32 | CSA_BF16, 4, 4, 0))) goto done;
+    const int bf16 = csa_is_bf16(q);
+    if (!(kv = csa_array(kvo, fn, "kv", CSA_F32 | CSA_BF16, 3, 3, 0))) goto done;
+    if (csa_is_bf16(kv) != bf16) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s(): 'kv' must have q's dtype (%s), got %s; cast one of them", fn,
+                     bf16 ? "bfloat16" : "float32", bf16 ? "float32" : "bfloat16");
+        goto done;
+    }
     if (!(sink = csa_array(so, fn, "attn_sink", CSA_F32, 1, 1, 0))) goto done;
     if (!(idx = csa_array(io, fn, "topk_idxs", CSA_I32, 3, 3, 0))) {
         PyObject *dt = PyErr_ExceptionMatches(PyExc_TypeError) ? PyObject_GetAttrString(io, "dtype")
@@ -109,9 +120,9 @@ static PyObject *py_sparse_attn(PyObject *self, PyObject *args, PyObject *kw)
     const npy_intp shape[4] = {B, S, H, D};
     PyArrayObject *ins[4] = {q, kv, sink, idx};
     if (oo == Py_None)  /* every element gets written: no need to zero it first */
-        out = (PyArrayObject *)PyArray_EMPTY(4, shape, NPY_FLOAT32, 0);
+        out = csa_empty_like_dtype(q, 4, shape);
     else
-        out = csa_out_array(oo, fn, 4, shape, ins, 4);
+        out = csa_out_array_as(oo, fn, 4, shape, q, ins, 4);
     if (!out) goto done;
 
     if (!(qc = unit_inner(q)) || !(kvc = unit_inner(kv)) || !(sc = unit_inner(sink)) ||
@@ -119,17 +130,26 @@ static PyObject *py_sparse_attn(PyObject *self, PyObject *args, PyObject *kw)
         goto done;
     PyArrayObject *dst = out;
     if (D > 1 && csa_stride(out, 3) != 1) {
-        if (!(tmp = (PyArrayObject *)PyArray_EMPTY(4, shape, NPY_FLOAT32, 0))) goto done;
+        if (!(tmp = csa_empty_like_dtype(q, 4, shape))) goto done;
         dst = tmp;
     }
     int st;
     Py_BEGIN_ALLOW_THREADS
-    st = csa_sparse_attn((const float *)PyArray_DATA(qc), csa_stride(qc, 0), csa_stride(qc, 1),
-                         csa_stride(qc, 2), (const float *)PyArray_DATA(kvc), csa_stride(kvc, 0),
-                         csa_stride(kvc, 1), (const float *)PyArray_DATA(sc),
-                         (const int32_t *)PyArray_DATA(ic), csa_stride(ic, 0), csa_stride(ic, 1),
-                         (float *)PyArray_DATA(dst), csa_stride(dst, 0), csa_stride(dst, 1),
-                         csa_stride(dst, 2), B, S, H, D, N, K, (float)scale);
+    if (bf16)
+        st = csa_sparse_attn_bf16(
+            (const csa_bf16 *)PyArray_DATA(qc), csa_stride(qc, 0), csa_stride(qc, 1),
+            csa_stride(qc, 2), (const csa_bf16 *)PyArray_DATA(kvc), csa_stride(kvc, 0),
+            csa_stride(kvc, 1), (const float *)PyArray_DATA(sc), (const int32_t *)PyArray_DATA(ic),
+            csa_stride(ic, 0), csa_stride(ic, 1), (csa_bf16 *)PyArray_DATA(dst),
+            csa_stride(dst, 0), csa_stride(dst, 1), csa_stride(dst, 2), B, S, H, D, N, K,
+            (float)scale);
+    else
+        st = csa_sparse_attn((const float *)PyArray_DATA(qc), csa_stride(qc, 0), csa_stride(qc, 1),
+                             csa_stride(qc, 2), (const float *)PyArray_DATA(kvc),
+                             csa_stride(kvc, 0), csa_stride(kvc, 1), (const float *)PyArray_DATA(sc),
+                             (const int32_t *)PyArray_DATA(ic), csa_stride(ic, 0), csa_stride(ic, 1),
+                             (float *)PyArray_DATA(dst), csa_stride(dst, 0), csa_stride(dst, 1),
+                             csa_stride(dst, 2), B, S, H, D, N, K, (float)scale);
     Py_END_ALLOW_THREADS
     ret = csa_finish(st, fn, oo, out, tmp);
 done:

@@ -3,21 +3,33 @@
 
 #include "../peak.h"
 
-static PyObject *py_peak_fma(PyObject *self, PyObject *args)
+/* flops = kernel(iters, threads) with the GIL released; args (iters, threads). */
+static PyObject *peak_call(PyObject *args, const char *fn,
+                           double (*kernel)(long long, int, float *))
 {
     long long iters;
     int threads;
-    if (!PyArg_ParseTuple(args, "Li:_peak_fma", &iters, &threads)) return NULL;
+    if (!PyArg_ParseTuple(args, "Li", &iters, &threads)) return NULL;
     if (iters < 1 || threads < 1) {
-        PyErr_SetString(PyExc_ValueError, "_peak_fma(): iters and threads must be >= 1");
+        PyErr_Format(PyExc_ValueError, "%s(): iters and threads must be >= 1", fn);
         return NULL;
     }
     float sink = 0;
     double flops;
     Py_BEGIN_ALLOW_THREADS
-    flops = csa_peak_fma(iters, threads, &sink);
+    flops = kernel(iters, threads, &sink);
     Py_END_ALLOW_THREADS
     return PyFloat_FromDouble(flops + 0.0 * sink);
+}
+
+static PyObject *py_peak_fma(PyObject *self, PyObject *args)
+{
+    return peak_call(args, "_peak_fma", csa_peak_fma);
+}
+
+static PyObject *py_peak_amx_bf16(PyObject *self, PyObject *args)
+{
+    return peak_call(args, "_peak_amx_bf16", csa_peak_amx_bf16);
 }
 
 static PyObject *py_stream_triad(PyObject *self, PyObject *args)
@@ -50,6 +62,8 @@ static PyObject *py_stream_triad(PyObject *self, PyObject *args)
 
 PyMethodDef csa_bench_methods[] = {
     {"_peak_fma", py_peak_fma, METH_VARARGS, "_peak_fma(iters, threads) -> flops done"},
+    {"_peak_amx_bf16", py_peak_amx_bf16, METH_VARARGS,
+     "_peak_amx_bf16(iters, threads) -> flops done (0 below ISA level amx)"},
     {"_stream_triad", py_stream_triad, METH_VARARGS, "_stream_triad(a, b, c, threads)"},
     {NULL, NULL, 0, NULL},
 };
