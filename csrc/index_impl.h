@@ -219,7 +219,7 @@ static void CSA_V(ix_pack_row)(const struct csa_index_problem *p, csa_idx b, csa
 }
 
 /* ------------------------------------------------------------------ AMX-BF16 */
-#if defined(__AVX512F__) && defined(__x86_64__) && defined(__GNUC__)
+#if defined(__AVX512F__) && defined(CSA_HAVE_AMX)
 /* Level 'amx', bfloat16 q and k (only the AVX-512 variant has this; the functions are
  * compiled for the tile ISA but only reached when csa_isa_get() >= CSA_ISA_AMX).
  *
@@ -243,7 +243,9 @@ static void CSA_V(ix_pack_row)(const struct csa_index_problem *p, csa_idx b, csa
                                  "f16c,amx-tile,amx-bf16"),                                 \
                           noinline))
 
-/* Palette 1, eight 16-row x 64-byte tiles; each thread that uses tiles loads it. */
+/* Palette 1, eight 16-row x 64-byte tiles; each thread that uses tiles loads it.
+ * (The layout of amx.h's csa_amx_tiles_16x64, loaded without _tile_loadconfig: see
+ * below.) */
 IX_AMX_FN void CSA_V(ix_amx_begin)(void)
 {
     struct {

@@ -666,6 +666,11 @@ def test_bf16_views_torch_tensors_and_out(isa_bf16, rng):
     np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
     idx = dc.index_topk(tq, tk, tw, 5, ratio=2, offset=3)
     np.testing.assert_array_equal(idx, dc.topk_indices(want, 5, ratio=2, offset=3))
+    # keys read in place with a negative row stride (the tiles load rows at any stride)
+    kr = kb[::-1, ::-1]
+    np.testing.assert_array_equal(
+        dc.index_scores(qb, kr, wb, ratio=1, start_pos=28).view(np.uint32),
+        dc.index_scores(qb, np.ascontiguousarray(kr), wb, ratio=1, start_pos=28).view(np.uint32))
 
 
 @pytest.mark.parametrize("qdt, kdt", [(BF16, np.float32), (np.float32, BF16)])
