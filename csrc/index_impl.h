@@ -13,7 +13,13 @@
  * (latest) first under a dynamic schedule since causal rows differ in length, and a
  * [Tc] scratch row that the selection consumes right away; calls with few rows
  * (decode) split the keys across threads (ix_run_keysplit).  Rows never see more
- * than their visible entries: the causal half of a prefill is never computed. */
+ * than their visible entries: the causal half of a prefill is never computed.
+ *
+ * bfloat16 q and k (ix_mode): at level 'amx' the AMX-BF16 path below scores them
+ * natively; elsewhere (IX_WIDEN) each packed q row is widened first and each chunk of
+ * keys is widened once into a per-thread float32 scratch shared by the rows that
+ * read it, so the float32 code above runs unchanged and gives its own bits.  Neither
+ * path ever holds a float32 copy of the whole of q or k. */
 
 #if defined(__AVX512F__)
 #define IX_VL 16
