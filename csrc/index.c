@@ -12,6 +12,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
 /* ------------------------------------------------------------------ ranking */
 
 static inline uint32_t score_key(float f)
@@ -225,17 +229,24 @@ static int select_row_ref(const float *sc, csa_idx sst, csa_idx nvis, const uint
     return CSA_OK;
 }
 
+/* Element i of a float32 or bfloat16 array, widened exactly to float32. */
+static inline float ld(const void *a, int bf16, csa_idx i)
+{
+    return bf16 ? csa_bf16_to_f32(((const csa_bf16 *)a)[i]) : ((const float *)a)[i];
+}
+
 static float score_ref(const struct csa_index_problem *p, csa_idx b, csa_idx s, csa_idx t)
 {
-    const float *qr = p->q + b * p->sqb + s * p->sqs;
-    const float *kr = p->k + b * p->skb + t * p->skt;
-    const float *wr = p->w + b * p->swb + s * p->sws;
+    const int bf = p->qk_bf16;
+    const csa_idx q0 = b * p->sqb + s * p->sqs, k0 = b * p->skb + t * p->skt;
+    const csa_idx w0 = b * p->swb + s * p->sws;
     float acc = 0.0f;
     for (csa_idx h = 0; h < p->Hi; h++) {
         float dot = 0.0f;
-        for (csa_idx d = 0; d < p->Di; d++) dot += qr[h * p->sqh + d] * kr[d];
+        for (csa_idx d = 0; d < p->Di; d++)
+            dot += ld(p->q, bf, q0 + h * p->sqh + d) * ld(p->k, bf, k0 + d);
         const float r = dot < 0.0f ? 0.0f : dot; /* keeps NaN */
-        acc += r * wr[h * p->swh];
+        acc += r * ld(p->w, p->w_bf16, w0 + h * p->swh);
     }
     return acc;
 }
@@ -285,6 +296,22 @@ int csa_topk_indices_ref(const float *scores, csa_idx B, csa_idx S, csa_idx Tc, 
 }
 
 /* ------------------------------------------------------------------ tuned */
+
+/* What the tuned kernels read for q . k (index_impl.h): float32 q/k in place,
+ * bfloat16 q/k widened to float32 copies for the float32 code, or bfloat16 q/k on
+ * AMX-BF16 tiles (level 'amx' only). */
+enum { IX_F32 = 0, IX_WIDEN = 1, IX_AMX = 2 };
+
+/* One tuned call: scores into sc (idx == NULL) or fused top-k into idx. */
+struct ix_call {
+    const struct csa_index_problem *p;
+    const struct csa_index_cand *c;
+    csa_idx K, offset;
+    int order;
+    int32_t *idx;
+    float *sc;
+    csa_idx sob, sos;
+};
 
 #define CSA_IMPL "index_impl.h"
 #include "csa_isa_variants.h"

@@ -9,6 +9,10 @@
  *   q : [B, S, Hi, Di]  strides (sqb, sqs, sqh, 1)
  *   k : [B, Tc, Di]     strides (skb, skt, 1)
  *   w : [B, S, Hi]      strides (swb, sws, swh)
+ * q and k are both float32 or both bfloat16 (qk_bf16); w is float32 or bfloat16
+ * (w_bf16), independently.  bfloat16 values are widened to float32 exactly and
+ * everything is computed in float32; the scores are float32 whatever the input dtype
+ * (the released scorer accumulates q.k in float32 and returns float32 scores).
  * score[b, s, t] = sum_h relu(q[b,s,h,:] . k[b,t,:]) * w[b,s,h] for the entries the
  * query at absolute position P = start_pos + s can see, t < (P + 1) / ratio; the
  * caller guarantees Tc >= (start_pos + S) / ratio, so every visible t < Tc.
@@ -17,9 +21,18 @@
  * follows a fixed order that depends on the ISA level only, never on the thread
  * count or on which other queries or keys are in the call, so the same (q row,
  * k row, w row) always gives the same bits at a given ISA level, in every function
- * of this file.  relu keeps NaN (relu(NaN) = NaN, as torch). */
+ * of this file.  relu keeps NaN (relu(NaN) = NaN, as torch).
+ *
+ * bfloat16 inputs at every level but 'amx' go through the float32 code on widened
+ * copies, so they give exactly the bits of float32 inputs holding the same values.
+ * At level 'amx' (CSA_ISA_AMX) bfloat16 q . k run on AMX-BF16 tiles: products of
+ * bfloat16 values are exact in float32, so only the order of the float32 additions
+ * of a dot product differs (the tile unit's, in chunks of 32 features from d = 0),
+ * and the tile unit treats bfloat16 subnormals (|x| < 2^-126) as zero and flushes
+ * subnormal results.  The head sum keeps the fixed order of the float32 code. */
 struct csa_index_problem {
-    const float *q, *k, *w;
+    const void *q, *k, *w; /* float32, or csa_bf16 where qk_bf16 / w_bf16 say so */
+    int qk_bf16, w_bf16;
     csa_idx B, S, Hi, Di, Tc;
     csa_idx sqb, sqs, sqh;
     csa_idx skb, skt;

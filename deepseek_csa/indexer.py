@@ -13,6 +13,15 @@ identical at any thread count, and identical between ``index_topk`` and
 ``topk_indices(index_scores(...))``.  Entries a query cannot see (t >= (P+1)//ratio)
 are never selected; rows with fewer eligible entries than the output width are
 padded with -1 at the end.
+
+bfloat16: ``q`` and ``k`` may both be bfloat16 (ml_dtypes.bfloat16 arrays or
+torch.bfloat16 tensors, read in place, never copied to float32); ``weights`` may be
+either dtype.  Mixing float32 and bfloat16 q/k raises TypeError.  Scores are float32
+(as the released scorer returns them): bfloat16 products are exact in float32, so the
+bf16 path equals the float32 reference on the bf16 values up to the order of float32
+additions.  At ISA level 'amx' q . k run on AMX-BF16 tiles (several times the float32
+throughput; bfloat16 subnormals count as zero there); at the other levels bfloat16
+inputs give bitwise the float32 result.  Bits never depend on the thread count.
 """
 from ._core import (compress_topk_idxs, index_scores, index_topk, select_candidate_blocks,
                     topk_indices, window_topk_idxs)

@@ -36,9 +36,18 @@ static int parse_qkw(const char *fn, PyObject *qo, PyObject *ko, PyObject *wo, l
 {
     char b1[256], b2[256];
     memset(a, 0, sizeof *a);
-    if (!(a->q = csa_array(qo, fn, "q", CSA_F32, 4, 4, 0))) goto fail;
-    if (!(a->k = csa_array(ko, fn, "k", CSA_F32, 3, 3, 0))) goto fail;
-    if (!(a->w = csa_array(wo, fn, "weights", CSA_F32, 3, 3, 0))) goto fail;
+    if (!(a->q = csa_array(qo, fn, "q", CSA_F32 | CSA_BF16, 4, 4, 0))) goto fail;
+    if (!(a->k = csa_array(ko, fn, "k", CSA_F32 | CSA_BF16, 3, 3, 0))) goto fail;
+    if (!(a->w = csa_array(wo, fn, "weights", CSA_F32 | CSA_BF16, 3, 3, 0))) goto fail;
+    /* q . k runs in one dtype, as the reference's einsum insists: no silent promotion
+     * (a float32 copy of a bf16 cache is what this path exists to avoid). */
+    const int qbf = csa_is_bf16(a->q);
+    if (csa_is_bf16(a->k) != qbf) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s(): 'k' must have the dtype of 'q' (%s), got %s; convert one of them",
+                     fn, qbf ? "bfloat16" : "float32", qbf ? "float32" : "bfloat16");
+        goto fail;
+    }
     const npy_intp B = PyArray_DIM(a->q, 0), S = PyArray_DIM(a->q, 1), Hi = PyArray_DIM(a->q, 2),
                    Di = PyArray_DIM(a->q, 3), Tc = PyArray_DIM(a->k, 1);
     if (csa_check_dim(a->k, fn, "k", 0, B, "batch, q.shape[0]")) goto fail;
@@ -62,6 +71,7 @@ static int parse_qkw(const char *fn, PyObject *qo, PyObject *ko, PyObject *wo, l
     if (!(a->q = unit_inner(a->q)) || !(a->k = unit_inner(a->k))) goto fail;
     *p = (struct csa_index_problem){
         .q = PyArray_DATA(a->q), .k = PyArray_DATA(a->k), .w = PyArray_DATA(a->w),
+        .qk_bf16 = qbf, .w_bf16 = csa_is_bf16(a->w),
         .B = B, .S = S, .Hi = Hi, .Di = Di, .Tc = Tc,
         .sqb = csa_stride(a->q, 0), .sqs = csa_stride(a->q, 1), .sqh = csa_stride(a->q, 2),
         .skb = csa_stride(a->k, 0), .skt = csa_stride(a->k, 1),
@@ -223,11 +233,17 @@ PyDoc_STRVAR(index_scores_doc,
 "entries the query at absolute position P = start_pos + s can see,\n"
 "t < (P + 1) // ratio; -inf for the others.  For tensor-parallel users who sum\n"
 "the partial scores of their heads across ranks before topk_indices().\n\n"
-"q       : float32 [B, S, Hi, Di] (any strides).\n"
-"k       : float32 [B, Tc, Di], Tc >= (start_pos + S) // ratio (a longer cache is fine).\n"
-"weights : float32 [B, S, Hi].\n"
+"q       : float32 or bfloat16 [B, S, Hi, Di] (any strides).\n"
+"k       : [B, Tc, Di] in q's dtype, Tc >= (start_pos + S) // ratio (a longer cache is\n"
+"          fine).\n"
+"weights : float32 or bfloat16 [B, S, Hi].\n"
 "ratio   : compress ratio (>= 1); start_pos: absolute position of q[:, 0].\n"
 "out     : float32 [B, S, Tc] or None.\n"
+"bfloat16 (ml_dtypes.bfloat16 arrays, torch.bfloat16 tensors) is read in place, never\n"
+"copied to float32: computed in float32 (products of bfloat16 are exact), scores\n"
+"float32 as the released scorer returns them.  At ISA level 'amx' the bfloat16 q . k\n"
+"run on AMX-BF16 tiles (another float32 summation order; bfloat16 subnormals count as\n"
+"zero); at the other levels bfloat16 inputs give exactly the float32 result.\n"
 "Scores are bitwise identical at any thread count and to the ones index_topk() ranks;\n"
 "relu keeps NaN.  Returns out (a new array when out is None).");
 
@@ -281,7 +297,7 @@ PyDoc_STRVAR(index_topk_doc,
 "scratch rows and selects from them right away (calls with fewer than 4 rows per\n"
 "thread, i.e. decode, split the keys across threads and keep their few [Tc] rows).\n"
 "A query row only scores the entries it can see.\n\n"
-"q, k, weights, ratio, start_pos: as index_scores().\n"
+"q, k, weights, ratio, start_pos: as index_scores() (float32 or bfloat16).\n"
 "Ranking: higher score first, NaN above +inf (as torch.topk), -0.0 == +0.0, and equal\n"
 "  scores by LOWER position first, so the selected set is unique; identical at any\n"
 "  thread count and to topk_indices(index_scores(...)).\n"
