@@ -7,6 +7,7 @@
  * the V4 order sorts them with a stable LSD radix sort by descending key.  The `_ref`
  * oracle sorts composite (key, position) pairs with qsort instead. */
 #include "index.h"
+#include "amx.h"
 
 #include <math.h>
 #include <stdlib.h>

@@ -249,26 +249,8 @@ static void CSA_V(ix_pack_row)(const struct csa_index_problem *p, csa_idx b, csa
                                  "f16c,amx-tile,amx-bf16"),                                 \
                           noinline))
 
-/* Palette 1, eight 16-row x 64-byte tiles; each thread that uses tiles loads it.
- * (The layout of amx.h's csa_amx_tiles_16x64, loaded without _tile_loadconfig: see
- * below.) */
-IX_AMX_FN void CSA_V(ix_amx_begin)(void)
-{
-    struct {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        cfg.colsb[i] = 64;
-        cfg.rows[i] = 16;
-    }
-    /* not _tile_loadconfig(): its asm names only the first 8 bytes as read, so the
-     * compiler may drop the stores of the rest */
-    __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
-}
+/* Each thread that uses tiles configures them (csrc/amx.h) and releases them after. */
+IX_AMX_FN void CSA_V(ix_amx_begin)(void) { csa_amx_tiles_16x64(); }
 
 IX_AMX_FN void CSA_V(ix_amx_end)(void) { _tile_release(); }
 
