@@ -18,8 +18,8 @@ Drop-in functions (same arguments and results as the released ones):
 Tensors: CPU float32 tensors are handed to the kernels as NumPy views of the same memory
 (no copies; in-place ops write into the caller's tensor) and results come back as tensors
 over the kernels' output buffers (``torch.from_numpy``, no copy).  bfloat16 tensors are
-read natively by ``rms_norm``, ``apply_rotary_emb`` and ``sparse_attn`` (no copies,
-float32 inside, one rounding on store); for the other ops the bridge still converts them to float32, runs the
+read natively by ``rms_norm``, ``apply_rotary_emb``, ``sparse_attn`` and the indexer's
+scoring (no copies, float32 inside, one rounding on store); for the other ops the bridge still converts them to float32, runs the
 kernel and converts the result back (one copy each way) until their kernels take
 bfloat16, which is also where the released model rounds to bfloat16.
 
@@ -285,7 +285,12 @@ def indexer_forward(self, x, qr, start_pos, offset):
     G["fp4_act_quant"](q, G.get("fp4_block_size", 32), True)
     self.compressor(x, start_pos)
     w = self.weights_proj(x) * (self.softmax_scale * self.n_heads ** -0.5)
-    qn, kn, wn = _f32(q), _f32(self.kv_cache[:b, :end // r]), _f32(w)
+    kc = self.kv_cache[:b, :end // r]
+    if _native_bf16(q, kc):    # the kernels read bf16 q / keys (and weights) in place
+        qn, kn = q.detach(), kc.detach()
+        wn = w.detach() if _native_bf16(w) else _f32(w)
+    else:
+        qn, kn, wn = _f32(q), _f32(kc), _f32(w)
     k = self.index_topk                       # the kernels take min(k, visible) themselves
     if G.get("world_size", 1) > 1:
         sc = torch.from_numpy(_dc.index_scores(qn, kn, wn, ratio=r, start_pos=start_pos))
