@@ -126,43 +126,110 @@ static inline __attribute__((always_inline)) void CSA_V(quant_block8)(
 }
 #endif
 
+/* One row of d features in blocks: the widest block kernel this level has. */
+static inline __attribute__((always_inline)) void CSA_V(quant_row)(
+    const float *xr, float *yr, csa_idx d, csa_idx block, int fmt, int scale)
+{
+#ifdef __AVX512F__
+    if (block % 16 == 0) {
+        if (fmt == CSA_Q_E4M3)
+            for (csa_idx b0 = 0; b0 < d; b0 += block)
+                CSA_V(quant_block16)(xr + b0, yr + b0, block, CSA_Q_E4M3, scale);
+        else
+            for (csa_idx b0 = 0; b0 < d; b0 += block)
+                CSA_V(quant_block16)(xr + b0, yr + b0, block, CSA_Q_E2M1, scale);
+        return;
+    }
+#endif
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    if (block % 8 == 0) {
+        if (fmt == CSA_Q_E4M3)
+            for (csa_idx b0 = 0; b0 < d; b0 += block)
+                CSA_V(quant_block8)(xr + b0, yr + b0, block, CSA_Q_E4M3, scale);
+        else
+            for (csa_idx b0 = 0; b0 < d; b0 += block)
+                CSA_V(quant_block8)(xr + b0, yr + b0, block, CSA_Q_E2M1, scale);
+        return;
+    }
+#endif
+    if (fmt == CSA_Q_E4M3)
+        for (csa_idx b0 = 0; b0 < d; b0 += block)
+            CSA_V(quant_block)(xr + b0, yr + b0, block, CSA_Q_E4M3, scale);
+    else
+        for (csa_idx b0 = 0; b0 < d; b0 += block)
+            CSA_V(quant_block)(xr + b0, yr + b0, block, CSA_Q_E2M1, scale);
+}
+
 static int CSA_V(quant_round_tuned)(const float *x, csa_idx rows, csa_idx d, csa_idx sx_row,
                                     csa_idx block, int fmt, int scale, float *out,
                                     csa_idx so_row)
 {
     const int nt = csa_threads(rows, 1 + 16384 / (d > 0 ? d : 1));
 #pragma omp parallel for num_threads(nt) schedule(static)
-    for (csa_idx r = 0; r < rows; r++) {
-        const float *xr = x + r * sx_row;
-        float *yr = out + r * so_row;
+    for (csa_idx r = 0; r < rows; r++)
+        CSA_V(quant_row)(x + r * sx_row, out + r * so_row, d, block, fmt, scale);
+    return CSA_OK;
+}
+
+/* bfloat16 rows for the bf16 entry points: widening is a 16-bit shift (exact),
+ * narrowing rounds nearest-even once, NaN kept quiet (csa_f32_to_bf16). */
+static inline void CSA_V(q_widen)(float *CSA_RESTRICT dst, const csa_bf16 *CSA_RESTRICT src,
+                                  csa_idx n)
+{
 #ifdef __AVX512F__
-        if (block % 16 == 0) {
-            if (fmt == CSA_Q_E4M3)
-                for (csa_idx b0 = 0; b0 < d; b0 += block)
-                    CSA_V(quant_block16)(xr + b0, yr + b0, block, CSA_Q_E4M3, scale);
-            else
-                for (csa_idx b0 = 0; b0 < d; b0 += block)
-                    CSA_V(quant_block16)(xr + b0, yr + b0, block, CSA_Q_E2M1, scale);
-            continue;
-        }
+    csa_idx i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(src + i));
+        _mm512_store_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+    }
+    for (; i < n; i++) dst[i] = csa_bf16_to_f32(src[i]);
+#else
+#pragma omp simd
+    for (csa_idx i = 0; i < n; i++) dst[i] = csa_bf16_to_f32(src[i]);
 #endif
-#if defined(__AVX2__) && !defined(__AVX512F__)
-        if (block % 8 == 0) {
-            if (fmt == CSA_Q_E4M3)
-                for (csa_idx b0 = 0; b0 < d; b0 += block)
-                    CSA_V(quant_block8)(xr + b0, yr + b0, block, CSA_Q_E4M3, scale);
-            else
-                for (csa_idx b0 = 0; b0 < d; b0 += block)
-                    CSA_V(quant_block8)(xr + b0, yr + b0, block, CSA_Q_E2M1, scale);
-            continue;
-        }
+}
+
+static inline void CSA_V(q_narrow)(csa_bf16 *CSA_RESTRICT dst, const float *CSA_RESTRICT src,
+                                   csa_idx n)
+{
+#ifdef __AVX512F__
+    const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
+    const __m512i quiet = _mm512_set1_epi32(0x40);
+    csa_idx i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_load_ps(src + i);
+        const __m512i u = _mm512_castps_si512(v);
+        const __m512i hi = _mm512_srli_epi32(u, 16);
+        __m512i r = _mm512_srli_epi32(
+            _mm512_add_epi32(u, _mm512_add_epi32(bias, _mm512_and_si512(hi, one))), 16);
+        r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                                  _mm512_or_si512(hi, quiet));
+        _mm256_storeu_si256((__m256i *)(dst + i), _mm512_cvtepi32_epi16(r));
+    }
+    for (; i < n; i++) dst[i] = csa_f32_to_bf16(src[i]);
+#else
+    for (csa_idx i = 0; i < n; i++) dst[i] = csa_f32_to_bf16(src[i]);
 #endif
-        if (fmt == CSA_Q_E4M3)
-            for (csa_idx b0 = 0; b0 < d; b0 += block)
-                CSA_V(quant_block)(xr + b0, yr + b0, block, CSA_Q_E4M3, scale);
-        else
-            for (csa_idx b0 = 0; b0 < d; b0 += block)
-                CSA_V(quant_block)(xr + b0, yr + b0, block, CSA_Q_E2M1, scale);
+}
+
+/* bfloat16 rows through the float32 row kernel, Q_BF16_CHUNK features of whole blocks
+ * at a time widened into an L1-resident buffer, rounded in place there and narrowed
+ * on the way out: memory sees only the 16-bit rows. */
+static int CSA_V(quant_round_bf16_tuned)(const csa_bf16 *x, csa_idx rows, csa_idx d,
+                                         csa_idx sx_row, csa_idx block, int fmt, int scale,
+                                         csa_bf16 *out, csa_idx so_row)
+{
+    const int nt = csa_threads(rows, 1 + 16384 / (d > 0 ? d : 1));
+    const csa_idx chunk = Q_BF16_CHUNK / block * block;   /* block <= Q_BF16_CHUNK */
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (csa_idx r = 0; r < rows; r++) {
+        float buf[Q_BF16_CHUNK] __attribute__((aligned(64)));
+        for (csa_idx c0 = 0; c0 < d; c0 += chunk) {
+            const csa_idx n = d - c0 < chunk ? d - c0 : chunk;
+            CSA_V(q_widen)(buf, x + r * sx_row + c0, n);
+            CSA_V(quant_row)(buf, buf, n, block, fmt, scale);
+            CSA_V(q_narrow)(out + r * so_row + c0, buf, n);
+        }
     }
     return CSA_OK;
 }
@@ -285,47 +352,71 @@ static inline void CSA_V(fwht_row_long)(const float *xr, float *yr, csa_idx n, f
 }
 #endif
 
+/* One row at this level's widest transform; `stream`: non-temporal stores. */
+static inline __attribute__((always_inline)) void CSA_V(hadamard_row)(
+    const float *xr, float *yr, csa_idx n, float scale, int stream)
+{
+#ifdef __AVX512F__
+    if (n >= 16 && n <= 256) {
+        if (stream)
+            CSA_V(fwht_row_vec)(xr, yr, n, scale, 1);
+        else
+            CSA_V(fwht_row_vec)(xr, yr, n, scale, 0);
+        return;
+    }
+    if (n > 256) {
+        CSA_V(fwht_row_long)(xr, yr, n, scale);
+        return;
+    }
+#else
+    (void)stream;
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+    if (n >= 8) {
+        CSA_V(fwht_row8)(xr, yr, n, scale);
+        return;
+    }
+#endif
+    if (yr != xr) memcpy(yr, xr, (size_t)n * sizeof *yr);
+    CSA_V(fwht_row)(yr, n, scale);
+}
+
 static int CSA_V(hadamard_tuned)(const float *x, csa_idx rows, csa_idx n, csa_idx sx_row,
                                  float scale, float *out, csa_idx so_row)
 {
     const int nt = csa_threads(rows, 1 + 8192 / n);
+    int stream = 0;
 #ifdef __AVX512F__
     /* A large out-of-place result goes around the caches with streaming stores (no
      * read-for-ownership of the destination lines): rows must start 64-byte aligned. */
-    const int stream = out != x && (csa_idx)rows * n >= ((csa_idx)1 << 21) &&
-                       ((uintptr_t)out & 63) == 0 && (so_row * 4) % 64 == 0;
+    stream = out != x && (csa_idx)rows * n >= ((csa_idx)1 << 21) &&
+             ((uintptr_t)out & 63) == 0 && (so_row * 4) % 64 == 0;
 #endif
 #pragma omp parallel num_threads(nt)
     {
 #pragma omp for schedule(static)
-        for (csa_idx r = 0; r < rows; r++) {
-            const float *xr = x + r * sx_row;
-            float *yr = out + r * so_row;
-#ifdef __AVX512F__
-            if (n >= 16 && n <= 256) {
-                if (stream)
-                    CSA_V(fwht_row_vec)(xr, yr, n, scale, 1);
-                else
-                    CSA_V(fwht_row_vec)(xr, yr, n, scale, 0);
-                continue;
-            }
-            if (n > 256) {
-                CSA_V(fwht_row_long)(xr, yr, n, scale);
-                continue;
-            }
-#endif
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-            if (n >= 8) {
-                CSA_V(fwht_row8)(xr, yr, n, scale);
-                continue;
-            }
-#endif
-            if (yr != xr) memcpy(yr, xr, (size_t)n * sizeof *yr);
-            CSA_V(fwht_row)(yr, n, scale);
-        }
+        for (csa_idx r = 0; r < rows; r++)
+            CSA_V(hadamard_row)(x + r * sx_row, out + r * so_row, n, scale, stream);
 #ifdef __AVX512F__
         if (stream) _mm_sfence();  /* streamed lines visible before the region ends */
 #endif
+    }
+    return CSA_OK;
+}
+
+/* bfloat16 rows (n <= Q_BF16_CHUNK): widened into an L1-resident buffer, transformed
+ * there by the float32 row kernel, narrowed on the way out. */
+static int CSA_V(hadamard_bf16_tuned)(const csa_bf16 *x, csa_idx rows, csa_idx n,
+                                      csa_idx sx_row, float scale, csa_bf16 *out,
+                                      csa_idx so_row)
+{
+    const int nt = csa_threads(rows, 1 + 8192 / n);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (csa_idx r = 0; r < rows; r++) {
+        float buf[Q_BF16_CHUNK] __attribute__((aligned(64)));
+        CSA_V(q_widen)(buf, x + r * sx_row, n);
+        CSA_V(hadamard_row)(buf, buf, n, scale, 0);
+        CSA_V(q_narrow)(out + r * so_row, buf, n);
     }
     return CSA_OK;
 }
