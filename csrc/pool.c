@@ -61,6 +61,8 @@ typedef struct {
     csa_idx fkv, fsc, fape;
     csa_idx pf;   /* tuned prefill only: the row's other half (elements away), which the
                    * next entry reads, is prefetched along with it; 0 = none */
+    int next;     /* tuned prefill only: an entry follows whose candidate j is this one's
+                   * j + n rows on: its rows are prefetched while this one computes */
     int kvbf, scbf;
 } pool_cands;
 

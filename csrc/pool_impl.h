@@ -130,6 +130,17 @@ static inline __attribute__((always_inline)) int CSA_V(pool_entry_body)(
                     const void *sc = pool_off(c[k].sc, scbf, j * c[k].ssc + f0 + fb);
                     const void *kv = pool_off(c[k].kv, kvbf, j * c[k].skv + f0 + fb);
                     const float *ap = c[k].ape ? c[k].ape + j * c[k].sape + f0 + fb : NULL;
+                    if (c[k].next) {
+                        /* the memory-bound pass 1 of the next entry would otherwise wait
+                         * for its rows after this compute-bound pass: fetch them now */
+                        const char *ns = pool_off(sc, scbf, c[k].n * c[k].ssc);
+                        const char *nk = pool_off(kv, kvbf, c[k].n * c[k].skv);
+                        const csa_idx nb = scbf ? 128 : 256;   /* bytes of 64 features */
+                        for (csa_idx o = 0; o < nb; o += 64) {
+                            _mm_prefetch(ns + o, _MM_HINT_T1);
+                            _mm_prefetch(nk + o, _MM_HINT_T1);
+                        }
+                    }
                     for (int v = 0; v < 4; v++) {
                         __m512 l = CSA_V(pool_ld16)(sc, 16 * v, mk[v], scbf);
                         if (ap) l = _mm512_add_ps(l, _mm512_maskz_loadu_ps(mk[v], ap + 16 * v));
@@ -272,6 +283,7 @@ static int CSA_V(gated_pool_tuned)(const void *kv, int kvbf, csa_idx skb, csa_id
         const int nc = entry_cands(c, pool_off(kv, kvbf, b * skb), kvbf, skt, 1,
                                    pool_off(score, scbf, b * ssb), scbf, sst, 1, ape, sar, 1, d,
                                    r, overlap, g);
+        for (int k = 0; k < nc; k++) c[k].next = g + 1 < G;
         CSA_V(pool_entry_tuned)(c, nc, d, (void *)pool_off(out, obf, b * sob + g * sog), obf);
     }
     return CSA_OK;
