@@ -783,3 +783,30 @@ def test_compressor_bf16_out_and_decode_threads(rng):
                                      257)))
     assert all(np.array_equal(r, res[0]) for r in res[1:])
     assert np.array_equal(_bits(out), res[0][:, :2])
+
+
+def test_bf16_nan_inf_and_mixed_dtype_stream(isa_bf16, rng):
+    """NaN / inf in bf16 inputs behave as in float32 (the softmax rules of the float32
+    test), NaN stays NaN through the bf16 store; a Compressor fed bf16 kv with float32
+    scores (the widened bf16 values) streams the same bits as bf16 scores."""
+    ratio, D = 4, 20
+    kv = np.ones((1, 12, 2 * D), np.float32)
+    sc = np.zeros((1, 12, 2 * D), np.float32)
+    sc[0, 4:8, D + 0] = -np.inf
+    sc[0, 0:4, D + 3] = -np.inf                      # entry 0: all masked -> NaN
+    sc[0, 5, D + 4] = np.nan
+    sc[0, 9, D + 5] = np.inf
+    kv[0, 6, D + 6] = np.inf
+    kv[0, 2, D + 7] = np.nan
+    kb, sb = kv.astype(BF16), sc.astype(BF16)
+    got = dc.gated_pool(kb, sb, ratio, overlap=True).astype(np.float32)
+    want = dc.gated_pool(kb.astype(np.float32), sb.astype(np.float32), ratio, overlap=True)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    assert np.isnan(got[0, 0, 3]) and np.isnan(got[0, 1, 4]) and np.isnan(got[0, 2, 5])
+    fin = ~np.isnan(want)
+    assert np.array_equal(got[fin], want[fin].astype(BF16).astype(np.float32))
+    kv, sc, ape = _inputs(rng, 2, 23, 16, 4)
+    kb, sb = kv.astype(BF16), sc.astype(BF16)
+    a = _stream(dc.Compressor(2, 4, 8, overlap=True, ape=ape), kb, sb, 9)
+    b = _stream(dc.Compressor(2, 4, 8, overlap=True, ape=ape), kb, sb.astype(np.float32), 9)
+    assert a.dtype == b.dtype == BF16 and np.array_equal(_bits(a), _bits(b))
