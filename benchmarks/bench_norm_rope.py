@@ -33,17 +33,18 @@ def cases(quick=False):
         out.append(Case("rms_norm", f"{shape}", ours=lambda x=x, w=w, y=y: dc.rms_norm(x, w, out=y),
                         eager=lambda tx=tx, tw=tw: _rms_ref(tx, tw), compile_fn=_rms_ref,
                         compile_args=(tx, tw), bytes=2 * x.nbytes + w.nbytes))
-    # bfloat16 in and out: half the bytes of the float32 case
+    # bfloat16 in and out, at the same shapes: half the bytes of the float32 cases
     import ml_dtypes
-    shape = (4096, 4096) if not quick else (1024, 512)
-    xb = rng.standard_normal(shape, dtype=np.float32).astype(ml_dtypes.bfloat16)
-    w = rng.standard_normal(shape[-1], dtype=np.float32)
-    yb = np.empty_like(xb)
-    txb = torch.from_numpy(xb.view(np.int16)).view(torch.bfloat16)
-    tw = torch.from_numpy(w)
-    out.append(Case("rms_norm", f"{shape} bf16", ours=lambda: dc.rms_norm(xb, w, out=yb),
-                    eager=lambda: _rms_ref(txb, tw), compile_fn=_rms_ref,
-                    compile_args=(txb, tw), bytes=2 * xb.nbytes + w.nbytes))
+    for shape in ([(8192, 512), (4096, 4096)] if not quick else [(1024, 512)]):
+        xb = rng.standard_normal(shape, dtype=np.float32).astype(ml_dtypes.bfloat16)
+        w = rng.standard_normal(shape[-1], dtype=np.float32)
+        yb = np.empty_like(xb)
+        txb = torch.from_numpy(xb.view(np.int16)).view(torch.bfloat16)
+        tw = torch.from_numpy(w)
+        out.append(Case("rms_norm", f"{shape} bf16",
+                        ours=lambda xb=xb, w=w, yb=yb: dc.rms_norm(xb, w, out=yb),
+                        eager=lambda txb=txb, tw=tw: _rms_ref(txb, tw), compile_fn=_rms_ref,
+                        compile_args=(txb, tw), bytes=2 * xb.nbytes + w.nbytes))
     S = 4096 if not quick else 512
     q = rng.standard_normal((1, S, 64, 512), dtype=np.float32)
     c, s = dc.rope_table(64, S, base=160000.0, original_seq_len=65536, factor=16)

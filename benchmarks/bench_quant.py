@@ -2,8 +2,11 @@
 
 The eager side is the reference formula in torch (what the released model's rounding
 computes, written with torch ops); for hadamard it is ``x @ H`` with the explicit
-Sylvester Hadamard matrix, the dense alternative.
+Sylvester Hadamard matrix, the dense alternative.  The bf16 cases round bfloat16
+arrays in place (2 bytes an element): the reference widens, rounds in float32 and
+casts back, as the released model does on its bf16 activations.
 """
+import ml_dtypes
 import numpy as np
 import torch
 
@@ -52,6 +55,25 @@ def _had_ref(x, h):
     return x @ h
 
 
+def _fp8_ref_bf16(x, block: int):
+    """x.float() -> round -> .to(bfloat16), in place."""
+    x.copy_(_fp8_ref(x.float(), block))
+    return x
+
+
+def _fp4_ref_bf16(x, block: int):
+    x.copy_(_fp4_ref(x.float(), block))
+    return x
+
+
+def _had_ref_bf16(x, h):
+    return (x.float() @ h).bfloat16()
+
+
+def _tbf(a):
+    return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+
+
 def cases(quick=False):
     rng = np.random.default_rng(0)
     out = []
@@ -82,4 +104,26 @@ def cases(quick=False):
                     ours=lambda: dc.hadamard(xh, out=yh),
                     eager=lambda: torch.matmul(th, h, out=ty),
                     bytes=2 * xh.nbytes))
+    bf = ml_dtypes.bfloat16
+    x8b = rng.standard_normal((rows8, 448), dtype=np.float32).astype(bf)
+    t8b = _tbf(x8b.copy())
+    out.append(Case("fp8_round", f"[{rows8},448] block 64, in place bf16",
+                    ours=lambda: dc.fp8_round(x8b, 64),
+                    eager=lambda: _fp8_ref_bf16(t8b, 64), compile_fn=_fp8_ref_bf16,
+                    compile_args=(t8b, 64), bytes=2 * x8b.nbytes))
+    x4b = rng.standard_normal((rows4, 128), dtype=np.float32).astype(bf)
+    t4b = _tbf(x4b.copy())
+    out.append(Case("fp4_round", f"[{rows4},128] block 32, in place bf16",
+                    ours=lambda: dc.fp4_round(x4b, 32),
+                    eager=lambda: _fp4_ref_bf16(t4b, 32), compile_fn=_fp4_ref_bf16,
+                    compile_args=(t4b, 32), bytes=2 * x4b.nbytes))
+    xhb = rng.standard_normal((rows4, 128), dtype=np.float32).astype(bf)
+    thb = _tbf(xhb)
+    yhb = np.empty_like(xhb)
+    out.append(Case("hadamard", f"[{rows4},128] new array bf16",
+                    ours=lambda: dc.hadamard(xhb),
+                    eager=lambda: _had_ref_bf16(thb, h), compile_fn=_had_ref_bf16,
+                    compile_args=(thb, h), bytes=2 * xhb.nbytes))
+    out.append(Case("hadamard", f"[{rows4},128] out= bf16",
+                    ours=lambda: dc.hadamard(xhb, out=yhb), bytes=2 * xhb.nbytes))
     return out

@@ -9,83 +9,140 @@
 #include "norm.h"
 #include "rope.h"
 
+/* Element access for arrays that are float32 (bf = 0) or bfloat16 (bf = 1). */
+static inline const void *pool_off(const void *p, int bf, csa_idx i)
+{
+    return bf ? (const void *)((const csa_bf16 *)p + i) : (const void *)((const float *)p + i);
+}
+
+static inline float pool_ld(const void *p, int bf, csa_idx i)
+{
+    return bf ? csa_bf16_to_f32(((const csa_bf16 *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void pool_st(void *p, int bf, csa_idx i, float v)
+{
+    if (bf)
+        ((csa_bf16 *)p)[i] = csa_f32_to_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+/* n contiguous values of src (float32 or bfloat16) as float32 into dst: exact. */
+static void pool_to_f32(float *dst, const void *src, int bf, csa_idx n)
+{
+    if (!bf) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+        return;
+    }
+    const csa_bf16 *h = src;
+    for (csa_idx i = 0; i < n; i++) dst[i] = csa_bf16_to_f32(h[i]);
+}
+
+/* n contiguous values from src to dst, each float32 or bfloat16 (rounded if narrowed). */
+static void pool_copy(void *dst, int dbf, const void *src, int sbf, csa_idx n)
+{
+    if (dbf == sbf) {
+        memcpy(dst, src, (size_t)n * (dbf ? sizeof(csa_bf16) : sizeof(float)));
+        return;
+    }
+    for (csa_idx i = 0; i < n; i++) pool_st(dst, dbf, i, pool_ld(src, sbf, i));
+}
+
 /* The candidates of one entry that come from one place: candidate j reads
  * kv + j*skv, sc + j*ssc and (unless ape is NULL) ape + j*sape, each at feature f
- * times its feature stride (always 1 in the tuned kernels).  `sc` holds scores, or
- * logits already including ape (the streaming state), in which case ape is NULL. */
+ * times its feature stride (always 1 in the tuned kernels), all in elements of their
+ * own type (kvbf, scbf: bfloat16).  `sc` holds scores, or logits already including
+ * ape (the streaming state, float32), in which case ape is NULL. */
 typedef struct {
-    const float *kv, *sc, *ape;
+    const void *kv, *sc;
+    const float *ape;
     csa_idx n, skv, ssc, sape;
     csa_idx fkv, fsc, fape;
     csa_idx pf;   /* tuned prefill only: the row's other half (elements away), which the
                    * next entry reads, is prefetched along with it; 0 = none */
+    int next;     /* tuned prefill only: an entry follows whose candidate j is this one's
+                   * j + n rows on: its rows are prefetched while this one computes */
+    int kvbf, scbf;
 } pool_cands;
 
 /* The scalar oracle of one entry.  Per feature, in this order: m = max of the logits
  * (a NaN logit never becomes the max; it makes its own exp NaN, hence the entry NaN,
  * as torch's softmax does), e_j = exp(l_j - m), s = sum e_j, acc = sum e_j kv_j,
- * out = acc / s.  All -inf logits give NaN, as torch's softmax does. */
-static int pool_entry_ref(const pool_cands *c, int nc, csa_idx d, float *out, csa_idx sof)
+ * out = acc / s (rounded once if out is bfloat16).  All -inf logits give NaN, as
+ * torch's softmax does. */
+static int pool_entry_ref(const pool_cands *c, int nc, csa_idx d, void *out, int obf,
+                          csa_idx sof)
 {
     for (csa_idx f = 0; f < d; f++) {
         float m = -INFINITY;
         for (int k = 0; k < nc; k++)
             for (csa_idx j = 0; j < c[k].n; j++) {
-                float l = c[k].sc[j * c[k].ssc + f * c[k].fsc];
+                float l = pool_ld(c[k].sc, c[k].scbf, j * c[k].ssc + f * c[k].fsc);
                 if (c[k].ape) l += c[k].ape[j * c[k].sape + f * c[k].fape];
                 m = l > m ? l : m;
             }
         float s = 0.0f, acc = 0.0f;
         for (int k = 0; k < nc; k++)
             for (csa_idx j = 0; j < c[k].n; j++) {
-                float l = c[k].sc[j * c[k].ssc + f * c[k].fsc];
+                float l = pool_ld(c[k].sc, c[k].scbf, j * c[k].ssc + f * c[k].fsc);
                 if (c[k].ape) l += c[k].ape[j * c[k].sape + f * c[k].fape];
                 const float e = expf(l - m);
                 s += e;
-                acc += e * c[k].kv[j * c[k].skv + f * c[k].fkv];
+                acc += e * pool_ld(c[k].kv, c[k].kvbf, j * c[k].skv + f * c[k].fkv);
             }
-        out[f * sof] = acc / s;
+        pool_st(out, obf, f * sof, acc / s);
     }
     return CSA_OK;
 }
 
 /* The candidate sources of entry g of a [T, c*d] sequence (pointers at its row 0). */
-static int entry_cands(pool_cands *c, const float *kv, csa_idx skt, csa_idx skf,
-                       const float *score, csa_idx sst, csa_idx ssf, const float *ape,
+static int entry_cands(pool_cands *c, const void *kv, int kvbf, csa_idx skt, csa_idx skf,
+                       const void *score, int scbf, csa_idx sst, csa_idx ssf, const float *ape,
                        csa_idx sar, csa_idx saf, csa_idx d, csa_idx r, int overlap, csa_idx g)
 {
-    const float *k0 = kv + g * r * skt, *s0 = score + g * r * sst;
+    const void *k0 = pool_off(kv, kvbf, g * r * skt), *s0 = pool_off(score, scbf, g * r * sst);
     if (!overlap) {
-        c[0] = (pool_cands){k0, s0, ape, r, skt, sst, sar, skf, ssf, saf};
+        c[0] = (pool_cands){.kv = k0, .sc = s0, .ape = ape, .n = r, .skv = skt, .ssc = sst,
+                            .sape = sar, .fkv = skf, .fsc = ssf, .fape = saf, .kvbf = kvbf,
+                            .scbf = scbf};
         return 1;
     }
-    /* group g-1 through the first d features, group g through the second d */
-    c[0] = (pool_cands){k0 - r * skt, s0 - r * sst, ape, g > 0 ? r : 0, skt, sst, sar,
-                        skf, ssf, saf};
-    c[1] = (pool_cands){k0 + d * skf, s0 + d * ssf, ape ? ape + d * saf : NULL, r, skt, sst,
-                        sar, skf, ssf, saf, -d * skf};
+    /* group g-1 through the first d features, group g through the second d; the
+     * pointers of group -1 are never formed (no candidates there) */
+    c[0] = (pool_cands){.kv = g > 0 ? pool_off(k0, kvbf, -r * skt) : k0,
+                        .sc = g > 0 ? pool_off(s0, scbf, -r * sst) : s0, .ape = ape,
+                        .n = g > 0 ? r : 0, .skv = skt, .ssc = sst, .sape = sar, .fkv = skf,
+                        .fsc = ssf, .fape = saf, .kvbf = kvbf, .scbf = scbf};
+    c[1] = (pool_cands){.kv = pool_off(k0, kvbf, d * skf), .sc = pool_off(s0, scbf, d * ssf),
+                        .ape = ape ? ape + d * saf : NULL, .n = r, .skv = skt, .ssc = sst,
+                        .sape = sar, .fkv = skf, .fsc = ssf, .fape = saf, .pf = -d * skf,
+                        .kvbf = kvbf, .scbf = scbf};
     return 2;
 }
 
-int csa_gated_pool_ref(const float *kv, csa_idx skb, csa_idx skt, csa_idx skf,
-                       const float *score, csa_idx ssb, csa_idx sst, csa_idx ssf,
+int csa_gated_pool_ref(const void *kv, int kv_bf16, csa_idx skb, csa_idx skt, csa_idx skf,
+                       const void *score, int sc_bf16, csa_idx ssb, csa_idx sst, csa_idx ssf,
                        const float *ape, csa_idx sar, csa_idx saf,
                        csa_idx B, csa_idx T, csa_idx d, csa_idx ratio, int overlap,
-                       float *out, csa_idx sob, csa_idx sog, csa_idx sof)
+                       void *out, int out_bf16, csa_idx sob, csa_idx sog, csa_idx sof)
 {
     if (ratio <= 0 || B < 0 || T < 0 || d < 0) return CSA_EINVAL;
     const csa_idx G = T / ratio;
     for (csa_idx b = 0; b < B; b++)
         for (csa_idx g = 0; g < G; g++) {
-            float *o = out + b * sob + g * sog;
+            const csa_idx o = b * sob + g * sog;
             if (ratio == 1 && !overlap) {
-                for (csa_idx f = 0; f < d; f++) o[f * sof] = kv[b * skb + g * skt + f * skf];
+                for (csa_idx f = 0; f < d; f++)
+                    pool_st(out, out_bf16, o + f * sof,
+                            pool_ld(kv, kv_bf16, b * skb + g * skt + f * skf));
                 continue;
             }
             pool_cands c[2];
-            const int nc = entry_cands(c, kv + b * skb, skt, skf, score + b * ssb, sst, ssf,
-                                       ape, sar, saf, d, ratio, overlap, g);
-            pool_entry_ref(c, nc, d, o, sof);
+            const int nc = entry_cands(c, pool_off(kv, kv_bf16, b * skb), kv_bf16, skt, skf,
+                                       pool_off(score, sc_bf16, b * ssb), sc_bf16, sst, ssf, ape,
+                                       sar, saf, d, ratio, overlap, g);
+            pool_entry_ref(c, nc, d, (void *)pool_off(out, out_bf16, o), out_bf16, sof);
         }
     return CSA_OK;
 }
@@ -96,26 +153,29 @@ int csa_gated_pool_ref(const float *kv, csa_idx skb, csa_idx skt, csa_idx skf,
 #define CSA_IMPL "pool_impl.h"
 #include "csa_isa_variants.h"
 
-int csa_gated_pool(const float *kv, csa_idx skb, csa_idx skt, csa_idx skf,
-                   const float *score, csa_idx ssb, csa_idx sst, csa_idx ssf,
+int csa_gated_pool(const void *kv, int kv_bf16, csa_idx skb, csa_idx skt, csa_idx skf,
+                   const void *score, int sc_bf16, csa_idx ssb, csa_idx sst, csa_idx ssf,
                    const float *ape, csa_idx sar, csa_idx saf,
                    csa_idx B, csa_idx T, csa_idx d, csa_idx ratio, int overlap,
-                   float *out, csa_idx sob, csa_idx sog, csa_idx sof)
+                   void *out, int out_bf16, csa_idx sob, csa_idx sog, csa_idx sof)
 {
     if (skf != 1 || (score && ssf != 1) || (ape && saf != 1) || sof != 1)
-        return csa_gated_pool_ref(kv, skb, skt, skf, score, ssb, sst, ssf, ape, sar, saf, B,
-                                  T, d, ratio, overlap, out, sob, sog, sof);
+        return csa_gated_pool_ref(kv, kv_bf16, skb, skt, skf, score, sc_bf16, ssb, sst, ssf, ape,
+                                  sar, saf, B, T, d, ratio, overlap, out, out_bf16, sob, sog,
+                                  sof);
     CSA_DISPATCH(gated_pool_tuned,
-                 (kv, skb, skt, score, ssb, sst, ape, sar, B, T, d, ratio, overlap, out, sob, sog),
-                 csa_gated_pool_ref(kv, skb, skt, skf, score, ssb, sst, ssf, ape, sar, saf, B, T,
-                                    d, ratio, overlap, out, sob, sog, sof));
+                 (kv, kv_bf16, skb, skt, score, sc_bf16, ssb, sst, ape, sar, B, T, d, ratio,
+                  overlap, out, out_bf16, sob, sog),
+                 csa_gated_pool_ref(kv, kv_bf16, skb, skt, skf, score, sc_bf16, ssb, sst, ssf,
+                                    ape, sar, saf, B, T, d, ratio, overlap, out, out_bf16, sob,
+                                    sog, sof));
 }
 
 /* One entry at the current ISA level: the decode step pools with exactly the code
  * the prefill pools with, so both give the same bits. */
-static int pool_entry_any(const pool_cands *c, int nc, csa_idx d, float *out)
+static int pool_entry_any(const pool_cands *c, int nc, csa_idx d, void *out, int obf)
 {
-    CSA_DISPATCH(pool_entry_tuned, (c, nc, d, out), pool_entry_ref(c, nc, d, out, 1));
+    CSA_DISPATCH(pool_entry_tuned, (c, nc, d, out, obf), pool_entry_ref(c, nc, d, out, obf, 1));
 }
 
 void csa_round_bf16(float *x, csa_idx n, csa_idx s)
@@ -138,78 +198,89 @@ static void round_rows(float *out, csa_idx B, csa_idx G, csa_idx d, csa_idx sob,
 }
 
 /* The epilogue of entries g0 .. g0+G-1 of rows 0..B-1 (out [B, G, d], unit feature
- * stride). */
-static int pool_epilogue(const csa_pool_epilogue *ep, float *out, csa_idx B, csa_idx G,
-                         csa_idx d, csa_idx sob, csa_idx sog, csa_idx ratio, csa_idx g0)
+ * stride).  A bfloat16 out is already rounded (the cast to the model dtype happened on
+ * the pooling store); the bf16 norm and RoPE kernels round on their stores. */
+static int pool_epilogue(const csa_pool_epilogue *ep, void *out, int obf, csa_idx B,
+                         csa_idx G, csa_idx d, csa_idx sob, csa_idx sog, csa_idx ratio,
+                         csa_idx g0)
 {
     if (!ep || B * G == 0) return CSA_OK;
     int st = CSA_OK;
-    if (ep->bf16) round_rows(out, B, G, d, sob, sog);
+    float *of = obf ? NULL : out;
+    csa_bf16 *oh = obf ? out : NULL;
+    if (ep->bf16 && !obf) round_rows(of, B, G, d, sob, sog);
     if (ep->norm_w) {
         for (csa_idx b = 0; b < B && st == CSA_OK; b++)
-            st = csa_rms_norm(out + b * sob, G, d, sog, 1, ep->norm_w, 1, ep->eps, out + b * sob,
-                              sog, 1);
-        if (ep->bf16) round_rows(out, B, G, d, sob, sog);
+            st = obf ? csa_rms_norm_bf16(oh + b * sob, G, d, sog, 1, ep->norm_w, 1, ep->eps,
+                                         oh + b * sob, sog, 1)
+                     : csa_rms_norm(of + b * sob, G, d, sog, 1, ep->norm_w, 1, ep->eps,
+                                    of + b * sob, sog, 1);
+        if (ep->bf16 && !obf) round_rows(of, B, G, d, sob, sog);
     }
     if (ep->cos && st == CSA_OK) {
         if (ep->half * 2 > d || (g0 + G - 1) * ratio >= ep->rows) return CSA_EINVAL;
         const csa_idx row0 = g0 * ratio * ep->srow, sr = ratio * ep->srow;
-        st = csa_apply_rope(out + d - 2 * ep->half, B, G, 1, ep->half, sob, sog, 0, 1,
-                            ep->cos + row0, sr, 1, ep->sin + row0, sr, 1, 0);
-        if (ep->bf16) round_rows(out, B, G, d, sob, sog);
+        const csa_idx tail = d - 2 * ep->half;
+        st = obf ? csa_apply_rope_bf16(oh + tail, B, G, 1, ep->half, sob, sog, 0, 1,
+                                       ep->cos + row0, sr, 1, ep->sin + row0, sr, 1, 0)
+                 : csa_apply_rope(of + tail, B, G, 1, ep->half, sob, sog, 0, 1, ep->cos + row0,
+                                  sr, 1, ep->sin + row0, sr, 1, 0);
+        if (ep->bf16 && !obf) round_rows(of, B, G, d, sob, sog);
     }
     return st;
 }
 
-int csa_pool_prefill(csa_pool_state *st, const float *kv, csa_idx skb, csa_idx skt,
-                     const float *score, csa_idx ssb, csa_idx sst, const float *ape,
-                     csa_idx B, csa_idx T, const csa_pool_epilogue *ep,
-                     float *out, csa_idx sob, csa_idx sog)
+/* Row j of the open group (or of the previous group) from a token's kv and scores:
+ * n features of kv, and the logits score + ape (ape row `ap`, or none), as float32. */
+static void state_row(float *dk, float *ds, const void *k, int kbf, const void *sc, int sbf,
+                      const float *ap, csa_idx n)
+{
+    pool_to_f32(dk, k, kbf, n);
+    pool_to_f32(ds, sc, sbf, n);
+    if (ap)
+        for (csa_idx f = 0; f < n; f++) ds[f] += ap[f];
+}
+
+int csa_pool_prefill(csa_pool_state *st, const void *kv, int kv_bf16, csa_idx skb,
+                     csa_idx skt, const void *score, int sc_bf16, csa_idx ssb, csa_idx sst,
+                     const float *ape, csa_idx B, csa_idx T, const csa_pool_epilogue *ep,
+                     void *out, int out_bf16, csa_idx sob, csa_idx sog)
 {
     const csa_idx r = st->ratio, d = st->d, cd = (st->overlap ? 2 : 1) * d;
     if (r <= 0 || B < 0 || B > st->batch || T < 0) return CSA_EINVAL;
     const int gate = r > 1 || st->overlap;
     if (gate && !score) return CSA_EINVAL;
     const csa_idx G = T / r, rem = T % r;
-    int s = csa_gated_pool(kv, skb, skt, 1, score, ssb, sst, 1, ape, cd, 1, B, T, d, r,
-                           st->overlap, out, sob, sog, 1);
-    if (s == CSA_OK) s = pool_epilogue(ep, out, B, G, d, sob, sog, r, 0);
+    int s = csa_gated_pool(kv, kv_bf16, skb, skt, 1, score, sc_bf16, ssb, sst, 1, ape, cd, 1, B,
+                           T, d, r, st->overlap, out, out_bf16, sob, sog, 1);
+    if (s == CSA_OK) s = pool_epilogue(ep, out, out_bf16, B, G, d, sob, sog, r, 0);
     if (s != CSA_OK) return s;
     for (csa_idx b = 0; b < B; b++) {
         if (gate) {
-            /* the open group: kv and logits of the trailing tokens */
-            for (csa_idx j = 0; j < rem; j++) {
-                const float *k = kv + b * skb + (G * r + j) * skt;
-                const float *sc = score + b * ssb + (G * r + j) * sst;
-                float *dk = st->kv + (b * r + j) * cd, *ds = st->score + (b * r + j) * cd;
-                memcpy(dk, k, (size_t)cd * sizeof(float));
-                if (ape)
-                    for (csa_idx f = 0; f < cd; f++) ds[f] = sc[f] + ape[j * cd + f];
-                else
-                    memcpy(ds, sc, (size_t)cd * sizeof(float));
-            }
+            /* the open group: kv and logits of the trailing tokens (score + ape added in
+             * float32, as the entry adds them) */
+            for (csa_idx j = 0; j < rem; j++)
+                state_row(st->kv + (b * r + j) * cd, st->score + (b * r + j) * cd,
+                          pool_off(kv, kv_bf16, b * skb + (G * r + j) * skt), kv_bf16,
+                          pool_off(score, sc_bf16, b * ssb + (G * r + j) * sst), sc_bf16,
+                          ape ? ape + j * cd : NULL, cd);
             /* the last complete group's first halves become the previous group */
             if (st->overlap && G > 0)
-                for (csa_idx j = 0; j < r; j++) {
-                    const float *k = kv + b * skb + ((G - 1) * r + j) * skt;
-                    const float *sc = score + b * ssb + ((G - 1) * r + j) * sst;
-                    float *dk = st->prev_kv + (b * r + j) * d;
-                    float *ds = st->prev_score + (b * r + j) * d;
-                    memcpy(dk, k, (size_t)d * sizeof(float));
-                    if (ape)
-                        for (csa_idx f = 0; f < d; f++) ds[f] = sc[f] + ape[j * cd + f];
-                    else
-                        memcpy(ds, sc, (size_t)d * sizeof(float));
-                }
+                for (csa_idx j = 0; j < r; j++)
+                    state_row(st->prev_kv + (b * r + j) * d, st->prev_score + (b * r + j) * d,
+                              pool_off(kv, kv_bf16, b * skb + ((G - 1) * r + j) * skt), kv_bf16,
+                              pool_off(score, sc_bf16, b * ssb + ((G - 1) * r + j) * sst),
+                              sc_bf16, ape ? ape + j * cd : NULL, d);
         }
         st->pos[b] = T;
     }
     return CSA_OK;
 }
 
-int csa_pool_step(csa_pool_state *st, const float *kv, csa_idx skb, const float *score,
-                  csa_idx ssb, const float *ape, csa_idx B, int64_t p,
-                  const csa_pool_epilogue *ep, float *out, csa_idx sob, int *emitted)
+int csa_pool_step(csa_pool_state *st, const void *kv, int kv_bf16, csa_idx skb,
+                  const void *score, int sc_bf16, csa_idx ssb, const float *ape, csa_idx B,
+                  int64_t p, const csa_pool_epilogue *ep, void *out, int out_bf16,
+                  csa_idx sob, int *emitted)
 {
     const csa_idx r = st->ratio, d = st->d, cd = (st->overlap ? 2 : 1) * d;
     if (r <= 0 || B < 0 || B > st->batch || p < 0) return CSA_EINVAL;
@@ -220,22 +291,17 @@ int csa_pool_step(csa_pool_state *st, const float *kv, csa_idx skb, const float 
     *emitted = done;
     if (r == 1 && !st->overlap) {         /* ratio 1: the token's own kv, no gate */
         for (csa_idx b = 0; b < B; b++) {
-            memcpy(out + b * sob, kv + b * skb, (size_t)d * sizeof(float));
+            pool_copy((void *)pool_off(out, out_bf16, b * sob), out_bf16,
+                      pool_off(kv, kv_bf16, b * skb), kv_bf16, d);
             st->pos[b] = p + 1;
         }
-        return pool_epilogue(ep, out, B, 1, d, sob, 0, r, g);
+        return pool_epilogue(ep, out, out_bf16, B, 1, d, sob, 0, r, g);
     }
     if (!score) return CSA_EINVAL;
-    for (csa_idx b = 0; b < B; b++) {
-        float *sk = st->kv + b * r * cd, *ss = st->score + b * r * cd;
-        memcpy(sk + slot * cd, kv + b * skb, (size_t)cd * sizeof(float));
-        float *dl = ss + slot * cd;
-        const float *sc = score + b * ssb;
-        if (ape)
-            for (csa_idx f = 0; f < cd; f++) dl[f] = sc[f] + ape[slot * cd + f];
-        else
-            memcpy(dl, sc, (size_t)cd * sizeof(float));
-    }
+    for (csa_idx b = 0; b < B; b++)
+        state_row(st->kv + (b * r + slot) * cd, st->score + (b * r + slot) * cd,
+                  pool_off(kv, kv_bf16, b * skb), kv_bf16, pool_off(score, sc_bf16, b * ssb),
+                  sc_bf16, ape ? ape + slot * cd : NULL, cd);
     int s = CSA_OK;
     if (done) {
         /* Rows and chunks of POOL_STEP_F features are independent outputs (a feature's
@@ -254,12 +320,15 @@ int csa_pool_step(csa_pool_state *st, const float *kv, csa_idx skb, const float 
             int nc = 0;
             if (st->overlap) {
                 const float *pk = st->prev_kv + b * r * d + f0, *ps = st->prev_score + b * r * d + f0;
-                c[nc++] = (pool_cands){pk, ps, NULL, g > 0 ? r : 0, d, d, 0, 1, 1, 1};
-                c[nc++] = (pool_cands){sk + d, ss + d, NULL, r, cd, cd, 0, 1, 1, 1};
+                c[nc++] = (pool_cands){.kv = pk, .sc = ps, .n = g > 0 ? r : 0, .skv = d,
+                                       .ssc = d, .fkv = 1, .fsc = 1, .fape = 1};
+                c[nc++] = (pool_cands){.kv = sk + d, .sc = ss + d, .n = r, .skv = cd, .ssc = cd,
+                                       .fkv = 1, .fsc = 1, .fape = 1};
             } else {
-                c[nc++] = (pool_cands){sk, ss, NULL, r, cd, cd, 0, 1, 1, 1};
+                c[nc++] = (pool_cands){.kv = sk, .sc = ss, .n = r, .skv = cd, .ssc = cd,
+                                       .fkv = 1, .fsc = 1, .fape = 1};
             }
-            pool_entry_any(c, nc, fc, out + b * sob + f0);
+            pool_entry_any(c, nc, fc, (void *)pool_off(out, out_bf16, b * sob + f0), out_bf16);
         }
         /* the completed group becomes the previous one */
         if (st->overlap)
@@ -270,7 +339,7 @@ int csa_pool_step(csa_pool_state *st, const float *kv, csa_idx skb, const float 
                     memcpy(st->prev_score + (b * r + j) * d, st->score + (b * r + j) * cd,
                            (size_t)d * sizeof(float));
                 }
-        s = pool_epilogue(ep, out, B, 1, d, sob, 0, r, g);
+        s = pool_epilogue(ep, out, out_bf16, B, 1, d, sob, 0, r, g);
     }
     for (csa_idx b = 0; b < B; b++) st->pos[b] = p + 1;
     return s;

@@ -14,17 +14,20 @@
  * Float32 throughout: logits, max, exp(l - max), sum, then sum(e*kv) / sum(e).
  * kv, score: [B, T, c*d] with strides (skb, skt, skf), (ssb, sst, ssf); ape: [ratio,
  * c*d] with strides (sar, saf), or NULL for zeros; out: [B, T/ratio, d] with strides
- * (sob, sog, sof).  The tuned kernels need unit feature strides (else the `_ref` runs). */
-int csa_gated_pool(const float *kv, csa_idx skb, csa_idx skt, csa_idx skf,
-                   const float *score, csa_idx ssb, csa_idx sst, csa_idx ssf,
+ * (sob, sog, sof).  The tuned kernels need unit feature strides (else the `_ref` runs).
+ * Element types: kv, score and out are each float32 (flag 0) or bfloat16 (flag 1,
+ * csa_bf16): bfloat16 inputs are widened exactly as they are read, and a bfloat16 out
+ * is rounded once, nearest-even, on store; ape is float32. */
+int csa_gated_pool(const void *kv, int kv_bf16, csa_idx skb, csa_idx skt, csa_idx skf,
+                   const void *score, int sc_bf16, csa_idx ssb, csa_idx sst, csa_idx ssf,
                    const float *ape, csa_idx sar, csa_idx saf,
                    csa_idx B, csa_idx T, csa_idx d, csa_idx ratio, int overlap,
-                   float *out, csa_idx sob, csa_idx sog, csa_idx sof);
-int csa_gated_pool_ref(const float *kv, csa_idx skb, csa_idx skt, csa_idx skf,
-                       const float *score, csa_idx ssb, csa_idx sst, csa_idx ssf,
+                   void *out, int out_bf16, csa_idx sob, csa_idx sog, csa_idx sof);
+int csa_gated_pool_ref(const void *kv, int kv_bf16, csa_idx skb, csa_idx skt, csa_idx skf,
+                       const void *score, int sc_bf16, csa_idx ssb, csa_idx sst, csa_idx ssf,
                        const float *ape, csa_idx sar, csa_idx saf,
                        csa_idx B, csa_idx T, csa_idx d, csa_idx ratio, int overlap,
-                       float *out, csa_idx sob, csa_idx sog, csa_idx sof);
+                       void *out, int out_bf16, csa_idx sob, csa_idx sog, csa_idx sof);
 
 /* Streaming state of `batch` sequences (all arrays C-contiguous, owned by the caller):
  *   kv, score:           [batch, ratio, c*d]  the open group: slot p % ratio holds the kv
@@ -42,7 +45,9 @@ typedef struct {
 
 /* What happens to an emitted entry (SPEC 3, "After pooling"), in this order:
  *   bf16:   round to bfloat16 (nearest-even), as the cast to the model dtype, and again
- *           after the norm and after RoPE (each writes back in the model dtype);
+ *           after the norm and after RoPE (each writes back in the model dtype); a
+ *           bfloat16 `out` implies it (the entries are then bfloat16 themselves:
+ *           rounded on the pooling store, normed and rotated by the bf16 kernels);
  *   norm_w: [d] RMSNorm weight (unit stride), eps; NULL: no norm;
  *   cos, sin: [rows, half] tables (row stride srow, unit inner stride); entry g is
  *           rotated on its last 2*half features by row g*ratio; NULL: no RoPE.
@@ -60,20 +65,23 @@ typedef struct {
  * applies the epilogue `ep` (may be NULL), and keeps the T % ratio trailing tokens (and,
  * with overlap, the last complete group) in the state; pos[b] = T.  kv, score: [B, T,
  * c*d] with unit feature strides; ape: [ratio, c*d] contiguous or NULL.  Bitwise equal
- * to pooling the same tokens through csa_pool_step. */
-int csa_pool_prefill(csa_pool_state *st, const float *kv, csa_idx skb, csa_idx skt,
-                     const float *score, csa_idx ssb, csa_idx sst, const float *ape,
-                     csa_idx B, csa_idx T, const csa_pool_epilogue *ep,
-                     float *out, csa_idx sob, csa_idx sog);
+ * to pooling the same tokens through csa_pool_step.  kv, score, out: float32 or
+ * bfloat16 by their flags (as csa_gated_pool); the state is float32 whatever they are
+ * (bfloat16 -> float32 is exact). */
+int csa_pool_prefill(csa_pool_state *st, const void *kv, int kv_bf16, csa_idx skb,
+                     csa_idx skt, const void *score, int sc_bf16, csa_idx ssb, csa_idx sst,
+                     const float *ape, csa_idx B, csa_idx T, const csa_pool_epilogue *ep,
+                     void *out, int out_bf16, csa_idx sob, csa_idx sog);
 
 /* One decode token at position p for rows 0..B-1 (every pos[b] must equal p): kv,
  * score [B, c*d] (row strides skb, ssb; unit feature stride), ape as above.  Fills
  * slot p % ratio; when (p + 1) % ratio == 0 pools the group into out [B, d] (row
  * stride sob), applies `ep`, sets *emitted = 1 and, with overlap, makes the group the
- * previous one.  pos[b] = p + 1. */
-int csa_pool_step(csa_pool_state *st, const float *kv, csa_idx skb, const float *score,
-                  csa_idx ssb, const float *ape, csa_idx B, int64_t p,
-                  const csa_pool_epilogue *ep, float *out, csa_idx sob, int *emitted);
+ * previous one.  pos[b] = p + 1.  Element types as csa_pool_prefill. */
+int csa_pool_step(csa_pool_state *st, const void *kv, int kv_bf16, csa_idx skb,
+                  const void *score, int sc_bf16, csa_idx ssb, const float *ape, csa_idx B,
+                  int64_t p, const csa_pool_epilogue *ep, void *out, int out_bf16,
+                  csa_idx sob, int *emitted);
 
 /* Rounds n float32 values (stride s) to bfloat16 precision in place, nearest-even,
  * NaN stays NaN. */

@@ -131,6 +131,34 @@ int csa_quant_round_ref(const float *x, csa_idx rows, csa_idx d, csa_idx sx_row,
     return CSA_OK;
 }
 
+int csa_quant_round_bf16_ref(const csa_bf16 *x, csa_idx rows, csa_idx d, csa_idx sx_row,
+                             csa_idx sx_col, csa_idx block, int fmt, int scale,
+                             csa_bf16 *out, csa_idx so_row, csa_idx so_col)
+{
+    if (!q_args_ok(d, block, fmt, scale)) return CSA_EINVAL;
+    const float qmax = q_qmax(fmt);
+    for (csa_idx r = 0; r < rows; r++) {
+        for (csa_idx b0 = 0; b0 < d; b0 += block) {
+            const csa_bf16 *xb = x + r * sx_row + b0 * sx_col;
+            csa_bf16 *yb = out + r * so_row + b0 * so_col;
+            float amax = 0.0f;
+            for (csa_idx i = 0; i < block; i++) {
+                const float a = fabsf(csa_bf16_to_f32(xb[i * sx_col]));
+                if (a > amax || a != a) amax = a;
+                if (a != a) break;
+            }
+            const float s = q_scale(amax, fmt, scale);
+            for (csa_idx i = 0; i < block; i++) {
+                float v = csa_bf16_to_f32(xb[i * sx_col]) / s;
+                v = v > qmax ? qmax : (v < -qmax ? -qmax : v);
+                v = fmt == CSA_Q_E4M3 ? csa_round_e4m3(v) : csa_round_e2m1(v);
+                yb[i * so_col] = csa_f32_to_bf16(v * s);
+            }
+        }
+    }
+    return CSA_OK;
+}
+
 static int q_pow2(csa_idx n) { return n >= 1 && (n & (n - 1)) == 0; }
 
 /* The butterflies on a contiguous row, in place: stage h pairs (j, j + h) inside each
@@ -164,6 +192,27 @@ int csa_hadamard_ref(const float *x, csa_idx rows, csa_idx n, csa_idx sx_row, cs
     return CSA_OK;
 }
 
+int csa_hadamard_bf16_ref(const csa_bf16 *x, csa_idx rows, csa_idx n, csa_idx sx_row,
+                          csa_idx sx_col, float scale, csa_bf16 *out, csa_idx so_row,
+                          csa_idx so_col)
+{
+    if (!q_pow2(n)) return CSA_EINVAL;
+    if (rows == 0) return CSA_OK;
+    float *buf = malloc((size_t)n * sizeof *buf);
+    if (!buf) return CSA_ENOMEM;
+    for (csa_idx r = 0; r < rows; r++) {
+        for (csa_idx j = 0; j < n; j++) buf[j] = csa_bf16_to_f32(x[r * sx_row + j * sx_col]);
+        q_fwht_row(buf, n, scale);
+        for (csa_idx j = 0; j < n; j++) out[r * so_row + j * so_col] = csa_f32_to_bf16(buf[j]);
+    }
+    free(buf);
+    return CSA_OK;
+}
+
+/* Widest row (hadamard) / run of whole blocks (rounding) the tuned bfloat16 kernels
+ * widen into a float32 buffer on the stack; longer ones take the `_ref` path. */
+#define Q_BF16_CHUNK 4096
+
 /* ------------------------------------------------------------ tuned entry points */
 
 #define CSA_IMPL "quant_impl.h"
@@ -190,4 +239,28 @@ int csa_hadamard(const float *x, csa_idx rows, csa_idx n, csa_idx sx_row, csa_id
         return csa_hadamard_ref(x, rows, n, sx_row, sx_col, scale, out, so_row, so_col);
     CSA_DISPATCH(hadamard_tuned, (x, rows, n, sx_row, scale, out, so_row),
                  csa_hadamard_ref(x, rows, n, sx_row, sx_col, scale, out, so_row, so_col));
+}
+
+int csa_quant_round_bf16(const csa_bf16 *x, csa_idx rows, csa_idx d, csa_idx sx_row,
+                         csa_idx sx_col, csa_idx block, int fmt, int scale, csa_bf16 *out,
+                         csa_idx so_row, csa_idx so_col)
+{
+    if (!q_args_ok(d, block, fmt, scale)) return CSA_EINVAL;
+    if (sx_col != 1 || so_col != 1 || block > Q_BF16_CHUNK)
+        return csa_quant_round_bf16_ref(x, rows, d, sx_row, sx_col, block, fmt, scale, out,
+                                        so_row, so_col);
+    CSA_DISPATCH(quant_round_bf16_tuned, (x, rows, d, sx_row, block, fmt, scale, out, so_row),
+                 csa_quant_round_bf16_ref(x, rows, d, sx_row, sx_col, block, fmt, scale, out,
+                                          so_row, so_col));
+}
+
+int csa_hadamard_bf16(const csa_bf16 *x, csa_idx rows, csa_idx n, csa_idx sx_row,
+                      csa_idx sx_col, float scale, csa_bf16 *out, csa_idx so_row,
+                      csa_idx so_col)
+{
+    if (!q_pow2(n)) return CSA_EINVAL;
+    if (sx_col != 1 || so_col != 1 || n > Q_BF16_CHUNK)
+        return csa_hadamard_bf16_ref(x, rows, n, sx_row, sx_col, scale, out, so_row, so_col);
+    CSA_DISPATCH(hadamard_bf16_tuned, (x, rows, n, sx_row, scale, out, so_row),
+                 csa_hadamard_bf16_ref(x, rows, n, sx_row, sx_col, scale, out, so_row, so_col));
 }

@@ -35,6 +35,17 @@ int csa_quant_round_ref(const float *x, csa_idx rows, csa_idx d, csa_idx sx_row,
                         csa_idx sx_col, csa_idx block, int fmt, int scale, float *out,
                         csa_idx so_row, csa_idx so_col);
 
+/* The same over bfloat16 x and out (csa_bf16): each block is widened to float32
+ * (exact), rounded by the float32 arithmetic above and rounded to bfloat16 once on
+ * store (nearest-even), as the reference's `x.float() -> round -> .to(bfloat16)`:
+ * bitwise the float32 kernel on the widened values, then the cast. */
+int csa_quant_round_bf16(const csa_bf16 *x, csa_idx rows, csa_idx d, csa_idx sx_row,
+                         csa_idx sx_col, csa_idx block, int fmt, int scale, csa_bf16 *out,
+                         csa_idx so_row, csa_idx so_col);
+int csa_quant_round_bf16_ref(const csa_bf16 *x, csa_idx rows, csa_idx d, csa_idx sx_row,
+                             csa_idx sx_col, csa_idx block, int fmt, int scale,
+                             csa_bf16 *out, csa_idx so_row, csa_idx so_col);
+
 /* Scalar building blocks, for kernels that round in their own epilogue.  v must
  * already lie in [-qmax, qmax] (or be NaN); signs, -0 and NaN are kept. */
 float csa_round_e4m3(float v);
@@ -51,4 +62,14 @@ int csa_hadamard(const float *x, csa_idx rows, csa_idx n, csa_idx sx_row, csa_id
                  float scale, float *out, csa_idx so_row, csa_idx so_col);
 int csa_hadamard_ref(const float *x, csa_idx rows, csa_idx n, csa_idx sx_row, csa_idx sx_col,
                      float scale, float *out, csa_idx so_row, csa_idx so_col);
+
+/* The same over bfloat16 x and out: each row widened to float32, transformed by the
+ * float32 butterflies and rounded to bfloat16 once on store.  CSA_ENOMEM if a scratch
+ * row cannot be allocated. */
+int csa_hadamard_bf16(const csa_bf16 *x, csa_idx rows, csa_idx n, csa_idx sx_row,
+                      csa_idx sx_col, float scale, csa_bf16 *out, csa_idx so_row,
+                      csa_idx so_col);
+int csa_hadamard_bf16_ref(const csa_bf16 *x, csa_idx rows, csa_idx n, csa_idx sx_row,
+                          csa_idx sx_col, float scale, csa_bf16 *out, csa_idx so_row,
+                          csa_idx so_col);
 #endif

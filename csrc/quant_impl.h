@@ -56,8 +56,47 @@ static inline __m512 CSA_V(round_grid16)(__m512 v, __m512i emin, __m512i cshift)
         _mm512_or_si512(_mm512_castps_si512(r), _mm512_andnot_si512(absm, b)));
 }
 
+/* 16 bfloat16 <-> 16 floats in registers: widening is a 16-bit shift (exact), narrowing
+ * rounds nearest-even with NaN kept quiet, as csa_f32_to_bf16. */
+static inline __m512 CSA_V(q_ld16h)(const csa_bf16 *p)
+{
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline void CSA_V(q_st16h)(csa_bf16 *p, __m512 v)
+{
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i hi = _mm512_srli_epi32(u, 16);
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                             _mm512_and_si512(hi, _mm512_set1_epi32(1)))),
+        16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                              _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
+}
+
+/* 16 values at element i of a float32 (bf = 0) or bfloat16 (bf = 1) row. */
+static inline __attribute__((always_inline)) __m512 CSA_V(q_ld16)(const void *p, csa_idx i,
+                                                                  const int bf)
+{
+    return bf ? CSA_V(q_ld16h)((const csa_bf16 *)p + i) : _mm512_loadu_ps((const float *)p + i);
+}
+
+static inline __attribute__((always_inline)) void CSA_V(q_st16)(void *p, csa_idx i, __m512 v,
+                                                                const int bf)
+{
+    if (bf)
+        CSA_V(q_st16h)((csa_bf16 *)p + i, v);
+    else
+        _mm512_storeu_ps((float *)p + i, v);
+}
+
+/* The block kernel on float32 or (bf) bfloat16 rows: the bf16 values are widened in
+ * registers and the float32 results narrowed on store, the arithmetic unchanged. */
 static inline __attribute__((always_inline)) void CSA_V(quant_block16)(
-    const float *xb, float *yb, csa_idx block, const int fmt, int scale)
+    const void *xb, void *yb, csa_idx block, const int fmt, int scale, const int bf)
 {
     const __m512 qmax = _mm512_set1_ps(fmt == CSA_Q_E4M3 ? 448.0f : 6.0f);
     const __m512 nqmax = _mm512_set1_ps(fmt == CSA_Q_E4M3 ? -448.0f : -6.0f);
@@ -67,18 +106,18 @@ static inline __attribute__((always_inline)) void CSA_V(quant_block16)(
     const __m512i absm = _mm512_set1_epi32(0x7fffffff);
     __m512i m = _mm512_setzero_si512();
     for (csa_idx i = 0; i < block; i += 16)
-        m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(xb + i)),
+        m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_castps_si512(CSA_V(q_ld16)(xb, i, bf)),
                                                  absm));
     const float s = q_scale(q_float(_mm512_reduce_max_epu32(m)), fmt, scale);
     const __m512 sv = _mm512_set1_ps(s);
     const int pow2 = scale == CSA_QS_UE8M0;
     const __m512 inv = _mm512_set1_ps(1.0f / s);
     for (csa_idx i = 0; i < block; i += 16) {
-        const __m512 xv = _mm512_loadu_ps(xb + i);
+        const __m512 xv = CSA_V(q_ld16)(xb, i, bf);
         __m512 v = pow2 ? _mm512_mul_ps(xv, inv) : _mm512_div_ps(xv, sv);
         /* min/max return their SECOND operand when one is NaN: NaN passes. */
         v = _mm512_max_ps(nqmax, _mm512_min_ps(qmax, v));
-        _mm512_storeu_ps(yb + i, _mm512_mul_ps(CSA_V(round_grid16)(v, emin, cshift), sv));
+        CSA_V(q_st16)(yb, i, _mm512_mul_ps(CSA_V(round_grid16)(v, emin, cshift), sv), bf);
     }
 }
 #endif
@@ -126,43 +165,108 @@ static inline __attribute__((always_inline)) void CSA_V(quant_block8)(
 }
 #endif
 
+/* One row of d features in blocks: the widest block kernel this level has. */
+static inline __attribute__((always_inline)) void CSA_V(quant_row)(
+    const float *xr, float *yr, csa_idx d, csa_idx block, int fmt, int scale)
+{
+#ifdef __AVX512F__
+    if (block % 16 == 0) {
+        if (fmt == CSA_Q_E4M3)
+            for (csa_idx b0 = 0; b0 < d; b0 += block)
+                CSA_V(quant_block16)(xr + b0, yr + b0, block, CSA_Q_E4M3, scale, 0);
+        else
+            for (csa_idx b0 = 0; b0 < d; b0 += block)
+                CSA_V(quant_block16)(xr + b0, yr + b0, block, CSA_Q_E2M1, scale, 0);
+        return;
+    }
+#endif
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    if (block % 8 == 0) {
+        if (fmt == CSA_Q_E4M3)
+            for (csa_idx b0 = 0; b0 < d; b0 += block)
+                CSA_V(quant_block8)(xr + b0, yr + b0, block, CSA_Q_E4M3, scale);
+        else
+            for (csa_idx b0 = 0; b0 < d; b0 += block)
+                CSA_V(quant_block8)(xr + b0, yr + b0, block, CSA_Q_E2M1, scale);
+        return;
+    }
+#endif
+    if (fmt == CSA_Q_E4M3)
+        for (csa_idx b0 = 0; b0 < d; b0 += block)
+            CSA_V(quant_block)(xr + b0, yr + b0, block, CSA_Q_E4M3, scale);
+    else
+        for (csa_idx b0 = 0; b0 < d; b0 += block)
+            CSA_V(quant_block)(xr + b0, yr + b0, block, CSA_Q_E2M1, scale);
+}
+
 static int CSA_V(quant_round_tuned)(const float *x, csa_idx rows, csa_idx d, csa_idx sx_row,
                                     csa_idx block, int fmt, int scale, float *out,
                                     csa_idx so_row)
 {
     const int nt = csa_threads(rows, 1 + 16384 / (d > 0 ? d : 1));
 #pragma omp parallel for num_threads(nt) schedule(static)
-    for (csa_idx r = 0; r < rows; r++) {
-        const float *xr = x + r * sx_row;
-        float *yr = out + r * so_row;
+    for (csa_idx r = 0; r < rows; r++)
+        CSA_V(quant_row)(x + r * sx_row, out + r * so_row, d, block, fmt, scale);
+    return CSA_OK;
+}
+
+/* bfloat16 rows for the bf16 entry points: widening is a 16-bit shift (exact),
+ * narrowing rounds nearest-even once, NaN kept quiet (csa_f32_to_bf16). */
+static inline void CSA_V(q_widen)(float *CSA_RESTRICT dst, const csa_bf16 *CSA_RESTRICT src,
+                                  csa_idx n)
+{
+    csa_idx i = 0;
 #ifdef __AVX512F__
-        if (block % 16 == 0) {
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, CSA_V(q_ld16h)(src + i));
+#endif
+#pragma omp simd
+    for (csa_idx j = i; j < n; j++) dst[j] = csa_bf16_to_f32(src[j]);
+}
+
+static inline void CSA_V(q_narrow)(csa_bf16 *CSA_RESTRICT dst, const float *CSA_RESTRICT src,
+                                   csa_idx n)
+{
+    csa_idx i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= n; i += 16) CSA_V(q_st16h)(dst + i, _mm512_loadu_ps(src + i));
+#endif
+    for (csa_idx j = i; j < n; j++) dst[j] = csa_f32_to_bf16(src[j]);
+}
+
+/* bfloat16 rows through the float32 row kernel, Q_BF16_CHUNK features of whole blocks
+ * at a time widened into an L1-resident buffer, rounded in place there and narrowed
+ * on the way out: memory sees only the 16-bit rows. */
+static int CSA_V(quant_round_bf16_tuned)(const csa_bf16 *x, csa_idx rows, csa_idx d,
+                                         csa_idx sx_row, csa_idx block, int fmt, int scale,
+                                         csa_bf16 *out, csa_idx so_row)
+{
+    const int nt = csa_threads(rows, 1 + 16384 / (d > 0 ? d : 1));
+    const csa_idx chunk = Q_BF16_CHUNK / block * block;   /* block <= Q_BF16_CHUNK */
+#ifdef __AVX512F__
+    if (block % 16 == 0) {   /* widened and narrowed in registers, no buffer */
+#pragma omp parallel for num_threads(nt) schedule(static)
+        for (csa_idx r = 0; r < rows; r++) {
+            const csa_bf16 *xr = x + r * sx_row;
+            csa_bf16 *yr = out + r * so_row;
             if (fmt == CSA_Q_E4M3)
                 for (csa_idx b0 = 0; b0 < d; b0 += block)
-                    CSA_V(quant_block16)(xr + b0, yr + b0, block, CSA_Q_E4M3, scale);
+                    CSA_V(quant_block16)(xr + b0, yr + b0, block, CSA_Q_E4M3, scale, 1);
             else
                 for (csa_idx b0 = 0; b0 < d; b0 += block)
-                    CSA_V(quant_block16)(xr + b0, yr + b0, block, CSA_Q_E2M1, scale);
-            continue;
+                    CSA_V(quant_block16)(xr + b0, yr + b0, block, CSA_Q_E2M1, scale, 1);
         }
+        return CSA_OK;
+    }
 #endif
-#if defined(__AVX2__) && !defined(__AVX512F__)
-        if (block % 8 == 0) {
-            if (fmt == CSA_Q_E4M3)
-                for (csa_idx b0 = 0; b0 < d; b0 += block)
-                    CSA_V(quant_block8)(xr + b0, yr + b0, block, CSA_Q_E4M3, scale);
-            else
-                for (csa_idx b0 = 0; b0 < d; b0 += block)
-                    CSA_V(quant_block8)(xr + b0, yr + b0, block, CSA_Q_E2M1, scale);
-            continue;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (csa_idx r = 0; r < rows; r++) {
+        float buf[Q_BF16_CHUNK] __attribute__((aligned(64)));
+        for (csa_idx c0 = 0; c0 < d; c0 += chunk) {
+            const csa_idx n = d - c0 < chunk ? d - c0 : chunk;
+            CSA_V(q_widen)(buf, x + r * sx_row + c0, n);
+            CSA_V(quant_row)(buf, buf, n, block, fmt, scale);
+            CSA_V(q_narrow)(out + r * so_row + c0, buf, n);
         }
-#endif
-        if (fmt == CSA_Q_E4M3)
-            for (csa_idx b0 = 0; b0 < d; b0 += block)
-                CSA_V(quant_block)(xr + b0, yr + b0, block, CSA_Q_E4M3, scale);
-        else
-            for (csa_idx b0 = 0; b0 < d; b0 += block)
-                CSA_V(quant_block)(xr + b0, yr + b0, block, CSA_Q_E2M1, scale);
     }
     return CSA_OK;
 }
@@ -247,11 +351,11 @@ static inline __m512 CSA_V(fwht16)(__m512 v)
 /* A row of n = 16 * nv floats (nv <= 16) kept in vectors: stages 1..8 in-register,
  * then whole-vector stages, the last one fused with the scale. */
 static inline __attribute__((always_inline)) void CSA_V(fwht_row_vec)(
-    const float *xr, float *yr, csa_idx n, float scale, const int stream)
+    const void *xr, void *yr, csa_idx n, float scale, const int stream, const int bf)
 {
     const csa_idx nv = n / 16;
     __m512 v[16];
-    for (csa_idx k = 0; k < nv; k++) v[k] = CSA_V(fwht16)(_mm512_loadu_ps(xr + 16 * k));
+    for (csa_idx k = 0; k < nv; k++) v[k] = CSA_V(fwht16)(CSA_V(q_ld16)(xr, 16 * k, bf));
     for (csa_idx hv = 1; hv < nv; hv *= 2)
         for (csa_idx i = 0; i < nv; i += 2 * hv)
             for (csa_idx k = i; k < i + hv; k++) {
@@ -260,10 +364,11 @@ static inline __attribute__((always_inline)) void CSA_V(fwht_row_vec)(
                 v[k + hv] = _mm512_sub_ps(a, b);
             }
     const __m512 sc = _mm512_set1_ps(scale);
-    if (stream)
-        for (csa_idx k = 0; k < nv; k++) _mm512_stream_ps(yr + 16 * k, _mm512_mul_ps(v[k], sc));
+    if (stream && !bf)
+        for (csa_idx k = 0; k < nv; k++)
+            _mm512_stream_ps((float *)yr + 16 * k, _mm512_mul_ps(v[k], sc));
     else
-        for (csa_idx k = 0; k < nv; k++) _mm512_storeu_ps(yr + 16 * k, _mm512_mul_ps(v[k], sc));
+        for (csa_idx k = 0; k < nv; k++) CSA_V(q_st16)(yr, 16 * k, _mm512_mul_ps(v[k], sc), bf);
 }
 
 /* Longer rows: in-register stages per vector into out, then the whole-vector
@@ -285,47 +390,79 @@ static inline void CSA_V(fwht_row_long)(const float *xr, float *yr, csa_idx n, f
 }
 #endif
 
+/* One row at this level's widest transform; `stream`: non-temporal stores. */
+static inline __attribute__((always_inline)) void CSA_V(hadamard_row)(
+    const float *xr, float *yr, csa_idx n, float scale, int stream)
+{
+#ifdef __AVX512F__
+    if (n >= 16 && n <= 256) {
+        if (stream)
+            CSA_V(fwht_row_vec)(xr, yr, n, scale, 1, 0);
+        else
+            CSA_V(fwht_row_vec)(xr, yr, n, scale, 0, 0);
+        return;
+    }
+    if (n > 256) {
+        CSA_V(fwht_row_long)(xr, yr, n, scale);
+        return;
+    }
+#else
+    (void)stream;
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+    if (n >= 8) {
+        CSA_V(fwht_row8)(xr, yr, n, scale);
+        return;
+    }
+#endif
+    if (yr != xr) memcpy(yr, xr, (size_t)n * sizeof *yr);
+    CSA_V(fwht_row)(yr, n, scale);
+}
+
 static int CSA_V(hadamard_tuned)(const float *x, csa_idx rows, csa_idx n, csa_idx sx_row,
                                  float scale, float *out, csa_idx so_row)
 {
     const int nt = csa_threads(rows, 1 + 8192 / n);
+    int stream = 0;
 #ifdef __AVX512F__
     /* A large out-of-place result goes around the caches with streaming stores (no
      * read-for-ownership of the destination lines): rows must start 64-byte aligned. */
-    const int stream = out != x && (csa_idx)rows * n >= ((csa_idx)1 << 21) &&
-                       ((uintptr_t)out & 63) == 0 && (so_row * 4) % 64 == 0;
+    stream = out != x && (csa_idx)rows * n >= ((csa_idx)1 << 21) &&
+             ((uintptr_t)out & 63) == 0 && (so_row * 4) % 64 == 0;
 #endif
 #pragma omp parallel num_threads(nt)
     {
 #pragma omp for schedule(static)
-        for (csa_idx r = 0; r < rows; r++) {
-            const float *xr = x + r * sx_row;
-            float *yr = out + r * so_row;
-#ifdef __AVX512F__
-            if (n >= 16 && n <= 256) {
-                if (stream)
-                    CSA_V(fwht_row_vec)(xr, yr, n, scale, 1);
-                else
-                    CSA_V(fwht_row_vec)(xr, yr, n, scale, 0);
-                continue;
-            }
-            if (n > 256) {
-                CSA_V(fwht_row_long)(xr, yr, n, scale);
-                continue;
-            }
-#endif
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-            if (n >= 8) {
-                CSA_V(fwht_row8)(xr, yr, n, scale);
-                continue;
-            }
-#endif
-            if (yr != xr) memcpy(yr, xr, (size_t)n * sizeof *yr);
-            CSA_V(fwht_row)(yr, n, scale);
-        }
+        for (csa_idx r = 0; r < rows; r++)
+            CSA_V(hadamard_row)(x + r * sx_row, out + r * so_row, n, scale, stream);
 #ifdef __AVX512F__
         if (stream) _mm_sfence();  /* streamed lines visible before the region ends */
 #endif
+    }
+    return CSA_OK;
+}
+
+/* bfloat16 rows (n <= Q_BF16_CHUNK): widened into an L1-resident buffer, transformed
+ * there by the float32 row kernel, narrowed on the way out. */
+static int CSA_V(hadamard_bf16_tuned)(const csa_bf16 *x, csa_idx rows, csa_idx n,
+                                      csa_idx sx_row, float scale, csa_bf16 *out,
+                                      csa_idx so_row)
+{
+    const int nt = csa_threads(rows, 1 + 8192 / n);
+#ifdef __AVX512F__
+    if (n >= 16 && n <= 256) {   /* the row lives in registers: widen / narrow there */
+#pragma omp parallel for num_threads(nt) schedule(static)
+        for (csa_idx r = 0; r < rows; r++)
+            CSA_V(fwht_row_vec)(x + r * sx_row, out + r * so_row, n, scale, 0, 1);
+        return CSA_OK;
+    }
+#endif
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (csa_idx r = 0; r < rows; r++) {
+        float buf[Q_BF16_CHUNK] __attribute__((aligned(64)));
+        CSA_V(q_widen)(buf, x + r * sx_row, n);
+        CSA_V(hadamard_row)(buf, buf, n, scale, 0);
+        CSA_V(q_narrow)(out + r * so_row, buf, n);
     }
     return CSA_OK;
 }

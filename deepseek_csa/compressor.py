@@ -13,6 +13,13 @@ fresh after ``prefill`` (which always starts a sequence at position 0) or
 ``reset``.  For a single sequence started by a prefill, the entries are those of
 the released code; ``prefill(T1)`` followed by decode steps gives bitwise the
 entries of ``prefill(T)`` at every split point.
+
+bfloat16: ``kv`` / ``score`` may be bfloat16 (ml_dtypes.bfloat16 arrays, torch
+bfloat16 tensors, read in place).  They are widened exactly, the arithmetic and the
+streaming state stay float32, and the entries come back in bfloat16 at the released
+rounding points: the pooled entry is rounded once (the cast to the model dtype), the
+RMSNorm and RoPE round on their stores, the named QAT roundings compute in float32
+and round once at the end.  The streaming law holds bitwise for bfloat16 too.
 """
 from __future__ import annotations
 
@@ -34,16 +41,17 @@ def _quant_fn(name, rope_dim, bf16):
     def fp4(y):     # FP4, power-of-two scales
         fp4_round(y, 32)
 
+    # A bfloat16 y (bfloat16 inputs) is rounded back to bfloat16 by each call itself.
     def hadamard_fp4(y):   # V4 indexer keys: rotate, (back to the model dtype), FP4
         hadamard(y, out=y)
-        if bf16:
+        if bf16 and y.dtype == np.float32:
             _round_bf16(y)
         fp4_round(y, 32)
 
     def fp4_e4m3(y):       # V4.1 compressed KV: FP4 in blocks of 16 with e4m3 scales
         fp4_round(y, 16, scale="e4m3")
-        if bf16:           # e4m3 scales are not powers of two: back to the model dtype
-            _round_bf16(y)
+        if bf16 and y.dtype == np.float32:   # e4m3 scales are not powers of two: back
+            _round_bf16(y)                   # to the model dtype
 
     return {"fp8": fp8, "fp4": fp4, "hadamard_fp4": hadamard_fp4, "fp4_e4m3": fp4_e4m3}[name]
 
@@ -91,10 +99,12 @@ class Compressor:
     overlap     : V4's ratio-4 scheme (2*ratio candidates per entry, SPEC 3).
     ape         : float32 [ratio, c*D] added to the scores (None: zeros, V4.1).
     Epilogue, applied to each emitted entry in the released order:
-    model_dtype : "float32" or "bfloat16": with bfloat16 the pooled entry is rounded
-                  to bfloat16 (the released cast to the model dtype), and so is the
-                  result of the norm and of RoPE (each writes the model dtype).
-                  Entries are always returned as float32 arrays.
+    model_dtype : "float32" or "bfloat16", for float32 inputs: with bfloat16 the
+                  pooled entry is rounded to bfloat16 (the released cast to the model
+                  dtype), and so is the result of the norm and of RoPE (each writes
+                  the model dtype); the entries are float32 arrays either way.
+                  bfloat16 kv inputs always run the bfloat16 epilogue (their model
+                  dtype is bfloat16) and return bfloat16 entries.
     norm_weight : float32 [D], the compressor's RMSNorm weight (None: no norm); eps.
     rope        : (cos, sin) float32 [P, Dr/2] tables (``rope_table``; None: no
                   RoPE, as V4.1 which rotates outside the compressor): entry g is
@@ -107,7 +117,8 @@ class Compressor:
                   "fp4"  FP4 e2m1, ue8m0 scales, blocks of 32,
                   "fp4_e4m3"  FP4 in blocks of 16 with e4m3 scales (V4.1 KV),
                   or a callable ``quant(entries) -> array or None`` given every
-                  emitted [B, n, D] float32 array (None result: rounded in place).
+                  emitted [B, n, D] array, float32 or (bfloat16 inputs) bfloat16
+                  (None result: rounded in place).
 
     Ratio 1 without overlap is V4.1's ungated entry: the token's own kv (score may
     be None), then the epilogue.
@@ -202,11 +213,13 @@ class Compressor:
     def prefill(self, kv, score=None, *, out=None) -> np.ndarray:
         """Starts a sequence in rows 0..B-1 at position 0.
 
-        kv, score : float32 [B, T, c*head_dim], B <= batch, any strides.
-        out       : float32 [B, T // ratio, head_dim], C-contiguous, or None.
+        kv, score : float32 or bfloat16 [B, T, c*head_dim], B <= batch, any strides
+                    (they may differ in dtype: each is widened exactly).
+        out       : [B, T // ratio, head_dim] of kv's dtype, C-contiguous, or None.
         Returns the T // ratio complete entries [B, T // ratio, head_dim] (after the
         epilogue); keeps the T % ratio trailing tokens (and, with overlap, the last
-        complete group) for ``step``.  Rows >= B are left as they are.
+        complete group) for ``step``.  Rows >= B are left as they are.  The entries
+        have kv's dtype (bfloat16 kv: bfloat16 entries, see the module docstring).
         """
         y = _pool_prefill(self._state, _view(kv), _view(score), out)
         if self._quant is not None and y.shape[1]:
@@ -215,9 +228,9 @@ class Compressor:
 
     def step(self, kv, score, start_pos: int):
         """One decode token per row at position ``start_pos`` (which must be every
-        used row's ``positions``); kv, score: float32 [B, 1, c*head_dim], B <= batch.
-        Returns the new entry [B, 1, head_dim] (compressed index start_pos // ratio)
-        when the token completes its group, else None."""
+        used row's ``positions``); kv, score: float32 or bfloat16 [B, 1, c*head_dim],
+        B <= batch.  Returns the new entry [B, 1, head_dim] of kv's dtype (compressed
+        index start_pos // ratio) when the token completes its group, else None."""
         y = _pool_step(self._state, _view(kv), _view(score), start_pos)
         if y is not None and self._quant is not None:
             y = self._apply_quant(y)

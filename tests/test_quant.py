@@ -1,5 +1,6 @@
 """FP8 / FP4 QAT rounding and the Hadamard rotation against the float32 reference
 (tests/ref_quant.py) and against torch's own float8_e4m3fn conversion."""
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -451,3 +452,181 @@ def test_hadamard_nan_inf_and_bf16(rng):
     h = ref.hadamard_matrix(128).bfloat16()
     want = (T(xb).bfloat16() @ h * 128 ** -0.5).float().numpy()
     assert_close(dc.hadamard(xb), want, rtol=1.6e-2, atol=2e-2, what="bf16 run")
+
+
+# ---------------------------------------------------------------- bfloat16 in and out
+
+BF16 = ml_dtypes.bfloat16
+
+
+def _tb(a):
+    """A bf16 NumPy array as a torch bfloat16 tensor sharing its memory."""
+    return T(a.view(np.int16)).view(torch.bfloat16)
+
+
+def _bf16_ulps(got, want):
+    """Per element, the distance in bf16 ulps of two bf16 arrays (NaN matches NaN)."""
+    def line(a):
+        h = np.ascontiguousarray(a).view(np.int16).astype(np.int64)
+        return np.where(h < 0, -(h & 0x7FFF), h)
+    g, w = np.asarray(got, BF16), np.asarray(want, BF16)
+    gn, wn = np.isnan(g.astype(np.float32)), np.isnan(w.astype(np.float32))
+    return np.where(gn | wn, np.where(gn & wn, 0, 1 << 30), np.abs(line(g) - line(w)))
+
+
+def _ref_of(fn):
+    return {"fp8_round": ref.fp8_round, "fp4_round": ref.fp4_round}[fn.__name__]
+
+
+BF16_ROUND_CASES = [(dc.fp8_round, (64, 448), 64, "ue8m0"), (dc.fp8_round, (3, 5, 96), 32, "fp32"),
+                    (dc.fp8_round, (4, 24), 3, "ue8m0"), (dc.fp4_round, (2, 9, 4, 128), 32, "ue8m0"),
+                    (dc.fp4_round, (7, 512), 16, "e4m3"), (dc.fp4_round, (5, 10), 5, "e4m3"),
+                    (dc.fp4_round, (2, 8192), 8192, "ue8m0"), (dc.fp8_round, (0, 64), 64, "ue8m0")]
+
+
+@pytest.mark.parametrize("fn, shape, block, scale", BF16_ROUND_CASES)
+def test_bf16_round_vs_bf16_reference(isa_bf16, rng, fn, shape, block, scale):
+    """bf16 in place: the reference run on the bf16 tensor (x.float() -> round ->
+    .to(bf16)) within 1 ulp (in fact bit for bit: the float32 path on the widened values,
+    then one cast), and the float32 path on the unrounded input at bf16 tolerance."""
+    x32 = spread(rng, shape)
+    xb = x32.astype(BF16)
+    want = _ref_of(fn)(_tb(xb), block, scale).bfloat16()
+    y = xb.copy()
+    assert fn(y, block, scale=scale) is y and y.dtype == BF16
+    assert _bf16_ulps(y, want.float().numpy().astype(BF16)).max(initial=0) <= 1
+    assert_bits_equal(y.astype(np.float32), fn(xb.astype(np.float32), block, scale=scale)
+                      .astype(BF16).astype(np.float32), "the cast of the float32 path")
+    f32 = fn(x32.copy(), block, scale=scale)
+    # the bf16 input rounding (2^-9 relative) moves a value across a grid midpoint with
+    # probability ~ 2^-9 / 2^-m (m mantissa bits of the grid: ~3% for e4m3); those
+    # elements move by one grid step, the others agree at bf16 tolerance (a block whose
+    # e4m3 scale or power-of-two scale moves moves whole: counted on many blocks only)
+    far = ~np.isclose(y.astype(np.float32), f32, rtol=1.6e-2, atol=0)
+    assert xb.size < 2048 or far.mean() <= 0.06, f"{far.mean():.3f} of the elements far from the float32 path"
+
+
+def test_bf16_round_views_out_torch_and_nan(rng):
+    base = spread(rng, (6, 10, 64)).astype(BF16)
+    view = base[::2, 1::3, ::-2]                 # not foldable, reversed inner stride
+    want = dc.fp8_round(view.astype(np.float32), 8).astype(BF16)
+    out = np.zeros((3, 3, 2, 32), BF16)[:, :, 0]
+    with unchanged(base.view(np.uint16)):
+        assert dc.fp8_round(view, 8, out=out) is out
+    assert_bits_equal(out.astype(np.float32), want.astype(np.float32), "strided out=")
+    b0 = base.copy()
+    assert dc.fp8_round(view, 8) is view         # in place on a strided view
+    assert_bits_equal(view.astype(np.float32), want.astype(np.float32), "in place view")
+    mask = np.ones(base.shape, bool)
+    mask[::2, 1::3, ::-2] = False
+    assert np.array_equal(base.view(np.uint16)[mask], b0.view(np.uint16)[mask])
+    # the released model's in-place rounding of kv[..., :-64] on a torch bf16 tensor
+    t = torch.randn(2, 6, 512).bfloat16()
+    t0, ptr = t.clone(), t.data_ptr()
+    dc.fp8_round(t[..., :-64], 64)
+    assert t.data_ptr() == ptr and torch.equal(t[..., -64:], t0[..., -64:])
+    assert torch.equal(t[..., :-64], ref.fp8_round(t0[..., :-64], 64).bfloat16())
+    q = torch.randn(2, 5, 64, 128).bfloat16()
+    want4 = ref.fp4_round(q, 32).bfloat16()
+    assert dc.fp4_round(q, 32) is q and torch.equal(q, want4)
+    x = rng.standard_normal((4, 128), dtype=np.float32).astype(BF16)
+    x[0, 5], x[1, 70] = np.nan, np.inf
+    for f, b in ((dc.fp8_round, 64), (dc.fp4_round, 32)):
+        got = f(x.copy(), b).astype(np.float32)
+        assert np.isnan(got[0, :b]).all() and not np.isnan(got[0, b:]).any()
+        assert np.isnan(got[1, 64:64 + b]).all() and np.isfinite(got[2:]).all()
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 16, 128, 512, 4096, 8192])
+def test_bf16_hadamard_vs_bf16_reference(isa_bf16, rng, n):
+    """bf16 x: the transform of the widened values, cast once; within 1 ulp of the
+    reference (float64 product) cast to bf16, except where the float32 rounding of a
+    cancelling sum spans more ulps of a tiny result; bf16 tolerance vs float32."""
+    rows = 9 if n <= 512 else 2
+    x32 = rng.standard_normal((rows, n), dtype=np.float32)
+    xb = x32.astype(BF16)
+    with unchanged(xb.view(np.uint16)):
+        got = dc.hadamard(xb)
+    assert got.dtype == BF16 and got.shape == xb.shape
+    assert_bits_equal(got.astype(np.float32),
+                      dc.hadamard(xb.astype(np.float32)).astype(BF16).astype(np.float32),
+                      "the cast of the float32 path")
+    g = got.astype(np.float32)
+    if n > 1024:      # the explicit matrix is n^2: the float32 path (checked above) vouches
+        assert_close(dc.hadamard(got).astype(np.float32), x32, rtol=3e-2, atol=3e-2,
+                     what="round trip")
+        return
+    want = ref.hadamard(_tb(xb)).bfloat16().float().numpy()
+    ok = (_bf16_ulps(got, want.astype(BF16)) <= 1) | (np.abs(g - want) <= 2e-6 * np.log2(2 * n))
+    assert ok.all()
+    assert_close(g, ref.hadamard(T(x32)).numpy(), rtol=1.6e-2, atol=2e-2, what="vs float32")
+
+
+def test_bf16_hadamard_in_place_out_views_torch(rng):
+    base = rng.standard_normal((5, 6, 256), dtype=np.float32).astype(BF16)
+    view = base[::2, 1::2, 64:192]
+    want = dc.hadamard(view.astype(np.float32)).astype(BF16)
+    assert_bits_equal(dc.hadamard(view).astype(np.float32), want.astype(np.float32), "view")
+    rev = base[..., ::-2]
+    assert_bits_equal(dc.hadamard(rev).astype(np.float32),
+                      dc.hadamard(rev.astype(np.float32)).astype(BF16).astype(np.float32), "rev")
+    assert dc.hadamard(view, out=view) is view
+    assert_bits_equal(view.astype(np.float32), want.astype(np.float32), "in place")
+    out = np.zeros((3, 3, 2, 128), BF16)[:, :, 0]
+    x = np.ascontiguousarray(view)
+    with unchanged(x.view(np.uint16)):
+        assert dc.hadamard(x, out=out) is out
+    t = _tb(x.copy())
+    assert dc.hadamard(t, out=t) is t
+    assert torch.equal(t, _tb(np.ascontiguousarray(dc.hadamard(x))))
+
+
+@pytest.mark.parametrize("fn, args, kwargs, exc, words", [
+    (dc.fp8_round, (np.ones((2, 64), BF16), 64), {"out": np.ones((2, 64), np.float32)},
+     TypeError, ["'out'", "bfloat16", "float32"]),
+    (dc.fp4_round, (np.ones((2, 64), np.float32), 32), {"out": np.ones((2, 64), BF16)},
+     TypeError, ["'out'", "float32"]),
+    (dc.hadamard, (np.ones((2, 64), BF16),), {"out": np.ones((2, 64), np.float32)},
+     TypeError, ["'out'", "bfloat16"]),
+    (dc.hadamard, (np.ones((2, 48), BF16),), {}, ValueError, ["'x'", "power of two"]),
+    (dc.fp8_round, (np.ones((2, 64), np.float16), 64), {}, TypeError,
+     ["'x'", "float32 or bfloat16", "float16"]),
+    (dc.fp8_round, (np.ones((2, 64), BF16), 48), {}, ValueError, ["'block'", "48"]),
+])
+def test_bf16_bad_inputs(fn, args, kwargs, exc, words):
+    arrays = [a for a in args if isinstance(a, np.ndarray)] + [
+        v for v in kwargs.values() if isinstance(v, np.ndarray)]
+    with unchanged(*[a.view(np.uint8) for a in arrays]):
+        with pytest.raises(exc) as e:
+            fn(*args, **kwargs)
+    msg = str(e.value)
+    assert fn.__name__ in msg, msg
+    for w in words:
+        assert w in msg, (w, msg)
+    ro = np.ones((2, 64), BF16)
+    ro.setflags(write=False)
+    with pytest.raises(ValueError, match="'x' is read-only"):
+        dc.fp4_round(ro, 32)
+
+
+def test_bf16_bitwise_across_levels_and_threads(rng):
+    x = spread(rng, (1000, 512)).astype(BF16)
+    results = {}
+    before = dc.get_isa()
+    try:
+        for level in ("ref", dc.best_isa()):
+            dc.set_isa(level)
+            for n in (1, 2, 3):
+                with threads(n):
+                    results[(level, n)] = [
+                        a.view(np.uint16) for a in (
+                            dc.fp8_round(x.copy(), 64), dc.fp4_round(x.copy(), 32),
+                            dc.fp4_round(x.copy(), 16, scale="e4m3"),
+                            dc.fp8_round(x.copy(), 32, scale="fp32"), dc.hadamard(x),
+                            dc.hadamard(x[:, :128]))]
+    finally:
+        dc.set_isa(before)
+    first = results[("ref", 1)]
+    for key, res in results.items():
+        for a, b in zip(res, first):
+            assert np.array_equal(a, b), key

@@ -17,6 +17,24 @@ static PyArrayObject *unit_inner(PyArrayObject *a)
     return (PyArrayObject *)PyArray_NewCopy(a, NPY_CORDER);
 }
 
+/* `ape` as float32: itself (new reference), or for a bfloat16 ape a float32 copy
+ * (exact; ape is [ratio, c*D], small beside kv and score). */
+static PyArrayObject *ape_f32(PyArrayObject *a)
+{
+    if (!csa_is_bf16(a)) {
+        Py_INCREF(a);
+        return a;
+    }
+    PyArrayObject *o = (PyArrayObject *)PyArray_EMPTY(2, PyArray_DIMS(a), NPY_FLOAT32, 0);
+    if (!o) return NULL;
+    float *dst = PyArray_DATA(o);
+    const npy_intp n0 = PyArray_DIM(a, 0), n1 = PyArray_DIM(a, 1);
+    for (npy_intp i = 0; i < n0; i++)
+        for (npy_intp j = 0; j < n1; j++)
+            dst[i * n1 + j] = csa_bf16_to_f32(*(const csa_bf16 *)PyArray_GETPTR2(a, i, j));
+    return o;
+}
+
 /* kv / score / ape checks shared by gated_pool and the Compressor: returns c*d. */
 static int check_inputs(const char *fn, PyArrayObject *kv, PyArrayObject *score,
                         PyArrayObject *ape, long long ratio, int overlap)
@@ -53,18 +71,24 @@ static int check_inputs(const char *fn, PyArrayObject *kv, PyArrayObject *score,
 
 PyDoc_STRVAR(gated_pool_doc,
 "gated_pool(kv, score, ratio, *, ape=None, overlap=False, out=None)\n--\n\n"
-"Gated pooling of the complete groups of a prefill (SPEC section 3), float32.\n\n"
-"kv, score : float32 [B, T, c*D], c = 2 with overlap else 1, any strides.\n"
+"Gated pooling of the complete groups of a prefill (SPEC section 3), in float32.\n\n"
+"kv, score : float32 or bfloat16 [B, T, c*D], c = 2 with overlap else 1, any strides.\n"
 "ratio     : int >= 1, tokens per entry.\n"
-"ape       : float32 [ratio, c*D] added to the scores (None: zeros, as in V4.1).\n"
+"ape       : float32 [ratio, c*D] added to the scores (None: zeros, as in V4.1); a\n"
+"            bfloat16 ape is widened to float32 (exact).\n"
 "overlap   : V4's ratio-4 scheme: entry g softmaxes over 2*ratio candidates, the\n"
 "            tokens of group g-1 through features [0, D) and those of group g through\n"
 "            features [D, 2D); group -1 does not exist (weight 0).\n"
-"out       : float32 [B, T // ratio, D] or None.\n\n"
+"out       : [B, T // ratio, D] of kv's dtype, or None.\n\n"
 "Without overlap entry g pools tokens g*ratio .. g*ratio+ratio-1 per feature with\n"
 "softmax(score + ape) weights.  Ratio 1 without overlap is V4.1's ungated entry:\n"
 "the token's own kv (score is ignored and may be None).  The T % ratio trailing\n"
-"tokens make no entry (deepseek_csa.Compressor keeps them for decode).\n"
+"tokens make no entry (deepseek_csa.Compressor keeps them for decode).\n\n"
+"bfloat16 (ml_dtypes.bfloat16 arrays, torch bfloat16 tensors, viewed without a copy)\n"
+"is read as is and widened exactly; all arithmetic is float32.  The result has kv's\n"
+"dtype: a bfloat16 kv gives a bfloat16 result rounded once (nearest-even) on store,\n"
+"i.e. the float32 result on the widened inputs cast to bfloat16 (the reference's\n"
+"pooled `.to(bfloat16)`).  kv and score may differ in dtype (each is widened).\n"
 "Returns out [B, T // ratio, D].");
 
 static PyObject *py_gated_pool(PyObject *self, PyObject *args, PyObject *kw)
@@ -82,32 +106,40 @@ static PyObject *py_gated_pool(PyObject *self, PyObject *args, PyObject *kw)
     long long ratio;
     if (csa_int_arg(ro, fn, "ratio", 1, (long long)1 << 40, &ratio)) return NULL;
     const int gate = ratio > 1 || overlap;
-    if (!(kv = csa_array(kvo, fn, "kv", CSA_F32, 3, 3, 0))) goto done;
+    if (!(kv = csa_array(kvo, fn, "kv", CSA_F32 | CSA_BF16, 3, 3, 0))) goto done;
     if (so != Py_None || gate)
-        if (!(sc = csa_array(so, fn, "score", CSA_F32, 3, 3, 0))) goto done;
-    if (apo != Py_None && !(ape = csa_array(apo, fn, "ape", CSA_F32, 2, 2, 0))) goto done;
+        if (!(sc = csa_array(so, fn, "score", CSA_F32 | CSA_BF16, 3, 3, 0))) goto done;
+    if (apo != Py_None && !(ape = csa_array(apo, fn, "ape", CSA_F32 | CSA_BF16, 2, 2, 0)))
+        goto done;
     if (check_inputs(fn, kv, sc, ape, ratio, overlap)) goto done;
     const npy_intp B = PyArray_DIM(kv, 0), T = PyArray_DIM(kv, 1);
     const npy_intp d = PyArray_DIM(kv, 2) / (overlap ? 2 : 1);
+    const int kvbf = csa_is_bf16(kv), scbf = sc && csa_is_bf16(sc);
     npy_intp shape[3] = {B, T / ratio, d};
     PyArrayObject *ins[3] = {kv, sc, ape};
-    if (!(out = csa_out_array(oo, fn, 3, shape, ins, 3))) goto done;
+    if (!(out = csa_out_array_as(oo, fn, 3, shape, kv, ins, 3))) goto done;
     if (!(kvc = unit_inner(kv))) goto done;
     if (sc && !(scc = unit_inner(sc))) goto done;
-    if (ape && !(apc = unit_inner(ape))) goto done;
+    if (ape) {
+        PyArrayObject *a32 = ape_f32(ape);
+        if (!a32) goto done;
+        apc = unit_inner(a32);
+        Py_DECREF(a32);
+        if (!apc) goto done;
+    }
     PyArrayObject *dst = out;
     if (shape[2] > 1 && csa_stride(out, 2) != 1) {
-        if (!(tmp = (PyArrayObject *)PyArray_EMPTY(3, shape, NPY_FLOAT32, 0))) goto done;
+        if (!(tmp = csa_empty_like_dtype(kv, 3, shape))) goto done;
         dst = tmp;
     }
     int st;
     Py_BEGIN_ALLOW_THREADS
-    st = csa_gated_pool((const float *)PyArray_DATA(kvc), csa_stride(kvc, 0), csa_stride(kvc, 1),
-                        1, scc ? (const float *)PyArray_DATA(scc) : NULL,
-                        scc ? csa_stride(scc, 0) : 0, scc ? csa_stride(scc, 1) : 0, 1,
+    st = csa_gated_pool(PyArray_DATA(kvc), kvbf, csa_stride(kvc, 0), csa_stride(kvc, 1), 1,
+                        scc ? PyArray_DATA(scc) : NULL, scbf, scc ? csa_stride(scc, 0) : 0,
+                        scc ? csa_stride(scc, 1) : 0, 1,
                         apc ? (const float *)PyArray_DATA(apc) : NULL,
                         apc ? csa_stride(apc, 0) : 0, 1, B, T, d, ratio, overlap,
-                        (float *)PyArray_DATA(dst), csa_stride(dst, 0), csa_stride(dst, 1), 1);
+                        PyArray_DATA(dst), kvbf, csa_stride(dst, 0), csa_stride(dst, 1), 1);
     Py_END_ALLOW_THREADS
     ret = csa_finish(st, fn, oo, out, tmp);
 done:
@@ -205,8 +237,9 @@ static int state_inputs(const char *fn, state_view *v, PyObject *kvo, PyObject *
     const int gate = v->st.ratio > 1 || v->st.overlap;
     const npy_intp cd = (v->st.overlap ? 2 : 1) * v->st.d;
     char b1[256];
-    if (!(*kv = csa_array(kvo, fn, "kv", CSA_F32, 3, 3, 0))) return -1;
-    if ((so != Py_None || gate) && !(*sc = csa_array(so, fn, "score", CSA_F32, 3, 3, 0)))
+    if (!(*kv = csa_array(kvo, fn, "kv", CSA_F32 | CSA_BF16, 3, 3, 0))) return -1;
+    if ((so != Py_None || gate) &&
+        !(*sc = csa_array(so, fn, "score", CSA_F32 | CSA_BF16, 3, 3, 0)))
         return -1;
     if (PyArray_DIM(*kv, 2) != cd) {
         PyErr_Format(PyExc_ValueError,
@@ -251,19 +284,20 @@ static PyObject *py_pool_prefill(PyObject *self, PyObject *args)
     if (check_rope_rows(fn, &v, (long long)G - 1)) goto done;
     npy_intp shape[3] = {B, G, v.st.d};
     PyArrayObject *ins[2] = {kv, sc};
-    if (!(out = csa_out_array(oo, fn, 3, shape, ins, 2))) goto done;
+    if (!(out = csa_out_array_as(oo, fn, 3, shape, kv, ins, 2))) goto done;
     if (!PyArray_IS_C_CONTIGUOUS(out)) {
         PyErr_Format(PyExc_ValueError, "%s(): 'out' must be C-contiguous", fn);
         goto done;
     }
     if (!(kvc = unit_inner(kv))) goto done;
     if (sc && !(scc = unit_inner(sc))) goto done;
+    const int kvbf = csa_is_bf16(kv), scbf = sc && csa_is_bf16(sc);
     int st;
     Py_BEGIN_ALLOW_THREADS
-    st = csa_pool_prefill(&v.st, (const float *)PyArray_DATA(kvc), csa_stride(kvc, 0),
-                          csa_stride(kvc, 1), scc ? (const float *)PyArray_DATA(scc) : NULL,
-                          scc ? csa_stride(scc, 0) : 0, scc ? csa_stride(scc, 1) : 0, v.ape, B, T,
-                          &v.ep, (float *)PyArray_DATA(out), G * v.st.d, v.st.d);
+    st = csa_pool_prefill(&v.st, PyArray_DATA(kvc), kvbf, csa_stride(kvc, 0), csa_stride(kvc, 1),
+                          scc ? PyArray_DATA(scc) : NULL, scbf, scc ? csa_stride(scc, 0) : 0,
+                          scc ? csa_stride(scc, 1) : 0, v.ape, B, T, &v.ep, PyArray_DATA(out),
+                          kvbf, G * v.st.d, v.st.d);
     Py_END_ALLOW_THREADS
     if (st) {
         csa_raise_status(st, fn);
@@ -312,14 +346,15 @@ static PyObject *py_pool_step(PyObject *self, PyObject *const *args, Py_ssize_t 
     const int emit = (p + 1) % v.st.ratio == 0;
     if (emit && check_rope_rows(fn, &v, p / v.st.ratio)) goto done;
     npy_intp shape[3] = {B, 1, v.st.d};
-    if (!(out = (PyArrayObject *)PyArray_EMPTY(3, shape, NPY_FLOAT32, 0))) goto done;
+    if (!(out = csa_empty_like_dtype(kv, 3, shape))) goto done;
     if (!(kvc = unit_inner(kv))) goto done;
     if (sc && !(scc = unit_inner(sc))) goto done;
+    const int kvbf = csa_is_bf16(kv), scbf = sc && csa_is_bf16(sc);
     int st, emitted = 0;
     Py_BEGIN_ALLOW_THREADS
-    st = csa_pool_step(&v.st, (const float *)PyArray_DATA(kvc), csa_stride(kvc, 0),
-                       scc ? (const float *)PyArray_DATA(scc) : NULL, scc ? csa_stride(scc, 0) : 0,
-                       v.ape, B, p, &v.ep, (float *)PyArray_DATA(out), v.st.d, &emitted);
+    st = csa_pool_step(&v.st, PyArray_DATA(kvc), kvbf, csa_stride(kvc, 0),
+                       scc ? PyArray_DATA(scc) : NULL, scbf, scc ? csa_stride(scc, 0) : 0, v.ape,
+                       B, p, &v.ep, PyArray_DATA(out), kvbf, v.st.d, &emitted);
     Py_END_ALLOW_THREADS
     if (st) {
         csa_raise_status(st, fn);

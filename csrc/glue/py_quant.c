@@ -17,14 +17,13 @@ static int q_same_view(PyArrayObject *a, PyArrayObject *b)
     return 1;
 }
 
-/* Parses `out`: NULL result with an exception on error; *inplace = 1 when out is None
- * and `inplace_default` (then x itself is the destination), or when out is the same
- * view as x.  Otherwise out must match x's shape and not overlap it. */
+/* Parses `out`: NULL result with an exception on error; *inplace = 1 when out is the
+ * same view as x.  Otherwise out must have x's dtype and shape and not overlap it. */
 static PyArrayObject *q_out(PyObject *oo, PyArrayObject *x, const char *fn, int *inplace)
 {
     char b1[256], b2[256];
     const int nd = PyArray_NDIM(x);
-    PyArrayObject *o = csa_array(oo, fn, "out", CSA_F32, nd, nd, 1);
+    PyArrayObject *o = csa_array(oo, fn, "out", csa_is_bf16(x) ? CSA_BF16 : CSA_F32, nd, nd, 1);
     if (!o) return NULL;
     for (int i = 0; i < nd; i++)
         if (PyArray_DIM(o, i) != PyArray_DIM(x, i)) {
@@ -46,13 +45,14 @@ static PyArrayObject *q_out(PyObject *oo, PyArrayObject *x, const char *fn, int 
     return o;
 }
 
-typedef int (*q_kernel)(const float *x, csa_idx rows, csa_idx d, csa_idx sx_row,
-                        csa_idx sx_col, float *out, csa_idx so_row, csa_idx so_col,
+/* x, out: float32, or bfloat16 (csa_bf16) when `bf16`. */
+typedef int (*q_kernel)(const void *x, csa_idx rows, csa_idx d, csa_idx sx_row,
+                        csa_idx sx_col, void *out, csa_idx so_row, csa_idx so_col, int bf16,
                         const void *params);
 
-/* Runs `kernel` from src to dst ([..., d] each) with the GIL released, going through
- * contiguous copies when a layout cannot be folded into [rows, d].  dst may be src
- * itself (in place).  Returns 0, or -1 with an exception set. */
+/* Runs `kernel` from src to dst ([..., d] each, one dtype) with the GIL released,
+ * going through contiguous copies when a layout cannot be folded into [rows, d].  dst
+ * may be src itself (in place).  Returns 0, or -1 with an exception set. */
 static int q_run(PyArrayObject *src, PyArrayObject *dst, const char *fn, q_kernel kernel,
                  const void *params)
 {
@@ -72,7 +72,7 @@ static int q_run(PyArrayObject *src, PyArrayObject *dst, const char *fn, q_kerne
             s = scopy;
         }
         if (csa_fold_rows(dst, &rows, &str)) {
-            tcopy = (PyArrayObject *)PyArray_EMPTY(nd, PyArray_DIMS(dst), NPY_FLOAT32, 0);
+            tcopy = csa_empty_like_dtype(dst, nd, PyArray_DIMS(dst));
             if (!tcopy) goto done;
             t = tcopy;
         }
@@ -80,10 +80,11 @@ static int q_run(PyArrayObject *src, PyArrayObject *dst, const char *fn, q_kerne
     csa_fold_rows(s, &rows, &ssr);
     csa_fold_rows(t, &rows, &str);
     const csa_idx d = PyArray_DIM(s, nd - 1);
+    const int bf16 = csa_is_bf16(s);
     int st;
     Py_BEGIN_ALLOW_THREADS
-    st = kernel((const float *)PyArray_DATA(s), rows, d, ssr, csa_stride(s, nd - 1),
-                (float *)PyArray_DATA(t), str, csa_stride(t, nd - 1), params);
+    st = kernel(PyArray_DATA(s), rows, d, ssr, csa_stride(s, nd - 1), PyArray_DATA(t), str,
+                csa_stride(t, nd - 1), bf16, params);
     Py_END_ALLOW_THREADS
     if (st) {
         csa_raise_status(st, fn);
@@ -105,11 +106,14 @@ struct q_round_params {
     int fmt, scale;
 };
 
-static int q_round_kernel(const float *x, csa_idx rows, csa_idx d, csa_idx sx_row,
-                          csa_idx sx_col, float *out, csa_idx so_row, csa_idx so_col,
+static int q_round_kernel(const void *x, csa_idx rows, csa_idx d, csa_idx sx_row,
+                          csa_idx sx_col, void *out, csa_idx so_row, csa_idx so_col, int bf16,
                           const void *params)
 {
     const struct q_round_params *p = params;
+    if (bf16)
+        return csa_quant_round_bf16(x, rows, d, sx_row, sx_col, p->block, p->fmt, p->scale,
+                                    out, so_row, so_col);
     return csa_quant_round(x, rows, d, sx_row, sx_col, p->block, p->fmt, p->scale, out, so_row,
                            so_col);
 }
@@ -146,7 +150,7 @@ static PyObject *q_round(PyObject *args, PyObject *kw, const char *fn, int fmt,
     PyArrayObject *x = NULL, *out = NULL;
     PyObject *ret = NULL;
     char b1[256];
-    if (!(x = csa_array(xo, fn, "x", CSA_F32, 1, NPY_MAXDIMS, !have_out))) goto done;
+    if (!(x = csa_array(xo, fn, "x", CSA_F32 | CSA_BF16, 1, NPY_MAXDIMS, !have_out))) goto done;
     const npy_intp d = PyArray_DIM(x, PyArray_NDIM(x) - 1);
     if (d % block) {
         PyErr_Format(PyExc_ValueError,
@@ -183,11 +187,13 @@ PyDoc_STRVAR(fp8_round_doc,
 "grid (subnormals down to 2**-9; what torch's float8_e4m3fn cast gives for values in\n"
 "range).  Signs and -0 are kept.  A block holding a NaN or an inf becomes all NaN\n"
 "(amax is NaN or inf, so is s, and 0 * inf is NaN), as the formula gives in torch.\n\n"
-"x     : float32 [..., D], D a multiple of block, any strides (views such as\n"
-"        x[..., :-64] work).  Rounded IN PLACE when out is None (x must be writeable).\n"
+"x     : float32 or bfloat16 [..., D], D a multiple of block, any strides (views\n"
+"        such as x[..., :-64] work).  Rounded IN PLACE when out is None (x must be\n"
+"        writeable).  bfloat16 is widened, rounded in float32 and rounded back to\n"
+"        bfloat16 once (as x.float() -> round -> .to(bfloat16)).\n"
 "block : int >= 1 dividing D (V4: 64 on the first D - 64 features; V4.1: 32).\n"
-"out   : float32 [..., D] or None.  When given, x is left untouched and the result\n"
-"        goes to out (which may be x itself).\n"
+"out   : [..., D] of x's dtype or None.  When given, x is left untouched and the\n"
+"        result goes to out (which may be x itself).\n"
 "Returns x (out is None) or out.");
 
 static PyObject *py_fp8_round(PyObject *self, PyObject *args, PyObject *kw)
@@ -208,11 +214,12 @@ PyDoc_STRVAR(fp4_round_doc,
 "x = round_e2m1(clamp(x / s, -6, 6)) * s, nearest-even (0.25 -> 0, 0.75 -> 1,\n"
 "2.5 -> 2, 5 -> 4).  Signs and -0 are kept; a block holding a NaN or an inf becomes\n"
 "all NaN.\n\n"
-"x     : float32 [..., D], D a multiple of block, any strides.  Rounded IN PLACE when\n"
-"        out is None (x must be writeable).\n"
+"x     : float32 or bfloat16 [..., D], D a multiple of block, any strides.  Rounded\n"
+"        IN PLACE when out is None (x must be writeable).  bfloat16 is computed in\n"
+"        float32 and rounded back to bfloat16 once.\n"
 "block : int >= 1 dividing D.\n"
-"out   : float32 [..., D] or None.  When given, x is left untouched and the result\n"
-"        goes to out (which may be x itself).\n"
+"out   : [..., D] of x's dtype or None.  When given, x is left untouched and the\n"
+"        result goes to out (which may be x itself).\n"
 "Returns x (out is None) or out.");
 
 static PyObject *py_fp4_round(PyObject *self, PyObject *args, PyObject *kw)
@@ -222,11 +229,14 @@ static PyObject *py_fp4_round(PyObject *self, PyObject *args, PyObject *kw)
 
 /* ------------------------------------------------------------ hadamard */
 
-static int q_hadamard_kernel(const float *x, csa_idx rows, csa_idx d, csa_idx sx_row,
-                             csa_idx sx_col, float *out, csa_idx so_row, csa_idx so_col,
-                             const void *params)
+static int q_hadamard_kernel(const void *x, csa_idx rows, csa_idx d, csa_idx sx_row,
+                             csa_idx sx_col, void *out, csa_idx so_row, csa_idx so_col,
+                             int bf16, const void *params)
 {
-    return csa_hadamard(x, rows, d, sx_row, sx_col, *(const float *)params, out, so_row, so_col);
+    const float scale = *(const float *)params;
+    if (bf16)
+        return csa_hadamard_bf16(x, rows, d, sx_row, sx_col, scale, out, so_row, so_col);
+    return csa_hadamard(x, rows, d, sx_row, sx_col, scale, out, so_row, so_col);
 }
 
 PyDoc_STRVAR(hadamard_doc,
@@ -234,9 +244,11 @@ PyDoc_STRVAR(hadamard_doc,
 "Fast Walsh-Hadamard transform of the last axis (natural / Sylvester order:\n"
 "H_2n = [[H_n, H_n], [H_n, -H_n]]), O(n log n), times `scale` (default n**-0.5, the\n"
 "normalized transform, which is its own inverse), as the V4 indexer rotates q and k.\n\n"
-"x     : float32 [..., n], n a power of two, any strides.\n"
+"x     : float32 or bfloat16 [..., n], n a power of two, any strides; bfloat16 is\n"
+"        transformed in float32 and rounded back to bfloat16 once (as\n"
+"        x.float() -> transform -> .to(bfloat16)).\n"
 "scale : float or None (n**-0.5 rounded to float32).\n"
-"out   : float32 [..., n] or None; may be x itself (in place).\n"
+"out   : [..., n] of x's dtype or None; may be x itself (in place).\n"
 "Returns out (a new C-contiguous array when out is None).");
 
 /* A new C-contiguous float32 array whose data starts on a 64-byte boundary (so every
@@ -275,7 +287,7 @@ static PyObject *py_hadamard(PyObject *self, PyObject *args, PyObject *kw)
     PyArrayObject *x = NULL, *out = NULL;
     PyObject *ret = NULL;
     char b1[256];
-    if (!(x = csa_array(xo, fn, "x", CSA_F32, 1, NPY_MAXDIMS, 0))) goto done;
+    if (!(x = csa_array(xo, fn, "x", CSA_F32 | CSA_BF16, 1, NPY_MAXDIMS, 0))) goto done;
     const npy_intp n = PyArray_DIM(x, PyArray_NDIM(x) - 1);
     if (n < 1 || (n & (n - 1))) {
         PyErr_Format(PyExc_ValueError,
@@ -298,7 +310,9 @@ static PyObject *py_hadamard(PyObject *self, PyObject *args, PyObject *kw)
     if (oo != Py_None) {
         if (!(out = q_out(oo, x, fn, &inplace))) goto done;
     } else {
-        if (!(out = q_new_aligned(PyArray_NDIM(x), PyArray_DIMS(x)))) goto done;
+        out = csa_is_bf16(x) ? csa_empty_like_dtype(x, PyArray_NDIM(x), PyArray_DIMS(x))
+                             : q_new_aligned(PyArray_NDIM(x), PyArray_DIMS(x));
+        if (!out) goto done;
     }
     if (inplace) {
         /* out is x's own memory, so it must be writeable: q_out checked that. */
