@@ -17,11 +17,12 @@ Drop-in functions (same arguments and results as the released ones):
 
 Tensors: CPU float32 tensors are handed to the kernels as NumPy views of the same memory
 (no copies; in-place ops write into the caller's tensor) and results come back as tensors
-over the kernels' output buffers (``torch.from_numpy``, no copy).  bfloat16 tensors are
-read natively by ``rms_norm``, ``apply_rotary_emb``, ``sparse_attn`` and the indexer's
-scoring (no copies, float32 inside, one rounding on store); for the other ops the bridge still converts them to float32, runs the
-kernel and converts the result back (one copy each way) until their kernels take
-bfloat16, which is also where the released model rounds to bfloat16.
+over the kernels' output buffers (``torch.from_numpy``, no copy).  bfloat16 tensors go to
+the kernels as they are, too: ``rms_norm``, ``apply_rotary_emb``, ``sparse_attn``,
+``act_quant`` / ``fp4_act_quant`` (in place), ``rotate_activation`` and the indexer's
+scoring read and write bf16 with no copies, float32 inside and one rounding where the
+released model rounds.  The Compressor pools in float32, as the released one does (it
+widens x before its projections).
 
 How ``swap`` routes a layer: the chosen ``Attention`` modules get an instance ``forward``
 that runs the module's own ``forward`` while the model module's op functions
@@ -89,10 +90,11 @@ def _native_bf16(*ts):
 
 
 def _inplace(x, fn):
-    """Runs fn on a float32 NumPy view of x (bf16: a float32 copy, written back)."""
+    """Runs fn in place on x: CPU float32 and bfloat16 tensors directly (the kernels
+    write them), others through a float32 copy written back."""
     torch = _torch()
-    if x.dtype == torch.float32 and x.device.type == "cpu":
-        fn(x.detach().numpy())
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+        fn(x.detach())
     else:
         tmp = x.detach().to("cpu", torch.float32)
         fn(tmp.numpy())
@@ -186,6 +188,11 @@ def fp4_act_quant(x, block_size=32, inplace=True):
 def rotate_activation(x):
     """Released ``rotate_activation``: normalised Hadamard transform of the last dim
     (any float dtype; the released one asserts bfloat16)."""
+    torch = _torch()
+    if _native_bf16(x):
+        out = torch.empty(x.shape, dtype=torch.bfloat16)
+        _dc.hadamard(x.detach(), out=out)
+        return out
     return _out(_dc.hadamard(_f32(x)), x)
 
 

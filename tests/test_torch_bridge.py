@@ -92,6 +92,22 @@ def test_norm_qat_hadamard_dropins(rng):
     torch.testing.assert_close(a, b, rtol=0, atol=0)
     torch.testing.assert_close(dct.rotate_activation(x), R.rotate_activation(x),
                                rtol=1e-5, atol=1e-5)
+    # bf16 tensors: rounded in place / rotated by the kernels, the released way
+    # (float32 inside, one rounding to bf16): the same bits as the reference's round trip
+    xb = x.bfloat16()
+    a, b = xb.clone(), xb.clone()
+    ptr = a.data_ptr()
+    dct.act_quant(a[..., :64], 64, "ue8m0", None, True)
+    R.act_quant(b[..., :64], 64, "ue8m0", None, True)
+    assert a.data_ptr() == ptr and torch.equal(a.view(torch.int16), b.view(torch.int16))
+    a, b = xb.clone(), xb.clone()
+    dct.fp4_act_quant(a, 32, True)
+    R.fp4_act_quant(b, 32, True)
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    hb = dct.rotate_activation(xb)
+    assert hb.dtype == torch.bfloat16
+    torch.testing.assert_close(hb.float(), R.rotate_activation(xb.float()).bfloat16().float(),
+                               rtol=2 ** -8, atol=1e-6)
     saved = dict(dct._ORIG)
     dct._ORIG.clear()
     try:
