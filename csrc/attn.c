@@ -11,6 +11,22 @@
 #include <immintrin.h>
 #endif
 
+/* Everything the tuned body needs, passed by pointer through the dispatch. */
+struct csa_attn_args {
+    const void *q;     /* float32, or bfloat16 when bf16 */
+    csa_idx sq_b, sq_s, sq_h;
+    const void *kv;    /* same dtype as q */
+    csa_idx skv_b, skv_n;
+    const float *sink;
+    const int32_t *idx;
+    csa_idx si_b, si_s;
+    void *out;         /* same dtype as q */
+    csa_idx so_b, so_s, so_h;
+    csa_idx B, S, H, D, N, K;
+    float scale;
+    int bf16;
+};
+
 /* Element i of a float32 (bf16 = 0) or bfloat16 (bf16 = 1) array. */
 static inline float ld(const void *p, csa_idx i, int bf16)
 {
@@ -24,13 +40,18 @@ static float dot_ref(const void *a, const void *b, csa_idx n, int bf16)
     return s;
 }
 
-static int attn_ref(const void *q, csa_idx sq_b, csa_idx sq_s, csa_idx sq_h,
-                    const void *kv, csa_idx skv_b, csa_idx skv_n, const float *sink,
-                    const int32_t *idx, csa_idx si_b, csa_idx si_s,
-                    void *out, csa_idx so_b, csa_idx so_s, csa_idx so_h,
-                    csa_idx B, csa_idx S, csa_idx H, csa_idx D, csa_idx N, csa_idx K,
-                    float scale, int bf16)
+static int attn_ref(const struct csa_attn_args *a)
 {
+    const void *q = a->q, *kv = a->kv;
+    void *out = a->out;
+    const float *sink = a->sink;
+    const int32_t *idx = a->idx;
+    const csa_idx sq_b = a->sq_b, sq_s = a->sq_s, sq_h = a->sq_h, skv_b = a->skv_b,
+                  skv_n = a->skv_n, si_b = a->si_b, si_s = a->si_s, so_b = a->so_b,
+                  so_s = a->so_s, so_h = a->so_h, B = a->B, S = a->S, H = a->H, D = a->D,
+                  N = a->N, K = a->K;
+    const float scale = a->scale;
+    const int bf16 = a->bf16;
     const size_t es = bf16 ? sizeof(csa_bf16) : sizeof(float);
     float *o = NULL;
     for (csa_idx b = 0; b < B; b++)
@@ -93,8 +114,9 @@ int csa_sparse_attn_ref(const float *q, csa_idx sq_b, csa_idx sq_s, csa_idx sq_h
                         csa_idx B, csa_idx S, csa_idx H, csa_idx D, csa_idx N, csa_idx K,
                         float scale)
 {
-    return attn_ref(q, sq_b, sq_s, sq_h, kv, skv_b, skv_n, sink, idx, si_b, si_s, out, so_b,
-                    so_s, so_h, B, S, H, D, N, K, scale, 0);
+    const struct csa_attn_args a = {q, sq_b, sq_s, sq_h, kv, skv_b, skv_n, sink, idx, si_b, si_s,
+                                    out, so_b, so_s, so_h, B, S, H, D, N, K, scale, 0};
+    return attn_ref(&a);
 }
 
 int csa_sparse_attn_bf16_ref(const csa_bf16 *q, csa_idx sq_b, csa_idx sq_s, csa_idx sq_h,
@@ -105,25 +127,11 @@ int csa_sparse_attn_bf16_ref(const csa_bf16 *q, csa_idx sq_b, csa_idx sq_s, csa_
                              csa_idx B, csa_idx S, csa_idx H, csa_idx D, csa_idx N, csa_idx K,
                              float scale)
 {
-    return attn_ref(q, sq_b, sq_s, sq_h, kv, skv_b, skv_n, sink, idx, si_b, si_s, out, so_b,
-                    so_s, so_h, B, S, H, D, N, K, scale, 1);
+    const struct csa_attn_args a = {q, sq_b, sq_s, sq_h, kv, skv_b, skv_n, sink, idx, si_b, si_s,
+                                    out, so_b, so_s, so_h, B, S, H, D, N, K, scale, 1};
+    return attn_ref(&a);
 }
 
-/* Everything the tuned body needs, passed by pointer through the dispatch. */
-struct csa_attn_args {
-    const void *q;     /* float32, or bfloat16 when bf16 */
-    csa_idx sq_b, sq_s, sq_h;
-    const void *kv;    /* same dtype as q */
-    csa_idx skv_b, skv_n;
-    const float *sink;
-    const int32_t *idx;
-    csa_idx si_b, si_s;
-    void *out;         /* same dtype as q */
-    csa_idx so_b, so_s, so_h;
-    csa_idx B, S, H, D, N, K;
-    float scale;
-    int bf16;
-};
 
 static int omp_tid(void)
 {
@@ -147,17 +155,18 @@ static int omp_tid(void)
 #define CSA_IMPL "attn_impl.h"
 #include "csa_isa_variants.h"
 
-/* No read out of bounds and no partial output: scan every index first. */
-static int scan_indices(const int32_t *idx, csa_idx si_b, csa_idx si_s, csa_idx B, csa_idx S,
-                        csa_idx N, csa_idx K)
+/* Both public entries: no read out of bounds and no partial output (every index is
+ * scanned first), then the tuned body for this ISA level or the oracle. */
+static int attn_run(const struct csa_attn_args *a)
 {
-    for (csa_idx b = 0; b < B; b++)
-        for (csa_idx s = 0; s < S; s++) {
-            const int32_t *ir = idx + b * si_b + s * si_s;
-            for (csa_idx k = 0; k < K; k++)
-                if (ir[k] < -1 || ir[k] >= N) return CSA_EINDEX;
+    for (csa_idx b = 0; b < a->B; b++)
+        for (csa_idx s = 0; s < a->S; s++) {
+            const int32_t *ir = a->idx + b * a->si_b + s * a->si_s;
+            for (csa_idx k = 0; k < a->K; k++)
+                if (ir[k] < -1 || ir[k] >= a->N) return CSA_EINDEX;
         }
-    return CSA_OK;
+    if (a->B <= 0 || a->S <= 0 || a->H <= 0 || a->D <= 0) return CSA_OK;
+    CSA_DISPATCH(sparse_attn_tuned, (a), attn_ref(a));
 }
 
 int csa_sparse_attn(const float *q, csa_idx sq_b, csa_idx sq_s, csa_idx sq_h,
@@ -168,13 +177,9 @@ int csa_sparse_attn(const float *q, csa_idx sq_b, csa_idx sq_s, csa_idx sq_h,
                     csa_idx B, csa_idx S, csa_idx H, csa_idx D, csa_idx N, csa_idx K,
                     float scale)
 {
-    if (scan_indices(idx, si_b, si_s, B, S, N, K)) return CSA_EINDEX;
-    if (B <= 0 || S <= 0 || H <= 0 || D <= 0) return CSA_OK;
     const struct csa_attn_args a = {q, sq_b, sq_s, sq_h, kv, skv_b, skv_n, sink, idx, si_b, si_s,
                                     out, so_b, so_s, so_h, B, S, H, D, N, K, scale, 0};
-    CSA_DISPATCH(sparse_attn_tuned, (&a),
-                 csa_sparse_attn_ref(q, sq_b, sq_s, sq_h, kv, skv_b, skv_n, sink, idx, si_b, si_s,
-                                     out, so_b, so_s, so_h, B, S, H, D, N, K, scale));
+    return attn_run(&a);
 }
 
 int csa_sparse_attn_bf16(const csa_bf16 *q, csa_idx sq_b, csa_idx sq_s, csa_idx sq_h,
@@ -185,11 +190,7 @@ int csa_sparse_attn_bf16(const csa_bf16 *q, csa_idx sq_b, csa_idx sq_s, csa_idx 
                          csa_idx B, csa_idx S, csa_idx H, csa_idx D, csa_idx N, csa_idx K,
                          float scale)
 {
-    if (scan_indices(idx, si_b, si_s, B, S, N, K)) return CSA_EINDEX;
-    if (B <= 0 || S <= 0 || H <= 0 || D <= 0) return CSA_OK;
     const struct csa_attn_args a = {q, sq_b, sq_s, sq_h, kv, skv_b, skv_n, sink, idx, si_b, si_s,
                                     out, so_b, so_s, so_h, B, S, H, D, N, K, scale, 1};
-    CSA_DISPATCH(sparse_attn_tuned, (&a),
-                 csa_sparse_attn_bf16_ref(q, sq_b, sq_s, sq_h, kv, skv_b, skv_n, sink, idx, si_b,
-                                          si_s, out, so_b, so_s, so_h, B, S, H, D, N, K, scale));
+    return attn_run(&a);
 }
