@@ -22,31 +22,6 @@
 
 #define AMX_KC 256 /* gathered rows per chunk (a multiple of 32) */
 
-/* Transposes the 16 x 16 block of 32-bit elements in r[0..15]: four stages that swap
- * off-diagonal blocks of 8, 4, 2 and 1 elements between rows i and i + s. */
-static inline __attribute__((always_inline)) void CSA_V(amx_transpose16)(__m512i r[16])
-{
-    static const int32_t idx[4][2][16] = {
-        {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
-         {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}},
-        {{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
-         {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}},
-        {{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
-         {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}},
-        {{0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30},
-         {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}},
-    };
-    for (int st = 0, s = 8; st < 4; st++, s >>= 1) {
-        const __m512i ia = _mm512_loadu_si512(idx[st][0]), ib = _mm512_loadu_si512(idx[st][1]);
-        for (int i = 0; i < 16; i++) {
-            if (i & s) continue;
-            const __m512i x = r[i], y = r[i + s];
-            r[i] = _mm512_permutex2var_epi32(x, ia, y);
-            r[i + s] = _mm512_permutex2var_epi32(x, ib, y);
-        }
-    }
-}
-
 /* Lanes of a 32 x bf16 vector starting at element d0 that lie inside a row of D. */
 static inline __mmask32 CSA_V(amx_mask32)(csa_idx d0, csa_idx D)
 {
@@ -67,7 +42,7 @@ static void CSA_V(amx_pack_q)(const csa_bf16 *q, csa_idx sq_h, csa_idx hc, csa_i
             for (int i = 0; i < 16; i++)
                 r[i] = h0 + i < hc ? _mm512_maskz_loadu_epi16(mk, q + (h0 + i) * sq_h + 2 * c0)
                                    : _mm512_setzero_si512();
-            CSA_V(amx_transpose16)(r);
+            CSA_V(transpose16)(r);
             for (int i = 0; i < 16; i++) _mm512_storeu_si512(QTv + (c0 + i) * hcp + h0, r[i]);
         }
 }
@@ -146,7 +121,7 @@ static void CSA_V(amx_pack_p)(const float *P, csa_idx kc, csa_idx kcp, csa_idx h
                 /* 16 bf16 of row k, then 16 of row k+1; interleaved into pairs per head */
                 x[j] = _mm512_permutexvar_epi16(inter, (__m512i)_mm512_cvtne2ps_pbh(o, e));
             }
-            CSA_V(amx_transpose16)(x);
+            CSA_V(transpose16)(x);
             for (int i = 0; i < 16; i++) _mm512_storeu_si512(PT + (h0 + i) * np + r0, x[i]);
         }
 }

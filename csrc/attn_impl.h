@@ -2,24 +2,49 @@
  *
  * MQA structure: a query's H heads share every gathered KV row, so one work item is
  * (b, s, a chunk of up to ATTN_HC heads) and its arithmetic is two small GEMMs per
- * block of ATTN_KB gathered rows:
+ * block of ATTN_KB gathered rows, both with the heads along the vector lanes:
  *
  *   L[k, h] = Q[h, :] . R_k        logits^T, tile ATTN_MR rows x 64 heads, reduction
  *                                 over D in ATTN_DB slices of Q^T (kept in L1)
  *   P[k, h] = e^(scale L - m_h)    online softmax, m_h the running max (starts at sink)
- *   O[h, :] = alpha_h O[h, :] + sum_k P[k, h] R_k     tile ATTN_MH heads x 48 features
+ *   OT[d, h] = alpha_h OT[d, h] + sum_k R_k[d] P[k, h]    tile 6 features x 64 heads
  *
- * R_k point at the gathered kv rows in place (no [S, K, D] block is ever built); only
- * rows whose stride is not a multiple of 64 bytes are copied, one block at a time,
- * into an aligned [KBP, DP] tile.  Per-thread scratch (~0.4 MB for V4-Flash):
- * Q^T [D, HCP], L/P [KBP, HCP], O [HCP, DP + 16], m, sum, alpha, the tile.
- * Every (h, d) result is a fixed-order chain (over d for logits, over k for O and
- * the softmax sums) that depends neither on the thread count nor on the chunking of
- * heads, so the output is bitwise identical at any thread count. */
+ * R_k point at the gathered kv rows in place and are only ever broadcast from, so no
+ * [S, K, D] block is built and no row needs copying (bf16 rows are widened one block
+ * at a time into a tile).  Per-thread scratch (~0.4 MB for V4-Flash): Q^T [D, HCP],
+ * L/P [KBP, HCP], OT [D, HCP], m, sum, alpha, the tile.  Every (h, d) result is a
+ * fixed-order chain (over d for logits, over k for O and the softmax sums) that
+ * depends neither on the thread count nor on the chunking of heads, so the output is
+ * bitwise identical at any thread count. */
 
 #include "vexp_impl.h"
 
 #ifdef __AVX512F__
+
+/* Transposes the 16 x 16 block of 32-bit elements in r[0..15]: four stages that swap
+ * off-diagonal blocks of 8, 4, 2 and 1 elements between rows i and i + s. */
+static inline __attribute__((always_inline)) void CSA_V(transpose16)(__m512i r[16])
+{
+    static const int32_t idx[4][2][16] = {
+        {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+         {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}},
+        {{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+         {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}},
+        {{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+         {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}},
+        {{0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30},
+         {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}},
+    };
+    for (int st = 0, s = 8; st < 4; st++, s >>= 1) {
+        const __m512i ia = _mm512_loadu_si512(idx[st][0]), ib = _mm512_loadu_si512(idx[st][1]);
+        for (int i = 0; i < 16; i++) {
+            if (i & s) continue;
+            const __m512i x = r[i], y = r[i + s];
+            r[i] = _mm512_permutex2var_epi32(x, ia, y);
+            r[i + s] = _mm512_permutex2var_epi32(x, ib, y);
+        }
+    }
+}
 
 /* L[i, 0:16*NV] (+)= sum_{d0 <= d < d1} R_i[d] * QT[d, 0:16*NV] for ATTN_MR rows. */
 static inline __attribute__((always_inline)) void
@@ -46,32 +71,30 @@ CSA_V(qk_tile)(const float *const *R, const float *QT, csa_idx hcp, csa_idx d0, 
         for (int j = 0; j < NV; j++) _mm512_storeu_ps(L + i * hcp + 16 * j, acc[i][j]);
 }
 
-/* O[h, col0 + 0 .. 16*ND) = alpha_h O[h, ..] + sum_{k < kb} P[k, h] R_k[shift + ..] for
- * ATTN_MH heads; shift = col0 - pad may be negative (lanes before a row are masked). */
+/* OT[d0 + i, 16 j ..] = alpha OT[d0 + i, 16 j ..] + sum_{k < kb} R_k[d0 + i] P[k, 16 j ..]
+ * for ND features and NV vectors of heads: the logits tile with the roles swapped, so
+ * the rows are read by broadcasts only (no alignment needed, and each block's rows
+ * pass through L1 once instead of once per group of heads). */
 static inline __attribute__((always_inline)) void
 CSA_V(pv_tile)(const float *const *R, csa_idx kb, const float *P, csa_idx hcp,
-               const float *alpha, float *O, csa_idx dpo, csa_idx col0, csa_idx shift,
-               const __mmask16 *mask, const int ND)
+               const float *alpha, float *OT, csa_idx d0, const int ND, const int NV)
 {
-    __m512 acc[ATTN_MH][3];
-    for (int i = 0; i < ATTN_MH; i++) {
-        const __m512 a = _mm512_set1_ps(alpha[i]);
-        for (int j = 0; j < ND; j++)
-            acc[i][j] = _mm512_mul_ps(_mm512_loadu_ps(O + i * dpo + col0 + 16 * j), a);
-    }
+    __m512 acc[6][4], al[4];
+    for (int j = 0; j < NV; j++) al[j] = _mm512_loadu_ps(alpha + 16 * j);
+    for (int i = 0; i < ND; i++)
+        for (int j = 0; j < NV; j++)
+            acc[i][j] = _mm512_mul_ps(_mm512_loadu_ps(OT + (d0 + i) * hcp + 16 * j), al[j]);
     for (csa_idx k = 0; k < kb; k++) {
-        /* integer arithmetic: the masked lanes of a negative shift are never read */
-        const float *rk = (const float *)((uintptr_t)R[k] + (uintptr_t)(shift * 4));
-        const float *pk = P + k * hcp;
-        __m512 v[3];
-        for (int j = 0; j < ND; j++) v[j] = _mm512_maskz_loadu_ps(mask[j], rk + 16 * j);
-        for (int i = 0; i < ATTN_MH; i++) {
-            const __m512 p = _mm512_set1_ps(pk[i]);
-            for (int j = 0; j < ND; j++) acc[i][j] = _mm512_fmadd_ps(p, v[j], acc[i][j]);
+        const float *pk = P + k * hcp, *rk = R[k] + d0;
+        __m512 p[4];
+        for (int j = 0; j < NV; j++) p[j] = _mm512_loadu_ps(pk + 16 * j);
+        for (int i = 0; i < ND; i++) {
+            const __m512 x = _mm512_set1_ps(rk[i]);
+            for (int j = 0; j < NV; j++) acc[i][j] = _mm512_fmadd_ps(x, p[j], acc[i][j]);
         }
     }
-    for (int i = 0; i < ATTN_MH; i++)
-        for (int j = 0; j < ND; j++) _mm512_storeu_ps(O + i * dpo + col0 + 16 * j, acc[i][j]);
+    for (int i = 0; i < ND; i++)
+        for (int j = 0; j < NV; j++) _mm512_storeu_ps(OT + (d0 + i) * hcp + 16 * j, acc[i][j]);
 }
 #endif
 
@@ -106,33 +129,32 @@ static inline void CSA_V(qk_tile_v8)(const float *const *R, const float *QT, csa
     }
 }
 
-/* O[h, d0 .. d0+24) = alpha_h O[..] + sum_k P[k, h] R_k[d0 ..] for 4 heads. */
+/* OT[d0 .. d0+6, 0:16] = alpha OT[..] + sum_k R_k[d0 ..] P[k, 0:16] (P, OT 32-byte aligned). */
 static inline void CSA_V(pv_tile_v8)(const float *const *R, csa_idx kb, const float *P,
-                                     csa_idx hcp, const float *alpha, float *O, csa_idx dpo,
-                                     csa_idx d0)
+                                     csa_idx hcp, const float *alpha, float *OT, csa_idx d0)
 {
-    CSA_V(v8) acc[4][3];
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; i++)
-#pragma GCC unroll 3
-        for (int j = 0; j < 3; j++)
-            acc[i][j] = *(const CSA_V(v8u) *)(O + i * dpo + d0 + 8 * j) * alpha[i];
+    const CSA_V(v8) a0 = *(const CSA_V(v8u) *)alpha, a1 = *(const CSA_V(v8u) *)(alpha + 8);
+    CSA_V(v8) acc[6][2];
+#pragma GCC unroll 6
+    for (int i = 0; i < 6; i++) {
+        acc[i][0] = *(const CSA_V(v8) *)(OT + (d0 + i) * hcp) * a0;
+        acc[i][1] = *(const CSA_V(v8) *)(OT + (d0 + i) * hcp + 8) * a1;
+    }
     for (csa_idx k = 0; k < kb; k++) {
         const float *r = R[k] + d0;
-        const CSA_V(v8) v0 = *(const CSA_V(v8u) *)r, v1 = *(const CSA_V(v8u) *)(r + 8),
-                        v2 = *(const CSA_V(v8u) *)(r + 16);
-#pragma GCC unroll 4
-        for (int i = 0; i < 4; i++) {
-            const float p = P[k * hcp + i];
-            acc[i][0] += p * v0;
-            acc[i][1] += p * v1;
-            acc[i][2] += p * v2;
+        const CSA_V(v8) p0 = *(const CSA_V(v8) *)(P + k * hcp), p1 = *(const CSA_V(v8) *)(P + k * hcp + 8);
+#pragma GCC unroll 6
+        for (int i = 0; i < 6; i++) {
+            const float x = r[i];
+            acc[i][0] += x * p0;
+            acc[i][1] += x * p1;
         }
     }
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; i++)
-#pragma GCC unroll 3
-        for (int j = 0; j < 3; j++) *(CSA_V(v8u) *)(O + i * dpo + d0 + 8 * j) = acc[i][j];
+#pragma GCC unroll 6
+    for (int i = 0; i < 6; i++) {
+        *(CSA_V(v8) *)(OT + (d0 + i) * hcp) = acc[i][0];
+        *(CSA_V(v8) *)(OT + (d0 + i) * hcp + 8) = acc[i][1];
+    }
 }
 #endif
 
@@ -232,63 +254,92 @@ static void CSA_V(attn_softmax)(float *L, csa_idx kb, csa_idx hcp, float scale, 
 #endif
 }
 
-/* O[h, pad + d] = alpha_h O[h, pad + d] + sum_{k < kb} P[k, h] R_k[d] for all hcp heads,
- * d < D.  O rows hold dpo floats; feature d sits at column pad + d, so that when the
- * rows start `pad` floats past a 64-byte boundary every vector load is aligned. */
+/* OT[d, h] = alpha_h OT[d, h] + sum_{k < kb} R_k[d] P[k, h] for feature d, all hcp heads. */
+static void CSA_V(attn_pv_feature)(const float *const *R, csa_idx kb, const float *P, csa_idx hcp,
+                                   const float *alpha, float *OT, csa_idx d)
+{
+    float *CSA_RESTRICT o = OT + d * hcp;
+#pragma omp simd
+    for (csa_idx h = 0; h < hcp; h++) o[h] *= alpha[h];
+    for (csa_idx k = 0; k < kb; k++) {
+        const float x = R[k][d];
+        const float *CSA_RESTRICT pk = P + k * hcp;
+#pragma omp simd
+        for (csa_idx h = 0; h < hcp; h++) o[h] += x * pk[h];
+    }
+}
+
+/* OT[d, h] = alpha_h OT[d, h] + sum_{k < kb} R_k[d] P[k, h] for d < D, h < hcp: the output
+ * is kept transposed, [D, hcp], so that its tile has the logits tile's shape. */
 static void CSA_V(attn_pv)(const float *const *R, csa_idx kb, const float *P, csa_idx hcp,
-                           const float *alpha, float *O, csa_idx D, csa_idx pad, csa_idx dpo)
+                           const float *alpha, float *OT, csa_idx D)
 {
 #ifdef __AVX512F__
-    const csa_idx nvec = dpo / 16;
-    for (csa_idx v0 = 0; v0 < nvec; v0 += 3) {
-        const int nd = nvec - v0 < 3 ? (int)(nvec - v0) : 3;
-        __mmask16 mask[3];
-        for (int j = 0; j < 3; j++) {
-            /* lanes whose feature 16*(v0+j) - pad + lane lies in [0, D) */
-            const csa_idx lo = 16 * (v0 + j) - pad;
-            unsigned mk = 0xFFFFu;
-            if (lo < 0) mk &= 0xFFFFu << (-lo);
-            if (D - lo < 16) mk &= D - lo > 0 ? (1u << (D - lo)) - 1 : 0u;
-            mask[j] = (__mmask16)mk;
-        }
-        const csa_idx col0 = 16 * v0, shift = col0 - pad;
-        for (csa_idx h0 = 0; h0 < hcp; h0 += ATTN_MH) {
-            float *Oh = O + h0 * dpo;
-            const float *Ph = P + h0, *ah = alpha + h0;
-            switch (nd) {
-            case 3: CSA_V(pv_tile)(R, kb, Ph, hcp, ah, Oh, dpo, col0, shift, mask, 3); break;
-            case 2: CSA_V(pv_tile)(R, kb, Ph, hcp, ah, Oh, dpo, col0, shift, mask, 2); break;
-            default: CSA_V(pv_tile)(R, kb, Ph, hcp, ah, Oh, dpo, col0, shift, mask, 1); break;
+    const csa_idx nvec = hcp / 16, d6 = D - D % 6;
+    for (csa_idx v0 = 0; v0 < nvec; v0 += 4) {
+        const float *Pv = P + 16 * v0, *av = alpha + 16 * v0;
+        float *Ov = OT + 16 * v0;
+        const int nv = nvec - v0 < 4 ? (int)(nvec - v0) : 4;
+        for (csa_idx d0 = 0; d0 < D; d0 += d0 < d6 ? 6 : 1) {
+            const int nd = d0 < d6 ? 6 : 1;
+#define ATTN_PV_CASE(NV)                                                            \
+    case NV:                                                                        \
+        if (nd == 6) CSA_V(pv_tile)(R, kb, Pv, hcp, av, Ov, d0, 6, NV);             \
+        else CSA_V(pv_tile)(R, kb, Pv, hcp, av, Ov, d0, 1, NV);                     \
+        break;
+            switch (nv) {
+            ATTN_PV_CASE(4)
+            ATTN_PV_CASE(3)
+            ATTN_PV_CASE(2)
+            default: ATTN_PV_CASE(1)
             }
+#undef ATTN_PV_CASE
         }
     }
 #elif defined(__AVX2__)
-    const csa_idx dv = D - D % 24;  /* features in whole 24-wide tiles */
-    for (csa_idx h0 = 0; h0 < hcp; h0 += 4)
-        for (csa_idx d0 = 0; d0 < dv; d0 += 24)
-            CSA_V(pv_tile_v8)(R, kb, P + h0, hcp, alpha + h0, O + h0 * dpo + pad, dpo, d0);
-    for (csa_idx h = 0; h < hcp; h++) {  /* the remaining D % 24 features */
-        float *CSA_RESTRICT Oh = O + h * dpo + pad;
-        for (csa_idx d = dv; d < D; d++) {
-            float o = Oh[d] * alpha[h];
-            for (csa_idx k = 0; k < kb; k++) o += P[k * hcp + h] * R[k][d];
-            Oh[d] = o;
-        }
-    }
+    const csa_idx d6 = D - D % 6;
+    for (csa_idx h0 = 0; h0 < hcp; h0 += 16)
+        for (csa_idx d0 = 0; d0 < d6; d0 += 6)
+            CSA_V(pv_tile_v8)(R, kb, P + h0, hcp, alpha + h0, OT + h0, d0);
+    for (csa_idx d = d6; d < D; d++) CSA_V(attn_pv_feature)(R, kb, P, hcp, alpha, OT, d);
 #else
-    for (csa_idx h = 0; h < hcp; h++) {
-        float *CSA_RESTRICT Oh = O + h * dpo + pad;
-        const float a = alpha[h];
+    for (csa_idx d = 0; d < D; d++) CSA_V(attn_pv_feature)(R, kb, P, hcp, alpha, OT, d);
+#endif
+}
+
+/* out[h, d] = OT[d, h] / sum_h for h < hc, d < D, in the output dtype (rows so_h apart),
+ * through 16 x 16 blocks so that both sides are read and written in whole lines. */
+static void CSA_V(attn_store)(const float *OT, csa_idx hcp, const float *sum, csa_idx hc,
+                              csa_idx D, void *out, csa_idx so_h, int bf16)
+{
+    float t[16][16];
+    for (csa_idx h0 = 0; h0 < hc; h0 += 16) {
+        const csa_idx nh = hc - h0 < 16 ? hc - h0 : 16;
+        for (csa_idx d0 = 0; d0 < D; d0 += 16) {
+            const csa_idx nd = D - d0 < 16 ? D - d0 : 16;
+#ifdef __AVX512F__
+            __m512i r[16];
+            for (int i = 0; i < 16; i++)
+                r[i] = i < nd ? _mm512_loadu_si512(OT + (d0 + i) * hcp + h0) : _mm512_setzero_si512();
+            CSA_V(transpose16)(r);
+            for (int j = 0; j < 16; j++) _mm512_storeu_si512(t[j], r[j]);
+#else
+            for (csa_idx i = 0; i < nd; i++)
+                for (int j = 0; j < 16; j++) t[j][i] = OT[(d0 + i) * hcp + h0 + j];
+#endif
+            for (csa_idx j = 0; j < nh; j++) {
+                const float den = sum[h0 + j];
+                if (bf16) {
+                    csa_bf16 *CSA_RESTRICT o = (csa_bf16 *)out + (h0 + j) * so_h + d0;
+                    for (csa_idx i = 0; i < nd; i++) o[i] = csa_f32_to_bf16(t[j][i] / den);
+                } else {
+                    float *CSA_RESTRICT o = (float *)out + (h0 + j) * so_h + d0;
 #pragma omp simd
-        for (csa_idx d = 0; d < D; d++) Oh[d] *= a;
-        for (csa_idx k = 0; k < kb; k++) {
-            const float p = P[k * hcp + h];
-            const float *CSA_RESTRICT r = R[k];
-#pragma omp simd
-            for (csa_idx d = 0; d < D; d++) Oh[d] += p * r[d];
+                    for (csa_idx i = 0; i < nd; i++) o[i] = t[j][i] / den;
+                }
+            }
         }
     }
-#endif
 }
 
 /* QT[d, h] = q[h, d] for h < hc, 0 for the padding heads hc <= h < hcp. */
@@ -364,21 +415,18 @@ static void CSA_V(attn_item)(const struct csa_attn_args *a, csa_idx b, csa_idx s
     }
     const float **blk = rows + a->K;  /* one block's rows, padded to a multiple of ATTN_MR */
     const csa_idx kbp_max = ((ATTN_KB + ATTN_MR - 1) / ATTN_MR) * ATTN_MR;
-    float *QT = ws, *L = QT + D * hcp, *O = L + kbp_max * hcp;
-    float *m = O + hcp * (dp + 16), *sum = m + hcp, *alpha = sum + hcp, *tile = alpha + hcp;
+    float *QT = ws, *L = QT + D * hcp, *OT = L + kbp_max * hcp;
+    float *m = OT + D * hcp, *sum = m + hcp, *alpha = sum + hcp, *tile = alpha + hcp;
 
     CSA_V(attn_transpose_q)(q, bf16, a->sq_h, hc, hcp, D, QT);
     for (csa_idx h = 0; h < hcp; h++) {
         m[h] = h < hc ? a->sink[h0 + h] : 0.0f;
         sum[h] = 1.0f; /* e^(sink - m) with m = sink */
     }
-    /* Rows a multiple of 64 bytes apart share one offset within a cache line: read
-     * them in place, shifting the output grid by that offset (pad).  Otherwise copy
-     * each block into an aligned tile (small or odd shapes). */
-    const int direct = !bf16 && a->skv_n % 16 == 0 && (uintptr_t)kvb % 4 == 0;
-    const csa_idx pad = direct ? (csa_idx)(((uintptr_t)kvb % 64) / 4) : 0;
-    const csa_idx dpo = ((pad + D + 15) / 16) * 16;
-    memset(O, 0, (size_t)(hcp * dpo) * sizeof(float));
+    /* float32 rows are read in place (by broadcasts only); bf16 rows, or float rows at a
+     * misaligned address, are converted/copied one block at a time into the tile */
+    const int direct = !bf16 && (uintptr_t)kvb % sizeof(float) == 0;
+    memset(OT, 0, (size_t)(D * hcp) * sizeof(float));
 
     const csa_idx dfl = bf16 ? (D + 1) / 2 : D;  /* a row's size in floats, for prefetching */
     CSA_V(attn_prefetch)(valid, n < ATTN_KB ? n : ATTN_KB, dfl);
@@ -408,21 +456,10 @@ static void CSA_V(attn_item)(const struct csa_attn_args *a, csa_idx b, csa_idx s
         CSA_V(attn_softmax)(L, kb, hcp, a->scale, m, sum, alpha);
         if (bf16)  /* the weights meet the bf16 rows as bf16 (sum keeps them unrounded) */
             for (csa_idx i = 0; i < kb * hcp; i++) L[i] = csa_bf16_to_f32(csa_f32_to_bf16(L[i]));
-        CSA_V(attn_pv)(blk, kb, L, hcp, alpha, O, D, pad, dpo);
+        CSA_V(attn_pv)(blk, kb, L, hcp, alpha, OT, D);
     }
 
-    for (csa_idx h = 0; h < hc; h++) {
-        const float *CSA_RESTRICT Oh = O + h * dpo + pad;
-        const float den = sum[h];
-        if (bf16) {
-            csa_bf16 *CSA_RESTRICT oh = (csa_bf16 *)out + h * a->so_h;
-            for (csa_idx d = 0; d < D; d++) oh[d] = csa_f32_to_bf16(Oh[d] / den);
-        } else {
-            float *CSA_RESTRICT oh = (float *)out + h * a->so_h;
-#pragma omp simd
-            for (csa_idx d = 0; d < D; d++) oh[d] = Oh[d] / den;
-        }
-    }
+    CSA_V(attn_store)(OT, hcp, sum, hc, D, out, a->so_h, bf16);
 }
 
 #if defined(__AVX512F__) && defined(CSA_HAVE_AMX)
@@ -442,7 +479,7 @@ static int CSA_V(sparse_attn_tuned)(const struct csa_attn_args *a)
     const csa_idx items = nq * nchunks;
     const csa_idx hcp = ((hc_max + 15) / 16) * 16, dp = ((D + 15) / 16) * 16;
     const csa_idx kbp_max = ((ATTN_KB + ATTN_MR - 1) / ATTN_MR) * ATTN_MR;
-    csa_idx per_thread = D * hcp + kbp_max * hcp + hcp * (dp + 16) + 3 * hcp + kbp_max * dp;
+    csa_idx per_thread = D * hcp + kbp_max * hcp + D * hcp + 3 * hcp + kbp_max * dp;
     per_thread = ((per_thread + 15) / 16) * 16;
     const csa_idx per_rows = a->K + kbp_max;
 
