@@ -158,15 +158,29 @@ static inline void CSA_V(pv_tile_v8)(const float *const *R, csa_idx kb, const fl
 }
 #endif
 
-/* Logits of kbp (a multiple of ATTN_MR) gathered rows for all hcp heads: L[k, h]. */
+/* Bytes [b0, b1) of the next block's rows i0 .. i1-1 (of nn) into L2, every
+ * ATTN_PF_STEP bytes (the L2 streamer follows a row once it has started).  Called a
+ * few rows at a time from inside the logits loop, so that the misses overlap the
+ * arithmetic instead of filling the miss queue in one burst. */
+static inline void CSA_V(attn_prefetch_rows)(const float *const *next, csa_idx nn, csa_idx i0,
+                                             csa_idx i1, size_t b0, size_t b1)
+{
+    for (csa_idx i = i0; i < i1 && i < nn; i++)
+        for (size_t b = b0; b < b1; b += ATTN_PF_STEP) __builtin_prefetch((const char *)next[i] + b, 0, 2);
+}
+
+/* Logits of kbp (a multiple of ATTN_MR) gathered rows for all hcp heads: L[k, h];
+ * meanwhile the nn rows of the next block (rows of rb bytes) are fetched into L2. */
 static void CSA_V(attn_logits)(const float *const *R, csa_idx kbp, const float *QT, csa_idx hcp,
-                               csa_idx D, float *L)
+                               csa_idx D, float *L, const float *const *next, csa_idx nn, size_t rb)
 {
 #ifdef __AVX512F__
     const csa_idx nvec = hcp / 16;
     for (csa_idx d0 = 0; d0 < D; d0 += ATTN_DB) {
         const csa_idx d1 = d0 + ATTN_DB < D ? d0 + ATTN_DB : D;
-        for (csa_idx i0 = 0; i0 < kbp; i0 += ATTN_MR)
+        const size_t b0 = rb * (size_t)d0 / (size_t)D, b1 = rb * (size_t)d1 / (size_t)D;
+        for (csa_idx i0 = 0; i0 < kbp; i0 += ATTN_MR) {
+            CSA_V(attn_prefetch_rows)(next, nn, i0, i0 + ATTN_MR, b0, b1);
             for (csa_idx v0 = 0; v0 < nvec; v0 += 4) {
                 const float *const *Ri = R + i0;
                 float *Li = L + i0 * hcp + 16 * v0;
@@ -178,13 +192,17 @@ static void CSA_V(attn_logits)(const float *const *R, csa_idx kbp, const float *
                 default: CSA_V(qk_tile)(Ri, Q, hcp, d0, d1, Li, d0 == 0, 1); break;
                 }
             }
+        }
     }
 #elif defined(__AVX2__)
-    for (csa_idx i0 = 0; i0 < kbp; i0 += ATTN_MR)
+    for (csa_idx i0 = 0; i0 < kbp; i0 += ATTN_MR) {
+        CSA_V(attn_prefetch_rows)(next, nn, i0, i0 + ATTN_MR, 0, rb);
         for (csa_idx h0 = 0; h0 < hcp; h0 += 16)
             CSA_V(qk_tile_v8)(R + i0, QT + h0, hcp, D, L + i0 * hcp + h0);
+    }
 #else
     for (csa_idx i = 0; i < kbp; i++) {
+        CSA_V(attn_prefetch_rows)(next, nn, i, i + 1, 0, rb);
         float *CSA_RESTRICT Li = L + i * hcp;
         const float *CSA_RESTRICT r = R[i];
         for (csa_idx h = 0; h < hcp; h++) Li[h] = 0.0f;
@@ -312,21 +330,27 @@ static void CSA_V(attn_pv)(const float *const *R, csa_idx kb, const float *P, cs
 static void CSA_V(attn_store)(const float *OT, csa_idx hcp, const float *sum, csa_idx hc,
                               csa_idx D, void *out, csa_idx so_h, int bf16)
 {
-    float t[16][16];
     for (csa_idx h0 = 0; h0 < hc; h0 += 16) {
         const csa_idx nh = hc - h0 < 16 ? hc - h0 : 16;
         for (csa_idx d0 = 0; d0 < D; d0 += 16) {
             const csa_idx nd = D - d0 < 16 ? D - d0 : 16;
 #ifdef __AVX512F__
-            __m512i r[16];
-            for (int i = 0; i < 16; i++)
-                r[i] = i < nd ? _mm512_loadu_si512(OT + (d0 + i) * hcp + h0) : _mm512_setzero_si512();
-            CSA_V(transpose16)(r);
-            for (int j = 0; j < 16; j++) _mm512_storeu_si512(t[j], r[j]);
-#else
+            if (!bf16) {
+                __m512i r[16];
+                for (int i = 0; i < 16; i++)
+                    r[i] = i < nd ? _mm512_loadu_si512(OT + (d0 + i) * hcp + h0) : _mm512_setzero_si512();
+                CSA_V(transpose16)(r);
+                const __mmask16 mk = (__mmask16)((1u << nd) - 1);
+                for (csa_idx j = 0; j < nh; j++)
+                    _mm512_mask_storeu_ps((float *)out + (h0 + j) * so_h + d0, mk,
+                                          _mm512_div_ps(_mm512_castsi512_ps(r[j]),
+                                                        _mm512_set1_ps(sum[h0 + j])));
+                continue;
+            }
+#endif
+            float t[16][16];
             for (csa_idx i = 0; i < nd; i++)
                 for (int j = 0; j < 16; j++) t[j][i] = OT[(d0 + i) * hcp + h0 + j];
-#endif
             for (csa_idx j = 0; j < nh; j++) {
                 const float den = sum[h0 + j];
                 if (bf16) {
@@ -383,14 +407,6 @@ static void CSA_V(attn_transpose_q)(const void *qv, int bf16, csa_idx sq_h, csa_
     }
 }
 
-/* Asks for the n gathered rows into L2 ahead of their use (every 4th line; the L2
- * streamer follows a row once it has started). */
-static void CSA_V(attn_prefetch)(const float *const *rows, csa_idx n, csa_idx D)
-{
-    for (csa_idx i = 0; i < n; i++)
-        for (csa_idx d = 0; d < D; d += 64) __builtin_prefetch(rows[i] + d, 0, 2);
-}
-
 /* One work item: query (b, s), heads h0 .. h0+hc-1.  ws: per-thread floats,
  * rows: per-thread pointers (K + ATTN_KB + ATTN_MR). */
 static void CSA_V(attn_item)(const struct csa_attn_args *a, csa_idx b, csa_idx s, csa_idx h0,
@@ -428,12 +444,10 @@ static void CSA_V(attn_item)(const struct csa_attn_args *a, csa_idx b, csa_idx s
     const int direct = !bf16 && (uintptr_t)kvb % sizeof(float) == 0;
     memset(OT, 0, (size_t)(D * hcp) * sizeof(float));
 
-    const csa_idx dfl = bf16 ? (D + 1) / 2 : D;  /* a row's size in floats, for prefetching */
-    CSA_V(attn_prefetch)(valid, n < ATTN_KB ? n : ATTN_KB, dfl);
+    const size_t rb = (size_t)D * es;  /* a row's bytes */
+    CSA_V(attn_prefetch_rows)(valid, n < ATTN_KB ? n : ATTN_KB, 0, ATTN_KB, 0, rb);
     for (csa_idx k0 = 0; k0 < n; k0 += ATTN_KB) {
         const csa_idx kb = n - k0 < ATTN_KB ? n - k0 : ATTN_KB;
-        if (k0 + kb < n)  /* the gather is latency-bound otherwise: fetch ahead into L2 */
-            CSA_V(attn_prefetch)(valid + k0 + kb, n - k0 - kb < ATTN_KB ? n - k0 - kb : ATTN_KB, dfl);
         const csa_idx kbp = ((kb + ATTN_MR - 1) / ATTN_MR) * ATTN_MR;
         /* this block's rows, padded with zero rows to a whole logits tile */
         for (csa_idx i = 0; i < kbp; i++) {
@@ -452,7 +466,9 @@ static void CSA_V(attn_item)(const struct csa_attn_args *a, csa_idx b, csa_idx s
                 blk[i] = t;
             }
         }
-        CSA_V(attn_logits)(blk, kbp, QT, hcp, D, L);
+        /* the gather is latency-bound otherwise: the next block's rows are fetched ahead */
+        const csa_idx nn = n - k0 - kb < ATTN_KB ? n - k0 - kb : ATTN_KB;
+        CSA_V(attn_logits)(blk, kbp, QT, hcp, D, L, valid + k0 + kb, nn, rb);
         CSA_V(attn_softmax)(L, kb, hcp, a->scale, m, sum, alpha);
         if (bf16)  /* the weights meet the bf16 rows as bf16 (sum keeps them unrounded) */
             for (csa_idx i = 0; i < kb * hcp; i++) L[i] = csa_bf16_to_f32(csa_f32_to_bf16(L[i]));
