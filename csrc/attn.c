@@ -144,7 +144,6 @@ static int omp_tid(void)
 
 /* Blocking of the tuned body (attn_impl.h).  None of them depends on the thread
  * count, and no head's arithmetic depends on which other heads share its chunk. */
-#define ATTN_PF_STEP 256 /* bytes between prefetches of a row */
 #define ATTN_KB 64   /* gathered rows per online-softmax block */
 #define ATTN_DB 64   /* features per pass of the logits tile: its Q^T slice stays in L1 */
 #define ATTN_MR 6    /* gathered rows per logits tile */

@@ -11,7 +11,10 @@
  *
  * R_k point at the gathered kv rows in place and are only ever broadcast from, so no
  * [S, K, D] block is built and no row needs copying (bf16 rows are widened one block
- * at a time into a tile).  Per-thread scratch (~0.4 MB for V4-Flash): Q^T [D, HCP],
+ * at a time into a tile).  There is no software prefetch of the rows: the L2 streamer
+ * follows a 2 KB row from its first line, while prefetches of lines that come from
+ * memory hold the L1 fill buffers that the logits tile's loads need (measured 5-10%
+ * slower with them, on rows gathered from beyond L2).  Per-thread scratch (~0.4 MB for V4-Flash): Q^T [D, HCP],
  * L/P [KBP, HCP], OT [D, HCP], m, sum, alpha, the tile.  Every (h, d) result is a
  * fixed-order chain (over d for logits, over k for O and the softmax sums) that
  * depends neither on the thread count nor on the chunking of heads, so the output is
@@ -158,29 +161,15 @@ static inline void CSA_V(pv_tile_v8)(const float *const *R, csa_idx kb, const fl
 }
 #endif
 
-/* Bytes [b0, b1) of the next block's rows i0 .. i1-1 (of nn) into L2, every
- * ATTN_PF_STEP bytes (the L2 streamer follows a row once it has started).  Called a
- * few rows at a time from inside the logits loop, so that the misses overlap the
- * arithmetic instead of filling the miss queue in one burst. */
-static inline void CSA_V(attn_prefetch_rows)(const float *const *next, csa_idx nn, csa_idx i0,
-                                             csa_idx i1, size_t b0, size_t b1)
-{
-    for (csa_idx i = i0; i < i1 && i < nn; i++)
-        for (size_t b = b0; b < b1; b += ATTN_PF_STEP) __builtin_prefetch((const char *)next[i] + b, 0, 2);
-}
-
-/* Logits of kbp (a multiple of ATTN_MR) gathered rows for all hcp heads: L[k, h];
- * meanwhile the nn rows of the next block (rows of rb bytes) are fetched into L2. */
+/* Logits of kbp (a multiple of ATTN_MR) gathered rows for all hcp heads: L[k, h]. */
 static void CSA_V(attn_logits)(const float *const *R, csa_idx kbp, const float *QT, csa_idx hcp,
-                               csa_idx D, float *L, const float *const *next, csa_idx nn, size_t rb)
+                               csa_idx D, float *L)
 {
 #ifdef __AVX512F__
     const csa_idx nvec = hcp / 16;
     for (csa_idx d0 = 0; d0 < D; d0 += ATTN_DB) {
         const csa_idx d1 = d0 + ATTN_DB < D ? d0 + ATTN_DB : D;
-        const size_t b0 = rb * (size_t)d0 / (size_t)D, b1 = rb * (size_t)d1 / (size_t)D;
-        for (csa_idx i0 = 0; i0 < kbp; i0 += ATTN_MR) {
-            CSA_V(attn_prefetch_rows)(next, nn, i0, i0 + ATTN_MR, b0, b1);
+        for (csa_idx i0 = 0; i0 < kbp; i0 += ATTN_MR)
             for (csa_idx v0 = 0; v0 < nvec; v0 += 4) {
                 const float *const *Ri = R + i0;
                 float *Li = L + i0 * hcp + 16 * v0;
@@ -192,17 +181,13 @@ static void CSA_V(attn_logits)(const float *const *R, csa_idx kbp, const float *
                 default: CSA_V(qk_tile)(Ri, Q, hcp, d0, d1, Li, d0 == 0, 1); break;
                 }
             }
-        }
     }
 #elif defined(__AVX2__)
-    for (csa_idx i0 = 0; i0 < kbp; i0 += ATTN_MR) {
-        CSA_V(attn_prefetch_rows)(next, nn, i0, i0 + ATTN_MR, 0, rb);
+    for (csa_idx i0 = 0; i0 < kbp; i0 += ATTN_MR)
         for (csa_idx h0 = 0; h0 < hcp; h0 += 16)
             CSA_V(qk_tile_v8)(R + i0, QT + h0, hcp, D, L + i0 * hcp + h0);
-    }
 #else
     for (csa_idx i = 0; i < kbp; i++) {
-        CSA_V(attn_prefetch_rows)(next, nn, i, i + 1, 0, rb);
         float *CSA_RESTRICT Li = L + i * hcp;
         const float *CSA_RESTRICT r = R[i];
         for (csa_idx h = 0; h < hcp; h++) Li[h] = 0.0f;
@@ -444,8 +429,6 @@ static void CSA_V(attn_item)(const struct csa_attn_args *a, csa_idx b, csa_idx s
     const int direct = !bf16 && (uintptr_t)kvb % sizeof(float) == 0;
     memset(OT, 0, (size_t)(D * hcp) * sizeof(float));
 
-    const size_t rb = (size_t)D * es;  /* a row's bytes */
-    CSA_V(attn_prefetch_rows)(valid, n < ATTN_KB ? n : ATTN_KB, 0, ATTN_KB, 0, rb);
     for (csa_idx k0 = 0; k0 < n; k0 += ATTN_KB) {
         const csa_idx kb = n - k0 < ATTN_KB ? n - k0 : ATTN_KB;
         const csa_idx kbp = ((kb + ATTN_MR - 1) / ATTN_MR) * ATTN_MR;
@@ -466,9 +449,7 @@ static void CSA_V(attn_item)(const struct csa_attn_args *a, csa_idx b, csa_idx s
                 blk[i] = t;
             }
         }
-        /* the gather is latency-bound otherwise: the next block's rows are fetched ahead */
-        const csa_idx nn = n - k0 - kb < ATTN_KB ? n - k0 - kb : ATTN_KB;
-        CSA_V(attn_logits)(blk, kbp, QT, hcp, D, L, valid + k0 + kb, nn, rb);
+        CSA_V(attn_logits)(blk, kbp, QT, hcp, D, L);
         CSA_V(attn_softmax)(L, kb, hcp, a->scale, m, sum, alpha);
         if (bf16)  /* the weights meet the bf16 rows as bf16 (sum keeps them unrounded) */
             for (csa_idx i = 0; i < kb * hcp; i++) L[i] = csa_bf16_to_f32(csa_f32_to_bf16(L[i]));
