@@ -46,18 +46,27 @@ class Case:
     reps: int = 0          # 0: as many as fit in ~1.5 s, at least 3
 
 
-def median_time(fn, reps=0, budget=1.5):
-    fn()  # warm up (first touch, caches, lazy init)
-    t0 = time.perf_counter()
-    fn()
-    one = time.perf_counter() - t0
-    n = reps or max(3, min(200, int(budget / max(one, 1e-6))))
-    ts = []
-    for _ in range(n):
+def interleaved_times(sides: dict, reps=0, budget=1.5) -> dict:
+    """Times every side (name -> zero-argument callable) in rounds, one call of each side
+    per round, in alternating order, so that a machine whose speed drifts (other
+    tenants, frequency) slows every side alike; returns name -> list of seconds.
+    Rounds: `reps`, or as many as fit in about `budget` seconds per side (3..200)."""
+    for fn in sides.values():
+        fn()  # warm up (first touch, caches, lazy init)
+    one = 0.0
+    for fn in sides.values():
         t0 = time.perf_counter()
         fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+        one = max(one, time.perf_counter() - t0)
+    n = reps or max(3, min(200, int(budget / max(one, 1e-6))))
+    times = {name: [] for name in sides}
+    order = list(sides)
+    for r in range(n):
+        for name in (order if r % 2 == 0 else order[::-1]):
+            t0 = time.perf_counter()
+            sides[name]()
+            times[name].append(time.perf_counter() - t0)
+    return times
 
 
 def peak_extra_rss(fn):
@@ -120,28 +129,32 @@ def machine_peaks(threads: int, refresh=False) -> dict:
 
 
 def run_case(case: Case, peaks: dict, do_compile=True) -> dict:
+    """Times ours, eager and torch.compile interleaved: each time is a median over the
+    rounds, each speed-up the median of the per-round ratios."""
     import torch
     row = {"kernel": case.kernel, "case": case.name, "bytes": case.bytes, "flops": case.flops,
            "bound": case.bound}
-    t = median_time(case.ours, case.reps)
-    row["ours_s"] = t
-    row["ours_peak_mem_bytes"] = peak_extra_rss(case.ours)
+    sides = {"ours": case.ours}
     if case.eager is not None:
-        te = median_time(case.eager, case.reps)
-        row["eager_s"] = te
-        row["eager_peak_mem_bytes"] = peak_extra_rss(case.eager)
-        row["speedup_vs_eager"] = te / t
+        sides["eager"] = case.eager
     if do_compile and case.compile_fn is not None:
         try:
             cf = torch.compile(case.compile_fn, dynamic=False)
-            call = lambda: cf(*case.compile_args)  # noqa: E731
-            call()
-            tc = median_time(call, case.reps)
-            row["compile_s"] = tc
-            row["compile_peak_mem_bytes"] = peak_extra_rss(call)
-            row["speedup_vs_compile"] = tc / t
+            sides["compile"] = lambda: cf(*case.compile_args)
+            sides["compile"]()
         except Exception as e:  # report, do not hide, a compile failure
+            sides.pop("compile", None)
             row["compile_error"] = f"{type(e).__name__}: {e}"[:300]
+    times = interleaved_times(sides, case.reps)
+    t = statistics.median(times["ours"])
+    row["ours_s"] = t
+    row["ours_peak_mem_bytes"] = peak_extra_rss(case.ours)
+    for name, key in (("eager", "eager"), ("compile", "compile")):
+        if name in times:
+            row[f"{key}_s"] = statistics.median(times[name])
+            row[f"{key}_peak_mem_bytes"] = peak_extra_rss(sides[name])
+            row[f"speedup_vs_{key}"] = statistics.median(
+                [o / u for o, u in zip(times[name], times["ours"])])
     if case.bytes:
         row["gbs"] = case.bytes / t / 1e9
         row["frac_stream"] = row["gbs"] / peaks["stream_gbs"]
