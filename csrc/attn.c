@@ -152,6 +152,35 @@ static int omp_tid(void)
 #define ATTN_HC_FEW 32 /* heads per work item when there are few queries (decode) */
 #define ATTN_FEW_QUERIES 8
 
+/* The valid entries (>= 0) of one query's K indices, ascending, into vi[0..n); returns
+ * n.  Gathering the rows in address order lets the hardware prefetchers follow them
+ * (4-6% faster than the top-k order on rows that come from memory); the order is a
+ * function of the indices alone, so the results stay independent of the thread count.
+ * A stable LSD radix sort, 8 bits a pass, as many passes as the largest index needs;
+ * tmp: K more entries of scratch. */
+static csa_idx attn_sorted_valid(const int32_t *ir, csa_idx K, uint32_t *vi, uint32_t *tmp)
+{
+    csa_idx n = 0;
+    uint32_t all = 0;
+    for (csa_idx k = 0; k < K; k++)
+        if (ir[k] >= 0) {
+            vi[n++] = (uint32_t)ir[k];
+            all |= (uint32_t)ir[k];
+        }
+    uint32_t *src = vi, *dst = tmp;
+    for (int sh = 0; sh < 32 && (all >> sh) != 0; sh += 8) {
+        csa_idx cnt[257] = {0};
+        for (csa_idx i = 0; i < n; i++) cnt[((src[i] >> sh) & 255u) + 1]++;
+        for (int j = 0; j < 256; j++) cnt[j + 1] += cnt[j];
+        for (csa_idx i = 0; i < n; i++) dst[cnt[(src[i] >> sh) & 255u]++] = src[i];
+        uint32_t *t = src;
+        src = dst;
+        dst = t;
+    }
+    if (src != vi) memcpy(vi, src, (size_t)n * sizeof(*vi));
+    return n;
+}
+
 #define CSA_IMPL "attn_impl.h"
 #include "csa_isa_variants.h"
 

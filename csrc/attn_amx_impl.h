@@ -198,7 +198,8 @@ struct CSA_V(amx_scratch) {
 /* One work item: query (b, s), heads h0 .. h0+hc-1 (hcp: hc rounded up to 32). */
 static void CSA_V(amx_item)(const struct csa_attn_args *a, csa_idx b, csa_idx s, csa_idx h0,
                             csa_idx hc, csa_idx hcp, csa_idx Dp,
-                            const struct CSA_V(amx_scratch) *w, const csa_bf16 **rows)
+                            const struct CSA_V(amx_scratch) *w, const csa_bf16 **rows,
+                            uint32_t *keys)
 {
     const csa_idx D = a->D;
     const int32_t *ir = a->idx + b * a->si_b + s * a->si_s;
@@ -206,9 +207,8 @@ static void CSA_V(amx_item)(const struct csa_attn_args *a, csa_idx b, csa_idx s,
     const csa_bf16 *q = (const csa_bf16 *)a->q + b * a->sq_b + s * a->sq_s + h0 * a->sq_h;
     csa_bf16 *out = (csa_bf16 *)a->out + b * a->so_b + s * a->so_s + h0 * a->so_h;
 
-    csa_idx n = 0;
-    for (csa_idx k = 0; k < a->K; k++)
-        if (ir[k] >= 0) rows[n++] = kvb + (csa_idx)ir[k] * a->skv_n;
+    const csa_idx n = attn_sorted_valid(ir, a->K, keys, keys + a->K);
+    for (csa_idx k = 0; k < n; k++) rows[k] = kvb + (csa_idx)keys[k] * a->skv_n;
     if (n == 0) {
         for (csa_idx h = 0; h < hc; h++) memset(out + h * a->so_h, 0, (size_t)D * sizeof(csa_bf16));
         return;
@@ -256,9 +256,11 @@ static int CSA_V(sparse_attn_amx)(const struct csa_attn_args *a)
     const int nt = csa_threads(items, 1);
     char *ws = aligned_alloc(64, (size_t)nt * per_thread);
     const csa_bf16 **rows = malloc((size_t)(nt * (a->K > 0 ? a->K : 1)) * sizeof(*rows));
-    if (!ws || !rows) {
+    uint32_t *keys = malloc((size_t)(nt * 2 * (a->K > 0 ? a->K : 1)) * sizeof(*keys));
+    if (!ws || !rows || !keys) {
         free(ws);
         free(rows);
+        free(keys);
         return CSA_ENOMEM;
     }
 
@@ -281,12 +283,14 @@ static int CSA_V(sparse_attn_amx)(const struct csa_attn_args *a)
         for (csa_idx it = 0; it < items; it++) {
             const csa_idx qi = it / nchunks, c = it % nchunks;
             const csa_idx h0 = c * hc_max, hc = H - h0 < hc_max ? H - h0 : hc_max;
-            CSA_V(amx_item)(a, qi / a->S, qi % a->S, h0, hc, hcp, Dp, &w, rows + t * a->K);
+            CSA_V(amx_item)(a, qi / a->S, qi % a->S, h0, hc, hcp, Dp, &w, rows + t * a->K,
+                            keys + t * 2 * a->K);
         }
         _tile_release();
     }
     free(ws);
     free(rows);
+    free(keys);
     return CSA_OK;
 }
 

@@ -393,9 +393,10 @@ static void CSA_V(attn_transpose_q)(const void *qv, int bf16, csa_idx sq_h, csa_
 }
 
 /* One work item: query (b, s), heads h0 .. h0+hc-1.  ws: per-thread floats,
- * rows: per-thread pointers (K + ATTN_KB + ATTN_MR). */
+ * rows: per-thread pointers (K + ATTN_KB + ATTN_MR), keys: per-thread 2K uint32. */
 static void CSA_V(attn_item)(const struct csa_attn_args *a, csa_idx b, csa_idx s, csa_idx h0,
-                             csa_idx hc, csa_idx hcp, csa_idx dp, float *ws, const float **rows)
+                             csa_idx hc, csa_idx hcp, csa_idx dp, float *ws, const float **rows,
+                             uint32_t *keys)
 {
     const csa_idx D = a->D;
     const int bf16 = a->bf16;
@@ -405,11 +406,11 @@ static void CSA_V(attn_item)(const struct csa_attn_args *a, csa_idx b, csa_idx s
     const char *q = (const char *)a->q + (size_t)(b * a->sq_b + s * a->sq_s + h0 * a->sq_h) * es;
     char *out = (char *)a->out + (size_t)(b * a->so_b + s * a->so_s + h0 * a->so_h) * es;
 
-    /* the valid rows, in index order (a -1 entry weighs exactly 0 in the formula) */
+    /* the valid rows, in address order (a -1 entry weighs exactly 0 in the formula) */
     const float **valid = rows;  /* bf16: they point at bfloat16 rows */
-    csa_idx n = 0;
-    for (csa_idx k = 0; k < a->K; k++)
-        if (ir[k] >= 0) valid[n++] = (const float *)(kvb + (size_t)((csa_idx)ir[k] * a->skv_n) * es);
+    const csa_idx n = attn_sorted_valid(ir, a->K, keys, keys + a->K);
+    for (csa_idx k = 0; k < n; k++)
+        valid[k] = (const float *)(kvb + (size_t)((csa_idx)keys[k] * a->skv_n) * es);
     if (n == 0) {
         for (csa_idx h = 0; h < hc; h++) memset(out + (size_t)(h * a->so_h) * es, 0, (size_t)D * es);
         return;
@@ -483,9 +484,11 @@ static int CSA_V(sparse_attn_tuned)(const struct csa_attn_args *a)
     const int nt = csa_threads(items, 1);
     float *ws = aligned_alloc(64, (size_t)(nt * per_thread) * sizeof(float));
     const float **rows = malloc((size_t)(nt * per_rows) * sizeof(*rows));
-    if (!ws || !rows) {
+    uint32_t *keys = malloc((size_t)(nt * 2 * (a->K > 0 ? a->K : 1)) * sizeof(*keys));
+    if (!ws || !rows || !keys) {
         free(ws);
         free(rows);
+        free(keys);
         return CSA_ENOMEM;
     }
 
@@ -497,10 +500,11 @@ static int CSA_V(sparse_attn_tuned)(const struct csa_attn_args *a)
             const csa_idx qi = it / nchunks, c = it % nchunks;
             const csa_idx h0 = c * hc_max, hc = H - h0 < hc_max ? H - h0 : hc_max;
             CSA_V(attn_item)(a, qi / a->S, qi % a->S, h0, hc, hcp, dp, ws + t * per_thread,
-                             rows + t * per_rows);
+                             rows + t * per_rows, keys + t * 2 * a->K);
         }
     }
     free(ws);
     free(rows);
+    free(keys);
     return CSA_OK;
 }
