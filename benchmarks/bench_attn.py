@@ -37,7 +37,8 @@ def _case(name, B, S, H, D, N, K, rng, bf16=False):
                 ours=lambda: dc.sparse_attn(q, kv, sink, idx, scale, out=out),
                 eager=lambda: _attn_ref(*args), compile_fn=_attn_ref, compile_args=args,
                 bytes=2 * q.nbytes + kv.nbytes + idx.nbytes, flops=4.0 * B * S * H * K * D,
-                bound="compute_bf16" if bf16 else "compute")
+                bound="compute_bf16" if bf16 else "compute",
+                reps=7 if S > 1 else 0)  # seconds-long rounds: more than the default 3
 
 
 def cases(quick=False):
