@@ -80,13 +80,14 @@ CSA_V(qk_tile)(const float *const *R, const float *QT, csa_idx hcp, csa_idx d0, 
  * pass through L1 once instead of once per group of heads). */
 static inline __attribute__((always_inline)) void
 CSA_V(pv_tile)(const float *const *R, csa_idx kb, const float *P, csa_idx hcp,
-               const float *alpha, float *OT, csa_idx d0, const int ND, const int NV)
+               const float *alpha, float *OT, csa_idx d0, int first, const int ND, const int NV)
 {
     __m512 acc[6][4], al[4];
     for (int j = 0; j < NV; j++) al[j] = _mm512_loadu_ps(alpha + 16 * j);
     for (int i = 0; i < ND; i++)
         for (int j = 0; j < NV; j++)
-            acc[i][j] = _mm512_mul_ps(_mm512_loadu_ps(OT + (d0 + i) * hcp + 16 * j), al[j]);
+            acc[i][j] = first ? _mm512_setzero_ps()
+                              : _mm512_mul_ps(_mm512_loadu_ps(OT + (d0 + i) * hcp + 16 * j), al[j]);
     for (csa_idx k = 0; k < kb; k++) {
         const float *pk = P + k * hcp, *rk = R[k] + d0;
         __m512 p[4];
@@ -134,14 +135,15 @@ static inline void CSA_V(qk_tile_v8)(const float *const *R, const float *QT, csa
 
 /* OT[d0 .. d0+6, 0:16] = alpha OT[..] + sum_k R_k[d0 ..] P[k, 0:16] (P, OT 32-byte aligned). */
 static inline void CSA_V(pv_tile_v8)(const float *const *R, csa_idx kb, const float *P,
-                                     csa_idx hcp, const float *alpha, float *OT, csa_idx d0)
+                                     csa_idx hcp, const float *alpha, float *OT, csa_idx d0,
+                                     int first)
 {
     const CSA_V(v8) a0 = *(const CSA_V(v8u) *)alpha, a1 = *(const CSA_V(v8u) *)(alpha + 8);
     CSA_V(v8) acc[6][2];
 #pragma GCC unroll 6
     for (int i = 0; i < 6; i++) {
-        acc[i][0] = *(const CSA_V(v8) *)(OT + (d0 + i) * hcp) * a0;
-        acc[i][1] = *(const CSA_V(v8) *)(OT + (d0 + i) * hcp + 8) * a1;
+        acc[i][0] = first ? (CSA_V(v8)){0} : *(const CSA_V(v8) *)(OT + (d0 + i) * hcp) * a0;
+        acc[i][1] = first ? (CSA_V(v8)){0} : *(const CSA_V(v8) *)(OT + (d0 + i) * hcp + 8) * a1;
     }
     for (csa_idx k = 0; k < kb; k++) {
         const float *r = R[k] + d0;
@@ -259,11 +261,11 @@ static void CSA_V(attn_softmax)(float *L, csa_idx kb, csa_idx hcp, float scale, 
 
 /* OT[d, h] = alpha_h OT[d, h] + sum_{k < kb} R_k[d] P[k, h] for feature d, all hcp heads. */
 static void CSA_V(attn_pv_feature)(const float *const *R, csa_idx kb, const float *P, csa_idx hcp,
-                                   const float *alpha, float *OT, csa_idx d)
+                                   const float *alpha, float *OT, csa_idx d, int first)
 {
     float *CSA_RESTRICT o = OT + d * hcp;
 #pragma omp simd
-    for (csa_idx h = 0; h < hcp; h++) o[h] *= alpha[h];
+    for (csa_idx h = 0; h < hcp; h++) o[h] = first ? 0.0f : o[h] * alpha[h];
     for (csa_idx k = 0; k < kb; k++) {
         const float x = R[k][d];
         const float *CSA_RESTRICT pk = P + k * hcp;
@@ -272,10 +274,11 @@ static void CSA_V(attn_pv_feature)(const float *const *R, csa_idx kb, const floa
     }
 }
 
-/* OT[d, h] = alpha_h OT[d, h] + sum_{k < kb} R_k[d] P[k, h] for d < D, h < hcp: the output
- * is kept transposed, [D, hcp], so that its tile has the logits tile's shape. */
+/* OT[d, h] = alpha_h OT[d, h] + sum_{k < kb} R_k[d] P[k, h] for d < D, h < hcp (first
+ * block: OT[d, h] = the sum alone, so OT needs no clearing): the output is kept
+ * transposed, [D, hcp], so that its tile has the logits tile's shape. */
 static void CSA_V(attn_pv)(const float *const *R, csa_idx kb, const float *P, csa_idx hcp,
-                           const float *alpha, float *OT, csa_idx D)
+                           const float *alpha, float *OT, csa_idx D, int first)
 {
 #ifdef __AVX512F__
     const csa_idx nvec = hcp / 16, d6 = D - D % 6;
@@ -287,8 +290,8 @@ static void CSA_V(attn_pv)(const float *const *R, csa_idx kb, const float *P, cs
             const int nd = d0 < d6 ? 6 : 1;
 #define ATTN_PV_CASE(NV)                                                            \
     case NV:                                                                        \
-        if (nd == 6) CSA_V(pv_tile)(R, kb, Pv, hcp, av, Ov, d0, 6, NV);             \
-        else CSA_V(pv_tile)(R, kb, Pv, hcp, av, Ov, d0, 1, NV);                     \
+        if (nd == 6) CSA_V(pv_tile)(R, kb, Pv, hcp, av, Ov, d0, first, 6, NV);      \
+        else CSA_V(pv_tile)(R, kb, Pv, hcp, av, Ov, d0, first, 1, NV);              \
         break;
             switch (nv) {
             ATTN_PV_CASE(4)
@@ -303,10 +306,10 @@ static void CSA_V(attn_pv)(const float *const *R, csa_idx kb, const float *P, cs
     const csa_idx d6 = D - D % 6;
     for (csa_idx h0 = 0; h0 < hcp; h0 += 16)
         for (csa_idx d0 = 0; d0 < d6; d0 += 6)
-            CSA_V(pv_tile_v8)(R, kb, P + h0, hcp, alpha + h0, OT + h0, d0);
-    for (csa_idx d = d6; d < D; d++) CSA_V(attn_pv_feature)(R, kb, P, hcp, alpha, OT, d);
+            CSA_V(pv_tile_v8)(R, kb, P + h0, hcp, alpha + h0, OT + h0, d0, first);
+    for (csa_idx d = d6; d < D; d++) CSA_V(attn_pv_feature)(R, kb, P, hcp, alpha, OT, d, first);
 #else
-    for (csa_idx d = 0; d < D; d++) CSA_V(attn_pv_feature)(R, kb, P, hcp, alpha, OT, d);
+    for (csa_idx d = 0; d < D; d++) CSA_V(attn_pv_feature)(R, kb, P, hcp, alpha, OT, d, first);
 #endif
 }
 
@@ -364,24 +367,19 @@ static void CSA_V(attn_transpose_q)(const void *qv, int bf16, csa_idx sq_h, csa_
     }
     const float *q = qv;
 #ifdef __AVX512F__
-    if (sq_h > 0 && sq_h <= 0x7fffffff / 16) {
-        for (csa_idx h0 = 0; h0 < hcp; h0 += 16) {
-            const __mmask16 live = hc - h0 >= 16 ? (__mmask16)0xFFFF
-                                  : hc > h0 ? (__mmask16)((1u << (hc - h0)) - 1) : 0;
-            const __m512i off = _mm512_mullo_epi32(
-                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                _mm512_set1_epi32((int)sq_h));
-            if (!live) {
-                for (csa_idx d = 0; d < D; d++) _mm512_storeu_ps(QT + d * hcp + h0, _mm512_setzero_ps());
-                continue;
-            }
-            const float *qh = q + h0 * sq_h;
-            for (csa_idx d = 0; d < D; d++)
-                _mm512_storeu_ps(QT + d * hcp + h0,
-                                 _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, off, qh + d, 4));
+    /* 16 x 16 blocks: whole-line loads of 16 heads, transposed in registers */
+    for (csa_idx h0 = 0; h0 < hcp; h0 += 16)
+        for (csa_idx d0 = 0; d0 < D; d0 += 16) {
+            const csa_idx nd = D - d0 < 16 ? D - d0 : 16;
+            const __mmask16 mk = (__mmask16)((1u << nd) - 1);
+            __m512i r[16];
+            for (int j = 0; j < 16; j++)
+                r[j] = h0 + j < hc ? _mm512_maskz_loadu_epi32(mk, q + (h0 + j) * sq_h + d0)
+                                   : _mm512_setzero_si512();
+            CSA_V(transpose16)(r);
+            for (csa_idx i = 0; i < nd; i++) _mm512_storeu_si512(QT + (d0 + i) * hcp + h0, r[i]);
         }
-        return;
-    }
+    return;
 #endif
     for (csa_idx h = 0; h < hcp; h++) {
         const float *qh = q + h * sq_h;
@@ -428,7 +426,6 @@ static void CSA_V(attn_item)(const struct csa_attn_args *a, csa_idx b, csa_idx s
     /* float32 rows are read in place (by broadcasts only); bf16 rows, or float rows at a
      * misaligned address, are converted/copied one block at a time into the tile */
     const int direct = !bf16 && (uintptr_t)kvb % sizeof(float) == 0;
-    memset(OT, 0, (size_t)(D * hcp) * sizeof(float));
 
     for (csa_idx k0 = 0; k0 < n; k0 += ATTN_KB) {
         const csa_idx kb = n - k0 < ATTN_KB ? n - k0 : ATTN_KB;
@@ -454,7 +451,7 @@ static void CSA_V(attn_item)(const struct csa_attn_args *a, csa_idx b, csa_idx s
         CSA_V(attn_softmax)(L, kb, hcp, a->scale, m, sum, alpha);
         if (bf16)  /* the weights meet the bf16 rows as bf16 (sum keeps them unrounded) */
             for (csa_idx i = 0; i < kb * hcp; i++) L[i] = csa_bf16_to_f32(csa_f32_to_bf16(L[i]));
-        CSA_V(attn_pv)(blk, kb, L, hcp, alpha, OT, D);
+        CSA_V(attn_pv)(blk, kb, L, hcp, alpha, OT, D, k0 == 0);
     }
 
     CSA_V(attn_store)(OT, hcp, sum, hc, D, out, a->so_h, bf16);
