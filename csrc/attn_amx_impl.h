@@ -255,12 +255,11 @@ static int CSA_V(sparse_attn_amx)(const struct csa_attn_args *a)
     const size_t per_thread = qtv + kvc + vv + l + pt + o + 3 * vec;
     const int nt = csa_threads(items, 1);
     char *ws = aligned_alloc(64, (size_t)nt * per_thread);
-    const csa_bf16 **rows = malloc((size_t)(nt * (a->K > 0 ? a->K : 1)) * sizeof(*rows));
-    uint32_t *keys = malloc((size_t)(nt * 2 * (a->K > 0 ? a->K : 1)) * sizeof(*keys));
-    if (!ws || !rows || !keys) {
+    /* per thread: K row pointers, then 2K uint32 of sort keys */
+    const csa_bf16 **rows = malloc((size_t)(nt * 2 * (a->K > 0 ? a->K : 1)) * sizeof(*rows));
+    if (!ws || !rows) {
         free(ws);
         free(rows);
-        free(keys);
         return CSA_ENOMEM;
     }
 
@@ -283,14 +282,13 @@ static int CSA_V(sparse_attn_amx)(const struct csa_attn_args *a)
         for (csa_idx it = 0; it < items; it++) {
             const csa_idx qi = it / nchunks, c = it % nchunks;
             const csa_idx h0 = c * hc_max, hc = H - h0 < hc_max ? H - h0 : hc_max;
-            CSA_V(amx_item)(a, qi / a->S, qi % a->S, h0, hc, hcp, Dp, &w, rows + t * a->K,
-                            keys + t * 2 * a->K);
+            CSA_V(amx_item)(a, qi / a->S, qi % a->S, h0, hc, hcp, Dp, &w, rows + t * 2 * a->K,
+                            (uint32_t *)(rows + t * 2 * a->K + a->K));
         }
         _tile_release();
     }
     free(ws);
     free(rows);
-    free(keys);
     return CSA_OK;
 }
 

@@ -391,7 +391,7 @@ static void CSA_V(attn_transpose_q)(const void *qv, int bf16, csa_idx sq_h, csa_
 }
 
 /* One work item: query (b, s), heads h0 .. h0+hc-1.  ws: per-thread floats,
- * rows: per-thread pointers (K + ATTN_KB + ATTN_MR), keys: per-thread 2K uint32. */
+ * rows: per-thread pointers (K + ATTN_KB + ATTN_MR), keys: 2K uint32 of scratch. */
 static void CSA_V(attn_item)(const struct csa_attn_args *a, csa_idx b, csa_idx s, csa_idx h0,
                              csa_idx hc, csa_idx hcp, csa_idx dp, float *ws, const float **rows,
                              uint32_t *keys)
@@ -476,16 +476,14 @@ static int CSA_V(sparse_attn_tuned)(const struct csa_attn_args *a)
     const csa_idx kbp_max = ((ATTN_KB + ATTN_MR - 1) / ATTN_MR) * ATTN_MR;
     csa_idx per_thread = D * hcp + kbp_max * hcp + D * hcp + 3 * hcp + kbp_max * dp;
     per_thread = ((per_thread + 15) / 16) * 16;
-    const csa_idx per_rows = a->K + kbp_max;
+    const csa_idx per_rows = a->K + kbp_max + a->K; /* pointers, then 2K uint32 of sort keys */
 
     const int nt = csa_threads(items, 1);
     float *ws = aligned_alloc(64, (size_t)(nt * per_thread) * sizeof(float));
     const float **rows = malloc((size_t)(nt * per_rows) * sizeof(*rows));
-    uint32_t *keys = malloc((size_t)(nt * 2 * (a->K > 0 ? a->K : 1)) * sizeof(*keys));
-    if (!ws || !rows || !keys) {
+    if (!ws || !rows) {
         free(ws);
         free(rows);
-        free(keys);
         return CSA_ENOMEM;
     }
 
@@ -497,11 +495,10 @@ static int CSA_V(sparse_attn_tuned)(const struct csa_attn_args *a)
             const csa_idx qi = it / nchunks, c = it % nchunks;
             const csa_idx h0 = c * hc_max, hc = H - h0 < hc_max ? H - h0 : hc_max;
             CSA_V(attn_item)(a, qi / a->S, qi % a->S, h0, hc, hcp, dp, ws + t * per_thread,
-                             rows + t * per_rows, keys + t * 2 * a->K);
+                             rows + t * per_rows, (uint32_t *)(rows + t * per_rows + a->K + kbp_max));
         }
     }
     free(ws);
     free(rows);
-    free(keys);
     return CSA_OK;
 }
