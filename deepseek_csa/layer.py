@@ -18,10 +18,16 @@ scales first).  Names are relative to the attention module; any prefix ending in
     ratio 4:    indexer.wq_b.weight [Hi*Di, q_lora], indexer.weights_proj.weight [Hi, dim],
                 indexer.compressor.{wkv,wgate,ape,norm.weight} (Di wide, overlap)
 
-and a V4.1 layer (``version="v4.1"``) reads ``compressor.{wkv,wgate,norm}`` (kv sources,
-no ``ape``, no ``wgate`` at ratio 1) and ``indexer.{wq_b,weights_proj,wk,k_norm}``
-(index sources; ``wk``/``k_norm`` on kv sources), sharing what its sources publish
-through a ``CSAShared`` object passed to every layer of the stack.
+and a layer of V4.1's shared layout (``cfg.kv_source_layers`` set, e.g. ``V41_FLASH``)
+reads ``compressor.{wkv,wgate,norm}`` (kv sources, no ``ape``, no ``wgate`` at ratio 1)
+and ``indexer.{wq_b,weights_proj,wk,k_norm}`` (index sources; ``wk``/``k_norm`` on kv
+sources), sharing what its sources publish through a ``CSAShared`` object passed to
+every layer of the stack.
+
+Every V4 / V4.1 difference in the arithmetic comes from an explicit ``CSAConfig`` field
+(``q_head_rms_norm``, ``window_fp8_block`` / ``window_fp8_rope``,
+``compressed_kv_quant``, ``index_hadamard``, ``index_order``; see
+``deepseek_csa.configs``), never from a version guess.
 
 Caches (per layer, explicit, fresh at ``start_pos == 0``): the window ring and the
 compressed cache live in one buffer ``[B, window + max_seq_len//r, D]`` (ring first,
@@ -33,7 +39,16 @@ Differences from the released module, on purpose: the state is reset by every pr
 (the released compressor keeps leftovers of the previous sequence), prefill must start
 at position 0 and decode takes one token per row (the released code has the same
 contract), and everything runs in float32 (the released model keeps activations in
-bfloat16 between ops).
+bfloat16 between ops).  V4.1: an index-key owner republishes its key cache on every
+call; the released indexer republishes it only on calls where the layer's compressor
+emits an entry, so on decode steps where a ratio-2 group is still filling, the released
+ratio-2 index layers score their queries against the keys of whichever owner published
+last (in V4.1-Flash: layer 20's ratio-1 keys).  ``deepseek_csa.torch.swap`` reproduces
+the released behaviour inside a released model; this layer keeps its own keys.
+V4.1 candidate blocks holding fewer entries than ``index_topk`` (never the case in the
+released configuration: 2048 blocks of 8 against a top-512): the released code still
+takes ``index_topk`` entries, some from outside the kept blocks (-inf scores); this layer
+pads those rows with -1.
 """
 from __future__ import annotations
 
@@ -72,6 +87,18 @@ def _hadamard_only(e):
     _dc.hadamard(e, out=e)
 
 
+def _entry_quant(cfg: CSAConfig, qat: bool):
+    """The Compressor epilogue's QAT rounding of V4-layout compressed KV entries."""
+    return cfg.compressed_kv_quant if qat else None
+
+
+def _index_key_quant(cfg: CSAConfig, qat: bool):
+    """The Compressor epilogue of V4-layout indexer keys: [Hadamard] then FP4."""
+    if cfg.index_hadamard:
+        return "hadamard_fp4" if qat else _hadamard_only
+    return "fp4" if qat else None
+
+
 def _clean_name(k: str) -> str:
     i = k.rfind("attn.")
     return k[i + 5:] if i >= 0 else k
@@ -87,9 +114,25 @@ class CSAShared:
     candidates: object = None                  # candidate-block mask of the candidate source
 
 
-def layer_weight_shapes(cfg: CSAConfig, ratio: int, *, version: str = "v4",
+def _layout(cfg: CSAConfig, version: Optional[str], who: str) -> str:
+    """'v4' (each layer its own) or 'v4.1' (shared sources), from cfg.kv_source_layers; a
+    ``version`` given as well must agree with it."""
+    layout = "v4.1" if cfg.shared_sources else "v4"
+    if version is not None:
+        if version not in ("v4", "v4.1"):
+            raise ValueError(f"{who}: 'version' must be 'v4' or 'v4.1', got {version!r}")
+        if version != layout:
+            raise ValueError(f"{who}: 'version' {version!r} contradicts the config "
+                             f"{cfg.name!r}, whose kv_source_layers={cfg.kv_source_layers!r} "
+                             f"make it the {layout!r} layout")
+    return layout
+
+
+def layer_weight_shapes(cfg: CSAConfig, ratio: int, *, version: Optional[str] = None,
                         kv_source: bool = True, index_source: bool = True) -> Dict[str, tuple]:
-    """Names and shapes of the attention tensors one layer reads."""
+    """Names and shapes of the attention tensors one layer reads (the layout, V4's or
+    V4.1's, comes from ``cfg.kv_source_layers``; ``version`` may say it too)."""
+    version = _layout(cfg, version, "layer_weight_shapes")
     D, H, G = cfg.head_dim, cfg.n_heads, cfg.o_groups
     Hi, Di = cfg.index_heads, cfg.index_head_dim
     s = {"wq_a.weight": (cfg.q_lora_rank, cfg.dim), "q_norm.weight": (cfg.q_lora_rank,),
@@ -144,7 +187,10 @@ class CSALayer:
 
     cfg        : a CSAConfig (``deepseek_csa.V4_FLASH`` ...) for the shapes, eps, RoPE.
     ratio      : compress ratio of this layer, or ``layer_id`` to read it from cfg.
-    version    : "v4" (ratios 0, 4 overlap + indexer, 128) or "v4.1" (CSA2).
+    version    : optional, "v4" or "v4.1": must agree with the layout that
+                 ``cfg.kv_source_layers`` implies (None: V4's, every layer its own;
+                 a tuple: V4.1's shared sources).  The arithmetic differences come from
+                 cfg's explicit fields (q_head_rms_norm, window_fp8_*, ...).
     V4.1 roles : kv_source (pools its own compressed KV), index_source (runs an indexer),
                  candidate_source / uses_candidates with candidate_topk_blocks and
                  candidate_block_size; ``shared`` (CSAShared) links the stack's layers.
@@ -180,13 +226,11 @@ class CSALayer:
             if layer_id is None:
                 raise ValueError("CSALayer: give 'ratio' or 'layer_id'")
             ratio = cfg.compress_ratios[layer_id]
-        if version is None:
-            version = "v4.1" if cfg.kv_source_layers else "v4"
-        if version not in ("v4", "v4.1"):
-            raise ValueError(f"CSALayer: 'version' must be 'v4' or 'v4.1', got {version!r}")
+        version = _layout(cfg, version, "CSALayer")
         if int(ratio) < 0:
             raise ValueError(f"CSALayer: 'ratio' must be >= 0, got {ratio}")
         self.cfg, self.ratio, self.version = cfg, int(ratio), version
+        self.layer_id = layer_id
         self.batch, self.max_seq_len = int(batch), int(max_seq_len)
         self.index_topk = int(index_topk or cfg.index_topk)
         v41 = version == "v4.1"
@@ -260,13 +304,13 @@ class CSALayer:
             self._comp = _dc.Compressor(
                 self.batch, r, cfg.head_dim, overlap=r == 4, ape=W["compressor.ape"],
                 norm_weight=W["compressor.norm.weight"], eps=eps, rope=rope,
-                quant="fp8" if self.qat else None)
+                quant=_entry_quant(cfg, self.qat))
             if r == 4:
                 self._icomp = _dc.Compressor(
                     self.batch, r, cfg.index_head_dim, overlap=True,
                     ape=W["indexer.compressor.ape"],
                     norm_weight=W["indexer.compressor.norm.weight"], eps=eps, rope=rope,
-                    quant="hadamard_fp4" if self.qat else _hadamard_only)
+                    quant=_index_key_quant(cfg, self.qat))
         elif self.kv_source:
             self._comp = _dc.Compressor(self.batch, r, cfg.head_dim,
                                         norm_weight=W["compressor.norm.weight"], eps=eps)
@@ -288,6 +332,20 @@ class CSALayer:
     def _fp4(self, x, block, scale="ue8m0"):
         if self.qat:
             _dc.fp4_round(x, block, scale=scale)
+
+    def _index_rotate_round(self, x):
+        """Indexer queries / V4.1 index keys after their RoPE: [Hadamard], FP4 (blocks
+        of 32, power-of-two scales).  x is this call's own array, rounded in place."""
+        if self.cfg.index_hadamard:
+            _dc.hadamard(x, out=x)
+        self._fp4(x, 32)
+
+    def _round_entries(self, e):
+        """V4.1 layout: the QAT rounding of compressed KV entries after their RoPE."""
+        if self.cfg.compressed_kv_quant == "fp4_e4m3":
+            self._fp4(e, 16, scale="e4m3")
+        else:
+            self._fp8(e[..., :-self.cfg.rope_dim], 64)
 
     def _tick(self, name, t0):
         t1 = time.perf_counter()
@@ -364,16 +422,14 @@ class CSALayer:
         v41 = self.version == "v4.1"
         t = time.perf_counter()
         q, kv = p["q"], p["kv"].reshape(B, S, cfg.head_dim)
-        _dc.rms_norm(q, None, cfg.norm_eps, out=q)
+        if cfg.q_head_rms_norm:      # V4 only: V4.1's query goes to RoPE as projected
+            _dc.rms_norm(q, None, cfg.norm_eps, out=q)
         _dc.rms_norm(kv, W["kv_norm.weight"], cfg.norm_eps, out=kv)
         t = self._tick("rms_norm", t)
         _dc.apply_rope(q[..., -Dr:], cos, sin)
         _dc.apply_rope(kv[..., -Dr:], cos, sin)
         t = self._tick("rope", t)
-        if v41:
-            self._fp8(kv, 32)
-        else:
-            self._fp8(kv[..., :-Dr], 64)
+        self._fp8(kv if cfg.window_fp8_rope else kv[..., :-Dr], cfg.window_fp8_block)
         t = self._tick("qat", t)
         # window ring
         if start_pos == 0:
@@ -456,11 +512,10 @@ class CSALayer:
             cos, sin = self._cos[start_pos:start_pos + S], self._sin[start_pos:start_pos + S]
             _dc.apply_rope(iq[..., -Dr:], cos, sin)
             t = self._tick("rope", t)
-            _dc.hadamard(iq, out=iq)   # iq is this call's own projection
-            self._fp4(iq, 32)
+            self._index_rotate_round(iq)   # iq is this call's own projection
             t = self._tick("qat", t)
             cidx = _dc.index_topk(iq, self._ik[:B, :n], p["iw"], self.index_topk, ratio=r,
-                                  start_pos=start_pos, offset=offset, order="score")
+                                  start_pos=start_pos, offset=offset, order=cfg.index_order)
             t = self._tick("indexer", t)
         else:
             cidx = _dc.compress_topk_idxs(r, B, S, start_pos, offset)
@@ -493,12 +548,12 @@ class CSALayer:
                     t = self._tick("rms_norm", t)
                     _dc.apply_rope(k[..., -Dr:], c, s)
                     t = self._tick("rope", t)
-                    self._fp4(k, 32)
+                    self._index_rotate_round(k)
                     t = self._tick("qat", t)
                     self._ik[:B, first:first + k.shape[1]] = k
                 _dc.apply_rope(latent[..., -Dr:], c, s)
                 t = self._tick("rope", t)
-                self._fp4(latent, 16, scale="e4m3")
+                self._round_entries(latent)
                 t = self._tick("qat", t)
                 self._kv[:B, cfg.window + first:cfg.window + first + latent.shape[1]] = latent
         if self.index_source:
@@ -509,7 +564,7 @@ class CSALayer:
                 cos, sin = self._cos[start_pos:start_pos + S], self._sin[start_pos:start_pos + S]
                 _dc.apply_rope(iq[..., -Dr:], cos, sin)
                 t = self._tick("rope", t)
-                self._fp4(iq, 32)
+                self._index_rotate_round(iq)
                 t = self._tick("qat", t)
                 k = sh.index_k[:B, :n]
                 if self.candidate_source:
@@ -518,7 +573,7 @@ class CSALayer:
                         sc, self.candidate_topk_blocks, self.candidate_block_size, ratio=r,
                         start_pos=start_pos)
                     cidx = _dc.topk_indices(sc, self.index_topk, ratio=r, start_pos=start_pos,
-                                            offset=offset, order="position")
+                                            offset=offset, order=cfg.index_order)
                 else:
                     kw = {}
                     if self.uses_candidates:
@@ -526,7 +581,7 @@ class CSALayer:
                                   block_size=self.candidate_block_size)
                     cidx = _dc.index_topk(iq, k, p["iw"], self.index_topk, ratio=r,
                                           start_pos=start_pos, offset=offset,
-                                          order="position", **kw)
+                                          order=cfg.index_order, **kw)
                 t = self._tick("indexer", t)
             sh.topk_idxs = cidx
         else:

@@ -13,8 +13,19 @@ Every op computes in float32 and stores in its input's dtype, so the same module
 the bfloat16 path when their parameters and inputs are bfloat16.
 
 V4.1 (CSA2) layers: ``Attention(..., v41=True)`` with ``ModelArgs.kv_source_layers`` /
-``index_source_layers`` / ``candidate_source_layer`` and a ``Shared`` object the stack
-passes down (what kv / index sources publish for the layers that read them).
+``index_source_layers`` / ``candidate_source_layer``.  They are organised as the released
+V4.1 file is: ``Attention.forward(x, start_pos)``, a V4.1 ``Compressor`` returning the
+normed latent before RoPE, an ``Indexer.forward(x, qr, latent, start_pos, offset)`` that
+owns index keys on kv-source layers, and one module-level ``shared_attn`` through which
+sources publish (compressed KV, index keys, top-k, candidate mask) for the layers after
+them.  V4.1's query has no per-head RMS rescale; its window KV is FP8 in blocks of 32
+over all D features; its compressed KV is FP4 with e4m3 scales in blocks of 16.
+
+The released V4.1 indexer republishes ``shared_attn.index_k`` only on calls where its
+layer's compressor emits an entry; on a decode step where a ratio-2 group is still
+filling, a ratio-2 index layer then scores against whichever owner published last.  This
+reference does the same by default (so a swap into it must too); ``republish_index_k()``
+switches to publishing on every call, which is what ``deepseek_csa.layer.CSALayer`` does.
 """
 from __future__ import annotations
 
@@ -82,25 +93,53 @@ def fp4_qat(x, block, scale="ue8m0"):
     return y.reshape(shp)
 
 
+_QAT = [True]
+
+
+class qat:
+    """Context: ``qat(False)`` makes act_quant / fp4_act_quant leave x as it is (the
+    Hadamard rotation stays), to compare with CSALayer(qat=False) without the rounding
+    boundaries."""
+
+    def __init__(self, on=True):
+        self.on = on
+
+    def __enter__(self):
+        self.prev = _QAT[0]
+        _QAT[0] = self.on
+        return self
+
+    def __exit__(self, *exc):
+        _QAT[0] = self.prev
+        return False
+
+
 def act_quant(x, block_size=128, scale_fmt=None, scale_dtype=None, inplace=False):
     """In-place FP8 rounding of x (the only mode the attention uses); pow2 scales when
     scale_fmt is given, which is how the released model calls it."""
     if not inplace:
         raise NotImplementedError("the reference only simulates FP8 (inplace=True)")
+    if not _QAT[0]:
+        return x
     x.copy_(fp8_qat(x.float(), block_size, pow2=scale_fmt is not None))
     return x
 
 
-def fp4_act_quant(x, block_size=32, inplace=True):
-    """In-place FP4 rounding with power-of-two scales."""
-    x.copy_(fp4_qat(x.float(), block_size))
+def fp4_act_quant(x, block_size=32, inplace=True, scale_dtype=None):
+    """In-place FP4 rounding: power-of-two scales, or e4m3 scales when scale_dtype is
+    torch.float8_e4m3fn (how V4.1 rounds its compressed KV, in blocks of 16)."""
+    if not inplace:
+        raise NotImplementedError("the reference only simulates FP4 (inplace=True)")
+    if not _QAT[0]:
+        return x
+    scale = "e4m3" if scale_dtype == torch.float8_e4m3fn else "ue8m0"
+    x.copy_(fp4_qat(x.float(), block_size, scale=scale))
     return x
 
 
 def fp4_act_quant_e4m3(x, block_size=16, inplace=True):
     """In-place FP4 rounding with e4m3 scales (V4.1 compressed KV)."""
-    x.copy_(fp4_qat(x.float(), block_size, scale="e4m3"))
-    return x
+    return fp4_act_quant(x, block_size, inplace, scale_dtype=torch.float8_e4m3fn)
 
 
 def hadamard(x):
@@ -412,7 +451,7 @@ class Indexer(nn.Module):
 
 class Attention(nn.Module):
     """One V4 attention layer (ratio 0 window-only, 4 CSA, 128 HCA), or a V4.1 layer
-    when ``v41`` (then forward takes the stack's ``Shared``)."""
+    when ``v41`` (sharing through the module's ``shared_attn``)."""
 
     def __init__(self, layer_id, args, v41=False):
         super().__init__()
@@ -450,8 +489,9 @@ class Attention(nn.Module):
         fr = self.freqs_cis[start_pos:start_pos + s]
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        qf = q.float()
-        q = (qf * torch.rsqrt(qf.square().mean(-1, keepdim=True) + self.eps)).to(q.dtype)
+        if not self.v41:   # V4 rescales each head once more; V4.1 dropped that
+            qf = q.float()
+            q = (qf * torch.rsqrt(qf.square().mean(-1, keepdim=True) + self.eps)).to(q.dtype)
         apply_rotary_emb(q[..., -self.rope_head_dim:], fr)
         return qr, q
 
@@ -482,9 +522,9 @@ class Attention(nn.Module):
         y = torch.einsum("bsgd,grd->bsgr", og, wa)
         return self.wo_b(y.flatten(2))
 
-    def forward(self, x, start_pos, shared=None):
+    def forward(self, x, start_pos):
         if self.v41:
-            return self._forward_v41(x, start_pos, shared)
+            return self._forward_v41(x, start_pos)
         b, s, _ = x.shape
         w, r = self.window_size, self.compress_ratio
         qr, q = self._queries(x, start_pos)
@@ -520,65 +560,100 @@ class Attention(nn.Module):
         lid, r = self.layer_id, self.compress_ratio
         self.is_kv_source = r > 0 and lid in args.kv_source_layers
         self.is_index_source = r > 0 and lid in args.index_source_layers
-        self.is_candidate_source = lid == args.candidate_source_layer
-        self.uses_candidates = (self.is_index_source and args.candidate_source_layer >= 0
-                                and lid > args.candidate_source_layer)
-        self.candidate_topk_blocks = args.candidate_topk_blocks
-        self.candidate_block_size = args.candidate_block_size
-        self.index_topk, self.index_n_heads = args.index_topk, args.index_n_heads
-        self.index_head_dim = args.index_head_dim
+        self.compressor = V41Compressor(args, r, self.head_dim) if self.is_kv_source else None
+        self.indexer = V41Indexer(args, lid) if self.is_index_source else None
         self.register_buffer("window_kv_cache", torch.zeros(args.max_batch_size,
                                                             self.window_size, self.head_dim),
                              persistent=False)
         if self.is_kv_source:
-            self.compressor = V41Compressor(args, r, self.head_dim)
             self.register_buffer("compress_kv_cache",
                                  torch.zeros(args.max_batch_size, args.max_seq_len // r,
                                              self.head_dim), persistent=False)
-        if self.is_index_source:
-            self.indexer = V41Indexer(args, owns_k=self.is_kv_source, ratio=r)
 
-    def _forward_v41(self, x, start_pos, shared):
+    def _v41_topk(self, x, qr, latent, start_pos, offset, n):
+        """Compressed positions per query: an index source runs its indexer and publishes
+        the result; the layers between index sources reuse the last one published."""
+        if not self.is_index_source:
+            return shared_attn.topk_idxs
+        if n == 0:
+            idx = torch.zeros(x.shape[0], x.shape[1], 0, dtype=torch.int32)
+        else:
+            if self.indexer.freqs_cis is None:
+                self.indexer.freqs_cis = self.freqs_cis
+            idx = self.indexer(x, qr, latent, start_pos, offset)
+        shared_attn.topk_idxs = idx
+        return idx
+
+    def _v41_compressed(self, x, qr, start_pos, offset):
+        """(compressed KV rows this call attends, their top-k lists).  A kv source pools
+        and publishes its cache; the indexer reads the latent before it is rotated and
+        rounded; every other layer reads the cache the last source published."""
         b, s, _ = x.shape
-        w, r, rd = self.window_size, self.compress_ratio, self.rope_head_dim
+        r, rd = self.compress_ratio, self.rope_head_dim
+        n = (start_pos + s) // r
+        latent = None
+        if self.is_kv_source:
+            latent = self.compressor(x, start_pos)
+            shared_attn.compress_kv = self.compress_kv_cache
+        idx = self._v41_topk(x, qr, latent, start_pos, offset, n)
+        if latent is not None:
+            first = 0 if start_pos == 0 else start_pos // r
+            g = latent.shape[1]
+            apply_rotary_emb(latent[..., -rd:], self.freqs_cis[torch.arange(first, first + g) * r])
+            fp4_act_quant(latent, 16, True, scale_dtype=torch.float8_e4m3fn)
+            self.compress_kv_cache[:b, first:first + g] = latent
+        return shared_attn.compress_kv[:b, :n], idx
+
+    def _forward_v41(self, x, start_pos):
+        b, s, _ = x.shape
+        w = self.window_size
         qr, q = self._queries(x, start_pos)
         kv = self._window_kv(x, start_pos, 32, True)
         self._ring_write(self.window_kv_cache, kv, start_pos)
-        win_kv = kv if start_pos == 0 else self.window_kv_cache[:b]
+        kv_all = kv if start_pos == 0 else self.window_kv_cache[:b]
         idx = get_window_topk_idxs(w, b, s, start_pos)
-        if r:
-            off = win_kv.shape[1]
-            n = (start_pos + s) // r
-            latent = None
-            if self.is_kv_source:
-                latent = self.compressor(x, start_pos)
-                shared.compress_kv = self.compress_kv_cache
-                if latent is not None:
-                    self.indexer.publish_k(latent, start_pos, shared, self.freqs_cis)
-            if self.is_index_source:
-                cidx = (torch.full((b, s, 0), -1, dtype=torch.long) if n == 0 else
-                        self.indexer(x, qr, start_pos, off, shared, self))
-                shared.topk_idxs = cidx
-            cidx = shared.topk_idxs
-            if latent is not None:
-                g = latent.shape[1]
-                first = 0 if start_pos == 0 else start_pos // r
-                pos = torch.arange(first, first + g) * r
-                apply_rotary_emb(latent[..., -rd:], self.freqs_cis[pos])
-                fp4_act_quant_e4m3(latent, 16, True)
-                self.compress_kv_cache[:b, first:first + g] = latent
-            win_kv = torch.cat((win_kv, shared.compress_kv[:b, :n]), 1)
-            idx = torch.cat((idx, cidx), -1)
-        o = sparse_attn(q, win_kv, self.attn_sink, idx.int(), self.softmax_scale)
+        if self.compress_ratio:
+            ckv, cidx = self._v41_compressed(x, qr, start_pos, kv_all.shape[1])
+            kv_all = torch.cat((kv_all, ckv), 1)
+            idx = torch.cat((idx, cidx.long()), -1)
+        o = sparse_attn(q, kv_all, self.attn_sink, idx.int(), self.softmax_scale)
         return self._output(o, start_pos)
 
 
 # ----------------------------------------------------------------------------- V4.1 modules
-class Shared:
-    """What V4.1 sources publish for the layers after them."""
+class SharedAttention:
+    """What V4.1 sources publish for the layers after them, one object per module (as in
+    the released file): sources write before the layers that read run, so one slot each."""
 
     def __init__(self):
         self.compress_kv = self.index_k = self.topk_idxs = self.candidates = None
+
+
+shared_attn = SharedAttention()
+_REPUBLISH_INDEX_K = [False]
+
+
+def reset_shared():
+    """Empties ``shared_attn`` (the released module never does; tests that run several
+    models one after another start each from a clean slate)."""
+    shared_attn.__init__()
+
+
+class republish_index_k:
+    """Context: index-key owners publish their key cache on every call (CSALayer's
+    behaviour), not only on calls where their compressor emits an entry (released)."""
+
+    def __init__(self, on=True):
+        self.on = on
+
+    def __enter__(self):
+        self.prev = _REPUBLISH_INDEX_K[0]
+        _REPUBLISH_INDEX_K[0] = self.on
+        return self
+
+    def __exit__(self, *exc):
+        _REPUBLISH_INDEX_K[0] = self.prev
+        return False
 
 
 class V41Compressor(nn.Module):
@@ -625,7 +700,7 @@ class V41Compressor(nn.Module):
 
 
 def select_candidate_blocks(score, n_visible, topk_blocks, block_size):
-    """Boolean [.., Tc] mask of the kept blocks (SPEC 4, V4.1 level one).
+    """Boolean [.., Tc] mask of the kept blocks (V4.1 level one).
     n_visible: [S, 1] tensor (prefill) or int (decode)."""
     tc = score.shape[-1]
     nb = -(-tc // block_size)
@@ -639,64 +714,77 @@ def select_candidate_blocks(score, n_visible, topk_blocks, block_size):
 
 
 class V41Indexer(nn.Module):
-    def __init__(self, args, owns_k, ratio):
+    """V4.1 indexer.  On a kv source it owns the index keys (made from the layer's
+    latent: wk, k_norm, RoPE at the group's first position, FP4) and publishes them in
+    ``shared_attn.index_k``; every V4.1 indexer scores against what is published there.
+    The candidate source publishes the kept blocks; the index layers after it score only
+    inside them.  Returns int32 top-k lists in position order (+ offset, -1 = none)."""
+
+    def __init__(self, args, layer_id):
         super().__init__()
-        self.n_heads, self.head_dim = args.index_n_heads, args.index_head_dim
-        self.rope_head_dim, self.index_topk = args.rope_head_dim, args.index_topk
-        self.compress_ratio, self.owns_k = ratio, owns_k
-        self.softmax_scale = self.head_dim ** -0.5
-        self.wq_b = _linear(args.q_lora_rank, self.n_heads * self.head_dim)
+        ratio = args.compress_ratios[layer_id]
+        self.owns_k = layer_id in args.kv_source_layers
+        self.is_candidate_source = layer_id == args.candidate_source_layer
+        self.uses_candidates = 0 <= args.candidate_source_layer < layer_id
+        self.candidate_topk_blocks = args.candidate_topk_blocks
+        self.candidate_block_size = args.candidate_block_size
+        self.n_heads = self.n_local_heads = args.index_n_heads
+        self.index_head_dim, self.rope_head_dim = args.index_head_dim, args.rope_head_dim
+        self.index_topk, self.compress_ratio = args.index_topk, ratio
+        self.softmax_scale = self.index_head_dim ** -0.5
+        self.wq_b = _linear(args.q_lora_rank, self.n_heads * self.index_head_dim)
         self.weights_proj = _linear(args.dim, self.n_heads)
-        if owns_k:
-            self.wk = _linear(args.head_dim, self.head_dim)
-            self.k_norm = RMSNorm(self.head_dim, args.norm_eps)
+        self.freqs_cis = None
+        if self.owns_k:
+            self.wk = _linear(args.head_dim, self.index_head_dim)
+            self.k_norm = RMSNorm(self.index_head_dim, args.norm_eps)
             self.register_buffer("k_cache", torch.zeros(args.max_batch_size,
                                                         args.max_seq_len // ratio,
-                                                        self.head_dim), persistent=False)
+                                                        self.index_head_dim), persistent=False)
 
-    def publish_k(self, latent, start_pos, shared, freqs_cis):
-        b, g = latent.shape[:2]
-        r, rd = self.compress_ratio, self.rope_head_dim
-        first = 0 if start_pos == 0 else start_pos // r
-        k = self.k_norm(self.wk(latent))
-        apply_rotary_emb(k[..., -rd:], freqs_cis[torch.arange(first, first + g) * r])
-        fp4_act_quant(k, 32, True)
-        self.k_cache[:b, first:first + g] = k
-
-    def forward(self, x, qr, start_pos, offset, shared, attn):
+    def forward(self, x, qr, latent, start_pos, offset):
         b, s, _ = x.shape
         r, rd = self.compress_ratio, self.rope_head_dim
-        if self.owns_k:
-            shared.index_k = self.k_cache
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        apply_rotary_emb(q[..., -rd:], attn.freqs_cis[start_pos:start_pos + s])
-        fp4_act_quant(q, 32, True)
         n = (start_pos + s) // r
+        if self.owns_k and latent is not None:
+            first = 0 if start_pos == 0 else start_pos // r
+            g = latent.shape[1]
+            k = self.k_norm(self.wk(latent))
+            apply_rotary_emb(k[..., -rd:], self.freqs_cis[torch.arange(first, first + g) * r])
+            fp4_act_quant(k, fp4_block_size, True)
+            self.k_cache[:b, first:first + g] = k
+            shared_attn.index_k = self.k_cache
+        elif self.owns_k and _REPUBLISH_INDEX_K[0]:
+            shared_attn.index_k = self.k_cache
+        q = self.wq_b(qr).unflatten(-1, (self.n_local_heads, self.index_head_dim))
+        apply_rotary_emb(q[..., -rd:], self.freqs_cis[start_pos:start_pos + s])
+        fp4_act_quant(q, fp4_block_size, True)
         w = self.weights_proj(x) * (self.softmax_scale * self.n_heads ** -0.5)
-        score = _causal_mask(_scores(q, shared.index_k[:b, :n], w), r, start_pos)
-        if attn.is_candidate_source:
+        score = _causal_mask(_scores(q, shared_attn.index_k[:b, :n], w), r, start_pos)
+        if self.is_candidate_source:
             nvis = ((torch.arange(s) + 1) // r)[:, None] if start_pos == 0 else n
-            shared.candidates = select_candidate_blocks(score, nvis, attn.candidate_topk_blocks,
-                                                        attn.candidate_block_size)
-        elif attn.uses_candidates:
-            score = score.masked_fill(~shared.candidates, float("-inf"))
-        return _index_select(score, self.index_topk, r, start_pos, offset, True)
+            shared_attn.candidates = select_candidate_blocks(
+                score, nvis, self.candidate_topk_blocks, self.candidate_block_size)
+        elif self.uses_candidates:
+            score = score.masked_fill(~shared_attn.candidates, float("-inf"))
+        return _index_select(score, self.index_topk, r, start_pos, offset, True).int()
 
 
 # ----------------------------------------------------------------------------- stacks
 class AttnStack(nn.Module):
     """Attention layers chained with a residual, h = h + attn_i(h): enough to check that
-    swapping one layer leaves the others' inputs and outputs unchanged."""
+    swapping one layer leaves the others' inputs and outputs unchanged.  (V4.1 layers
+    share through the module's ``shared_attn``, as the released file's do.)"""
 
-    def __init__(self, args, v41=False):
+    def __init__(self, args, v41=False, layer_ids=None):
         super().__init__()
-        self.layers = nn.ModuleList(Attention(i, args, v41) for i in range(len(args.compress_ratios)))
+        ids = range(len(args.compress_ratios)) if layer_ids is None else layer_ids
+        self.layers = nn.ModuleList(Attention(i, args, v41) for i in ids)
         self.v41 = v41
-        self.shared = Shared()
 
     def forward(self, h, start_pos=0):
         for a in self.layers:
-            h = h + (a(h, start_pos, self.shared) if self.v41 else a(h, start_pos))
+            h = h + a(h, start_pos)
         return h
 
 

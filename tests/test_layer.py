@@ -1,6 +1,7 @@
 """deepseek_csa.layer.CSALayer against the float32 torch reference layer (tests/ref_layer.py):
 V4 ratios 0 / 4 / 128 (and a small HCA ratio), V4.1 kv-source / index-source / reader
 stacks, prefill then decode, batch > 1, odd lengths, a V4-Flash-shaped layer, bad input."""
+import copy
 import dataclasses
 
 import numpy as np
@@ -124,89 +125,6 @@ def test_prefill_resets_state_and_is_deterministic():
     np.testing.assert_array_equal(a, b)
 
 
-def _v41_stack(cand_blocks, block=4):
-    cfg = SMALL
-    ratios = (0, 2, 2, 1, 1, 1)
-    kvs, idxs, cand = (1, 3), (1, 2, 3, 4, 5), 3
-    args = ref_args(cfg, ratios, max_seq_len=256, batch=2, kv_source_layers=kvs,
-                    index_source_layers=idxs, candidate_source_layer=cand,
-                    candidate_topk_blocks=cand_blocks, candidate_block_size=block)
-    ref = R.randomize(R.AttnStack(args, v41=True), 7)
-    shared = CSAShared()
-    cfg41 = dataclasses.replace(cfg, kv_source_layers=kvs)
-    ours = [CSALayer(weights_of(ref.layers[i]), cfg41, ratio=r, layer_id=i, batch=2,
-                     max_seq_len=256, kv_source=i in kvs, index_source=i in idxs,
-                     candidate_source=i == cand, uses_candidates=i in idxs and i > cand,
-                     candidate_topk_blocks=cand_blocks, candidate_block_size=block,
-                     shared=shared) for i, r in enumerate(ratios)]
-    return ref, ours
-
-
-def test_v41_few_candidates_pad_with_minus_one():
-    """SPEC 4 vs the released V4.1 code (as public reproductions of it write it): when the
-    kept blocks hold fewer entries than index_topk, the released code masks the other
-    entries to -inf and still takes topk of them, so rows get entries from OUTSIDE the
-    kept blocks (whichever torch.topk returns among -inf ties); deepseek_csa pads with -1.
-    The released configuration (2048 blocks of 8 >= index_topk 512) never reaches this."""
-    ref, ours = _v41_stack(cand_blocks=2)
-    x = np.random.default_rng(11).standard_normal((2, 41, SMALL.dim), dtype=np.float32) * 0.5
-    tk = []
-    hk = ref.layers[4].indexer.register_forward_hook(lambda m, a, o: tk.append(o))
-    with torch.no_grad():
-        ref(torch.from_numpy(x), 0)
-    hk.remove()
-    h = x
-    ref.shared = R.Shared()
-    for layer in ours[:5]:
-        h = h + layer(h, 0)
-    got, want = ours[4].last_topk, tk[0].numpy()
-    assert ((got >= 0).sum(-1) <= 8).all()          # at most 2 blocks of 4 per row
-    assert ((want >= 0).sum(-1) > 8).any()          # the reference goes outside them
-
-
-def test_v41_stack_matches_reference():
-    cfg = SMALL
-    ratios = (0, 2, 2, 1, 1, 1)
-    kvs, idxs, cand = (1, 3), (1, 2, 3, 4, 5), 3
-    # 6 blocks of 4 >= index_topk 16: the candidate field always holds enough entries
-    args = ref_args(cfg, ratios, max_seq_len=256, batch=2, kv_source_layers=kvs,
-                    index_source_layers=idxs, candidate_source_layer=cand,
-                    candidate_topk_blocks=6, candidate_block_size=4)
-    ref = R.randomize(R.AttnStack(args, v41=True), 7)
-    shared = CSAShared()
-    cfg41 = dataclasses.replace(cfg, kv_source_layers=kvs)
-    ours = []
-    for i, r in enumerate(ratios):
-        wi = weights_of(ref.layers[i])
-        ours.append(CSALayer(wi, cfg41, ratio=r, layer_id=i, batch=2, max_seq_len=256,
-                             kv_source=i in kvs, index_source=i in idxs,
-                             candidate_source=i == cand, uses_candidates=i in idxs and i > cand,
-                             candidate_topk_blocks=6, candidate_block_size=4, shared=shared))
-    rng = np.random.default_rng(11)
-    S, steps = 41, 6
-    x = rng.standard_normal((2, S + steps, cfg.dim), dtype=np.float32) * 0.5
-    ins, outs_ref = [], []
-    def grab(m, a, o):
-        ins.append(a[0].detach().clone())
-        outs_ref.append(o.detach().clone())
-
-    hooks = [l.register_forward_hook(grab) for l in ref.layers]
-    with torch.no_grad():
-        for p, s in [(0, S)] + [(S + i, 1) for i in range(steps)]:
-            ins.clear()
-            outs_ref.clear()
-            ref(torch.from_numpy(x[:, p:p + s]), p)
-            for li, layer in enumerate(ours):
-                # each layer gets the reference's input for it, so that a rounding flip
-                # in one layer's FP4/FP8 step cannot amplify through the others
-                y = layer(ins[li].numpy(), p)
-                assert R.qat_close(y, outs_ref[li].numpy()), f"pos {p} layer {li}"
-                if ours[li].index_source and ours[li].last_topk.size:
-                    assert ours[li].last_topk.shape[-1] <= args.index_topk
-    for hk in hooks:
-        hk.remove()
-
-
 def test_v4_flash_shaped_layer():
     """Released V4-Flash attention shapes (H 64, D 512, rope 64, window 128, indexer 64 x 128,
     top-512); the hidden size and LoRA ranks are cut to keep the test's weights small."""
@@ -244,13 +162,249 @@ def test_bad_inputs():
         layer(np.zeros((1, 65, cfg.dim), np.float32), 0)
     with pytest.raises(ValueError, match="ratio"):
         CSALayer(w, cfg, ratio=-4)
-    cfg41 = dataclasses.replace(cfg, kv_source_layers=(1,))
-    w41 = random_layer_weights(cfg41, 1, version="v4.1", kv_source=False, index_source=False)
+    cfg41 = v41_config(**STACK_A)
+    w41 = random_layer_weights(cfg41, 1, kv_source=False, index_source=False)
     with pytest.raises(ValueError, match="shared"):
-        CSALayer(w41, cfg41, ratio=1, layer_id=2)
-    reader = CSALayer(w41, cfg41, ratio=1, layer_id=2, shared=CSAShared())
+        CSALayer(w41, cfg41, layer_id=5)
+    reader = CSALayer(w41, cfg41, layer_id=5, shared=CSAShared())
     with pytest.raises(RuntimeError, match="index source"):
         reader(np.zeros((1, 4, cfg.dim), np.float32), 0)
+
+
+# ---------------------------------------------------------------- V4.1
+
+SMALL41 = dict(dim=256, n_heads=8, head_dim=128, rope_dim=64, q_lora_rank=64, o_lora_rank=32,
+               o_groups=4, window=16, index_heads=12, index_head_dim=64, index_topk=16)
+
+# Stack A follows the released order: ratio-2 sources and a reader, then a ratio-1 kv /
+# index / candidate source, a ratio-1 reader and a level-two index layer scoring inside
+# the candidate blocks, between window-only layers.  Stack B puts the candidate source
+# at ratio 2 (a level-two ratio-2 index layer after it) behind a ratio-1 source.
+STACK_A = dict(ratios=(0, 2, 2, 2, 1, 1, 1, 0), kvs=(1, 3, 4), idxs=(1, 3, 4, 6), cand=4)
+STACK_B = dict(ratios=(0, 1, 1, 2, 2, 2, 0), kvs=(1, 3), idxs=(1, 3, 5), cand=3)
+
+
+def v41_config(ratios, kvs, idxs, cand, blocks=6, block=4, **kw):
+    """A small V4.1 config: V41_FLASH's arithmetic fields with test-sized shapes."""
+    return dataclasses.replace(
+        dc.V41_FLASH, name="small-v4.1", compress_ratios=tuple(ratios), kv_source_layers=kvs,
+        index_source_layers=idxs, candidate_source_layer=cand, candidate_topk_blocks=blocks,
+        candidate_block_size=block, **{**SMALL41, **kw})
+
+
+def v41_pair(cfg, batch=2, max_seq_len=256, seed=7, layer_ids=None, qat=True):
+    """The reference stack of cfg's V4.1 layers and a CSALayer per layer, same weights."""
+    args = ref_args(cfg, cfg.compress_ratios, max_seq_len=max_seq_len, batch=batch,
+                    kv_source_layers=cfg.kv_source_layers,
+                    index_source_layers=cfg.index_source_layers,
+                    candidate_source_layer=cfg.candidate_source_layer,
+                    candidate_topk_blocks=cfg.candidate_topk_blocks,
+                    candidate_block_size=cfg.candidate_block_size)
+    ref = R.randomize(R.AttnStack(args, v41=True, layer_ids=layer_ids), seed)
+    shared = CSAShared()
+    ours = [CSALayer(weights_of(l), cfg, layer_id=l.layer_id, batch=batch,
+                     max_seq_len=max_seq_len, shared=shared, qat=qat) for l in ref.layers]
+    return ref, ours
+
+
+def run_v41(ref, ours, x, calls, qat=True, republish=True):
+    """Runs the reference stack over ``calls`` [(start_pos, S)] and, on each call, every
+    CSALayer on the reference's input for that layer (so that a rounding or selection
+    flip in one layer cannot amplify through the others).  Returns one record per (call,
+    layer): (layer id, start_pos, ours, want, our top-k, reference top-k)."""
+    R.reset_shared()
+    cur, out = [], []
+
+    def grab(m, a, o):
+        tk = R.shared_attn.topk_idxs if m.compress_ratio else None
+        cur.append((a[0].detach().clone(), o.detach().clone(),
+                    None if tk is None else tk.clone()))
+
+    hooks = [l.register_forward_hook(grab) for l in ref.layers]
+    try:
+        with torch.no_grad(), R.republish_index_k(republish), R.qat(qat):
+            for p, s in calls:
+                cur.clear()
+                ref(torch.from_numpy(np.ascontiguousarray(x[:, p:p + s])), p)
+                for layer, (inp, want, tk) in zip(ours, cur):
+                    y = layer(inp.numpy(), p)
+                    out.append((layer.layer_id, p, y, want.numpy(), layer.last_topk,
+                                None if tk is None else tk.numpy()))
+    finally:
+        for h in hooks:
+            h.remove()
+    return out
+
+
+def flip_rows(got_tk, want_tk):
+    """Query rows whose compressed top-k set differs from the reference's."""
+    if got_tk is None or want_tk is None:
+        return None
+    g, w = np.sort(got_tk, -1), np.sort(want_tk, -1)
+    assert g.shape == w.shape, (g.shape, w.shape)
+    return (g != w).any(-1)
+
+
+def errors_outside_flips(rec):
+    """(worst relative error over the rows whose selection matches, flipped row count)."""
+    lid, p, y, want, tk, wtk = rec
+    err = np.abs(y.astype(np.float64) - want).max(-1) / max(np.abs(want).max(), 1e-30)
+    flips = flip_rows(tk, wtk)
+    if flips is None:
+        return float(err.max()), 0
+    return float(err[~flips].max()) if (~flips).any() else 0.0, int(flips.sum())
+
+
+def calls_for(S, steps):
+    return [(0, S)] + [(S + i, 1) for i in range(steps)]
+
+
+@pytest.mark.parametrize("stack", [STACK_A, STACK_B], ids=["A", "B"])
+@pytest.mark.parametrize("S,steps", [(41, 7), (3, 14), (30, 5)])
+def test_v41_stack_matches_reference_qat_off(stack, S, steps):
+    """CSALayer V4.1 stacks vs the reference (republishing index keys every call, as
+    CSALayer does) with the QAT rounding off: 1e-5 relative on every row, no top-k set
+    differs.  Odd prefill lengths (41: a ratio-2 group left open), a 3-token prefill
+    (one ratio-2 entry, ratio-1 entries, the window ring still filling over the decode
+    steps that follow), batch 2."""
+    cfg = v41_config(**stack)
+    ref, ours = v41_pair(cfg, qat=False)
+    x = np.random.default_rng(11).standard_normal((2, S + steps, cfg.dim), dtype=np.float32)
+    for rec in run_v41(ref, ours, x * 0.5, calls_for(S, steps), qat=False):
+        err, flips = errors_outside_flips(rec)
+        assert flips == 0 and err < 1e-5, (rec[0], rec[1], err, flips)
+
+
+@pytest.mark.parametrize("stack", [STACK_A, STACK_B], ids=["A", "B"])
+def test_v41_stack_matches_reference_qat_on(stack):
+    """With the released QAT rounding: 1e-4 relative outside the rows whose selection
+    flipped.  A flip needs an FP4-rounded index score within float32 noise of the k-th
+    best (the projections here run through NumPy's BLAS, the reference's through
+    torch's, so their last bits differ); on these inputs no row flips, and at most one
+    row per call may."""
+    cfg = v41_config(**stack)
+    ref, ours = v41_pair(cfg, qat=True)
+    S, steps = 41, 7
+    x = np.random.default_rng(12).standard_normal((2, S + steps, cfg.dim), dtype=np.float32)
+    total = 0
+    for rec in run_v41(ref, ours, x * 0.5, calls_for(S, steps), qat=True):
+        err, flips = errors_outside_flips(rec)
+        total += flips
+        assert flips <= 1 and (err < 1e-4 or R.qat_close(rec[2], rec[3])), \
+            (rec[0], rec[1], err, flips)
+    assert total <= 2, total
+
+
+def test_v41_flash_released_layer_shapes():
+    """V41_FLASH at the released per-layer shapes (dim 5120, 64 heads of 512, q_lora
+    1280, o_lora 1024 x 8 groups, 32 index heads of 128, top-512, window 128, candidate
+    2048 blocks of 8), the roles of layers 2 (ratio-2 kv + index source), 20 (ratio-1 kv,
+    index and candidate source), 21 (its reader) and 24 (level-two index layer); a
+    557-token prefill and 8 decode steps, QAT off: <= 1e-5 relative."""
+    cfg = dc.V41_FLASH
+    ref, ours = v41_pair(cfg, batch=1, max_seq_len=576, seed=3, layer_ids=[2, 20, 21, 24],
+                         qat=False)
+    S, steps = 557, 8
+    x = np.random.default_rng(13).standard_normal((1, S + steps, cfg.dim), dtype=np.float32)
+    worst = 0.0
+    for rec in run_v41(ref, ours, x, calls_for(S, steps), qat=False):
+        err, flips = errors_outside_flips(rec)
+        assert flips == 0, (rec[0], rec[1], flips)
+        worst = max(worst, err)
+    assert worst <= 1e-5, worst
+    assert ours[1].last_topk.shape == (1, 1, 512) and ours[0].last_topk.shape == (1, 1, 282)
+
+
+def test_v41_released_index_key_republish_differs_from_csalayer():
+    """The documented difference: the released V4.1 indexer republishes its keys only
+    when its compressor emits an entry, so on the decode steps where a ratio-2 group is
+    still filling, the ratio-2 index layers score against the keys of the owner that
+    published last (here the ratio-1 source of the step before).  CSALayer republishes
+    every call.  Prefill and the steps that complete a group agree; the others differ."""
+    cfg = v41_config(**STACK_A)
+    ref, _ = v41_pair(cfg, batch=1)
+    S, steps = 40, 6
+    x = np.random.default_rng(14).standard_normal((1, S + steps, cfg.dim), dtype=np.float32)
+    ref_quirk = copy.deepcopy(ref)
+    outs = {}
+    for name, model, rep in (("sane", ref, True), ("released", ref_quirk, False)):
+        R.reset_shared()
+        got = []
+        h = model.layers[1].register_forward_hook(lambda m, a, o: got.append(o.clone()))
+        with torch.no_grad(), R.republish_index_k(rep):
+            h_in = torch.from_numpy(x)
+            for p, s in calls_for(S, steps):
+                model(h_in[:, p:p + s], p)
+        h.remove()
+        outs[name] = got
+    for i, (a, b) in enumerate(zip(outs["sane"], outs["released"])):
+        p = 0 if i == 0 else S + i - 1
+        complete = i == 0 or (p + 1) % 2 == 0
+        assert torch.equal(a, b) == complete, (p, complete)
+
+
+def test_v41_few_candidates_pad_with_minus_one():
+    """A documented difference from the released V4.1 code: when the kept blocks hold
+    fewer entries than index_topk, the released code masks the other entries to -inf and
+    still takes index_topk of them, so rows get entries from OUTSIDE the kept blocks
+    (whichever torch.topk returns among -inf ties; the reference takes the lowest
+    positions); deepseek_csa pads with -1.  The released configuration (2048 blocks of 8
+    >= index_topk 512) never reaches this."""
+    cfg = v41_config(**STACK_A, blocks=2)
+    ref, ours = v41_pair(cfg)
+    x = np.random.default_rng(11).standard_normal((2, 41, cfg.dim), dtype=np.float32) * 0.5
+    rec = [r for r in run_v41(ref, ours, x, [(0, 41)]) if r[0] == 6][0]
+    got, want = rec[4], rec[5]
+    assert ((got >= 0).sum(-1) <= 8).all()          # at most 2 blocks of 4 per row
+    assert ((want >= 0).sum(-1) > 8).any()          # the reference goes outside them
+
+
+def test_v41_config_fields_drive_the_arithmetic():
+    """Each V4 / V4.1 difference is a config field: a window-only layer of a V4.1-shaped
+    config without kv sources still rounds its window KV the V4.1 way (blocks of 32 over
+    all D), and V4's per-head query rescale follows q_head_rms_norm alone."""
+    base = v41_config(**STACK_A)
+    cfg = dataclasses.replace(base, compress_ratios=(0, 0), kv_source_layers=(),
+                              index_source_layers=None, candidate_source_layer=None)
+    args = ref_args(cfg, (0,), max_seq_len=64, batch=1)
+    ref = R.randomize(R.Attention(0, args, v41=True), 2)
+    ours = CSALayer(weights_of(ref), cfg, layer_id=0, max_seq_len=64)
+    x = np.random.default_rng(3).standard_normal((1, 20, cfg.dim), dtype=np.float32)
+    with torch.no_grad():
+        want = ref(torch.from_numpy(x), 0).numpy()
+    got = ours(x, 0)
+    assert rel_err(got, want) < 1e-5
+    # the same weights with V4's window rounding and query rescale give another result
+    v4ish = CSALayer(weights_of(ref), dataclasses.replace(cfg, window_fp8_block=64,
+                                                          window_fp8_rope=False),
+                     layer_id=0, max_seq_len=64)
+    assert rel_err(v4ish(x, 0), want) > 1e-4
+    rescaled = CSALayer(weights_of(ref), dataclasses.replace(cfg, q_head_rms_norm=True),
+                        layer_id=0, max_seq_len=64)
+    assert rel_err(rescaled(x, 0), want) > 1e-3
+
+
+def test_v41_inconsistent_configs_are_refused():
+    base = v41_config(**STACK_A)
+    with pytest.raises(ValueError, match="'kv_source_layers'"):
+        dataclasses.replace(base, kv_source_layers=(1, 3))       # layer 4 reads ratio 1
+    with pytest.raises(ValueError, match="'index_source_layers'"):
+        dataclasses.replace(base, index_source_layers=(3, 4, 6))  # layer 1 has no source
+    with pytest.raises(ValueError, match="'candidate_source_layer'"):
+        dataclasses.replace(base, candidate_source_layer=5)
+    with pytest.raises(ValueError, match="'index_source_layers'"):
+        dataclasses.replace(v41_config(**STACK_B), index_source_layers=(1, 3, 5),
+                            compress_ratios=(0, 1, 1, 2, 2, 1, 0), kv_source_layers=(1, 3, 5))
+    with pytest.raises(ValueError, match="'candidate_source_layer'"):
+        dataclasses.replace(SMALL, candidate_source_layer=2)      # V4 layout: no sources
+    with pytest.raises(ValueError, match="'window_fp8_block'"):
+        dataclasses.replace(base, window_fp8_block=48)
+    with pytest.raises(ValueError, match="'compressed_kv_quant'"):
+        dataclasses.replace(base, compressed_kv_quant="fp6")
+    with pytest.raises(ValueError, match="'index_order'"):
+        dataclasses.replace(base, index_order="random")
+    with pytest.raises(ValueError, match="'version'"):
+        CSALayer(random_layer_weights(SMALL, 4), SMALL, ratio=4, version="v4.1")
 
 
 # ---------------------------------------------------------------- presets
