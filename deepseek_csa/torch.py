@@ -13,7 +13,9 @@ Drop-in functions (same arguments and results as the released ones):
 ``sparse_attn``, ``apply_rotary_emb``, ``rms_norm`` / ``rms_norm_forward`` (RMSNorm.forward),
 ``act_quant`` / ``fp4_act_quant`` (their in-place QAT mode), ``rotate_activation``,
 ``get_window_topk_idxs``, ``get_compress_topk_idxs``, ``compressor_forward``
-(Compressor.forward, V4 and V4.1) and ``indexer_forward`` (V4 Indexer.forward).
+(Compressor.forward, V4 and V4.1), ``indexer_forward`` (V4 Indexer.forward) and
+``indexer_forward_v41`` (V4.1 Indexer.forward, with its shared index keys and candidate
+blocks).
 
 Tensors: CPU float32 tensors are handed to the kernels as NumPy views of the same memory
 (no copies; in-place ops write into the caller's tensor) and results come back as tensors
@@ -29,7 +31,10 @@ that runs the module's own ``forward`` while the model module's op functions
 (``sparse_attn``, ``apply_rotary_emb``, ``act_quant``, ``fp4_act_quant``,
 ``rotate_activation``, ``get_window_topk_idxs``, ``get_compress_topk_idxs``) point at the
 drop-ins for the ops selected, and the layer's ``RMSNorm``, ``Compressor`` and ``Indexer``
-submodules get the drop-in forwards.  Projections stay the module's own (so FP8 weights
+submodules get the drop-in forwards (the V4 or the V4.1 indexer drop-in, told apart by
+the released ``forward`` signatures: V4.1's takes the layer's ``latent``).  ``swap``
+returns which ops it routed per layer (``Swap.routed``) and warns, naming the module,
+when a requested op found nothing it could route.  Projections stay the module's own (so FP8 weights
 keep working) and the caches stay in the module's buffers, in the module's layout, so a
 layer can be swapped or unswapped between decode steps.  The per-head query
 normalisation, written inline in the released ``Attention.forward``, stays torch.
@@ -48,7 +53,7 @@ import deepseek_csa as _dc
 __all__ = ["OPS", "swap", "unswap", "Swap", "sparse_attn", "apply_rotary_emb", "rms_norm",
            "rms_norm_forward", "act_quant", "fp4_act_quant", "rotate_activation",
            "get_window_topk_idxs", "get_compress_topk_idxs", "compressor_forward",
-           "indexer_forward"]
+           "indexer_forward", "indexer_forward_v41"]
 
 OPS = ("sparse_attn", "rope", "rms_norm", "qat", "hadamard", "index_lists", "compressor",
        "indexer")
@@ -175,14 +180,27 @@ def act_quant(x, block_size=128, scale_fmt=None, scale_dtype=None, inplace=False
     return _inplace(x, lambda a: _dc.fp8_round(a, int(block_size), scale=scale))
 
 
-def fp4_act_quant(x, block_size=32, inplace=True):
-    """Released ``fp4_act_quant``: FP4 e2m1 quantize-dequantize in place (ue8m0 scales)."""
+def fp4_act_quant(x, block_size=32, inplace=True, scale_dtype=None):
+    """Released ``fp4_act_quant``: FP4 e2m1 quantize-dequantize in place, power-of-two
+    (ue8m0) scales, or e4m3 scales when ``scale_dtype`` is ``torch.float8_e4m3fn`` (V4.1's
+    compressed KV: ``fp4_act_quant(latent, 16, True, scale_dtype=torch.float8_e4m3fn)``).
+    The quantizing mode (``inplace=False``) is passed on to the model's own function."""
     if not inplace:
         orig = _ORIG.get("fp4_act_quant")
         if orig is None:
             raise NotImplementedError("deepseek_csa.torch.fp4_act_quant: only inplace=True")
-        return orig(x, block_size, inplace)
-    return _inplace(x, lambda a: _dc.fp4_round(a, int(block_size)))
+        if scale_dtype is None:
+            return orig(x, block_size, inplace)
+        return orig(x, block_size, inplace, scale_dtype=scale_dtype)
+    torch = _torch()
+    if scale_dtype is None or scale_dtype == getattr(torch, "float8_e8m0fnu", None):
+        scale = "ue8m0"
+    elif scale_dtype == torch.float8_e4m3fn:
+        scale = "e4m3"
+    else:
+        raise ValueError(f"deepseek_csa.torch.fp4_act_quant: 'scale_dtype' must be None, "
+                         f"torch.float8_e8m0fnu or torch.float8_e4m3fn, got {scale_dtype}")
+    return _inplace(x, lambda a: _dc.fp4_round(a, int(block_size), scale=scale))
 
 
 def rotate_activation(x):
@@ -292,12 +310,7 @@ def indexer_forward(self, x, qr, start_pos, offset):
     G["fp4_act_quant"](q, G.get("fp4_block_size", 32), True)
     self.compressor(x, start_pos)
     w = self.weights_proj(x) * (self.softmax_scale * self.n_heads ** -0.5)
-    kc = self.kv_cache[:b, :end // r]
-    if _native_bf16(q, kc):    # the kernels read bf16 q / keys (and weights) in place
-        qn, kn = q.detach(), kc.detach()
-        wn = w.detach() if _native_bf16(w) else _f32(w)
-    else:
-        qn, kn, wn = _f32(q), _f32(kc), _f32(w)
+    qn, kn, wn = _index_operands(q, self.kv_cache[:b, :end // r], w)
     k = self.index_topk                       # the kernels take min(k, visible) themselves
     if G.get("world_size", 1) > 1:
         sc = torch.from_numpy(_dc.index_scores(qn, kn, wn, ratio=r, start_pos=start_pos))
@@ -307,6 +320,73 @@ def indexer_forward(self, x, qr, start_pos, offset):
         idx = _dc.index_topk(qn, kn, wn, k, ratio=r, start_pos=start_pos, offset=offset,
                              order="score")
     return torch.from_numpy(idx).long()
+
+
+def _index_operands(q, kc, w):
+    """NumPy views of the indexer's q, keys and weights: bf16 tensors as they are (the
+    kernels read them in place), float32 ones as views, others as float32 copies."""
+    if _native_bf16(q, kc):
+        return q.detach(), kc.detach(), (w.detach() if _native_bf16(w) else _f32(w))
+    return _f32(q), _f32(kc), _f32(w)
+
+
+def indexer_forward_v41(self, x, qr, latent, start_pos, offset):
+    """Drop-in V4.1 ``Indexer.forward(self, x, qr, latent, start_pos, offset)``.
+
+    Reads and publishes the model module's ``shared_attn`` exactly as the released module
+    does: an index-key owner (``owns_k``) turns a new ``latent`` into index keys (``wk``,
+    ``k_norm``, RoPE at each group's first position, FP4) in its ``k_cache`` and publishes
+    that cache as ``shared_attn.index_k`` -- only on calls where a latent came (on decode
+    steps where a ratio-2 group is still filling, the layer scores against whichever owner
+    published last, as the released file does); the queries (RoPE, FP4) are scored
+    against ``shared_attn.index_k``; the candidate source publishes its kept blocks as
+    ``shared_attn.candidates`` (the released bool [B, S, Tc] entry mask, so unswapped
+    layers after it can read it); the index layers after it select inside them.  Top-k
+    through deepseek_csa.index_topk / select_candidate_blocks / topk_indices in position
+    order (ties to the lower position); int32 [B, S, K] + offset, -1 for none.  Under
+    tensor parallelism the partial scores are all-reduced before selection."""
+    torch = _torch()
+    G = _mod_globals(self)
+    sh = G["shared_attn"]
+    b, s, _ = x.shape
+    r, rd = self.compress_ratio, self.rope_head_dim
+    end = start_pos + s
+    n = end // r
+    fp4_block = G.get("fp4_block_size", 32)
+    if self.owns_k and latent is not None:
+        first = start_pos // r
+        g = latent.shape[1]
+        k = self.k_norm(self.wk(latent))
+        G["apply_rotary_emb"](k[..., -rd:], self.freqs_cis[first * r:(first + g) * r:r])
+        G["fp4_act_quant"](k, fp4_block, True)
+        self.k_cache[:b, first:first + g] = k
+        sh.index_k = self.k_cache
+    q = self.wq_b(qr).unflatten(-1, (self.n_local_heads, self.index_head_dim))
+    G["apply_rotary_emb"](q[..., -rd:], self.freqs_cis[start_pos:end])
+    G["fp4_act_quant"](q, fp4_block, True)
+    w = self.weights_proj(x) * (self.softmax_scale * self.n_heads ** -0.5)
+    qn, kn, wn = _index_operands(q, sh.index_k[:b, :n], w)
+    bs = self.candidate_block_size
+    kw = {}
+    if self.uses_candidates and not self.is_candidate_source:
+        # the released entry mask [b, s, n] is constant over each block: one column a block
+        kw = dict(candidates=np.ascontiguousarray(sh.candidates.numpy()[..., ::bs]),
+                  block_size=bs)
+    k = self.index_topk
+    if self.is_candidate_source or G.get("world_size", 1) > 1:
+        sc = torch.from_numpy(_dc.index_scores(qn, kn, wn, ratio=r, start_pos=start_pos))
+        if G.get("world_size", 1) > 1:
+            G["dist"].all_reduce(sc)
+        if self.is_candidate_source:
+            blocks = _dc.select_candidate_blocks(sc.numpy(), self.candidate_topk_blocks, bs,
+                                                 ratio=r, start_pos=start_pos)
+            sh.candidates = torch.from_numpy(blocks).repeat_interleave(bs, -1)[..., :n]
+        idx = _dc.topk_indices(sc.numpy(), k, ratio=r, start_pos=start_pos, offset=offset,
+                               order="position", **kw)
+    else:
+        idx = _dc.index_topk(qn, kn, wn, k, ratio=r, start_pos=start_pos, offset=offset,
+                             order="position", **kw)
+    return torch.from_numpy(idx)
 
 
 # ----------------------------------------------------------------------------- swap
@@ -347,10 +427,13 @@ def _make_attention_forward(names, orig_forward):
 
 class Swap:
     """Handle returned by ``swap``: ``undo()`` restores the modules it changed; also a
-    context manager (undoes on exit)."""
+    context manager (undoes on exit).  ``layers``: the swapped layer ids; ``ops``: the ops
+    asked for; ``routed``: {layer id: the ops actually routed through deepseek_csa there}
+    (an op a layer does not have, e.g. the indexer of a window-only layer, is absent)."""
 
-    def __init__(self, undo, layers, ops):
+    def __init__(self, undo, layers, ops, routed=None):
         self._undo, self.layers, self.ops = undo, layers, ops
+        self.routed = routed or {}
 
     def undo(self):
         for module, prev in reversed(self._undo):
@@ -368,12 +451,49 @@ class Swap:
         self.undo()
         return False
 
+    def __repr__(self):
+        return f"Swap(routed={self.routed})"
+
+
+def _forward_params(m):
+    import inspect
+    try:
+        return tuple(inspect.signature(type(m).forward).parameters)
+    except (TypeError, ValueError):
+        return ()
+
+
+def _compressor_dropin(m):
+    """The drop-in for a released V4 or V4.1 Compressor, or None for another shape."""
+    if not (hasattr(m, "wkv") and hasattr(m, "norm") and hasattr(m, "compress_ratio")):
+        return None
+    if hasattr(m, "ape") or m.compress_ratio == 1 or hasattr(m, "wgate"):
+        return compressor_forward
+    return None
+
+
+def _indexer_dropin(m):
+    """The drop-in for a released V4 or V4.1 Indexer (told apart by the forward
+    signature: V4.1's takes the layer's latent), or None for another shape."""
+    params = _forward_params(m)
+    if "latent" in params and hasattr(m, "owns_k"):
+        return indexer_forward_v41
+    if "latent" not in params and hasattr(m, "compressor") and hasattr(m, "kv_cache"):
+        return indexer_forward
+    return None
+
 
 def swap(model, layers: Optional[Iterable[int]] = None, ops: Optional[Iterable[str]] = None):
     """Routes the CSA computation of the chosen attention layers of ``model`` (a model.py
-    ``Transformer``, any module containing its ``Attention`` modules, or an ``Attention``)
-    through deepseek_csa.  ``layers``: layer ids (``Attention.layer_id``), default all;
-    ``ops``: a subset of ``OPS``, default all.  Returns a ``Swap`` (context manager)."""
+    ``Transformer`` of V4 or V4.1, any module containing its ``Attention`` modules, or an
+    ``Attention``) through deepseek_csa.  ``layers``: layer ids (``Attention.layer_id``),
+    default all; ``ops``: a subset of ``OPS``, default all.  Returns a ``Swap`` (context
+    manager) whose ``routed`` says which ops each layer now runs on deepseek_csa.  A
+    requested op that found nothing to route (a submodule of an unknown shape, or -- for
+    ops named explicitly -- none of the op's functions in the model's module) is reported
+    in one ``UserWarning`` naming the modules, never skipped silently."""
+    import warnings
+    explicit = ops is not None
     ops = tuple(OPS if ops is None else ops)
     bad = [o for o in ops if o not in OPS]
     if bad:
@@ -388,23 +508,46 @@ def swap(model, layers: Optional[Iterable[int]] = None, ops: Optional[Iterable[s
         if missing:
             raise ValueError(f"swap(): no attention layer {missing}; the model has {ids}")
     chosen = [(lid, m) for lid, m in mods if layers is None or lid in layers]
-    names = [n for o in ops for n in _GLOBALS.get(o, ())]
-    undo = []
     for lid, a in chosen:
         if getattr(a, "_csa_swapped", False):
             raise RuntimeError(f"swap(): layer {lid} is already swapped; unswap it first")
+    names = [n for o in ops for n in _GLOBALS.get(o, ())]
+    undo, routed, left = [], {}, []
+    for lid, a in chosen:
+        G = _mod_globals(a)
+        done = [o for o in ops if o in _GLOBALS and any(n in G for n in _GLOBALS[o])]
+        if explicit:
+            left += [f"layer {lid}: {o} (its module {G.get('__name__')!r} has none of "
+                     f"{list(_GLOBALS[o])})" for o in ops if o in _GLOBALS and o not in done]
         _set_forward(a, _make_attention_forward(names, type(a).forward.__get__(a)), undo)
-        subs = [m for m in a.modules() if m is not a]
-        for m in subs:
+        for name, m in a.named_modules():
+            if m is a:
+                continue
             cls = type(m).__name__
+            where = f"layer {lid}: {name} ({cls})"
             if "rms_norm" in ops and cls == "RMSNorm":
                 _set_forward(m, rms_norm_forward, undo)
-            elif "compressor" in ops and cls.endswith("Compressor") and hasattr(m, "wkv"):
-                _set_forward(m, compressor_forward, undo)
-            elif "indexer" in ops and cls == "Indexer" and hasattr(m, "compressor") \
-                    and hasattr(m, "kv_cache"):
-                _set_forward(m, indexer_forward, undo)
-    return Swap(undo, [lid for lid, _ in chosen], ops)
+                done.append("rms_norm")
+            elif "compressor" in ops and cls.endswith("Compressor"):
+                fn = _compressor_dropin(m)
+                if fn is None:
+                    left.append(f"{where}: compressor (unknown attributes)")
+                else:
+                    _set_forward(m, fn, undo)
+                    done.append("compressor")
+            elif "indexer" in ops and cls.endswith("Indexer"):
+                fn = _indexer_dropin(m)
+                if fn is None:
+                    left.append(f"{where}: indexer (forward{_forward_params(m)} is neither "
+                                "the V4 nor the V4.1 signature)")
+                else:
+                    _set_forward(m, fn, undo)
+                    done.append("indexer")
+        routed[lid] = tuple(o for o in OPS if o in done)
+    if left:
+        warnings.warn("deepseek_csa.torch.swap: these requested ops stay on torch: "
+                      + "; ".join(left), UserWarning, stacklevel=2)
+    return Swap(undo, [lid for lid, _ in chosen], ops, routed)
 
 
 def unswap(model):

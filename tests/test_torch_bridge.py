@@ -194,19 +194,116 @@ def test_swap_between_decode_steps():
             assert R.qat_close(yb.numpy(), ya.numpy())
 
 
-def test_swap_v41_stack():
-    args = small_args(ratios=(0, 2, 2, 1, 1), kv_source_layers=(1, 3),
-                      index_source_layers=(1, 3, 4), candidate_source_layer=3,
-                      candidate_topk_blocks=2, candidate_block_size=4)
-    base = R.randomize(R.AttnStack(args, v41=True), 4)
-    x = np.random.default_rng(4).standard_normal((1, 30, args.dim), dtype=np.float32) * 0.3
+V41_STACKS = {  # as tests/test_layer.py: the released order, and a ratio-2 candidate source
+    "A": dict(compress_ratios=(0, 2, 2, 2, 1, 1, 1, 0), kv_source_layers=(1, 3, 4),
+              index_source_layers=(1, 3, 4, 6), candidate_source_layer=4),
+    "B": dict(compress_ratios=(0, 1, 1, 2, 2, 2, 0), kv_source_layers=(1, 3),
+              index_source_layers=(1, 3, 5), candidate_source_layer=3)}
 
+
+def _v41_model(name, seed=4):
+    args = small_args(**V41_STACKS[name], index_n_heads=12, candidate_topk_blocks=6,
+                      candidate_block_size=4)
+    return args, R.randomize(R.AttnStack(args, v41=True), seed)
+
+
+def _v41_run(x, S, steps):
     def run(m):
-        m.shared = R.Shared()
-        _run(x, 27, 3)(m)
-    rep = R.swap_report(lambda: copy.deepcopy(base), run)
-    for r in rep:
-        assert r["max_rel_err"] < 1e-4 or r["norm_err"] < 2e-3, r
+        R.reset_shared()
+        _run(x, S, steps)(m)
+    return run
+
+
+@pytest.mark.parametrize("name", ["A", "B"])
+@pytest.mark.parametrize("S,steps", [(41, 7), (3, 9)])
+def test_swap_v41_model_equals_unswapped(name, S, steps):
+    """``swap(model)`` with every op on a V4.1 model (the reference shaped like the released
+    file, with its index-key republish quirk): every op routed where the layer has it,
+    every layer's output within 1e-6 relative of the unswapped run and every top-k set
+    identical.  Each layer gets the unswapped run's input (``record(substitute=...)``), so
+    that a last-bit difference cannot flip a QAT rounding downstream; the shared state
+    (compressed KV, index keys, top-k, candidate blocks) flows between swapped layers."""
+    args, base = _v41_model(name)
+    x = np.random.default_rng(4).standard_normal((2, S + steps, args.dim),
+                                                 dtype=np.float32) * 0.3
+    run = _v41_run(x, S, steps)
+    b_out, b_tk = R.record(copy.deepcopy(base), run)
+    m = copy.deepcopy(base)
+    with dct.swap(m) as sw:
+        outs, tks = R.record(m, run, substitute=b_out)
+    for lid, a in enumerate(m.layers):
+        got = set(sw.routed[lid])
+        assert {"sparse_attn", "rope", "rms_norm", "qat", "index_lists"} <= got, (lid, got)
+        assert ("compressor" in got) == a.is_kv_source if a.compress_ratio else True
+        assert ("indexer" in got) == (a.indexer is not None), (lid, got)
+        for g, w in zip(outs[lid], b_out[lid]):
+            assert R.rel_err(g, w) <= 1e-6, (lid, R.rel_err(g, w))
+    for lid in b_tk:
+        assert len(tks[lid]) == len(b_tk[lid])
+        for g, w in zip(tks[lid], b_tk[lid]):
+            assert g.dtype == w.dtype == np.int32
+            np.testing.assert_array_equal(np.sort(g, -1), np.sort(w, -1))
+
+
+def test_swap_v41_each_layer_alone():
+    """Each V4.1 layer swapped alone, the others left on torch: shared state published by
+    a swapped layer (the candidate entry mask, index keys, compressed KV) is read by the
+    unswapped torch layers after it and the other way round."""
+    args, base = _v41_model("A", seed=5)
+    x = np.random.default_rng(6).standard_normal((1, 40, args.dim), dtype=np.float32) * 0.3
+    for r in R.swap_report(lambda: copy.deepcopy(base), _v41_run(x, 33, 7)):
+        assert r["ok"] and r["topk_equal"], r
+        assert all(e == 0 for l, e in r["per_layer"].items() if l != r["layer"]), r
+
+
+def test_swap_v41_keeps_compress_kv_sharing():
+    """A V4.1 reader (compress_ratio > 0, not a kv source) attends the cache its source
+    published in shared_attn.compress_kv, with the source's compressor swapped."""
+    args, base = _v41_model("A")
+    m = copy.deepcopy(base)
+    x = torch.from_numpy(np.random.default_rng(7).standard_normal((1, 21, args.dim),
+                                                                  dtype=np.float32))
+    seen = []
+    h = m.layers[2].register_forward_pre_hook(lambda mod, a: seen.append(R.shared_attn.compress_kv))
+    with torch.no_grad(), dct.swap(m, layers=[1], ops=["compressor"]):
+        R.reset_shared()
+        m(x, 0)
+    h.remove()
+    assert seen[0] is m.layers[1].compress_kv_cache
+    assert m.layers[1].compress_kv_cache[0, :10].abs().sum() > 0
+
+
+def test_fp4_act_quant_scale_dtype_dropin(rng):
+    """V4.1 rounds its compressed KV with ``fp4_act_quant(x, 16, True,
+    scale_dtype=torch.float8_e4m3fn)``: e4m3 scales, not powers of two."""
+    x = torch.from_numpy(rng.standard_normal((2, 5, 128), dtype=np.float32) * 3)
+    for dt in (torch.float32, torch.bfloat16):
+        a, b = x.to(dt).clone(), x.to(dt).clone()
+        dct.fp4_act_quant(a, 16, True, scale_dtype=torch.float8_e4m3fn)
+        R.fp4_act_quant(b, 16, True, scale_dtype=torch.float8_e4m3fn)
+        assert torch.equal(a, b), dt
+        p2 = x.to(dt).clone()
+        dct.fp4_act_quant(p2, 16, True)
+        assert not torch.equal(a, p2)          # power-of-two scales round otherwise
+    with pytest.raises(ValueError, match="scale_dtype"):
+        dct.fp4_act_quant(x.clone(), 16, True, scale_dtype=torch.float16)
+
+
+def test_swap_warns_when_an_op_stays_on_torch():
+    """An indexer of an unknown shape (here a forward with another signature) stays on
+    torch: swap says so, naming the module; nothing is left unsaid."""
+    args, base = _v41_model("A")
+
+    class OddIndexer(torch.nn.Module):
+        def forward(self, x, start_pos):
+            return None
+
+    m = copy.deepcopy(base)
+    m.layers[1].indexer = OddIndexer()
+    with pytest.warns(UserWarning, match=r"layer 1: indexer \(OddIndexer\)"):
+        sw = dct.swap(m)
+    assert "indexer" not in sw.routed[1] and "indexer" in sw.routed[3]
+    sw.undo()
 
 
 def test_swap_bf16_model():
