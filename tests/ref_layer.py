@@ -93,25 +93,29 @@ def fp4_qat(x, block, scale="ue8m0"):
     return y.reshape(shp)
 
 
-_QAT = [True]
+class _Switch:
+    """Context setting a module-level switch (a one-element list) while it lasts."""
 
-
-class qat:
-    """Context: ``qat(False)`` makes act_quant / fp4_act_quant leave x as it is (the
-    Hadamard rotation stays), to compare with CSALayer(qat=False) without the rounding
-    boundaries."""
-
-    def __init__(self, on=True):
-        self.on = on
+    def __init__(self, cell, on):
+        self.cell, self.on = cell, on
 
     def __enter__(self):
-        self.prev = _QAT[0]
-        _QAT[0] = self.on
+        self.prev, self.cell[0] = self.cell[0], self.on
         return self
 
     def __exit__(self, *exc):
-        _QAT[0] = self.prev
+        self.cell[0] = self.prev
         return False
+
+
+_QAT = [True]
+
+
+def qat(on=True):
+    """Context: ``qat(False)`` makes act_quant / fp4_act_quant leave x as it is (the
+    Hadamard rotation stays), to compare with CSALayer(qat=False) without the rounding
+    boundaries."""
+    return _Switch(_QAT, on)
 
 
 def act_quant(x, block_size=128, scale_fmt=None, scale_dtype=None, inplace=False):
@@ -639,21 +643,10 @@ def reset_shared():
     shared_attn.__init__()
 
 
-class republish_index_k:
+def republish_index_k(on=True):
     """Context: index-key owners publish their key cache on every call (CSALayer's
     behaviour), not only on calls where their compressor emits an entry (released)."""
-
-    def __init__(self, on=True):
-        self.on = on
-
-    def __enter__(self):
-        self.prev = _REPUBLISH_INDEX_K[0]
-        _REPUBLISH_INDEX_K[0] = self.on
-        return self
-
-    def __exit__(self, *exc):
-        _REPUBLISH_INDEX_K[0] = self.prev
-        return False
+    return _Switch(_REPUBLISH_INDEX_K, on)
 
 
 class V41Compressor(nn.Module):
