@@ -1,4 +1,4 @@
-"""Released DeepSeek-V4 / V4.1 attention configurations (docs/semantics.md, "Presets").
+"""Released DeepSeek-V4 / V4.1 attention configurations (docs/kernels.md, and the released config.json files).
 
 Each preset is a frozen dataclass; derive a variant with ``dataclasses.replace``.
 
@@ -161,7 +161,7 @@ V4_PRO = CSAConfig(
     compress_ratios=(128, 128) + (4, 128) * 29 + (4, 0),
     index_heads=64, index_head_dim=128, index_topk=1024, norm_eps=1e-6, **_YARN)
 
-# V4.1-Flash: the released config.json (SPEC's table leaves most of these to it, and
+# V4.1-Flash: the released config.json (the design notes left most of these to it, and
 # its "hidden size 4096" is 5120 there; tests/test_norm_rope.py records the difference).
 # compress_ratios includes the three trailing entries of the MTP layers, as released.
 V41_FLASH = CSAConfig(

@@ -1,4 +1,4 @@
-"""Float32 torch reference of one DeepSeek-V4 / V4.1 CSA attention layer, written from SPEC.md.
+"""Float32 torch reference of one DeepSeek-V4 / V4.1 CSA attention layer, written from docs/kernels.md.
 
 It is organised the way the released ``inference/model.py`` is, so that
 ``deepseek_csa.torch.swap`` can be exercised on it without the released file: the
@@ -7,7 +7,7 @@ operations are module-level functions under the released names (``apply_rotary_e
 ``get_window_topk_idxs``, ``get_compress_topk_idxs``), the modules are ``RMSNorm``,
 ``Compressor``, ``Indexer`` and ``Attention`` with the released attribute names (so a
 state dict of one loads into the other), and ``Attention.forward(x, start_pos)`` keeps
-its caches in buffers.  The arithmetic is SPEC.md's, written independently.
+its caches in buffers.  The arithmetic is docs/kernels.md's, written independently.
 
 Every op computes in float32 and stores in its input's dtype, so the same modules give
 the bfloat16 path when their parameters and inputs are bfloat16.
@@ -69,7 +69,7 @@ def _e4m3_scale(amax):
 
 
 def fp8_qat(x, block, pow2=True):
-    """SPEC 7 FP8 quantize-dequantize of float32 x over blocks of the last dim."""
+    """docs/kernels.md 7 FP8 quantize-dequantize of float32 x over blocks of the last dim."""
     shp = x.shape
     xb = x.reshape(*shp[:-1], shp[-1] // block, block)
     amax = xb.abs().amax(-1, keepdim=True).clamp_min(1e-4)
@@ -81,7 +81,7 @@ def fp8_qat(x, block, pow2=True):
 
 
 def fp4_qat(x, block, scale="ue8m0"):
-    """SPEC 7 FP4 quantize-dequantize of float32 x over blocks of the last dim."""
+    """docs/kernels.md 7 FP4 quantize-dequantize of float32 x over blocks of the last dim."""
     shp = x.shape
     xb = x.reshape(*shp[:-1], shp[-1] // block, block)
     amax = xb.abs().amax(-1, keepdim=True)
@@ -165,7 +165,7 @@ def rotate_activation(x):
 
 # ----------------------------------------------------------------------------- RoPE
 def precompute_freqs_cis(dim, seqlen, original_seq_len, base, factor, beta_fast, beta_slow):
-    """Complex [seqlen, dim//2] table of SPEC 2 (YaRN when original_seq_len > 0)."""
+    """Complex [seqlen, dim//2] table of docs/kernels.md 2 (YaRN when original_seq_len > 0)."""
     i = torch.arange(dim // 2, dtype=torch.float32)
     f = 1.0 / (base ** (2 * i / dim))
     if original_seq_len > 0:
@@ -194,7 +194,7 @@ def apply_rotary_emb(x, freqs_cis, inverse=False):
 
 # ----------------------------------------------------------------------------- indices
 def get_window_topk_idxs(window_size, bsz, seqlen, start_pos):
-    """SPEC 6 window index lists, int64 [bsz, seqlen, width]."""
+    """docs/kernels.md 6 window index lists, int64 [bsz, seqlen, width]."""
     if start_pos == 0:
         s = torch.arange(seqlen)[:, None]
         j = torch.arange(min(seqlen, window_size))[None, :]
@@ -207,7 +207,7 @@ def get_window_topk_idxs(window_size, bsz, seqlen, start_pos):
 
 
 def get_compress_topk_idxs(ratio, bsz, seqlen, start_pos, offset):
-    """SPEC 4 HCA lists: every visible compressed entry, int64 [bsz, seqlen, n]."""
+    """docs/kernels.md 4 HCA lists: every visible compressed entry, int64 [bsz, seqlen, n]."""
     if start_pos == 0:
         t = torch.arange(seqlen // ratio)[None, :]
         vis = (torch.arange(seqlen)[:, None] + 1) // ratio
@@ -219,7 +219,7 @@ def get_compress_topk_idxs(ratio, bsz, seqlen, start_pos, offset):
 
 # ----------------------------------------------------------------------------- attention
 def sparse_attn(q, kv, attn_sink, topk_idxs, softmax_scale):
-    """SPEC 5: top-k sparse MQA with a sink in the denominator; float32 inside."""
+    """docs/kernels.md 5: top-k sparse MQA with a sink in the denominator; float32 inside."""
     b, s, h, d = q.shape
     out = torch.empty(b, s, h, d, dtype=torch.float32)
     kvf = kv.float()
@@ -301,7 +301,7 @@ def _freqs_for(args, ratio):
 
 # ----------------------------------------------------------------------------- V4 modules
 class Compressor(nn.Module):
-    """V4 gated pooling (SPEC 3) with the released streaming state layout:
+    """V4 gated pooling (docs/kernels.md 3) with the released streaming state layout:
     kv_state/score_state [B, c*r, c*D] (with overlap rows :r hold the previous group)."""
 
     def __init__(self, args, compress_ratio=4, head_dim=512, rotate=False):

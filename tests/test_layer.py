@@ -410,9 +410,9 @@ def test_v41_inconsistent_configs_are_refused():
 # ---------------------------------------------------------------- presets
 
 def test_v41_flash_preset_is_the_released_config():
-    """SPEC's table leaves most V4.1-Flash fields to the released config.json; where it
-    gives one (hidden size 4096) the released config says 5120, and the released
-    config is the truth (SPEC: 'the released code's behaviour is the truth')."""
+    """The project's first design table left most V4.1-Flash fields to the released
+    config.json; where it gave one (hidden size 4096) the released config says 5120, and
+    the released config is the truth."""
     c = dc.V41_FLASH
     assert (c.dim, c.q_lora_rank, c.o_lora_rank, c.o_groups) == (5120, 1280, 1024, 8)
     assert (c.n_heads, c.head_dim, c.rope_dim, c.window) == (64, 512, 64, 128)

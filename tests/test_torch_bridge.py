@@ -119,7 +119,7 @@ def test_norm_qat_hadamard_dropins(rng):
 
 def test_index_list_dropins():
     for p, s in [(0, 37), (5, 1), (40, 1)]:
-        # order within a row is free (SPEC 6); the kernel lists them as the released code
+        # order within a row is free (docs/kernels.md section 6); the kernel lists them as the released code
         np.testing.assert_array_equal(np.sort(dct.get_window_topk_idxs(16, 2, s, p).numpy()),
                                       np.sort(R.get_window_topk_idxs(16, 2, s, p).numpy()))
         np.testing.assert_array_equal(dct.get_compress_topk_idxs(4, 2, s, p, 9).numpy(),
