@@ -7,7 +7,7 @@ VPY := $(VENV)/bin/python
 PIP_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: all venv build demo test bench asan clean
+.PHONY: all venv build demo test bench asan clean test-noomp
 
 all: build
 
@@ -48,6 +48,12 @@ asan: venv
 	    $(VPY) -m pytest -q $(ASAN_TESTS) -p no:cacheprovider || status=$$?; \
 	$(VPY) setup.py -q build_ext --inplace --force; \
 	exit $$status
+
+# `pip install .` with a C compiler that rejects -fopenmp (Apple's clang without
+# libomp, simulated by tests_c/cc-without-openmp) into a temp dir: the build must
+# fall back to a serial module that warns once and computes the OpenMP build's bits.
+test-noomp: build
+	CSA_TEST_NOOMP=1 $(VPY) -m pytest -q tests/test_build.py -p no:cacheprovider
 
 clean:
 	rm -rf build deepseek_csa/*.so *.egg-info

@@ -60,7 +60,37 @@ static PyObject *py_stream_triad(PyObject *self, PyObject *args)
     return ret;
 }
 
+/* How this module was built: OpenMP or serial, compiler, architecture, the ISA levels
+ * compiled in.  deepseek_csa.build_info() wraps it; the import warns from it. */
+static PyObject *py_build_info(PyObject *self, PyObject *noargs)
+{
+#ifdef _OPENMP
+    PyObject *omp = Py_True, *omp_version = PyLong_FromLong(_OPENMP);
+#else
+    PyObject *omp = Py_False, *omp_version = Py_None;
+    Py_INCREF(Py_None);
+#endif
+#if defined(__x86_64__) && defined(__GNUC__)
+    const char *arch = "x86_64";
+#if defined(CSA_HAVE_AMX)
+    const char *levels = "ref base avx2 avx512 amx";
+#else
+    const char *levels = "ref base avx2 avx512";
+#endif
+#elif defined(__aarch64__)
+    const char *arch = "aarch64", *levels = "ref base";
+#else
+    const char *arch = "other", *levels = "ref base";
+#endif
+    if (!omp_version) return NULL;
+    return Py_BuildValue("{s:O,s:N,s:s,s:s,s:s}", "openmp", omp, "openmp_version", omp_version,
+                         "compiler", __VERSION__, "arch", arch, "isa_levels", levels);
+}
+
 PyMethodDef csa_bench_methods[] = {
+    {"_build_info", py_build_info, METH_NOARGS,
+     "_build_info() -> dict: openmp (bool), openmp_version (_OPENMP or None), compiler,\n"
+     "arch, isa_levels (space-separated levels compiled in)"},
     {"_peak_fma", py_peak_fma, METH_VARARGS, "_peak_fma(iters, threads) -> flops done"},
     {"_peak_amx_bf16", py_peak_amx_bf16, METH_VARARGS,
      "_peak_amx_bf16(iters, threads) -> flops done (0 below ISA level amx)"},
