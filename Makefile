@@ -7,7 +7,7 @@ VPY := $(VENV)/bin/python
 PIP_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: all venv build demo test bench asan clean test-noomp
+.PHONY: all venv build demo test bench asan clean test-noomp test-c test-aarch64
 
 all: build
 
@@ -54,6 +54,29 @@ asan: venv
 # fall back to a serial module that warns once and computes the OpenMP build's bits.
 test-noomp: build
 	CSA_TEST_NOOMP=1 $(VPY) -m pytest -q tests/test_build.py -p no:cacheprovider
+
+# The C test driver (tests_c/driver.c): every tuned kernel against its scalar `_ref`
+# at every ISA level built and supported here, NaN / inf inputs, 1 vs 2 threads
+# bitwise.  Plain C, no Python, no venv: the kernel sources (not the glue) with the
+# extension's flags.  Serial build: make test-c TESTC_OMP=-fopenmp-simd TESTC_DIR=build/test-c-serial
+TESTC_CFLAGS := -std=gnu11 -ffp-contract=fast -O3 -fno-math-errno -fno-trapping-math \
+	-Wall -Wno-unknown-pragmas -Wno-unused-function -Icsrc
+TESTC_OMP ?= -fopenmp
+KERNEL_SRCS := $(sort $(wildcard csrc/*.c))
+KERNEL_HDRS := $(wildcard csrc/*.h)
+TESTC_DIR := build/test-c
+
+$(TESTC_DIR)/%.o: csrc/%.c $(KERNEL_HDRS)
+	@mkdir -p $(@D)
+	$(CC) $(TESTC_CFLAGS) $(TESTC_OMP) -c $< -o $@
+$(TESTC_DIR)/driver.o: tests_c/driver.c $(KERNEL_HDRS)
+	@mkdir -p $(@D)
+	$(CC) $(TESTC_CFLAGS) $(TESTC_OMP) -c $< -o $@
+$(TESTC_DIR)/driver: $(patsubst csrc/%.c,$(TESTC_DIR)/%.o,$(KERNEL_SRCS)) $(TESTC_DIR)/driver.o
+	$(CC) $(TESTC_OMP) $^ -o $@ -lm
+
+test-c: $(TESTC_DIR)/driver
+	OMP_NUM_THREADS=2 $(TESTC_DIR)/driver
 
 clean:
 	rm -rf build deepseek_csa/*.so *.egg-info
