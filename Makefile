@@ -78,5 +78,23 @@ $(TESTC_DIR)/driver: $(patsubst csrc/%.c,$(TESTC_DIR)/%.o,$(KERNEL_SRCS)) $(TEST
 test-c: $(TESTC_DIR)/driver
 	OMP_NUM_THREADS=2 $(TESTC_DIR)/driver
 
+# The same driver cross-compiled for aarch64 (GCC vector extensions -> NEON; the x86
+# intrinsics stay behind their guards) and run under qemu user emulation, so the ARM
+# path is tested, not just compiled.  Installs gcc-aarch64-linux-gnu and
+# qemu-user-static (Debian/Ubuntu, apt-get, as root or via sudo) when missing.
+# Minutes, not seconds: not part of `make test`.
+A64_CC ?= aarch64-linux-gnu-gcc
+A64_SYSROOT ?= /usr/aarch64-linux-gnu
+test-aarch64:
+	@if ! command -v $(A64_CC) >/dev/null || ! { command -v qemu-aarch64 || command -v qemu-aarch64-static; } >/dev/null; then \
+	    echo "installing gcc-aarch64-linux-gnu qemu-user-static"; \
+	    SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	    $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq gcc-aarch64-linux-gnu qemu-user-static; \
+	fi
+	$(MAKE) --no-print-directory CC=$(A64_CC) TESTC_DIR=build/test-aarch64 build/test-aarch64/driver
+	file build/test-aarch64/driver 2>/dev/null || true
+	OMP_NUM_THREADS=2 QEMU_LD_PREFIX=$(A64_SYSROOT) \
+	    $$(command -v qemu-aarch64 || command -v qemu-aarch64-static) build/test-aarch64/driver
+
 clean:
 	rm -rf build deepseek_csa/*.so *.egg-info
