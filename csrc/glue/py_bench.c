@@ -27,9 +27,24 @@ static PyObject *py_peak_fma(PyObject *self, PyObject *args)
     return peak_call(args, "_peak_fma", csa_peak_fma);
 }
 
+/* None where no AMX peak exists (CPU, build or level below amx): a number there would
+ * be a ceiling nothing can reach. */
 static PyObject *py_peak_amx_bf16(PyObject *self, PyObject *args)
 {
-    return peak_call(args, "_peak_amx_bf16", csa_peak_amx_bf16);
+    PyObject *r = peak_call(args, "_peak_amx_bf16", csa_peak_amx_bf16);
+    if (r && PyFloat_AS_DOUBLE(r) == 0.0) {
+        Py_DECREF(r);
+        Py_RETURN_NONE;
+    }
+    return r;
+}
+
+static PyObject *py_peak_fma_shape(PyObject *self, PyObject *noargs)
+{
+    int vec_bytes = 0;
+    const int acc = csa_peak_fma_shape(&vec_bytes);
+    return Py_BuildValue("{s:s,s:i,s:i}", "isa", csa_isa_name(csa_isa_get()), "vec_bytes",
+                         vec_bytes, "accumulators", acc);
 }
 
 static PyObject *py_stream_triad(PyObject *self, PyObject *args)
@@ -91,9 +106,11 @@ PyMethodDef csa_bench_methods[] = {
     {"_build_info", py_build_info, METH_NOARGS,
      "_build_info() -> dict: openmp (bool), openmp_version (_OPENMP or None), compiler,\n"
      "arch, isa_levels (space-separated levels compiled in)"},
-    {"_peak_fma", py_peak_fma, METH_VARARGS, "_peak_fma(iters, threads) -> flops done"},
+    {"_peak_fma", py_peak_fma, METH_VARARGS, "_peak_fma(iters, threads) -> flops done at the current ISA level"},
     {"_peak_amx_bf16", py_peak_amx_bf16, METH_VARARGS,
-     "_peak_amx_bf16(iters, threads) -> flops done (0 below ISA level amx)"},
+     "_peak_amx_bf16(iters, threads) -> flops done, or None below ISA level amx"},
+    {"_peak_fma_shape", py_peak_fma_shape, METH_NOARGS,
+     "_peak_fma_shape() -> {isa, vec_bytes, accumulators} of _peak_fma at the current level"},
     {"_stream_triad", py_stream_triad, METH_VARARGS, "_stream_triad(a, b, c, threads)"},
     {NULL, NULL, 0, NULL},
 };
