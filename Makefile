@@ -58,7 +58,8 @@ test-noomp: build
 # The C test driver (tests_c/driver.c): every tuned kernel against its scalar `_ref`
 # at every ISA level built and supported here, NaN / inf inputs, 1 vs 2 threads
 # bitwise.  Plain C, no Python, no venv: the kernel sources (not the glue) with the
-# extension's flags.  Serial build: make test-c TESTC_OMP=-fopenmp-simd TESTC_DIR=build/test-c-serial
+# extension's flags.  The serial (no-OpenMP) build: make test-c TESTC_DIR=build/test-c-serial
+# TESTC_OMP="-fopenmp-simd -Wno-unused-variable"
 TESTC_CFLAGS := -std=gnu11 -ffp-contract=fast -O3 -fno-math-errno -fno-trapping-math \
 	-Wall -Wno-unknown-pragmas -Wno-unused-function -Icsrc
 TESTC_OMP ?= -fopenmp
