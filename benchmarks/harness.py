@@ -116,13 +116,14 @@ def machine_peaks(threads: int, refresh=False) -> dict:
     ceilings of its own vectors): fp32 FMA peak (GFLOP/s, the level's vector width and
     accumulator count, see csrc/peak_impl.h), AMX-BF16 peak (None where the level or the
     CPU has no AMX) and STREAM triad bandwidth (GB/s) on `threads` threads, measured with
-    our own micro-kernels and cached per host, thread count and level."""
+    our own micro-kernels and cached per host, CPU model, thread count and level."""
     from deepseek_csa import _core
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / "peaks.json"
     cache = json.loads(path.read_text()) if path.exists() else {}
     isa = _core.get_isa()
-    key = f"{platform.node()}:{threads}:{isa}"
+    # host names repeat across VMs ("vm"): the CPU model is part of the key
+    key = f"{platform.node()}:{cpu_model()}:{threads}:{isa}"
     if key in cache and "fma_shape" in cache[key] and not refresh:
         return cache[key]
     shape = _core._peak_fma_shape()
