@@ -7,7 +7,7 @@ VPY := $(VENV)/bin/python
 PIP_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: all venv build demo test bench asan clean
+.PHONY: all venv build demo test bench asan clean test-noomp test-c test-aarch64
 
 all: build
 
@@ -48,6 +48,54 @@ asan: venv
 	    $(VPY) -m pytest -q $(ASAN_TESTS) -p no:cacheprovider || status=$$?; \
 	$(VPY) setup.py -q build_ext --inplace --force; \
 	exit $$status
+
+# `pip install .` with a C compiler that rejects -fopenmp (Apple's clang without
+# libomp, simulated by tests_c/cc-without-openmp) into a temp dir: the build must
+# fall back to a serial module that warns once and computes the OpenMP build's bits.
+test-noomp: build
+	CSA_TEST_NOOMP=1 $(VPY) -m pytest -q tests/test_build.py -p no:cacheprovider
+
+# The C test driver (tests_c/driver.c): every tuned kernel against its scalar `_ref`
+# at every ISA level built and supported here, NaN / inf inputs, 1 vs 2 threads
+# bitwise.  Plain C, no Python, no venv: the kernel sources (not the glue) with the
+# extension's flags.  The serial (no-OpenMP) build: make test-c TESTC_DIR=build/test-c-serial
+# TESTC_OMP="-fopenmp-simd -Wno-unused-variable"
+TESTC_CFLAGS := -std=gnu11 -ffp-contract=fast -O3 -fno-math-errno -fno-trapping-math \
+	-Wall -Wno-unknown-pragmas -Wno-unused-function -Icsrc
+TESTC_OMP ?= -fopenmp
+KERNEL_SRCS := $(sort $(wildcard csrc/*.c))
+KERNEL_HDRS := $(wildcard csrc/*.h)
+TESTC_DIR := build/test-c
+
+$(TESTC_DIR)/%.o: csrc/%.c $(KERNEL_HDRS)
+	@mkdir -p $(@D)
+	$(CC) $(TESTC_CFLAGS) $(TESTC_OMP) -c $< -o $@
+$(TESTC_DIR)/driver.o: tests_c/driver.c $(KERNEL_HDRS)
+	@mkdir -p $(@D)
+	$(CC) $(TESTC_CFLAGS) $(TESTC_OMP) -c $< -o $@
+$(TESTC_DIR)/driver: $(patsubst csrc/%.c,$(TESTC_DIR)/%.o,$(KERNEL_SRCS)) $(TESTC_DIR)/driver.o
+	$(CC) $(TESTC_OMP) $^ -o $@ -lm
+
+test-c: $(TESTC_DIR)/driver
+	OMP_NUM_THREADS=2 $(TESTC_DIR)/driver
+
+# The same driver cross-compiled for aarch64 (GCC vector extensions -> NEON; the x86
+# intrinsics stay behind their guards) and run under qemu user emulation, so the ARM
+# path is tested, not just compiled.  Installs gcc-aarch64-linux-gnu and
+# qemu-user-static (Debian/Ubuntu, apt-get, as root or via sudo) when missing.
+# Minutes, not seconds: not part of `make test`.
+A64_CC ?= aarch64-linux-gnu-gcc
+A64_SYSROOT ?= /usr/aarch64-linux-gnu
+test-aarch64:
+	@if ! command -v $(A64_CC) >/dev/null || ! { command -v qemu-aarch64 || command -v qemu-aarch64-static; } >/dev/null; then \
+	    echo "installing gcc-aarch64-linux-gnu qemu-user-static"; \
+	    SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	    $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq gcc-aarch64-linux-gnu qemu-user-static; \
+	fi
+	$(MAKE) --no-print-directory CC=$(A64_CC) TESTC_DIR=build/test-aarch64 build/test-aarch64/driver
+	file build/test-aarch64/driver 2>/dev/null || true
+	OMP_NUM_THREADS=2 QEMU_LD_PREFIX=$(A64_SYSROOT) \
+	    $$(command -v qemu-aarch64 || command -v qemu-aarch64-static) build/test-aarch64/driver
 
 clean:
 	rm -rf build deepseek_csa/*.so *.egg-info

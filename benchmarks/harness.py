@@ -18,7 +18,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# CSA_BENCH_RESULTS=/some/dir (or run.py --results) keeps a run out of the snapshot.
+RESULTS = Path(os.environ.get("CSA_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
 
 
 @dataclasses.dataclass
@@ -90,27 +91,55 @@ def peak_extra_rss(fn):
     return max(0, field("VmHWM:") - base)
 
 
+def cpu_model() -> str:
+    """The CPU's marketing name (/proc/cpuinfo, sysctl on macOS), else the machine type."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "Model", "cpu model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    try:
+        import subprocess
+        r = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True,
+                           text=True, timeout=5)
+        if r.returncode == 0 and r.stdout.strip():
+            return r.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_peaks(threads: int, refresh=False) -> dict:
-    """fp32 FMA peak (GFLOP/s) and STREAM triad bandwidth (GB/s) on `threads` threads,
-    measured with our own micro-kernels and cached per thread count."""
+    """Ceilings at the ISA level in use (deepseek_csa.get_isa(): a capped level gets the
+    ceilings of its own vectors): fp32 FMA peak (GFLOP/s, the level's vector width and
+    accumulator count, see csrc/peak_impl.h), AMX-BF16 peak (None where the level or the
+    CPU has no AMX) and STREAM triad bandwidth (GB/s) on `threads` threads, measured with
+    our own micro-kernels and cached per host, CPU model, thread count and level."""
     from deepseek_csa import _core
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / "peaks.json"
     cache = json.loads(path.read_text()) if path.exists() else {}
-    key = f"{platform.node()}:{threads}"
-    if key in cache and "amx_bf16_gflops" in cache[key] and not refresh:
+    isa = _core.get_isa()
+    # host names repeat across VMs ("vm"): the CPU model is part of the key
+    key = f"{platform.node()}:{cpu_model()}:{threads}:{isa}"
+    if key in cache and "fma_shape" in cache[key] and not refresh:
         return cache[key]
+    shape = _core._peak_fma_shape()
     best = 0.0
+    iters = 20_000_000 if isa != "ref" else 200_000_000
     for _ in range(5):
-        iters = 20_000_000
         t0 = time.perf_counter()
         flops = _core._peak_fma(iters, threads)
         best = max(best, flops / (time.perf_counter() - t0) / 1e9)
-    amx = 0.0
+    amx = None
     for _ in range(5):
         t0 = time.perf_counter()
         flops = _core._peak_amx_bf16(2_000_000, threads)
-        amx = max(amx, flops / (time.perf_counter() - t0) / 1e9)
+        if flops is None:
+            break
+        amx = max(amx or 0.0, flops / (time.perf_counter() - t0) / 1e9)
     n = 96 * 1024 * 1024  # 3 x 384 MiB: beyond the caches
     a = np.zeros(n, np.float32)
     b = np.ones(n, np.float32)
@@ -121,18 +150,29 @@ def machine_peaks(threads: int, refresh=False) -> dict:
         _core._stream_triad(a, b, c, threads)
         bw = max(bw, 3 * 4 * n / (time.perf_counter() - t0) / 1e9)
     del a, b, c
-    cache[key] = {"fma_gflops": best, "stream_gbs": bw, "amx_bf16_gflops": amx or best,
-                  "threads": threads,
-                  "isa": _core.get_isa()}
+    cache[key] = {"fma_gflops": best, "stream_gbs": bw, "amx_bf16_gflops": amx,
+                  "threads": threads, "isa": isa, "cpu": cpu_model(),
+                  "fma_shape": {"vec_bytes": shape["vec_bytes"],
+                                "accumulators": shape["accumulators"]}}
     path.write_text(json.dumps(cache, indent=1))
     return cache[key]
+
+
+def compute_peak(bound: str, peaks: dict):
+    """(GFLOP/s, label) of the ceiling a compute-bound row is a fraction of: AMX-BF16
+    for bf16 work where the level in use has the tiles, else the level's fp32 FMA peak."""
+    if bound == "compute_bf16" and peaks.get("amx_bf16_gflops"):
+        return peaks["amx_bf16_gflops"], "amx_bf16"
+    return peaks["fma_gflops"], f"fma_{peaks['isa']}"
 
 
 def run_case(case: Case, peaks: dict, do_compile=True) -> dict:
     """Times ours, eager and torch.compile interleaved: each time is a median over the
     rounds, each speed-up the median of the per-round ratios."""
     import torch
-    row = {"kernel": case.kernel, "case": case.name, "bytes": case.bytes, "flops": case.flops,
+    import deepseek_csa as dc
+    row = {"kernel": case.kernel, "case": case.name, "isa": dc.get_isa(), "cpu": cpu_model(),
+           "threads": peaks.get("threads"), "bytes": case.bytes, "flops": case.flops,
            "bound": case.bound}
     sides = {"ours": case.ours}
     if case.eager is not None:
@@ -160,13 +200,15 @@ def run_case(case: Case, peaks: dict, do_compile=True) -> dict:
         row["frac_stream"] = row["gbs"] / peaks["stream_gbs"]
     if case.flops:
         row["gflops"] = case.flops / t / 1e9
-        row["frac_fma_peak"] = row["gflops"] / peaks[
-            "amx_bf16_gflops" if case.bound == "compute_bf16" else "fma_gflops"]
+        peak, label = compute_peak(case.bound, peaks)
+        row["peak_used"] = label
+        row["peak_gflops"] = peak
+        row["frac_fma_peak"] = row["gflops"] / peak
     return row
 
 
 def fmt_row(r: dict) -> str:
-    parts = [f"{r['kernel']:<14} {r['case']:<38} {r['ours_s'] * 1e3:9.3f} ms"]
+    parts = [f"{r['kernel']:<14} {r['case']:<38} {r.get('isa', '?'):<6} {r['ours_s'] * 1e3:9.3f} ms"]
     if "speedup_vs_eager" in r:
         parts.append(f"x{r['speedup_vs_eager']:6.2f} eager")
     if "speedup_vs_compile" in r:
@@ -176,7 +218,8 @@ def fmt_row(r: dict) -> str:
     if "gbs" in r and r["bound"] == "memory":
         parts.append(f"{r['gbs']:7.1f} GB/s ({100 * r['frac_stream']:4.0f}% stream)")
     if "gflops" in r:
-        peak = "AMX peak" if r["bound"] == "compute_bf16" else "FMA peak"
+        used = r.get("peak_used") or ("amx_bf16" if r["bound"] == "compute_bf16" else "fma")
+        peak = "AMX peak" if used == "amx_bf16" else f"{used.replace('fma_', '')} FMA peak"
         parts.append(f"{r['gflops']:7.1f} GFLOP/s ({100 * r['frac_fma_peak']:4.0f}% {peak})")
     parts.append(f"mem {r['ours_peak_mem_bytes'] / 2**20:7.1f} MiB")
     return "  ".join(parts)
@@ -186,7 +229,9 @@ def plot(rows, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    labels = [f"{r['kernel']}\n{r['case']}" for r in rows]
+    several = len({r.get("isa") for r in rows}) > 1
+    labels = [f"{r['kernel']}\n{r['case']}" + (f" [{r.get('isa')}]" if several else "")
+              for r in rows]
     x = np.arange(len(rows))
     fig, axes = plt.subplots(2, 1, figsize=(max(8, 1.1 * len(rows)), 9))
     se = [r.get("speedup_vs_eager", 0) for r in rows]
@@ -201,7 +246,8 @@ def plot(rows, path):
                    else r.get("frac_stream", 0)) for r in rows]
     colour = {"compute": "tab:red", "compute_bf16": "tab:purple", "memory": "tab:green"}
     axes[1].bar(x, frac, 0.5, color=[colour.get(r["bound"], "tab:gray") for r in rows])
-    axes[1].set_ylabel("% of machine peak\n(green: stream BW, red: fp32 FMA,\npurple: AMX bf16)")
+    axes[1].set_ylabel("% of the peak of the ISA level in use\n(green: stream BW, red: fp32 FMA,\n"
+                       "purple: AMX bf16, or FMA without AMX)")
     for ax in axes:
         ax.set_xticks(x)
         ax.set_xticklabels(labels, fontsize=7, rotation=30, ha="right")
@@ -213,6 +259,9 @@ def plot(rows, path):
 def environment(threads):
     import torch
     import deepseek_csa as dc
-    return {"threads": threads, "isa": dc.get_isa(), "torch": torch.__version__,
-            "numpy": np.__version__, "cpu": platform.processor() or platform.machine(),
-            "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+    info = dc.build_info()
+    return {"threads": threads, "isa": dc.get_isa(), "best_isa": dc.best_isa(),
+            "torch": torch.__version__, "numpy": np.__version__, "cpu": cpu_model(),
+            "arch": platform.machine(), "openmp": info["openmp"],
+            "compiler": info["compiler"], "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "deepseek_csa_isa": os.environ.get("DEEPSEEK_CSA_ISA")}

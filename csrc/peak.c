@@ -14,9 +14,20 @@ static double peak_ref(long long iters, int threads, float *sink)
 #define CSA_IMPL "peak_impl.h"
 #include "csa_isa_variants.h"
 
+static int peak_ref_shape(int *vec_bytes)
+{
+    *vec_bytes = 4;
+    return 1;
+}
+
 double csa_peak_fma(long long iters, int threads, float *sink)
 {
     CSA_DISPATCH(peak_fma, (iters, threads, sink), peak_ref(iters, threads, sink));
+}
+
+int csa_peak_fma_shape(int *vec_bytes)
+{
+    CSA_DISPATCH(peak_fma_shape, (vec_bytes), peak_ref_shape(vec_bytes));
 }
 
 void csa_stream_triad(float *a, const float *b, const float *c, csa_idx n, float s, int threads)
@@ -59,6 +70,9 @@ double csa_peak_amx_bf16(long long iters, int threads, float *sink)
 {
 #if defined(CSA_HAVE_AMX)
     if (csa_isa_get() < CSA_ISA_AMX) return 0.0;
+#ifndef _OPENMP
+    threads = 1;
+#endif
     float s = 0.0f;
 #pragma omp parallel num_threads(threads) reduction(+ : s)
     amx_peak_thread(iters, &s);

@@ -3,12 +3,20 @@
 #define CSA_PEAK_H
 #include "csa.h"
 
-/* Runs `iters` rounds of independent fp32 FMAs on `threads` threads at the best ISA
- * level; returns the flops done (2 per lane per FMA).  sink keeps the result alive. */
+/* Runs `iters` rounds of independent fp32 FMAs on `threads` threads at the CURRENT ISA
+ * level (csa_isa_get: the ceiling of the kernels that run at that level), with that
+ * level's vector width and enough accumulators to cover FMA latency x ports without
+ * spilling (peak_impl.h); returns the flops done (2 per lane per FMA; SSE2, which
+ * has no FMA, does a multiply and an add).  sink keeps the result alive. */
 double csa_peak_fma(long long iters, int threads, float *sink);
 
+/* The number of accumulators csa_peak_fma uses at the current level, and its vector
+ * width in bytes in *vec_bytes ('ref': one scalar chain, 1 and 4). */
+int csa_peak_fma_shape(int *vec_bytes);
+
 /* Runs `iters` rounds of four independent AMX-BF16 tile products (16 x 16 x 32 each)
- * on `threads` threads; returns the flops done, or 0 below ISA level amx. */
+ * on `threads` threads; returns the flops done, or 0 below ISA level amx (no AMX in
+ * this CPU, this build, or at the level set): the caller reports no AMX peak then. */
 double csa_peak_amx_bf16(long long iters, int threads, float *sink);
 
 /* STREAM triad a[i] = b[i] + s * c[i] over n floats, on `threads` threads. */

@@ -16,6 +16,22 @@ from . import compressor as _c, indexer as _i, attention as _a, quant as _q
 
 __version__ = "0.1.0"
 
+
+def build_info():
+    """How the C module was built: {'openmp': bool, 'openmp_version': int or None,
+    'compiler': str, 'arch': str, 'isa_levels': [levels compiled in]}."""
+    info = _core._build_info()
+    info["isa_levels"] = info["isa_levels"].split()
+    return info
+
+
+if not _core._build_info()["openmp"]:
+    import warnings as _warnings
+    _warnings.warn("deepseek_csa was built without OpenMP (the C compiler could not build "
+                   "OpenMP code): every kernel runs on ONE thread.  Reinstall with an "
+                   "OpenMP-capable compiler (GCC, or clang with libomp) for threads.",
+                   RuntimeWarning, stacklevel=2)
+
 __all__ = (["apply_rope", "rms_norm", "rope_table", "get_isa", "set_isa", "best_isa",
-            "max_threads", "V4_FLASH", "V4_PRO", "V41_FLASH", "CSAConfig"]
+            "max_threads", "build_info", "V4_FLASH", "V4_PRO", "V41_FLASH", "CSAConfig"]
            + _c.__all__ + _i.__all__ + _a.__all__ + _q.__all__)

@@ -27,9 +27,24 @@ static PyObject *py_peak_fma(PyObject *self, PyObject *args)
     return peak_call(args, "_peak_fma", csa_peak_fma);
 }
 
+/* None where no AMX peak exists (CPU, build or level below amx): a number there would
+ * be a ceiling nothing can reach. */
 static PyObject *py_peak_amx_bf16(PyObject *self, PyObject *args)
 {
-    return peak_call(args, "_peak_amx_bf16", csa_peak_amx_bf16);
+    PyObject *r = peak_call(args, "_peak_amx_bf16", csa_peak_amx_bf16);
+    if (r && PyFloat_AS_DOUBLE(r) == 0.0) {
+        Py_DECREF(r);
+        Py_RETURN_NONE;
+    }
+    return r;
+}
+
+static PyObject *py_peak_fma_shape(PyObject *self, PyObject *noargs)
+{
+    int vec_bytes = 0;
+    const int acc = csa_peak_fma_shape(&vec_bytes);
+    return Py_BuildValue("{s:s,s:i,s:i}", "isa", csa_isa_name(csa_isa_get()), "vec_bytes",
+                         vec_bytes, "accumulators", acc);
 }
 
 static PyObject *py_stream_triad(PyObject *self, PyObject *args)
@@ -60,10 +75,42 @@ static PyObject *py_stream_triad(PyObject *self, PyObject *args)
     return ret;
 }
 
+/* How this module was built: OpenMP or serial, compiler, architecture, the ISA levels
+ * compiled in.  deepseek_csa.build_info() wraps it; the import warns from it. */
+static PyObject *py_build_info(PyObject *self, PyObject *noargs)
+{
+#ifdef _OPENMP
+    PyObject *omp = Py_True, *omp_version = PyLong_FromLong(_OPENMP);
+#else
+    PyObject *omp = Py_False, *omp_version = Py_None;
+    Py_INCREF(Py_None);
+#endif
+#if defined(__x86_64__) && defined(__GNUC__)
+    const char *arch = "x86_64";
+#if defined(CSA_HAVE_AMX)
+    const char *levels = "ref base avx2 avx512 amx";
+#else
+    const char *levels = "ref base avx2 avx512";
+#endif
+#elif defined(__aarch64__)
+    const char *arch = "aarch64", *levels = "ref base";
+#else
+    const char *arch = "other", *levels = "ref base";
+#endif
+    if (!omp_version) return NULL;
+    return Py_BuildValue("{s:O,s:N,s:s,s:s,s:s}", "openmp", omp, "openmp_version", omp_version,
+                         "compiler", __VERSION__, "arch", arch, "isa_levels", levels);
+}
+
 PyMethodDef csa_bench_methods[] = {
-    {"_peak_fma", py_peak_fma, METH_VARARGS, "_peak_fma(iters, threads) -> flops done"},
+    {"_build_info", py_build_info, METH_NOARGS,
+     "_build_info() -> dict: openmp (bool), openmp_version (_OPENMP or None), compiler,\n"
+     "arch, isa_levels (space-separated levels compiled in)"},
+    {"_peak_fma", py_peak_fma, METH_VARARGS, "_peak_fma(iters, threads) -> flops done at the current ISA level"},
     {"_peak_amx_bf16", py_peak_amx_bf16, METH_VARARGS,
-     "_peak_amx_bf16(iters, threads) -> flops done (0 below ISA level amx)"},
+     "_peak_amx_bf16(iters, threads) -> flops done, or None below ISA level amx"},
+    {"_peak_fma_shape", py_peak_fma_shape, METH_NOARGS,
+     "_peak_fma_shape() -> {isa, vec_bytes, accumulators} of _peak_fma at the current level"},
     {"_stream_triad", py_stream_triad, METH_VARARGS, "_stream_triad(a, b, c, threads)"},
     {NULL, NULL, 0, NULL},
 };
