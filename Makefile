@@ -50,12 +50,12 @@ asan: venv
 	exit $$status
 
 # `pip install .` with a C compiler that rejects -fopenmp (Apple's clang without
-# libomp, simulated by tests_c/cc-without-openmp) into a temp dir: the build must
+# libomp, simulated by tests/c/cc-without-openmp) into a temp dir: the build must
 # fall back to a serial module that warns once and computes the OpenMP build's bits.
 test-noomp: build
 	CSA_TEST_NOOMP=1 $(VPY) -m pytest -q tests/test_build.py -p no:cacheprovider
 
-# The C test driver (tests_c/driver.c): every tuned kernel against its scalar `_ref`
+# The C test driver (tests/c/driver.c): every tuned kernel against its scalar `_ref`
 # at every ISA level built and supported here, NaN / inf inputs, 1 vs 2 threads
 # bitwise.  Plain C, no Python, no venv: the kernel sources (not the glue) with the
 # extension's flags.  The serial (no-OpenMP) build: make test-c TESTC_DIR=build/test-c-serial
@@ -70,7 +70,7 @@ TESTC_DIR := build/test-c
 $(TESTC_DIR)/%.o: csrc/%.c $(KERNEL_HDRS)
 	@mkdir -p $(@D)
 	$(CC) $(TESTC_CFLAGS) $(TESTC_OMP) -c $< -o $@
-$(TESTC_DIR)/driver.o: tests_c/driver.c $(KERNEL_HDRS)
+$(TESTC_DIR)/driver.o: tests/c/driver.c $(KERNEL_HDRS)
 	@mkdir -p $(@D)
 	$(CC) $(TESTC_CFLAGS) $(TESTC_OMP) -c $< -o $@
 $(TESTC_DIR)/driver: $(patsubst csrc/%.c,$(TESTC_DIR)/%.o,$(KERNEL_SRCS)) $(TESTC_DIR)/driver.o

@@ -1,6 +1,6 @@
 """The package installs and works with a C compiler that has no OpenMP.
 
-`pip install .` with a compiler wrapper that rejects -fopenmp (tests_c/cc-without-openmp,
+`pip install .` with a compiler wrapper that rejects -fopenmp (tests/c/cc-without-openmp,
 standing in for Apple's clang without libomp) must give a working serial module that
 says, once, that it is serial, and computes the same bits as the OpenMP build.
 
@@ -66,7 +66,7 @@ def test_pip_install_without_openmp(tmp_path):
     shutil.copytree(os.path.join(ROOT, "csrc"), src / "csrc")
     shutil.copytree(os.path.join(ROOT, "deepseek_csa"), src / "deepseek_csa",
                     ignore=shutil.ignore_patterns("*.so", "__pycache__"))
-    cc = os.path.join(ROOT, "tests_c", "cc-without-openmp")
+    cc = os.path.join(ROOT, "tests", "c", "cc-without-openmp")
     # LDSHARED as Python was built with it, its compiler replaced by the wrapper
     ldshared = shlex.split(sysconfig.get_config_var("LDSHARED") or "cc -shared")
     env = dict(os.environ, CC=cc, LDSHARED=" ".join([cc] + ldshared[1:]))
