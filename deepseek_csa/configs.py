@@ -2,7 +2,7 @@
 
 Each preset is a frozen dataclass; derive a variant with ``dataclasses.replace``.
 
-Every arithmetic difference between V4 and V4.1 is an explicit field (the defaults are
+Every arithmetic difference between V4 and V4.1 is an explicit field (docs/layers.md; the defaults are
 V4's), so a layer never guesses a version from the shape of a config:
 
 =====================  ==========================  =================================
