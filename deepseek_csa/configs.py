@@ -1,9 +1,9 @@
-"""Released DeepSeek-V4 / V4.1 attention configurations (docs/kernels.md, and the released config.json files).
+"""Released DeepSeek-V4 / V4.1 attention configurations (the released config.json files).
 
 Each preset is a frozen dataclass; derive a variant with ``dataclasses.replace``.
 
-Every arithmetic difference between V4 and V4.1 is an explicit field (docs/layers.md; the defaults are
-V4's), so a layer never guesses a version from the shape of a config:
+Every arithmetic difference between V4 and V4.1 is an explicit field (docs/layers.md;
+the defaults are V4's), so a layer never guesses a version from the shape of a config:
 
 =====================  ==========================  =================================
 field                  V4-Flash / V4-Pro           V4.1-Flash
