@@ -200,15 +200,6 @@ static PyObject *g_gemm(PyObject *args, PyObject *kw, const char *fn, int wfmt)
     const int nd = PyArray_NDIM(a);
     const npy_intp K = PyArray_DIM(a, nd - 1), N = PyArray_DIM(b, 0);
     const npy_intp KB = (K + 127) / 128;
-    if (PyArray_NDIM(as) != nd) {
-        PyErr_Format(PyExc_ValueError, "%s(): 'a_s' must have the rank of 'a' (shape %s), got "
-                     "shape %s", fn, csa_shape_str(a, b1, sizeof b1), csa_shape_str(as, b2, sizeof b2));
-        goto done;
-    }
-    for (int i = 0; i < nd - 1; i++)
-        if (csa_check_dim(as, fn, "a_s", i, PyArray_DIM(a, i), "a's leading dims")) goto done;
-    if (csa_check_dim(as, fn, "a_s", nd - 1, KB, "ceil(K / 128), one scale per 128 of K"))
-        goto done;
     if (fp8) {
         if (csa_check_dim(b, fn, "b", 1, K, "K = a.shape[-1]")) goto done;
         if (csa_check_dim(bs, fn, "b_s", 0, (N + 127) / 128, "ceil(N / 128)")) goto done;
@@ -224,6 +215,15 @@ static PyObject *g_gemm(PyObject *args, PyObject *kw, const char *fn, int wfmt)
         if (csa_check_dim(bs, fn, "b_s", 0, N, "N = b.shape[0]")) goto done;
         if (csa_check_dim(bs, fn, "b_s", 1, (K + 31) / 32, "ceil(K / 32)")) goto done;
     }
+    if (PyArray_NDIM(as) != nd) {
+        PyErr_Format(PyExc_ValueError, "%s(): 'a_s' must have the rank of 'a' (shape %s), got "
+                     "shape %s", fn, csa_shape_str(a, b1, sizeof b1), csa_shape_str(as, b2, sizeof b2));
+        goto done;
+    }
+    for (int i = 0; i < nd - 1; i++)
+        if (csa_check_dim(as, fn, "a_s", i, PyArray_DIM(a, i), "a's leading dims")) goto done;
+    if (csa_check_dim(as, fn, "a_s", nd - 1, KB, "ceil(K / 128), one scale per 128 of K"))
+        goto done;
     if (PyArray_DIM(b, 1) > 1 && csa_stride(b, 1) != 1) {
         PyErr_Format(PyExc_ValueError, "%s(): 'b' must have contiguous rows (unit last stride), "
                      "got strides (%lld, %lld) bytes; weights are read as they are stored",
