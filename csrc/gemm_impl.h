@@ -65,6 +65,97 @@ static inline void CSA_V(g_dec32_e2m1)(const uint8_t *p, float *dst)
 }
 #endif
 
+#if G_SIMD
+/* The same decoders into registers, for the one-row (decode) path. */
+static inline __attribute__((always_inline)) void CSA_V(g_reg16_e4m3)(const uint8_t *p,
+                                                                     __m256 *lo, __m256 *hi)
+{
+    const __m128i x = _mm_loadu_si128((const __m128i *)p);
+    const __m128i s7 = _mm_set1_epi8(0x7f);
+    if (__builtin_expect(_mm_movemask_epi8(_mm_cmpeq_epi8(_mm_and_si128(x, s7), s7)), 0)) {
+        float t[16];
+        for (int i = 0; i < 16; i++) t[i] = g_e4m3(p[i]) * (1.0f / 256.0f);
+        *lo = _mm256_loadu_ps(t);
+        *hi = _mm256_loadu_ps(t + 8);
+        return;
+    }
+    const __m128i z = _mm_setzero_si128(), keep = _mm_set1_epi16((short)0xBFFF);
+    *lo = _mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(_mm_unpacklo_epi8(z, x), 1), keep));
+    *hi = _mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(_mm_unpackhi_epi8(z, x), 1), keep));
+}
+
+static inline __attribute__((always_inline)) void CSA_V(g_reg32_e2m1)(const uint8_t *p,
+                                                                     __m256 v[4])
+{
+    const __m128i x = _mm_loadu_si128((const __m128i *)p);
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    const __m128i tbl = _mm_setr_epi8(0x00, 0x38, 0x3c, 0x3e, 0x40, 0x42, 0x44, 0x46,
+                                      (char)0x80, (char)0xb8, (char)0xbc, (char)0xbe,
+                                      (char)0xc0, (char)0xc2, (char)0xc4, (char)0xc6);
+    const __m128i lv = _mm_shuffle_epi8(tbl, _mm_and_si128(x, m4));
+    const __m128i hv = _mm_shuffle_epi8(tbl, _mm_and_si128(_mm_srli_epi16(x, 4), m4));
+    const __m128i e0 = _mm_unpacklo_epi8(lv, hv), e1 = _mm_unpackhi_epi8(lv, hv);
+    const __m128i z = _mm_setzero_si128();
+    v[0] = _mm256_cvtph_ps(_mm_unpacklo_epi8(z, e0));
+    v[1] = _mm256_cvtph_ps(_mm_unpackhi_epi8(z, e0));
+    v[2] = _mm256_cvtph_ps(_mm_unpacklo_epi8(z, e1));
+    v[3] = _mm256_cvtph_ps(_mm_unpackhi_epi8(z, e1));
+}
+
+/* One activation row against 4 weight rows (rows past nr repeat the last one, their
+ * results dropped), decoding straight into registers as the bytes stream in: no
+ * buffer, each weight byte read once.  The oracle's order: lanes = k mod 8 within a
+ * block, the tree, then one FMA per block into the float32 accumulators. */
+static void CSA_V(g_row1)(const struct csa_gemm_args *g, const float *af, const float *as,
+                          csa_idx n0, csa_idx nr, float *res)
+{
+    const csa_idx K = g->K;
+    const uint8_t *rp[4];
+    for (int r = 0; r < 4; r++) rp[r] = g->b + (n0 + (r < nr ? r : nr - 1)) * g->sb_row;
+    __m128 c = _mm_setzero_ps();
+    if (g->b_fmt == CSA_W_E4M3) {
+        for (csa_idx k0 = 0, j = 0; k0 < K; k0 += 128, j++) {
+            const csa_idx k1 = K - k0 < 128 ? K : k0 + 128;
+            __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, lo, hi;
+            for (csa_idx k = k0; k < k1; k += 16) {
+                const __m256 x0 = _mm256_loadu_ps(af + k), x1 = _mm256_loadu_ps(af + k + 8);
+                CSA_V(g_reg16_e4m3)(rp[0] + k, &lo, &hi);
+                c0 = _mm256_fmadd_ps(x1, hi, _mm256_fmadd_ps(x0, lo, c0));
+                CSA_V(g_reg16_e4m3)(rp[1] + k, &lo, &hi);
+                c1 = _mm256_fmadd_ps(x1, hi, _mm256_fmadd_ps(x0, lo, c1));
+                CSA_V(g_reg16_e4m3)(rp[2] + k, &lo, &hi);
+                c2 = _mm256_fmadd_ps(x1, hi, _mm256_fmadd_ps(x0, lo, c2));
+                CSA_V(g_reg16_e4m3)(rp[3] + k, &lo, &hi);
+                c3 = _mm256_fmadd_ps(x1, hi, _mm256_fmadd_ps(x0, lo, c3));
+            }
+            const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(c0, c1), _mm256_hadd_ps(c2, c3));
+            const __m128 p = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+            c = _mm_fmadd_ps(p, _mm_set1_ps(as[j] * g_bscale(g, n0, j)), c);
+        }
+    } else {
+        for (csa_idx k0 = 0, j = 0; k0 < K; k0 += 32, j++) {
+            const __m256 x0 = _mm256_loadu_ps(af + k0), x1 = _mm256_loadu_ps(af + k0 + 8);
+            const __m256 x2 = _mm256_loadu_ps(af + k0 + 16), x3 = _mm256_loadu_ps(af + k0 + 24);
+            __m256 acc[4], v[4];
+            for (int r = 0; r < 4; r++) {
+                CSA_V(g_reg32_e2m1)(rp[r] + k0 / 2, v);
+                acc[r] = _mm256_fmadd_ps(x3, v[3], _mm256_fmadd_ps(x2, v[2], _mm256_fmadd_ps(
+                             x1, v[1], _mm256_fmadd_ps(x0, v[0], _mm256_setzero_ps()))));
+            }
+            const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]),
+                                            _mm256_hadd_ps(acc[2], acc[3]));
+            const __m128 p = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+            const csa_idx nl = n0 + nr - 1;
+            const __m128 sb = _mm_setr_ps(g_bscale(g, n0, j), g_bscale(g, nr > 1 ? n0 + 1 : nl, j),
+                                          g_bscale(g, nr > 2 ? n0 + 2 : nl, j),
+                                          g_bscale(g, nr > 3 ? n0 + 3 : nl, j));
+            c = _mm_fmadd_ps(p, _mm_mul_ps(_mm_set1_ps(as[k0 / 128]), sb), c);
+        }
+    }
+    _mm_storeu_ps(res, c);
+}
+#endif
+
 /* Weight row slice [k0, k0 + kl) of row n into dst (floats; e4m3 as value / 256). */
 static void CSA_V(g_dec_b)(const struct csa_gemm_args *g, csa_idx n, csa_idx k0, csa_idx kl,
                            float *CSA_RESTRICT dst)
@@ -105,10 +196,10 @@ static inline __attribute__((always_inline)) void CSA_V(g_micro)(
 #if G_SIMD
         __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c03 = c00;
         __m256 c10 = c00, c11 = c00, c12 = c00, c13 = c00;
+        const float *r0 = b, *r1 = b + ldb, *r2 = b + 2 * ldb, *r3 = b + 3 * ldb;
         for (csa_idx k = k0; k < k0 + len; k += 8) {
-            const __m256 b0 = _mm256_loadu_ps(b + k), b1 = _mm256_loadu_ps(b + ldb + k);
-            const __m256 b2 = _mm256_loadu_ps(b + 2 * ldb + k);
-            const __m256 b3 = _mm256_loadu_ps(b + 3 * ldb + k);
+            const __m256 b0 = _mm256_loadu_ps(r0 + k), b1 = _mm256_loadu_ps(r1 + k);
+            const __m256 b2 = _mm256_loadu_ps(r2 + k), b3 = _mm256_loadu_ps(r3 + k);
             const __m256 x0 = _mm256_loadu_ps(a0 + k);
             c00 = _mm256_fmadd_ps(x0, b0, c00);
             c01 = _mm256_fmadd_ps(x0, b1, c01);
@@ -153,6 +244,23 @@ static inline __attribute__((always_inline)) void CSA_V(g_micro)(
     }
 }
 
+/* The two row counts as separate out-of-line functions: inlined into the panel loop
+ * the compiler ran out of registers and spilled the accumulators. */
+static __attribute__((noinline)) void CSA_V(g_micro2)(
+    const float *a0, const float *a1, const float *b, csa_idx ldb, csa_idx kl, csa_idx bk,
+    const float *sbx, const float *sbq, csa_idx ldq, const float *sa0, const float *sa1,
+    float *c, csa_idx ldc)
+{
+    CSA_V(g_micro)(2, a0, a1, b, ldb, kl, bk, sbx, sbq, ldq, sa0, sa1, c, ldc);
+}
+
+static __attribute__((noinline)) void CSA_V(g_micro1)(
+    const float *a0, const float *b, csa_idx ldb, csa_idx kl, csa_idx bk, const float *sbx,
+    const float *sbq, csa_idx ldq, const float *sa0, float *c)
+{
+    CSA_V(g_micro)(1, a0, NULL, b, ldb, kl, bk, sbx, sbq, ldq, sa0, NULL, c, 0);
+}
+
 /* One panel: weight rows [n0, n0 + nr) against every activation row, KC columns of
  * the panel decoded at a time into Bf (row stride KC). */
 static void CSA_V(g_panel)(const struct csa_gemm_args *g, const float *Af, const float *AS,
@@ -189,14 +297,14 @@ static void CSA_V(g_panel)(const struct csa_gemm_args *g, const float *Af, const
                     csa_idx m = ms;
                     for (; m + 2 <= me; m += 2) {
                         const csa_idx ga = m0 + m;
-                        CSA_V(g_micro)(2, Af + ga * K + kc, Af + (ga + 1) * K + kc, bq, KC, kl,
-                                       bk, BS, BS + q, NC, AS + ga * KB128 + kc / 128,
-                                       AS + (ga + 1) * KB128 + kc / 128, C + m * NC + q, NC);
+                        CSA_V(g_micro2)(Af + ga * K + kc, Af + (ga + 1) * K + kc, bq, KC, kl, bk,
+                                        BS, BS + q, NC, AS + ga * KB128 + kc / 128,
+                                        AS + (ga + 1) * KB128 + kc / 128, C + m * NC + q, NC);
                     }
                     if (m < me) {
                         const csa_idx ga = m0 + m;
-                        CSA_V(g_micro)(1, Af + ga * K + kc, NULL, bq, KC, kl, bk, BS, BS + q,
-                                       NC, AS + ga * KB128 + kc / 128, NULL, C + m * NC + q, NC);
+                        CSA_V(g_micro1)(Af + ga * K + kc, bq, KC, kl, bk, BS, BS + q, NC,
+                                        AS + ga * KB128 + kc / 128, C + m * NC + q);
                     }
                 }
             }
@@ -226,6 +334,23 @@ static int CSA_V(gemm_tuned)(const struct csa_gemm_args *g)
                 AS[m * KB128 + j] = g_scale(g->as, g->as_fmt, m * g->sas_row + j * g->sas_col);
         }
     }
+#if G_SIMD
+    /* One activation row, K a multiple of 32 (e4m3: 16): the fused path. */
+    if (M == 1 && K % 32 == 0) {
+        const csa_idx nq = (N + 3) / 4;
+        const int nt1 = csa_threads(nq, 64);
+#pragma omp parallel for num_threads(nt1) schedule(static)
+        for (csa_idx q = 0; q < nq; q++) {
+            float res[4];
+            const csa_idx n0 = 4 * q, nr = N - n0 < 4 ? N - n0 : 4;
+            CSA_V(g_row1)(g, Af, AS, n0, nr, res);
+            for (csa_idx r = 0; r < nr; r++) g_store(g, 0, n0 + r, res[r]);
+        }
+        free(Af);
+        free(AS);
+        return CSA_OK;
+    }
+#endif
     /* Decode shapes: panels of one quad of whole rows (the weight bytes are read in
      * address order, 4 rows = one contiguous run); prefill: 64 rows x G_KC columns. */
     const int small = M <= 16;
