@@ -114,22 +114,47 @@ static void CSA_V(g_row1)(const struct csa_gemm_args *g, const float *af, const 
     for (int r = 0; r < 4; r++) rp[r] = g->b + (n0 + (r < nr ? r : nr - 1)) * g->sb_row;
     __m128 c = _mm_setzero_ps();
     if (g->b_fmt == CSA_W_E4M3) {
+        const __m256i z = _mm256_setzero_si256(), keep = _mm256_set1_epi16((short)0xBFFF);
+        const __m256i s7 = _mm256_set1_epi8(0x7f);
         for (csa_idx k0 = 0, j = 0; k0 < K; k0 += 128, j++) {
             const csa_idx k1 = K - k0 < 128 ? K : k0 + 128;
-            __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, lo, hi;
-            for (csa_idx k = k0; k < k1; k += 16) {
+            __m256 acc[4];
+            __m256i nan = _mm256_setzero_si256();
+            for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
+            /* 32 codes of a row a step: in-lane unpacks put codes 0-7 | 16-23 and
+             * 8-15 | 24-31 in the two halves; the FMAs still go in k order.  NaN codes
+             * are only noted here: a block that has one is redone by the scalar path. */
+            for (csa_idx k = k0; k < k1; k += 32) {
                 const __m256 x0 = _mm256_loadu_ps(af + k), x1 = _mm256_loadu_ps(af + k + 8);
-                CSA_V(g_reg16_e4m3)(rp[0] + k, &lo, &hi);
-                c0 = _mm256_fmadd_ps(x1, hi, _mm256_fmadd_ps(x0, lo, c0));
-                CSA_V(g_reg16_e4m3)(rp[1] + k, &lo, &hi);
-                c1 = _mm256_fmadd_ps(x1, hi, _mm256_fmadd_ps(x0, lo, c1));
-                CSA_V(g_reg16_e4m3)(rp[2] + k, &lo, &hi);
-                c2 = _mm256_fmadd_ps(x1, hi, _mm256_fmadd_ps(x0, lo, c2));
-                CSA_V(g_reg16_e4m3)(rp[3] + k, &lo, &hi);
-                c3 = _mm256_fmadd_ps(x1, hi, _mm256_fmadd_ps(x0, lo, c3));
+                const __m256 x2 = _mm256_loadu_ps(af + k + 16), x3 = _mm256_loadu_ps(af + k + 24);
+                for (int r = 0; r < 4; r++) {
+                    const __m256i x = _mm256_loadu_si256((const __m256i *)(rp[r] + k));
+                    nan = _mm256_or_si256(nan, _mm256_cmpeq_epi8(_mm256_and_si256(x, s7), s7));
+                    const __m256i lo = _mm256_and_si256(_mm256_srai_epi16(_mm256_unpacklo_epi8(z, x), 1), keep);
+                    const __m256i hi = _mm256_and_si256(_mm256_srai_epi16(_mm256_unpackhi_epi8(z, x), 1), keep);
+                    __m256 a = acc[r];
+                    a = _mm256_fmadd_ps(x0, _mm256_cvtph_ps(_mm256_castsi256_si128(lo)), a);
+                    a = _mm256_fmadd_ps(x1, _mm256_cvtph_ps(_mm256_castsi256_si128(hi)), a);
+                    a = _mm256_fmadd_ps(x2, _mm256_cvtph_ps(_mm256_extracti128_si256(lo, 1)), a);
+                    a = _mm256_fmadd_ps(x3, _mm256_cvtph_ps(_mm256_extracti128_si256(hi, 1)), a);
+                    acc[r] = a;
+                }
             }
-            const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(c0, c1), _mm256_hadd_ps(c2, c3));
-            const __m128 p = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+            __m128 p;
+            if (__builtin_expect(!_mm256_testz_si256(nan, nan), 0)) {
+                float pr[4];
+                for (int r = 0; r < 4; r++) {
+                    float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                    for (csa_idx k = k0; k < k1; k++)
+                        l[(k - k0) & 7] += af[k] * (g_e4m3(rp[r][k]) * (1.0f / 256.0f));
+                    pr[r] = g_tree(l);
+                }
+                p = _mm_loadu_ps(pr);
+            } else {
+                const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]),
+                                                _mm256_hadd_ps(acc[2], acc[3]));
+                p = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+            }
             c = _mm_fmadd_ps(p, _mm_set1_ps(as[j] * g_bscale(g, n0, j)), c);
         }
     } else {

@@ -138,6 +138,11 @@ def test_gemm_nan_codes_and_strided_views(isa, rng):
     assert got.shape == (4, 3, 64)
     assert np.isnan(got[:, :, 5]).all() and np.isnan(got[1, 2]).all()
     assert np.isfinite(np.delete(np.delete(got.reshape(12, 64), 5, 0), 5, 1)).all()
+    # the one-row path (NaN codes noted per block, the block redone by the scalar path)
+    one = dc.fp8_gemm(a[1, 1:3][:1], a_s[1, 1:3][:1], b, b_s, out_dtype="float32")
+    np.testing.assert_array_equal(one.view(np.uint32), at_ref(
+        dc.fp8_gemm, a[1, 1:3][:1], a_s[1, 1:3][:1], b, b_s, out_dtype="float32").view(np.uint32))
+    assert np.isnan(one[0, 5]) and np.isfinite(np.delete(one[0], 5)).all()
     # strided activations / scales / output give the contiguous result
     big = np.zeros((4, 6, 300), np.uint8)
     big[:, ::2, 10:266] = a
