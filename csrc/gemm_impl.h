@@ -223,8 +223,11 @@ static inline __attribute__((always_inline)) void CSA_V(g_micro)(
         __m256 c10 = c00, c11 = c00, c12 = c00, c13 = c00;
         const float *r0 = b, *r1 = b + ldb, *r2 = b + 2 * ldb, *r3 = b + 3 * ldb;
         for (csa_idx k = k0; k < k0 + len; k += 8) {
-            const __m256 b0 = _mm256_loadu_ps(r0 + k), b1 = _mm256_loadu_ps(r1 + k);
-            const __m256 b2 = _mm256_loadu_ps(r2 + k), b3 = _mm256_loadu_ps(r3 + k);
+            __m256 b0 = _mm256_loadu_ps(r0 + k), b1 = _mm256_loadu_ps(r1 + k);
+            __m256 b2 = _mm256_loadu_ps(r2 + k), b3 = _mm256_loadu_ps(r3 + k);
+            /* keep the four weight vectors in registers: GCC would otherwise fold each
+             * load into the FMAs of both activation rows (two loads per vector) */
+            if (MR == 2) __asm__("" : "+x"(b0), "+x"(b1), "+x"(b2), "+x"(b3));
             const __m256 x0 = _mm256_loadu_ps(a0 + k);
             c00 = _mm256_fmadd_ps(x0, b0, c00);
             c01 = _mm256_fmadd_ps(x0, b1, c01);
