@@ -12,7 +12,8 @@ from .compressor import *  # noqa: F401,F403  gated_pool, Compressor
 from .indexer import *  # noqa: F401,F403  index_scores, index_topk, ...
 from .attention import *  # noqa: F401,F403  sparse_attn
 from .quant import *  # noqa: F401,F403  fp8_round, fp4_round, hadamard
-from . import compressor as _c, indexer as _i, attention as _a, quant as _q
+from .gemm import *  # noqa: F401,F403  fp8_gemm, fp4_gemm, fp8_quant, fp4_quant, ...
+from . import compressor as _c, indexer as _i, attention as _a, quant as _q, gemm as _g
 
 __version__ = "0.1.0"
 
@@ -34,4 +35,4 @@ if not _core._build_info()["openmp"]:
 
 __all__ = (["apply_rope", "rms_norm", "rope_table", "get_isa", "set_isa", "best_isa",
             "max_threads", "build_info", "V4_FLASH", "V4_PRO", "V41_FLASH", "CSAConfig"]
-           + _c.__all__ + _i.__all__ + _a.__all__ + _q.__all__)
+           + _c.__all__ + _i.__all__ + _a.__all__ + _q.__all__ + _g.__all__)

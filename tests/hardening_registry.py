@@ -604,3 +604,103 @@ def available_entries():
 def default_sizes(entry, pick=operator.itemgetter(1)):
     """Sizes of a deterministic mid-size valid call (hi end of every range)."""
     return entry.make_sizes({k: pick(v) for k, v in entry.sizes.items()})
+
+
+# ---- issue 18: the released kernel module's GEMMs, quantizers and Sinkhorn
+
+def _e4m3_codes(rng, shape, sizes):
+    u = rng.integers(0, 256, shape).astype(np.uint8)
+    u[(u & 0x7F) == 0x7F] ^= 1          # no NaN codes in a valid call
+    return u
+
+
+def _bytes(rng, shape, sizes):
+    return rng.integers(0, 256, shape).astype(np.uint8)
+
+
+def _pos_scales(rng, shape, sizes):
+    return (2.0 ** rng.integers(-9, -3, shape) * rng.uniform(0.5, 1, shape)).astype(np.float32)
+
+
+def _gemm8_derive(s):
+    s["K"] = 16 * s["K16"] + s["Kodd"]
+    s["KB"] = -(-s["K"] // 128)
+    s["NB"] = -(-s["N"] // 128)
+    return s
+
+
+def _gemm4_derive(s):
+    s["K"] = 32 * s["K32"] + 2 * s["Kodd"]
+    s["K2"] = s["K"] // 2
+    s["KB"] = -(-s["K"] // 128)
+    s["KB32"] = -(-s["K"] // 32)
+    return s
+
+
+def _quant4_derive(s):
+    s["blk"] = 2 * s["blk2"]
+    s["L"] = s["NB"] * s["blk"]
+    return s
+
+
+def _hc_derive(s):
+    s["W"] = (2 + s["h"]) * s["h"]
+    return s
+
+
+# Arrays the glue reads with a unit last stride only (documented: weights are read as
+# they are stored): a layout variant that changes the last stride must raise naming them
+# (hardening_cases.py applies this to its "same" layout cases).
+UNIT_LAST_STRIDE = {"fp8_gemm": ("b",), "fp4_gemm": ("b",)}
+# out= dtypes an entry accepts besides its canonical float32 (the GEMMs store bfloat16).
+OUT_ALSO = {"fp8_gemm": ("bfloat16",), "fp4_gemm": ("bfloat16",)}
+
+ENTRIES += [
+    Entry("fp8_gemm", "fp8_gemm",
+          dict(a=Arr(("M", "K"), dtype=np.uint8, ndim=(1, None), fill=_e4m3_codes),
+               a_s=Arr(("M", "KB"), ndim=(1, None), fill=_pos_scales, also=("uint8",)),
+               b=Arr(("N", "K"), dtype=np.uint8, fill=_e4m3_codes),
+               b_s=Arr(("NB", "KB"), fill=_pos_scales, also=("uint8",)),
+               out_dtype=Choice(_C(None), ("bfloat16", "float32"), none_ok=True),
+               out=Arr(("M", "N"), role="out", ndim=(1, None), also=("bfloat16",))),
+          positional=("a", "a_s", "b", "b_s"),
+          sizes=dict(M=(1, 6), N=(1, 140), K16=(0, 20), Kodd=(0, 1)),
+          derive=_gemm8_derive, zero_ok=("M", "N", "K16", "Kodd"),
+          medium=dict(M=64, N=2048, K16=64, Kodd=0)),
+    Entry("fp4_gemm", "fp4_gemm",
+          dict(a=Arr(("M", "K"), dtype=np.uint8, ndim=(1, None), fill=_e4m3_codes),
+               a_s=Arr(("M", "KB"), ndim=(1, None), fill=_pos_scales, also=("uint8",)),
+               b=Arr(("N", "K2"), dtype=np.uint8, fill=_bytes),
+               b_s=Arr(("N", "KB32"), fill=_pos_scales, also=("uint8",)),
+               out_dtype=Choice(_C(None), ("bfloat16", "float32"), none_ok=True),
+               out=Arr(("M", "N"), role="out", ndim=(1, None), also=("bfloat16",))),
+          positional=("a", "a_s", "b", "b_s"),
+          sizes=dict(M=(1, 6), N=(1, 70), K32=(0, 10), Kodd=(0, 1)),
+          derive=_gemm4_derive, zero_ok=("M", "N", "K32", "Kodd"),
+          medium=dict(M=32, N=2048, K32=64, Kodd=0)),
+    Entry("fp8_quant", "fp8_quant",
+          dict(x=Arr(("R", "L"), ndim=(1, None), also=("bfloat16",)),
+               block=Int(_S("blk"), lo=1, hi=1 << 40, huge_ok=True, optional=True),
+               scale=Choice(_C("ue8m0"), ("ue8m0", "fp32"), none_ok=True),
+               scale_dtype=Choice(_C("float32"), ("float32", "e8m0"), none_ok=True)),
+          positional=("x",), sizes=dict(R=(1, 5), NB=(1, 4), blk=(1, 70)),
+          derive=_blocks_derive, zero_ok=("R",), medium=dict(R=8193, NB=7, blk=64)),
+    Entry("fp4_quant", "fp4_quant",
+          dict(x=Arr(("R", "L"), ndim=(1, None), also=("bfloat16",)),
+               block=Int(_S("blk"), lo=2, hi=1 << 40, huge_ok=True, optional=True),
+               scale=Choice(_C("ue8m0"), ("ue8m0", "e4m3"), none_ok=True)),
+          positional=("x",), sizes=dict(R=(1, 5), NB=(1, 4), blk2=(1, 20)),
+          derive=_quant4_derive, zero_ok=("R",), medium=dict(R=16385, NB=4, blk2=16)),
+    Entry("hc_split_sinkhorn", "hc_split_sinkhorn",
+          dict(mixes=Arr(("B", "S", "W"), ndim=(1, None)),
+               hc_scale=Arr((3,)),
+               hc_base=Arr(("W",)),
+               hc_mult=Int(_S("h"), lo=1, hi=64, optional=True),
+               sinkhorn_iters=Int(_S("it"), lo=1, hi=1 << 20, optional=True),
+               eps=Real(_C(1e-6), lo=0.0, optional=True)),
+          positional=("mixes", "hc_scale", "hc_base"),
+          sizes=dict(B=(1, 3), S=(1, 9), h=(1, 6), it=(1, 25)),
+          derive=_hc_derive, zero_ok=("B", "S"), huge_skip=("it",),
+          medium=dict(B=1, S=4097, h=4, it=20)),
+]
+BY_NAME = {e.name: e for e in ENTRIES}

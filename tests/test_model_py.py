@@ -1,30 +1,28 @@
 """Layer-by-layer swaps into DeepSeek's released inference/model.py.
 
 Set DEEPSEEK_MODEL_PY to a released ``inference/model.py`` (DeepSeek-V4-Flash / V4-Pro; a
-V4.1 file is tried as well).  The file is loaded from that path on the CPU, with CPU
-stand-ins (below) for its GPU-only imports: the ``kernel`` module (act_quant,
-fp4_act_quant, fp8_gemm, fp4_gemm, sparse_attn, hc_split_sinkhorn) and
-``fast_hadamard_transform``.  A small random-weight Transformer is built and run in
-float32 (prefill, then decode steps); then each attention layer in turn is swapped onto
+V4.1 file is tried as well).  The file is loaded from that path on the CPU through
+``deepseek_csa.torch.load_model_py``, i.e. with the package's own CPU implementations of
+its GPU-only imports: the ``kernel`` module (act_quant, fp4_act_quant, fp8_gemm, fp4_gemm,
+sparse_attn, hc_split_sinkhorn) and ``fast_hadamard_transform``.  A small random-weight
+Transformer is built and run in float32 (prefill, then decode steps); then each attention layer in turn is swapped onto
 deepseek_csa (``deepseek_csa.torch.swap``) and every layer's output and every indexer
 top-k is compared with the unswapped run: the swapped layer within 1e-4 relative, the
 others unchanged, top-k sets identical.  The swapped layer's output is handed on as the
 unswapped one's (tests/ref_layer.py ``swap_report``) so that QAT rounding and top-k
 selections downstream see the same inputs.
 
-The stand-ins follow SPEC.md (FP8/FP4 quantize-dequantize onto the e4m3 / e2m1 grids,
-gather sparse attention with a sink, Walsh-Hadamard); the unswapped run uses them, so the
-comparison is deepseek_csa against model.py's own torch code plus these.  The released
+The unswapped run uses the package's kernel module for what model.py imports from
+``kernel`` (and model.py's own torch code for the rest), so the comparison is
+deepseek_csa's swapped ops against model.py's torch code.  The released
 ``rotate_activation`` asserts bfloat16; for the float32 run it is replaced by the same
 transform without the assertion.
 """
 import copy
 import dataclasses
-import importlib.util
 import os
 import re
 import sys
-import types
 
 import numpy as np
 import pytest
@@ -33,6 +31,7 @@ import torch
 import ref_layer as R
 
 import deepseek_csa.torch as dct
+from deepseek_csa import _kernel_module as K
 
 MODEL_PY = os.environ.get("DEEPSEEK_MODEL_PY")
 pytestmark = pytest.mark.skipif(
@@ -40,78 +39,32 @@ pytestmark = pytest.mark.skipif(
                          "inference/model.py to swap deepseek_csa into it layer by layer")
 
 
-# ----------------------------------------------------------------------------- stand-ins
-def _act_quant(x, block_size=128, scale_fmt=None, scale_dtype=None, inplace=False):
-    e8 = getattr(torch, "float8_e8m0fnu", None)
-    pow2 = scale_fmt is not None or (e8 is not None and scale_dtype == e8)
-    if inplace:
-        x.copy_(R.fp8_qat(x.float(), block_size, pow2=pow2))
-        return x
-    xb = x.float().unflatten(-1, (-1, block_size))
-    s = (xb.abs().amax(-1, keepdim=True).clamp_min(1e-4) / 448.0)
-    s = R._pow2_at_least(s) if pow2 else s
-    return (xb / s).clamp(-448, 448).to(torch.float8_e4m3fn).flatten(-2), s.squeeze(-1)
-
-
-def _fp4_act_quant(x, block_size=32, inplace=True):
-    if not inplace:
-        raise NotImplementedError("stand-in fp4_act_quant: inplace only")
-    x.copy_(R.fp4_qat(x.float(), block_size))
-    return x
-
-
-def _gemm_unavailable(*a, **k):
-    raise NotImplementedError("the stand-in runs bf16/fp32 weights only (no FP8/FP4 GEMM)")
-
-
-def _hc_split_sinkhorn(mixes, hc_scale, hc_base, hc_mult=4, sinkhorn_iters=20, eps=1e-6):
-    """Hyper-connection split: sigmoid pre/post weights, Sinkhorn-normalised mixing."""
-    h = hc_mult
-    pre = torch.sigmoid(mixes[..., :h] * hc_scale[0] + hc_base[:h]) + eps
-    post = 2 * torch.sigmoid(mixes[..., h:2 * h] * hc_scale[1] + hc_base[h:2 * h])
-    c = mixes[..., 2 * h:].unflatten(-1, (h, h)) * hc_scale[2] + hc_base[2 * h:].view(h, h)
-    c = torch.softmax(c, -1) + eps
-    for _ in range(sinkhorn_iters):
-        c = c / (c.sum(-2, keepdim=True) + eps)
-        c = c / (c.sum(-1, keepdim=True) + eps)
-    return pre, post, c
-
-
-def _hadamard_transform(x, scale=1.0):
-    return (R.hadamard(x) * (scale * x.shape[-1] ** 0.5)).to(x.dtype)
-
-
-def _standin_modules():
-    k = types.ModuleType("kernel")
-    k.__doc__ = "CPU stand-in for model.py's GPU kernel module (tests/test_model_py.py)"
-    k.act_quant, k.fp4_act_quant = _act_quant, _fp4_act_quant
-    k.fp8_gemm = k.fp4_gemm = _gemm_unavailable
-    k.sparse_attn, k.hc_split_sinkhorn = R.sparse_attn, _hc_split_sinkhorn
-    k.hadamard_transform = _hadamard_transform
-    k.fp4_act_quant_e4m3 = lambda x, block_size=16, inplace=True: R.fp4_act_quant_e4m3(
-        x, block_size, inplace)
-    f = types.ModuleType("fast_hadamard_transform")
-    f.hadamard_transform = _hadamard_transform
-    return {"kernel": k, "fast_hadamard_transform": f}
+# ----------------------------------------------------------------------------- loading
+# The file is imported through the package's own CPU ``kernel`` / ``fast_hadamard_transform``
+# (deepseek_csa.torch.load_model_py); the former float32 stand-ins of this file are gone
+# (their Sinkhorn normalised rows and columns in the other order than the released kernel,
+# SPEC section 9; the package's follows the released order).
+def _hadamard(x):
+    """The released rotate_activation's transform without its bfloat16 assertion."""
+    return K.hadamard_transform(x, scale=x.shape[-1] ** -0.5)
 
 
 @pytest.fixture(scope="module")
 def model_py():
     text = open(MODEL_PY).read()
-    mods = _standin_modules()
+    provided = K.kernel_module()
     wanted = set()
-    for m in re.finditer(r"^\s*from\s+kernel\s+import\s+(\([^)]*\)|[^\n]+)", text, re.M):
+    for m in re.finditer(r"^\s*from\s+(?:\.|[\w.]*\.)?kernel\s+import\s+(\([^)]*\)|[^\n]+)",
+                         text, re.M):
         names = m.group(1).strip("() \n").split(",")
         wanted |= {n.split(" as ")[0].strip() for n in names if n.strip()}
-    missing = sorted(n for n in wanted if not hasattr(mods["kernel"], n))
+    missing = sorted(n for n in wanted if not hasattr(provided, n))
     if missing:
-        pytest.skip(f"{MODEL_PY} imports {missing} from its kernel module; no CPU stand-in")
-    saved = {n: sys.modules.get(n) for n in mods}
-    sys.modules.update(mods)
+        pytest.skip(f"{MODEL_PY} imports {missing} from its kernel module; deepseek_csa's "
+                    "kernel module does not provide them")
+    saved = {n: sys.modules.get(n) for n in ("kernel", "fast_hadamard_transform")}
     try:
-        spec = importlib.util.spec_from_file_location("deepseek_released_model", MODEL_PY)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
+        mod = dct.load_model_py(MODEL_PY)
         mod._released_rotate_activation = mod.rotate_activation
         yield mod
     finally:
@@ -168,7 +121,7 @@ def _build(mod, seed=0, bf16=False):
                 if b is not None and b.is_floating_point() and b.dtype != torch.float32:
                     m._buffers[n] = b.float()
     # float32 run: the released rotate_activation insists on bfloat16
-    mod.rotate_activation = lambda x: _hadamard_transform(x, scale=x.shape[-1] ** -0.5)
+    mod.rotate_activation = _hadamard
     return model, args
 
 

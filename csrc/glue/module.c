@@ -8,6 +8,9 @@
 #include <omp.h>
 #endif
 
+/* issue 18: the released kernel module's GEMMs, quantizers and Sinkhorn (py_gemm.c) */
+extern PyMethodDef csa_gemm_methods[];
+
 static const char *isa_names[] = {"ref", "base", "avx2", "avx512", "amx"};
 
 static PyObject *py_get_isa(PyObject *self, PyObject *noargs)
@@ -64,7 +67,8 @@ PyMODINIT_FUNC PyInit__core(void)
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
     PyMethodDef *tables[] = {csa_norm_rope_methods, csa_pool_methods, csa_index_methods,
-                             csa_attn_methods, csa_quant_methods, csa_bench_methods};
+                             csa_attn_methods, csa_quant_methods, csa_bench_methods,
+                             csa_gemm_methods};
     for (size_t i = 0; i < sizeof tables / sizeof tables[0]; i++)
         if (PyModule_AddFunctions(m, tables[i])) {
             Py_DECREF(m);

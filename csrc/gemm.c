@@ -1,0 +1,129 @@
+#include "gemm.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
+/* ------------------------------------------------------------ decoding */
+
+static inline uint32_t g_bits(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float g_float(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* e4m3fn: the 7 magnitude bits placed at the top of a float32's exponent/mantissa
+ * fields give 2^-120 times the value (a float32 subnormal for the e4m3 subnormals),
+ * so one exact multiply by 2^120 decodes every code; 0x7f / 0xff are NaN. */
+static inline float g_e4m3(uint32_t v)
+{
+    const uint32_t em = v & 0x7fu;
+    const uint32_t mag = em == 0x7fu ? 0x7fc00000u : g_bits(g_float(em << 20) * 0x1p120f);
+    return g_float(mag | ((v & 0x80u) << 24));
+}
+
+static inline float g_e2m1(uint32_t nib)
+{
+    static const float t[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    const float f = t[nib & 7u];
+    return (nib & 8u) ? -f : f;
+}
+
+/* e8m0: 2^(v - 127); 0 is 2^-127 (a float32 subnormal), 0xff NaN. */
+static inline float g_e8m0(uint32_t v)
+{
+    return v == 0xffu ? NAN : (v == 0 ? 0x1p-127f : g_float(v << 23));
+}
+
+float csa_e4m3_to_f32(uint8_t v) { return g_e4m3(v); }
+float csa_e2m1_to_f32(uint8_t nibble) { return g_e2m1(nibble); }
+float csa_e8m0_to_f32(uint8_t v) { return g_e8m0(v); }
+
+static inline float g_scale(const void *s, int fmt, csa_idx i)
+{
+    return fmt == CSA_S_E8M0 ? g_e8m0(((const uint8_t *)s)[i]) : ((const float *)s)[i];
+}
+
+/* The weight-side scale factor sbx of block kb (in the weight's blocks) for row n. */
+static inline float g_bscale(const struct csa_gemm_args *g, csa_idx n, csa_idx kb)
+{
+    if (g->b_fmt == CSA_W_E4M3)
+        return g_scale(g->bs, g->bs_fmt, (n / 128) * g->sbs_row + kb * g->sbs_col) * 256.0f;
+    return g_scale(g->bs, g->bs_fmt, n * g->sbs_row + kb * g->sbs_col);
+}
+
+static inline float g_tree(const float *l)
+{
+    return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
+
+static inline void g_store(const struct csa_gemm_args *g, csa_idx m, csa_idx n, float v)
+{
+    if (g->out_bf16)
+        ((csa_bf16 *)g->out)[m * g->so_row + n] = csa_f32_to_bf16(v);
+    else
+        ((float *)g->out)[m * g->so_row + n] = v;
+}
+
+/* ------------------------------------------------------------ scalar oracle */
+
+int csa_gemm_ref(const struct csa_gemm_args *g)
+{
+    const int fp8 = g->b_fmt == CSA_W_E4M3;
+    const csa_idx BK = fp8 ? 128 : 32;
+    for (csa_idx m = 0; m < g->M; m++)
+        for (csa_idx n = 0; n < g->N; n++) {
+            const uint8_t *ar = g->a + m * g->sa_row, *br = g->b + n * g->sb_row;
+            float acc = 0.0f;
+            for (csa_idx k0 = 0; k0 < g->K; k0 += BK) {
+                float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                const csa_idx k1 = k0 + BK < g->K ? k0 + BK : g->K;
+                for (csa_idx k = k0; k < k1; k++) {
+                    const float bv = fp8 ? g_e4m3(br[k]) * (1.0f / 256.0f)
+                                         : g_e2m1(k & 1 ? br[k / 2] >> 4 : br[k / 2] & 15u);
+                    l[(k - k0) & 7] += g_e4m3(ar[k]) * bv;
+                }
+                const float s = g_scale(g->as, g->as_fmt, m * g->sas_row + (k0 / 128) * g->sas_col) *
+                                g_bscale(g, n, k0 / BK);
+                acc = fmaf(g_tree(l), s, acc);
+            }
+            g_store(g, m, n, acc);
+        }
+    return CSA_OK;
+}
+
+/* ------------------------------------------------------------ tuned entry */
+
+/* Columns of the weight panel one task decodes (rows of b), and the K slice it
+ * decodes at a time (prefill: a 64-row panel in L2 that every row pair of the
+ * activation tile reuses; decode shapes take 4 whole rows, see gemm_impl.h). */
+#define G_KC 256
+#define G_KC_SMALL_MAX 8192   /* decode shapes: whole rows up to this K (4 x 128 KiB) */
+#define G_NC_LARGE 64
+#define G_MB 192     /* activation rows per output tile (float accumulators in L2) */
+#define G_MS 32      /* activation rows swept per weight quad (their slice in L1/L2) */
+
+#define CSA_IMPL "gemm_impl.h"
+#include "csa_isa_variants.h"
+
+int csa_gemm(const struct csa_gemm_args *g)
+{
+    if (g->M == 0 || g->N == 0) return CSA_OK;
+    const int fp8 = g->b_fmt == CSA_W_E4M3;
+    if (g->K == 0 || g->K % (fp8 ? 16 : 32)) return csa_gemm_ref(g);
+    CSA_DISPATCH(gemm_tuned, (g), csa_gemm_ref(g));
+}

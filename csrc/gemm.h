@@ -1,0 +1,57 @@
+/* FP8 x FP8 and FP8 x FP4 block-scaled GEMMs (SPEC section 9: the released
+ * `fp8_gemm` / `fp4_gemm`).
+ *
+ * C[m, n] = sum over K blocks kb of  P(m, n, kb) * (sa[m, k0 / 128] * sbx(n, kb)),
+ * each block's partial sum P in float32, scaled and added into a float32 accumulator
+ * (starting at +0) by one fused multiply-add, blocks in increasing k; the result is
+ * stored as float32 or rounded once to bfloat16 (nearest-even).
+ *
+ *   FP8 weights (CSA_W_E4M3): b [N, K] e4m3fn bytes, blocks of 128 along K, one scale
+ *       per 128 x 128 block: sb[n / 128, kb].  Decoded b values enter P divided by 256
+ *       (exact: they are fp16 halves of the e4m3 values) and sbx = sb * 256.
+ *   FP4 weights (CSA_W_E2M1): b [N, K / 2] bytes, two e2m1 values a byte (element 2i in
+ *       the low nibble, as torch's float4_e2m1fn_x2), blocks of 32 along K with one
+ *       scale each: sb[n, k0 / 32]; sbx = sb.
+ * Activations a [M, K] are e4m3fn bytes with one scale per row and 128 columns.
+ * The block partial sum P has a fixed order: eight lanes, lane j adding the products
+ * of the block's elements j, j + 8, j + 16, ... in increasing k (every product of two
+ * of these formats is exact in float32), then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) +
+ * (l6 + l7)).  Every ISA level and thread count computes exactly this, so the bits
+ * never depend on them; it equals the same sum over the true values except when
+ * sa * sb * 256 overflows float32 (scales beyond 2^120).
+ *
+ * Decoding: e4m3 0x7f / 0xff are NaN, e8m0 0xff is NaN and 0x00 is 2^-127; scales may
+ * also be float32.  A trailing partial block (K not a multiple of the block) is
+ * summed the same way over the elements it has. */
+#ifndef CSA_GEMM_H
+#define CSA_GEMM_H
+#include "csa.h"
+
+enum csa_gemm_wfmt { CSA_W_E4M3 = 0, CSA_W_E2M1 = 1 };
+enum csa_gemm_sfmt { CSA_S_F32 = 0, CSA_S_E8M0 = 1 };
+
+struct csa_gemm_args {
+    const uint8_t *a;          /* [M, K] e4m3 bytes, unit column stride */
+    csa_idx M, K, sa_row;
+    const void *as;            /* [M, ceil(K / 128)] float32 or e8m0 bytes */
+    int as_fmt;
+    csa_idx sas_row, sas_col;
+    const uint8_t *b;          /* [N, K] e4m3 or [N, K / 2] packed e2m1, unit column stride */
+    int b_fmt;
+    csa_idx N, sb_row;         /* row stride in bytes */
+    const void *bs;            /* [ceil(N / 128), ceil(K / 128)] or [N, ceil(K / 32)] */
+    int bs_fmt;
+    csa_idx sbs_row, sbs_col;
+    void *out;                 /* [M, N] float32 or bfloat16, unit column stride */
+    int out_bf16;
+    csa_idx so_row;
+};
+
+int csa_gemm(const struct csa_gemm_args *g);
+int csa_gemm_ref(const struct csa_gemm_args *g);
+
+/* Scalar decoders (the oracle's), for the tests and other kernels. */
+float csa_e4m3_to_f32(uint8_t v);
+float csa_e2m1_to_f32(uint8_t nibble);
+float csa_e8m0_to_f32(uint8_t v);
+#endif

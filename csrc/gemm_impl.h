@@ -1,0 +1,416 @@
+/* Tuned fp8_gemm / fp4_gemm bodies, compiled once per ISA level by
+ * csa_isa_variants.h.  Every output element is computed by one thread in the
+ * oracle's order (gemm.h), so the bits depend on neither the level nor the threads.
+ *
+ * Structure: the activations are decoded once to float32 rows (they are small next
+ * to the weights); the weights are never expanded as a whole: each task takes a
+ * panel of NC rows of b and, G_KC columns at a time, decodes that slice into a
+ * thread-private float buffer (16 KiB for decode shapes, L1; 64 KiB for prefill, L2)
+ * which every activation row then reuses, so the weight bytes stream from memory
+ * once.  The microkernel multiplies 1 or 2 activation rows by 4 weight rows, eight k
+ * a vector (8 accumulators, FMA on AVX2), reduces each block's lanes by the fixed
+ * tree and adds partial * scale into the float32 output tile. */
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define G_SIMD 1
+#else
+#define G_SIMD 0
+#endif
+
+/* One activation row to float32 (true values). */
+static void CSA_V(g_dec_a)(const uint8_t *CSA_RESTRICT a, float *CSA_RESTRICT f, csa_idx K)
+{
+#pragma omp simd
+    for (csa_idx k = 0; k < K; k++) f[k] = g_e4m3(a[k]);
+}
+
+#if G_SIMD
+/* 16 e4m3 bytes -> 16 floats, each 1/256 of its value: the byte moved to the top of a
+ * 16-bit lane and shifted right once (arithmetic, then the sign copy cleared) is the
+ * fp16 encoding of value / 256, subnormals included, which F16C widens exactly.
+ * NaN codes (x & 0x7f == 0x7f) would come out finite: such chunks take the scalar path. */
+static inline void CSA_V(g_dec16_e4m3)(const uint8_t *p, float *dst)
+{
+    const __m128i x = _mm_loadu_si128((const __m128i *)p);
+    const __m128i s7 = _mm_set1_epi8(0x7f);
+    if (__builtin_expect(_mm_movemask_epi8(_mm_cmpeq_epi8(_mm_and_si128(x, s7), s7)), 0)) {
+        for (int i = 0; i < 16; i++) dst[i] = g_e4m3(p[i]) * (1.0f / 256.0f);
+        return;
+    }
+    const __m128i z = _mm_setzero_si128(), keep = _mm_set1_epi16((short)0xBFFF);
+    const __m128i lo = _mm_and_si128(_mm_srai_epi16(_mm_unpacklo_epi8(z, x), 1), keep);
+    const __m128i hi = _mm_and_si128(_mm_srai_epi16(_mm_unpackhi_epi8(z, x), 1), keep);
+    _mm256_storeu_ps(dst, _mm256_cvtph_ps(lo));
+    _mm256_storeu_ps(dst + 8, _mm256_cvtph_ps(hi));
+}
+
+/* 16 bytes of packed e2m1 (32 values, element 2i in the low nibble of byte i) ->
+ * 32 floats: each nibble indexes an in-register table of the high bytes of the fp16
+ * values (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives; the low bytes are zero). */
+static inline void CSA_V(g_dec32_e2m1)(const uint8_t *p, float *dst)
+{
+    const __m128i x = _mm_loadu_si128((const __m128i *)p);
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    const __m128i tbl = _mm_setr_epi8(0x00, 0x38, 0x3c, 0x3e, 0x40, 0x42, 0x44, 0x46,
+                                      (char)0x80, (char)0xb8, (char)0xbc, (char)0xbe,
+                                      (char)0xc0, (char)0xc2, (char)0xc4, (char)0xc6);
+    const __m128i lv = _mm_shuffle_epi8(tbl, _mm_and_si128(x, m4));
+    const __m128i hv = _mm_shuffle_epi8(tbl, _mm_and_si128(_mm_srli_epi16(x, 4), m4));
+    const __m128i e0 = _mm_unpacklo_epi8(lv, hv), e1 = _mm_unpackhi_epi8(lv, hv);
+    const __m128i z = _mm_setzero_si128();
+    _mm256_storeu_ps(dst, _mm256_cvtph_ps(_mm_unpacklo_epi8(z, e0)));
+    _mm256_storeu_ps(dst + 8, _mm256_cvtph_ps(_mm_unpackhi_epi8(z, e0)));
+    _mm256_storeu_ps(dst + 16, _mm256_cvtph_ps(_mm_unpacklo_epi8(z, e1)));
+    _mm256_storeu_ps(dst + 24, _mm256_cvtph_ps(_mm_unpackhi_epi8(z, e1)));
+}
+#endif
+
+#if G_SIMD
+/* The same decoders into registers, for the one-row (decode) path. */
+static inline __attribute__((always_inline)) void CSA_V(g_reg16_e4m3)(const uint8_t *p,
+                                                                     __m256 *lo, __m256 *hi)
+{
+    const __m128i x = _mm_loadu_si128((const __m128i *)p);
+    const __m128i s7 = _mm_set1_epi8(0x7f);
+    if (__builtin_expect(_mm_movemask_epi8(_mm_cmpeq_epi8(_mm_and_si128(x, s7), s7)), 0)) {
+        float t[16];
+        for (int i = 0; i < 16; i++) t[i] = g_e4m3(p[i]) * (1.0f / 256.0f);
+        *lo = _mm256_loadu_ps(t);
+        *hi = _mm256_loadu_ps(t + 8);
+        return;
+    }
+    const __m128i z = _mm_setzero_si128(), keep = _mm_set1_epi16((short)0xBFFF);
+    *lo = _mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(_mm_unpacklo_epi8(z, x), 1), keep));
+    *hi = _mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(_mm_unpackhi_epi8(z, x), 1), keep));
+}
+
+static inline __attribute__((always_inline)) void CSA_V(g_reg32_e2m1)(const uint8_t *p,
+                                                                     __m256 v[4])
+{
+    const __m128i x = _mm_loadu_si128((const __m128i *)p);
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    const __m128i tbl = _mm_setr_epi8(0x00, 0x38, 0x3c, 0x3e, 0x40, 0x42, 0x44, 0x46,
+                                      (char)0x80, (char)0xb8, (char)0xbc, (char)0xbe,
+                                      (char)0xc0, (char)0xc2, (char)0xc4, (char)0xc6);
+    const __m128i lv = _mm_shuffle_epi8(tbl, _mm_and_si128(x, m4));
+    const __m128i hv = _mm_shuffle_epi8(tbl, _mm_and_si128(_mm_srli_epi16(x, 4), m4));
+    const __m128i e0 = _mm_unpacklo_epi8(lv, hv), e1 = _mm_unpackhi_epi8(lv, hv);
+    const __m128i z = _mm_setzero_si128();
+    v[0] = _mm256_cvtph_ps(_mm_unpacklo_epi8(z, e0));
+    v[1] = _mm256_cvtph_ps(_mm_unpackhi_epi8(z, e0));
+    v[2] = _mm256_cvtph_ps(_mm_unpacklo_epi8(z, e1));
+    v[3] = _mm256_cvtph_ps(_mm_unpackhi_epi8(z, e1));
+}
+
+/* One activation row against 4 weight rows (rows past nr repeat the last one, their
+ * results dropped), decoding straight into registers as the bytes stream in: no
+ * buffer, each weight byte read once.  The oracle's order: lanes = k mod 8 within a
+ * block, the tree, then one FMA per block into the float32 accumulators. */
+static void CSA_V(g_row1)(const struct csa_gemm_args *g, const float *af, const float *as,
+                          csa_idx n0, csa_idx nr, float *res)
+{
+    const csa_idx K = g->K;
+    const uint8_t *rp[4];
+    for (int r = 0; r < 4; r++) rp[r] = g->b + (n0 + (r < nr ? r : nr - 1)) * g->sb_row;
+    __m128 c = _mm_setzero_ps();
+    if (g->b_fmt == CSA_W_E4M3) {
+        const __m256i z = _mm256_setzero_si256(), keep = _mm256_set1_epi16((short)0xBFFF);
+        const __m256i s7 = _mm256_set1_epi8(0x7f);
+        for (csa_idx k0 = 0, j = 0; k0 < K; k0 += 128, j++) {
+            const csa_idx k1 = K - k0 < 128 ? K : k0 + 128;
+            __m256 acc[4];
+            __m256i nan = _mm256_setzero_si256();
+            for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
+            /* 32 codes of a row a step: in-lane unpacks put codes 0-7 | 16-23 and
+             * 8-15 | 24-31 in the two halves; the FMAs still go in k order.  NaN codes
+             * are only noted here: a block that has one is redone by the scalar path. */
+            for (csa_idx k = k0; k < k1; k += 32) {
+                const __m256 x0 = _mm256_loadu_ps(af + k), x1 = _mm256_loadu_ps(af + k + 8);
+                const __m256 x2 = _mm256_loadu_ps(af + k + 16), x3 = _mm256_loadu_ps(af + k + 24);
+                for (int r = 0; r < 4; r++) {
+                    const __m256i x = _mm256_loadu_si256((const __m256i *)(rp[r] + k));
+                    nan = _mm256_or_si256(nan, _mm256_cmpeq_epi8(_mm256_and_si256(x, s7), s7));
+                    const __m256i lo = _mm256_and_si256(_mm256_srai_epi16(_mm256_unpacklo_epi8(z, x), 1), keep);
+                    const __m256i hi = _mm256_and_si256(_mm256_srai_epi16(_mm256_unpackhi_epi8(z, x), 1), keep);
+                    __m256 a = acc[r];
+                    a = _mm256_fmadd_ps(x0, _mm256_cvtph_ps(_mm256_castsi256_si128(lo)), a);
+                    a = _mm256_fmadd_ps(x1, _mm256_cvtph_ps(_mm256_castsi256_si128(hi)), a);
+                    a = _mm256_fmadd_ps(x2, _mm256_cvtph_ps(_mm256_extracti128_si256(lo, 1)), a);
+                    a = _mm256_fmadd_ps(x3, _mm256_cvtph_ps(_mm256_extracti128_si256(hi, 1)), a);
+                    acc[r] = a;
+                }
+            }
+            __m128 p;
+            if (__builtin_expect(!_mm256_testz_si256(nan, nan), 0)) {
+                float pr[4];
+                for (int r = 0; r < 4; r++) {
+                    float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                    for (csa_idx k = k0; k < k1; k++)
+                        l[(k - k0) & 7] += af[k] * (g_e4m3(rp[r][k]) * (1.0f / 256.0f));
+                    pr[r] = g_tree(l);
+                }
+                p = _mm_loadu_ps(pr);
+            } else {
+                const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]),
+                                                _mm256_hadd_ps(acc[2], acc[3]));
+                p = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+            }
+            c = _mm_fmadd_ps(p, _mm_set1_ps(as[j] * g_bscale(g, n0, j)), c);
+        }
+    } else {
+        for (csa_idx k0 = 0, j = 0; k0 < K; k0 += 32, j++) {
+            const __m256 x0 = _mm256_loadu_ps(af + k0), x1 = _mm256_loadu_ps(af + k0 + 8);
+            const __m256 x2 = _mm256_loadu_ps(af + k0 + 16), x3 = _mm256_loadu_ps(af + k0 + 24);
+            __m256 acc[4], v[4];
+            for (int r = 0; r < 4; r++) {
+                CSA_V(g_reg32_e2m1)(rp[r] + k0 / 2, v);
+                acc[r] = _mm256_fmadd_ps(x3, v[3], _mm256_fmadd_ps(x2, v[2], _mm256_fmadd_ps(
+                             x1, v[1], _mm256_fmadd_ps(x0, v[0], _mm256_setzero_ps()))));
+            }
+            const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]),
+                                            _mm256_hadd_ps(acc[2], acc[3]));
+            const __m128 p = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+            const csa_idx nl = n0 + nr - 1;
+            const __m128 sb = _mm_setr_ps(g_bscale(g, n0, j), g_bscale(g, nr > 1 ? n0 + 1 : nl, j),
+                                          g_bscale(g, nr > 2 ? n0 + 2 : nl, j),
+                                          g_bscale(g, nr > 3 ? n0 + 3 : nl, j));
+            c = _mm_fmadd_ps(p, _mm_mul_ps(_mm_set1_ps(as[k0 / 128]), sb), c);
+        }
+    }
+    _mm_storeu_ps(res, c);
+}
+#endif
+
+/* Weight row slice [k0, k0 + kl) of row n into dst (floats; e4m3 as value / 256). */
+static void CSA_V(g_dec_b)(const struct csa_gemm_args *g, csa_idx n, csa_idx k0, csa_idx kl,
+                           float *CSA_RESTRICT dst)
+{
+    const uint8_t *br = g->b + n * g->sb_row;
+    if (g->b_fmt == CSA_W_E4M3) {
+        csa_idx k = 0;
+#if G_SIMD
+        for (; k + 16 <= kl; k += 16) CSA_V(g_dec16_e4m3)(br + k0 + k, dst + k);
+#endif
+        for (; k < kl; k++) dst[k] = g_e4m3(br[k0 + k]) * (1.0f / 256.0f);
+    } else {
+        const uint8_t *p = br + k0 / 2;   /* k0 even */
+        csa_idx k = 0;
+#if G_SIMD
+        for (; k + 32 <= kl; k += 32) CSA_V(g_dec32_e2m1)(p + k / 2, dst + k);
+#endif
+        for (; k < kl; k++) dst[k] = g_e2m1(k & 1 ? p[k / 2] >> 4 : p[k / 2] & 15u);
+    }
+}
+
+/* MR activation rows (a0, a1: float rows at the slice) times 4 weight rows (b, row
+ * stride G_KC) over kl columns in blocks of bk; after each block, the 4 x MR partial
+ * sums are scaled by sa[i][block] * sbx and added into c (row stride ldc).
+ * fp8: sbx[j] is the weight scale of block j (one for the 4 rows); fp4: sbq + j * ldq
+ * holds the 4 rows' scales of block j.  as_i[j]: the activation scale of the 128-block
+ * holding block j. */
+static inline __attribute__((always_inline)) void CSA_V(g_micro)(
+    const int MR, const float *a0, const float *a1, const float *b, csa_idx ldb, csa_idx kl,
+    csa_idx bk,
+    const float *sbx, const float *sbq, csa_idx ldq, const float *sa0, const float *sa1,
+    float *c, csa_idx ldc)
+{
+    const int fp4 = bk == 32;
+    for (csa_idx k0 = 0, j = 0; k0 < kl; k0 += bk, j++) {
+        const csa_idx len = kl - k0 < bk ? kl - k0 : bk;
+        const csa_idx jb = fp4 ? j / 4 : j;   /* 128-block of the activation scale */
+#if G_SIMD
+        __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c03 = c00;
+        __m256 c10 = c00, c11 = c00, c12 = c00, c13 = c00;
+        const float *r0 = b, *r1 = b + ldb, *r2 = b + 2 * ldb, *r3 = b + 3 * ldb;
+        for (csa_idx k = k0; k < k0 + len; k += 8) {
+            __m256 b0 = _mm256_loadu_ps(r0 + k), b1 = _mm256_loadu_ps(r1 + k);
+            __m256 b2 = _mm256_loadu_ps(r2 + k), b3 = _mm256_loadu_ps(r3 + k);
+            /* keep the four weight vectors in registers: GCC would otherwise fold each
+             * load into the FMAs of both activation rows (two loads per vector) */
+            if (MR == 2) __asm__("" : "+x"(b0), "+x"(b1), "+x"(b2), "+x"(b3));
+            const __m256 x0 = _mm256_loadu_ps(a0 + k);
+            c00 = _mm256_fmadd_ps(x0, b0, c00);
+            c01 = _mm256_fmadd_ps(x0, b1, c01);
+            c02 = _mm256_fmadd_ps(x0, b2, c02);
+            c03 = _mm256_fmadd_ps(x0, b3, c03);
+            if (MR == 2) {
+                const __m256 x1 = _mm256_loadu_ps(a1 + k);
+                c10 = _mm256_fmadd_ps(x1, b0, c10);
+                c11 = _mm256_fmadd_ps(x1, b1, c11);
+                c12 = _mm256_fmadd_ps(x1, b2, c12);
+                c13 = _mm256_fmadd_ps(x1, b3, c13);
+            }
+        }
+        /* the tree: hadd pairs, then the two 128-bit halves */
+        const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(c00, c01), _mm256_hadd_ps(c02, c03));
+        const __m128 p0 = _mm_add_ps(_mm256_castps256_ps128(u0), _mm256_extractf128_ps(u0, 1));
+        const __m128 sb = fp4 ? _mm_loadu_ps(sbq + j * ldq) : _mm_set1_ps(sbx[j]);
+        _mm_storeu_ps(c, _mm_fmadd_ps(p0, _mm_mul_ps(_mm_set1_ps(sa0[jb]), sb),
+                                      _mm_loadu_ps(c)));
+        if (MR == 2) {
+            const __m256 u1 =
+                _mm256_hadd_ps(_mm256_hadd_ps(c10, c11), _mm256_hadd_ps(c12, c13));
+            const __m128 p1 =
+                _mm_add_ps(_mm256_castps256_ps128(u1), _mm256_extractf128_ps(u1, 1));
+            _mm_storeu_ps(c + ldc, _mm_fmadd_ps(p1, _mm_mul_ps(_mm_set1_ps(sa1[jb]), sb),
+                                                _mm_loadu_ps(c + ldc)));
+        }
+#else
+        for (int i = 0; i < MR; i++) {
+            const float *ar = i ? a1 : a0;
+            const float sa = (i ? sa1 : sa0)[jb];
+            for (int q = 0; q < 4; q++) {
+                float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                const float *br = b + q * ldb;
+                for (csa_idx k = k0; k < k0 + len; k += 8)
+                    for (int t = 0; t < 8; t++) l[t] += ar[k + t] * br[k + t];
+                const float sb = fp4 ? sbq[j * ldq + q] : sbx[j];
+                c[i * ldc + q] = fmaf(g_tree(l), sa * sb, c[i * ldc + q]);
+            }
+        }
+#endif
+    }
+}
+
+/* The two row counts as separate out-of-line functions: inlined into the panel loop
+ * the compiler ran out of registers and spilled the accumulators. */
+static __attribute__((noinline)) void CSA_V(g_micro2)(
+    const float *a0, const float *a1, const float *b, csa_idx ldb, csa_idx kl, csa_idx bk,
+    const float *sbx, const float *sbq, csa_idx ldq, const float *sa0, const float *sa1,
+    float *c, csa_idx ldc)
+{
+    CSA_V(g_micro)(2, a0, a1, b, ldb, kl, bk, sbx, sbq, ldq, sa0, sa1, c, ldc);
+}
+
+static __attribute__((noinline)) void CSA_V(g_micro1)(
+    const float *a0, const float *b, csa_idx ldb, csa_idx kl, csa_idx bk, const float *sbx,
+    const float *sbq, csa_idx ldq, const float *sa0, float *c)
+{
+    CSA_V(g_micro)(1, a0, NULL, b, ldb, kl, bk, sbx, sbq, ldq, sa0, NULL, c, 0);
+}
+
+/* One panel: weight rows [n0, n0 + nr) against every activation row, KC columns of
+ * the panel decoded at a time into Bf (row stride KC). */
+static void CSA_V(g_panel)(const struct csa_gemm_args *g, const float *Af, const float *AS,
+                           csa_idx KB128, csa_idx n0, csa_idx nr, csa_idx NC, csa_idx KC,
+                           float *Bf, float *BS, float *C)
+{
+    const csa_idx M = g->M, K = g->K;
+    const int fp8 = g->b_fmt == CSA_W_E4M3;
+    const csa_idx bk = fp8 ? 128 : 32;
+    const csa_idx nq = (nr + 3) / 4 * 4;    /* rows rounded up to whole quads */
+    for (csa_idx m0 = 0; m0 < M; m0 += G_MB) {
+        const csa_idx mb = M - m0 < G_MB ? M - m0 : G_MB;
+        memset(C, 0, (size_t)(mb * NC) * sizeof *C);
+        for (csa_idx kc = 0; kc < K; kc += KC) {
+            const csa_idx kl = K - kc < KC ? K - kc : KC;
+            const csa_idx nblk = (kl + bk - 1) / bk;
+            for (csa_idx r = 0; r < nq; r++) {
+                if (r < nr)
+                    CSA_V(g_dec_b)(g, n0 + r, kc, kl, Bf + r * KC);
+                else
+                    memset(Bf + r * KC, 0, (size_t)kl * sizeof *Bf);
+            }
+            if (fp8) {
+                for (csa_idx j = 0; j < nblk; j++) BS[j] = g_bscale(g, n0, kc / 128 + j);
+            } else {
+                for (csa_idx j = 0; j < nblk; j++)
+                    for (csa_idx r = 0; r < nq; r++)
+                        BS[j * NC + r] = r < nr ? g_bscale(g, n0 + r, kc / 32 + j) : 0.0f;
+            }
+            for (csa_idx ms = 0; ms < mb; ms += G_MS) {
+                const csa_idx me = mb - ms < G_MS ? mb : ms + G_MS;
+                for (csa_idx q = 0; q < nq; q += 4) {
+                    const float *bq = Bf + q * KC;
+                    csa_idx m = ms;
+                    for (; m + 2 <= me; m += 2) {
+                        const csa_idx ga = m0 + m;
+                        CSA_V(g_micro2)(Af + ga * K + kc, Af + (ga + 1) * K + kc, bq, KC, kl, bk,
+                                        BS, BS + q, NC, AS + ga * KB128 + kc / 128,
+                                        AS + (ga + 1) * KB128 + kc / 128, C + m * NC + q, NC);
+                    }
+                    if (m < me) {
+                        const csa_idx ga = m0 + m;
+                        CSA_V(g_micro1)(Af + ga * K + kc, bq, KC, kl, bk, BS, BS + q, NC,
+                                        AS + ga * KB128 + kc / 128, C + m * NC + q);
+                    }
+                }
+            }
+        }
+        for (csa_idx m = 0; m < mb; m++)
+            for (csa_idx r = 0; r < nr; r++) g_store(g, m0 + m, n0 + r, C[m * NC + r]);
+    }
+}
+
+static int CSA_V(gemm_tuned)(const struct csa_gemm_args *g)
+{
+    const csa_idx M = g->M, N = g->N, K = g->K;
+    const csa_idx KB128 = (K + 127) / 128;
+    float *Af = malloc((size_t)(M * K) * sizeof *Af);
+    float *AS = malloc((size_t)(M * KB128) * sizeof *AS);
+    if (!Af || !AS) {
+        free(Af);
+        free(AS);
+        return CSA_ENOMEM;
+    }
+    {
+        const int nt = csa_threads(M, 1 + 65536 / K);
+#pragma omp parallel for num_threads(nt) schedule(static)
+        for (csa_idx m = 0; m < M; m++) {
+            CSA_V(g_dec_a)(g->a + m * g->sa_row, Af + m * K, K);
+            for (csa_idx j = 0; j < KB128; j++)
+                AS[m * KB128 + j] = g_scale(g->as, g->as_fmt, m * g->sas_row + j * g->sas_col);
+        }
+    }
+#if G_SIMD
+    /* One activation row, K a multiple of 32 (e4m3: 16): the fused path. */
+    if (M == 1 && K % 32 == 0) {
+        const csa_idx nq = (N + 3) / 4;
+        const int nt1 = csa_threads(nq, 64);
+#pragma omp parallel for num_threads(nt1) schedule(static)
+        for (csa_idx q = 0; q < nq; q++) {
+            float res[4];
+            const csa_idx n0 = 4 * q, nr = N - n0 < 4 ? N - n0 : 4;
+            CSA_V(g_row1)(g, Af, AS, n0, nr, res);
+            for (csa_idx r = 0; r < nr; r++) g_store(g, 0, n0 + r, res[r]);
+        }
+        free(Af);
+        free(AS);
+        return CSA_OK;
+    }
+#endif
+    /* Decode shapes: panels of one quad of whole rows (the weight bytes are read in
+     * address order, 4 rows = one contiguous run); prefill: 64 rows x G_KC columns. */
+    const int small = M <= 16;
+    const csa_idx NC = small ? 4 : G_NC_LARGE;
+    const csa_idx KC = small ? (K <= G_KC_SMALL_MAX ? K : G_KC_SMALL_MAX) : G_KC;
+    const csa_idx npan = (N + NC - 1) / NC;
+    const csa_idx mb = M < G_MB ? M : G_MB;
+    int fail = 0;
+    const int nt = csa_threads(npan, small ? 16 : 1);
+#pragma omp parallel num_threads(nt)
+    {
+        float *Bf = malloc((size_t)(NC * KC) * sizeof *Bf);
+        float *BS = malloc((size_t)(NC * ((KC + 31) / 32)) * sizeof *BS);
+        float *C = malloc((size_t)(mb * NC) * sizeof *C);
+        const int ok = Bf && BS && C;
+        if (!ok) {
+#pragma omp atomic write
+            fail = 1;
+        }
+#pragma omp for schedule(static)
+        for (csa_idx p = 0; p < npan; p++) {
+            if (!ok) continue;
+            const csa_idx n0 = p * NC;
+            CSA_V(g_panel)(g, Af, AS, KB128, n0, N - n0 < NC ? N - n0 : NC, NC, KC, Bf, BS, C);
+        }
+        free(Bf);
+        free(BS);
+        free(C);
+    }
+    free(Af);
+    free(AS);
+    return fail ? CSA_ENOMEM : CSA_OK;
+}
+
+#undef G_SIMD

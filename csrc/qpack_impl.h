@@ -1,0 +1,71 @@
+/* Tuned quantize-to-codes bodies, compiled once per ISA level: rows split across
+ * threads, each block widened into an L1 buffer and run through loops the compiler
+ * vectorizes, with the oracle's operations (x * (1/s) equals x / s for the power-of-two
+ * scales), so the codes and scales are the same bits at every level. */
+
+static inline __attribute__((always_inline)) void CSA_V(p_block)(
+    const float *CSA_RESTRICT xb, csa_idx block, const int fmt, int scale, uint8_t *CSA_RESTRICT qb,
+    float *sc_out)
+{
+    const float qmax = fmt == CSA_Q_E4M3 ? 448.0f : 6.0f;
+    const uint32_t emin = fmt == CSA_Q_E4M3 ? P_E4M3_EMIN : P_E2M1_EMIN;
+    const uint32_t cshift = fmt == CSA_Q_E4M3 ? P_E4M3_CSHIFT : P_E2M1_CSHIFT;
+    uint32_t m = 0;
+#pragma omp simd reduction(max : m)
+    for (csa_idx i = 0; i < block; i++) {
+        const uint32_t u = p_bits(xb[i]) & 0x7fffffffu;
+        m = u > m ? u : m;
+    }
+    const float s = csa_quant_scale(p_float(m), fmt, scale);
+    *sc_out = s;
+    const int pow2 = scale == CSA_QS_UE8M0;
+    const float inv = 1.0f / s;
+    if (fmt == CSA_Q_E4M3) {
+#pragma omp simd
+        for (csa_idx i = 0; i < block; i++) {
+            float v = pow2 ? xb[i] * inv : xb[i] / s;
+            v = v > qmax ? qmax : (v < -qmax ? -qmax : v);
+            qb[i] = (uint8_t)p_code_e4m3(p_round_grid(v, emin, cshift));
+        }
+    } else {
+#pragma omp simd
+        for (csa_idx i = 0; i < block; i += 2) {
+            float v0 = pow2 ? xb[i] * inv : xb[i] / s;
+            float v1 = pow2 ? xb[i + 1] * inv : xb[i + 1] / s;
+            v0 = v0 > qmax ? qmax : (v0 < -qmax ? -qmax : v0);
+            v1 = v1 > qmax ? qmax : (v1 < -qmax ? -qmax : v1);
+            qb[i / 2] = (uint8_t)(p_code_e2m1(p_round_grid(v0, emin, cshift)) |
+                                  (p_code_e2m1(p_round_grid(v1, emin, cshift)) << 4));
+        }
+    }
+}
+
+static int CSA_V(quant_pack_tuned)(const void *x, int x_bf16, csa_idx rows, csa_idx d,
+                                   csa_idx sx_row, csa_idx block, int fmt, int scale,
+                                   uint8_t *q, csa_idx sq_row, void *s, int s_bytes,
+                                   csa_idx ss_row, csa_idx ss_col)
+{
+    const int nt = csa_threads(rows, 1 + 16384 / (d > 0 ? d : 1));
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (csa_idx r = 0; r < rows; r++) {
+        float buf[4096] __attribute__((aligned(64)));
+        for (csa_idx b0 = 0; b0 < d; b0 += block) {
+            const float *xb;
+            if (x_bf16) {
+                const csa_bf16 *src = (const csa_bf16 *)x + r * sx_row + b0;
+#pragma omp simd
+                for (csa_idx i = 0; i < block; i++) buf[i] = csa_bf16_to_f32(src[i]);
+                xb = buf;
+            } else {
+                xb = (const float *)x + r * sx_row + b0;
+            }
+            float sc;
+            if (fmt == CSA_Q_E4M3)
+                CSA_V(p_block)(xb, block, CSA_Q_E4M3, scale, q + r * sq_row + b0, &sc);
+            else
+                CSA_V(p_block)(xb, block, CSA_Q_E2M1, scale, q + r * sq_row + b0 / 2, &sc);
+            p_store_scale(s, s_bytes, scale, r * ss_row + (b0 / block) * ss_col, sc);
+        }
+    }
+    return CSA_OK;
+}

@@ -1,0 +1,296 @@
+"""DeepSeek's released ``inference/model.py`` on the CPU as shipped: CPU implementations
+of the GPU-only modules it imports, ``kernel`` (act_quant, fp4_act_quant, fp8_gemm,
+fp4_gemm, sparse_attn, hc_split_sinkhorn) and ``fast_hadamard_transform``
+(hadamard_transform), built on deepseek_csa's C kernels.
+
+    import deepseek_csa.torch as dct
+    model_py = dct.load_model_py("path/to/inference")      # the folder or its model.py
+    torch.set_default_dtype(torch.bfloat16)                 # as the released generate.py
+    model = model_py.Transformer(model_py.ModelArgs(**cfg)) # FP8 / FP4 weights stay FP8 / FP4
+
+    dct.install_kernels()          # or: put the modules in sys.modules, import it yourself
+    import model
+
+Facts of the released file this follows: it imports ``kernel`` when it is imported but
+``fast_hadamard_transform`` inside every ``rotate_activation`` call, so the modules stay in
+``sys.modules`` while the model runs (``install_kernels()`` leaves them there; used as a
+context manager it restores what was there before on exit); its GEMMs return
+``torch.get_default_dtype()`` (bf16 in the released run; ``rotate_activation`` asserts
+bf16); ``Transformer.__init__`` sets module globals, so one import serves one
+configuration (load the file again for another).
+
+Dtypes: ``torch.float8_e4m3fn`` values, ``torch.float8_e8m0fnu`` or float32 scales,
+``torch.float4_e2m1fn_x2`` packed weights are handed to the kernels as byte views (no
+copies, no float32 copy of a weight, ever); activations bf16 or float32.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import sys
+import types
+
+import numpy as np
+
+import deepseek_csa as _dc
+
+__all__ = ["load_model_py", "install_kernels", "kernel_module", "hadamard_module"]
+
+
+def _torch():
+    import torch
+    return torch
+
+
+# ----------------------------------------------------------------------------- helpers
+def _act(x):
+    """x as the kernels read it: CPU float32 / bf16 tensors as they are."""
+    torch = _torch()
+    x = x.detach()
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        x = x.to("cpu", torch.float32)
+    return x
+
+
+def _is_e8m0(dtype):
+    return dtype is not None and dtype == getattr(_torch(), "float8_e8m0fnu", None)
+
+
+def _bytes_as(a, dtype):
+    torch = _torch()
+    return torch.from_numpy(a).view(dtype)
+
+
+# ----------------------------------------------------------------------------- kernel
+def act_quant(x, block_size=128, scale_fmt=None, scale_dtype=None, inplace=False):
+    """Released ``act_quant``: FP8 e4m3 over blocks of ``block_size`` of the last dim,
+    power-of-two scales when ``scale_fmt`` is set or ``scale_dtype`` is e8m0.
+    ``inplace=True``: x becomes its quantize-dequantize (QAT rounding), returned.
+    Otherwise returns ``(float8_e4m3fn [..., N], scales [..., N / block] in scale_dtype)``
+    (float32 unless e8m0)."""
+    torch = _torch()
+    pow2 = scale_fmt is not None or _is_e8m0(scale_dtype)
+    scale = "ue8m0" if pow2 else "fp32"
+    if inplace:
+        if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+            _dc.fp8_round(x.detach(), int(block_size), scale=scale)
+        else:
+            t = x.detach().to("cpu", torch.float32)
+            _dc.fp8_round(t.numpy(), int(block_size), scale=scale)
+            x.copy_(t)
+        return x
+    e8 = _is_e8m0(scale_dtype)
+    q, s = _dc.fp8_quant(_act(x), int(block_size), scale=scale,
+                         scale_dtype="e8m0" if e8 else "float32")
+    y = _bytes_as(q, torch.float8_e4m3fn)
+    st = _bytes_as(s, torch.float8_e8m0fnu) if e8 else torch.from_numpy(s)
+    if not e8 and scale_dtype is not None and scale_dtype != torch.float32:
+        st = st.to(scale_dtype)
+    return y, st
+
+
+def fp4_act_quant(x, block_size=32, inplace=True, scale_dtype=None):
+    """Released ``fp4_act_quant``: FP4 e2m1 over blocks of ``block_size`` with e8m0
+    scales (``scale_dtype=torch.float8_e4m3fn``: V4.1's e4m3 scales).  In place: the
+    quantize-dequantize of x.  Otherwise ``(float4_e2m1fn_x2 [..., N / 2], scales)``."""
+    torch = _torch()
+    e4 = scale_dtype is not None and scale_dtype == torch.float8_e4m3fn
+    scale = "e4m3" if e4 else "ue8m0"
+    if inplace:
+        if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+            _dc.fp4_round(x.detach(), int(block_size), scale=scale)
+        else:
+            t = x.detach().to("cpu", torch.float32)
+            _dc.fp4_round(t.numpy(), int(block_size), scale=scale)
+            x.copy_(t)
+        return x
+    f32 = scale_dtype is not None and scale_dtype == torch.float32
+    q, s = _dc.fp4_quant(_act(x), int(block_size), scale=scale,
+                         scale_dtype="float32" if f32 else None)
+    st = torch.from_numpy(s) if f32 else _bytes_as(
+        s, torch.float8_e4m3fn if e4 else torch.float8_e8m0fnu)
+    return _bytes_as(q, torch.float4_e2m1fn_x2), st
+
+
+def fp4_act_quant_e4m3(x, block_size=16, inplace=True):
+    """FP4 with e4m3 scales (V4.1 compressed KV)."""
+    return fp4_act_quant(x, block_size, inplace, scale_dtype=_torch().float8_e4m3fn)
+
+
+def _gemm(fn, a, a_s, b, b_s):
+    torch = _torch()
+    dt = torch.get_default_dtype()
+    shape = tuple(a.shape[:-1]) + (b.shape[0],)
+    if dt in (torch.bfloat16, torch.float32):
+        out = torch.empty(shape, dtype=dt)
+        fn(a.detach(), a_s.detach(), b.detach(), b_s.detach(), out=out)
+        return out
+    out = torch.empty(shape, dtype=torch.float32)
+    fn(a.detach(), a_s.detach(), b.detach(), b_s.detach(), out=out)
+    return out.to(dt)
+
+
+def fp8_gemm(a, a_s, b, b_s, scale_dtype=None):
+    """Released ``fp8_gemm``: ``a [..., K]`` float8_e4m3fn with ``a_s [..., K/128]``,
+    ``b [N, K]`` float8_e4m3fn with ``b_s [ceil(N/128), K/128]`` (e8m0 or float32) ->
+    ``[..., N]`` in ``torch.get_default_dtype()`` (deepseek_csa.fp8_gemm)."""
+    return _gemm(_dc.fp8_gemm, a, a_s, b, b_s)
+
+
+def fp4_gemm(a, a_s, b, b_s, scale_dtype=None):
+    """Released ``fp4_gemm``: FP8 activations against ``b [N, K/2]``
+    float4_e2m1fn_x2 with ``b_s [N, K/32]`` e8m0 (deepseek_csa.fp4_gemm)."""
+    return _gemm(_dc.fp4_gemm, a, a_s, b, b_s)
+
+
+def hc_split_sinkhorn(mixes, hc_scale, hc_base, hc_mult=4, sinkhorn_iters=20, eps=1e-6):
+    """Released ``hc_split_sinkhorn`` -> (pre, post, comb), float32."""
+    torch = _torch()
+
+    def f32(t):
+        t = t.detach()
+        return (t if t.dtype == torch.float32 and t.device.type == "cpu"
+                else t.to("cpu", torch.float32)).numpy()
+    pre, post, comb = _dc.hc_split_sinkhorn(f32(mixes), f32(hc_scale), f32(hc_base),
+                                            int(hc_mult), int(sinkhorn_iters), float(eps))
+    return torch.from_numpy(pre), torch.from_numpy(post), torch.from_numpy(comb)
+
+
+def sparse_attn(q, kv, attn_sink, topk_idxs, softmax_scale):
+    """Released ``sparse_attn`` (deepseek_csa.sparse_attn, bf16 read in place)."""
+    from .torch import sparse_attn as f
+    return f(q, kv, attn_sink, topk_idxs, softmax_scale)
+
+
+def hadamard_transform(x, scale=1.0):
+    """``fast_hadamard_transform.hadamard_transform(x, scale)``: the (unnormalized)
+    Walsh-Hadamard transform of the last dim times ``scale``, in x's dtype."""
+    torch = _torch()
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+        out = torch.empty(x.shape, dtype=x.dtype)
+        _dc.hadamard(x.detach(), scale=float(scale), out=out)
+        return out
+    t = x.detach().to("cpu", torch.float32)
+    return torch.from_numpy(_dc.hadamard(t.numpy(), scale=float(scale))).to(x.device, x.dtype)
+
+
+_KERNEL_NAMES = ("act_quant", "fp4_act_quant", "fp8_gemm", "fp4_gemm", "sparse_attn",
+                 "hc_split_sinkhorn", "fp4_act_quant_e4m3", "hadamard_transform")
+
+
+def kernel_module(name="kernel"):
+    """A new module object with the CPU ``kernel`` functions."""
+    m = types.ModuleType(name, "deepseek_csa's CPU implementation of DeepSeek's kernel module")
+    g = globals()
+    for n in _KERNEL_NAMES:
+        setattr(m, n, g[n])
+    m.__deepseek_csa__ = True
+    return m
+
+
+def hadamard_module(name="fast_hadamard_transform"):
+    m = types.ModuleType(name, "deepseek_csa's CPU fast_hadamard_transform")
+    m.hadamard_transform = hadamard_transform
+    m.__deepseek_csa__ = True
+    return m
+
+
+# ----------------------------------------------------------------------------- install
+class _Installed:
+    """Handle of ``install_kernels``: the modules are in sys.modules from the call on;
+    ``uninstall()`` (or leaving a ``with`` block) puts back what was there before."""
+
+    def __init__(self, names):
+        self._saved = {}
+        for n in names:
+            self._saved[n] = sys.modules.get(n)
+        self.kernel = kernel_module()
+        self.fast_hadamard_transform = hadamard_module()
+        for n in names:
+            if n == "fast_hadamard_transform":
+                sys.modules[n] = self.fast_hadamard_transform
+            else:
+                sys.modules[n] = self.kernel
+
+    def uninstall(self):
+        for n, m in self._saved.items():
+            if m is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = m
+        self._saved = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.uninstall()
+        return False
+
+
+def install_kernels(extra=()):
+    """Puts deepseek_csa's ``kernel`` and ``fast_hadamard_transform`` modules into
+    ``sys.modules`` (and under each name in ``extra``, e.g. ``"inference.kernel"``), so
+    that ``import model`` of DeepSeek's released inference code works on the CPU.
+    Returns a handle; as a context manager it restores the previous modules on exit
+    (the released model imports fast_hadamard_transform at call time, so keep them
+    installed while it runs)."""
+    return _Installed(("kernel", "fast_hadamard_transform") + tuple(extra))
+
+
+_LOADED = 0
+
+
+def load_model_py(path, name=None):
+    """Imports DeepSeek's released ``inference/model.py`` (``path``: the file or its
+    folder) with deepseek_csa's ``kernel`` and ``fast_hadamard_transform`` installed and
+    returns the module.  ``from kernel import ...``, ``from .kernel import ...`` and
+    ``from inference.kernel import ...`` are all served (the latter two through a
+    package over the file's folder).  Each call imports the file afresh (its
+    ``Transformer.__init__`` sets module globals: one import, one configuration)."""
+    global _LOADED
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "model.py")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"load_model_py(): no model.py at {path!r}")
+    folder = os.path.dirname(os.path.abspath(path))
+    text = open(path, encoding="utf-8").read()
+    relative = re.search(r"^\s*from\s+\.\s*kernel\s+import|^\s*from\s+\.\s+import\s+[^\n]*\bkernel\b",
+                         text, re.M) is not None
+    pkg_abs = re.search(r"^\s*(from|import)\s+([A-Za-z_][\w]*)\.kernel\b", text, re.M)
+    extra = []
+    if pkg_abs:
+        extra.append(pkg_abs.group(2) + ".kernel")
+    installed = install_kernels(extra)
+    _LOADED += 1
+    mod_name = name or f"deepseek_model_py_{_LOADED}"
+    spec_name = mod_name
+    if relative:
+        pkg = f"{mod_name}_pkg"
+        p = types.ModuleType(pkg)
+        p.__path__ = [folder]
+        p.__package__ = pkg
+        sys.modules[pkg] = p
+        sys.modules[pkg + ".kernel"] = installed.kernel
+        sys.modules[pkg + ".fast_hadamard_transform"] = installed.fast_hadamard_transform
+        p.kernel = installed.kernel
+        spec_name = pkg + ".model"
+    if pkg_abs:
+        top = pkg_abs.group(2)
+        if top not in sys.modules:
+            p = types.ModuleType(top)
+            p.__path__ = [folder]
+            sys.modules[top] = p
+        setattr(sys.modules[top], "kernel", installed.kernel)
+    spec = importlib.util.spec_from_file_location(spec_name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec_name] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:
+        sys.modules.pop(spec_name, None)
+        raise
+    mod.__deepseek_csa_kernels__ = installed
+    return mod

@@ -1,0 +1,362 @@
+"""fp8_gemm / fp4_gemm, fp8_quant / fp4_quant and hc_split_sinkhorn (SPEC section 9)
+against dequantize-to-float64-then-matmul references written here from the SPEC, at
+every ISA level; bitwise equal to the scalar oracle and across thread counts."""
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+import deepseek_csa as dc
+from conftest import ISA_LEVELS, threads
+
+E4M3, E8M0, FP4 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e8m0fnu, ml_dtypes.float4_e2m1fn
+
+
+def dec8(u):
+    return np.asarray(u).view(np.uint8).view(E4M3).astype(np.float64)
+
+
+def dec_e8(u):
+    return np.asarray(u).view(np.uint8).view(E8M0).astype(np.float64)
+
+
+def dec4(packed, K):
+    p = np.asarray(packed).view(np.uint8)
+    nib = np.stack([p & 15, p >> 4], -1).reshape(p.shape[:-1] + (K,))
+    return nib.astype(np.uint8).view(FP4).astype(np.float64)
+
+
+def scale_f(s):
+    s = np.asarray(s)
+    return dec_e8(s) if s.dtype.itemsize == 1 else s.astype(np.float64)
+
+
+def rand_e4m3(rng, shape, nan=False):
+    u = rng.integers(0, 256, shape).astype(np.uint8)
+    if not nan:
+        u[(u & 0x7F) == 0x7F] ^= 0x01
+    return u
+
+
+def rand_scales(rng, shape, e8m0):
+    e = rng.integers(118, 130, shape).astype(np.uint8)
+    if e8m0:
+        return e
+    return (dec_e8(e) * rng.uniform(0.5, 1.0, shape)).astype(np.float32)
+
+
+def want_fp8(a, a_s, b, b_s):
+    K = a.shape[-1]
+    A = dec8(a) * np.repeat(scale_f(a_s), 128, -1)[..., :K]
+    N = b.shape[0]
+    B = dec8(b) * np.repeat(np.repeat(scale_f(b_s), 128, 0), 128, 1)[:N, :K]
+    return A @ B.T, np.abs(A) @ np.abs(B).T
+
+
+def want_fp4(a, a_s, b, b_s):
+    K = a.shape[-1]
+    A = dec8(a) * np.repeat(scale_f(a_s), 128, -1)[..., :K]
+    B = dec4(b, K) * np.repeat(scale_f(b_s), 32, 1)[:, :K]
+    return A @ B.T, np.abs(A) @ np.abs(B).T
+
+
+def check_close(got, want, mag, what):
+    # float32 accumulation of exact products: |err| <= K * 2^-23 * sum|a||b| (loose)
+    err = np.abs(got.astype(np.float64) - want)
+    bound = 1e-5 * mag + 1e-30
+    assert (err <= bound).all(), (what, float((err / (mag + 1e-30)).max()))
+
+
+def at_ref(fn, *a, **k):
+    before = dc.get_isa()
+    dc.set_isa("ref")
+    try:
+        return fn(*a, **k)
+    finally:
+        dc.set_isa(before)
+
+
+FP8_SHAPES = [(1, 1, 16), (1, 300, 256), (5, 257, 384), (33, 130, 144), (70, 64, 1024),
+              (3, 129, 40), (2, 7, 5)]
+FP4_SHAPES = [(1, 1, 32), (1, 300, 256), (5, 257, 96), (33, 130, 640), (3, 9, 50), (17, 65, 2)]
+
+
+@pytest.mark.parametrize("M,N,K", FP8_SHAPES)
+@pytest.mark.parametrize("e8m0", [True, False])
+def test_fp8_gemm_vs_dequant_matmul(isa, rng, M, N, K, e8m0):
+    a, b = rand_e4m3(rng, (M, K)), rand_e4m3(rng, (N, K))
+    KB = -(-K // 128)
+    a_s, b_s = rand_scales(rng, (M, KB), e8m0), rand_scales(rng, (-(-N // 128), KB), e8m0)
+    got = dc.fp8_gemm(a, a_s, b, b_s, out_dtype="float32")
+    want, mag = want_fp8(a, a_s, b, b_s)
+    check_close(got, want, mag, (M, N, K))
+    ref = at_ref(dc.fp8_gemm, a, a_s, b, b_s, out_dtype="float32")
+    np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
+    bf = dc.fp8_gemm(a, a_s, b, b_s)           # bfloat16 by default: one rounding
+    assert bf.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(bf.view(np.uint16), got.astype(ml_dtypes.bfloat16).view(np.uint16))
+
+
+@pytest.mark.parametrize("M,N,K", FP4_SHAPES)
+@pytest.mark.parametrize("e8m0", [True, False])
+def test_fp4_gemm_vs_dequant_matmul(isa, rng, M, N, K, e8m0):
+    a = rand_e4m3(rng, (M, K))
+    b = rng.integers(0, 256, (N, K // 2)).astype(np.uint8)
+    a_s = rand_scales(rng, (M, -(-K // 128)), e8m0)
+    b_s = rand_scales(rng, (N, -(-K // 32)), e8m0)
+    got = dc.fp4_gemm(a, a_s, b, b_s, out_dtype="float32")
+    want, mag = want_fp4(a, a_s, b, b_s)
+    check_close(got, want, mag, (M, N, K))
+    ref = at_ref(dc.fp4_gemm, a, a_s, b, b_s, out_dtype="float32")
+    np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
+
+
+def test_gemm_threads_bitwise(rng):
+    a, b = rand_e4m3(rng, (37, 512)), rand_e4m3(rng, (300, 512))
+    a_s, b_s = rand_scales(rng, (37, 4), True), rand_scales(rng, (3, 4), True)
+    b4 = rng.integers(0, 256, (300, 256)).astype(np.uint8)
+    b4s = rand_scales(rng, (300, 16), True)
+    outs = []
+    for n in (1, 2, 3):
+        with threads(n):
+            outs.append((dc.fp8_gemm(a, a_s, b, b_s, out_dtype="float32"),
+                         dc.fp8_gemm(a[:1], a_s[:1], b, b_s, out_dtype="float32"),
+                         dc.fp4_gemm(a, a_s, b4, b4s, out_dtype="float32"),
+                         dc.fp4_gemm(a[:3], a_s[:3], b4, b4s, out_dtype="float32")))
+    for o in outs[1:]:
+        for g, w in zip(o, outs[0]):
+            np.testing.assert_array_equal(g.view(np.uint32), w.view(np.uint32))
+
+
+def test_gemm_nan_codes_and_strided_views(isa, rng):
+    a, b = rand_e4m3(rng, (4, 3, 256)), rand_e4m3(rng, (64, 256))
+    b[5, 17] = 0x7F
+    a[1, 2, 3] = 0xFF
+    a_s = rand_scales(rng, (4, 3, 2), True)
+    b_s = rand_scales(rng, (1, 2), False)
+    got = dc.fp8_gemm(a, a_s, b, b_s, out_dtype="float32")
+    assert got.shape == (4, 3, 64)
+    assert np.isnan(got[:, :, 5]).all() and np.isnan(got[1, 2]).all()
+    assert np.isfinite(np.delete(np.delete(got.reshape(12, 64), 5, 0), 5, 1)).all()
+    # the one-row path (NaN codes noted per block, the block redone by the scalar path)
+    one = dc.fp8_gemm(a[1, 1:3][:1], a_s[1, 1:3][:1], b, b_s, out_dtype="float32")
+    np.testing.assert_array_equal(one.view(np.uint32), at_ref(
+        dc.fp8_gemm, a[1, 1:3][:1], a_s[1, 1:3][:1], b, b_s, out_dtype="float32").view(np.uint32))
+    assert np.isnan(one[0, 5]) and np.isfinite(np.delete(one[0], 5)).all()
+    # strided activations / scales / output give the contiguous result
+    big = np.zeros((4, 6, 300), np.uint8)
+    big[:, ::2, 10:266] = a
+    sbig = np.zeros((4, 3, 5), np.uint8)
+    sbig[:, :, ::2][..., :2] = a_s
+    av, sv = big[:, ::2, 10:266], sbig[:, :, ::2][..., :2]
+    out = np.zeros((4, 3, 128), np.float32)
+    r = dc.fp8_gemm(av, sv, b, b_s, out=out[..., ::2])
+    np.testing.assert_array_equal(np.asarray(r).view(np.uint32), got.view(np.uint32))
+
+
+def test_gemm_torch_dtypes(rng):
+    a, b = rand_e4m3(rng, (3, 256)), rand_e4m3(rng, (130, 256))
+    a_s, b_s = rand_scales(rng, (3, 2), True), rand_scales(rng, (2, 2), True)
+    T = torch.from_numpy
+    want = dc.fp8_gemm(a, a_s, b, b_s, out_dtype="float32")
+    got = dc.fp8_gemm(T(a).view(torch.float8_e4m3fn), T(a_s).view(torch.float8_e8m0fnu),
+                      T(b).view(torch.float8_e4m3fn), T(b_s).view(torch.float8_e8m0fnu),
+                      out_dtype="float32")
+    np.testing.assert_array_equal(got, want)
+    ml = dc.fp8_gemm(a.view(E4M3), a_s.view(E8M0), b.view(E4M3), b_s.view(E8M0),
+                     out_dtype="float32")
+    np.testing.assert_array_equal(ml, want)
+    out = torch.empty(3, 130, dtype=torch.bfloat16)
+    dc.fp8_gemm(T(a).view(torch.float8_e4m3fn), T(a_s).view(torch.float8_e8m0fnu),
+                T(b).view(torch.float8_e4m3fn), T(b_s).view(torch.float8_e8m0fnu), out=out)
+    torch.testing.assert_close(out, T(want).bfloat16(), rtol=0, atol=0)
+    b4 = rng.integers(0, 256, (130, 128)).astype(np.uint8)
+    b4s = rand_scales(rng, (130, 8), True)
+    w4 = dc.fp4_gemm(a, a_s, b4, b4s, out_dtype="float32")
+    g4 = dc.fp4_gemm(T(a).view(torch.float8_e4m3fn), T(a_s).view(torch.float8_e8m0fnu),
+                     T(b4).view(torch.float4_e2m1fn_x2), T(b4s).view(torch.float8_e8m0fnu),
+                     out_dtype="float32")
+    np.testing.assert_array_equal(g4, w4)
+
+
+@pytest.mark.parametrize("fn", ["fp8_gemm", "fp4_gemm"])
+def test_gemm_bad_inputs_name_the_argument(rng, fn):
+    f = getattr(dc, fn)
+    fp8 = fn == "fp8_gemm"
+    M, N, K = 3, 130, 256
+    a = rand_e4m3(rng, (M, K))
+    a_s = rand_scales(rng, (M, 2), True)
+    b = rand_e4m3(rng, (N, K)) if fp8 else rng.integers(0, 256, (N, K // 2)).astype(np.uint8)
+    b_s = rand_scales(rng, (2, 2) if fp8 else (N, 8), True)
+    f(a, a_s, b, b_s)
+    cases = [
+        ((a.astype(np.float32), a_s, b, b_s), TypeError, "'a'"),
+        ((a, a_s.astype(np.float64), b, b_s), TypeError, "'a_s'"),
+        ((a, a_s, b.astype(np.int16), b_s), TypeError, "'b'"),
+        ((a, a_s, b, b_s.astype(np.int32)), TypeError, "'b_s'"),
+        ((a, a_s[:, :1], b, b_s), ValueError, "'a_s'"),
+        ((a, a_s[:2], b, b_s), ValueError, "'a_s'"),
+        ((a, a_s, b, b_s[:1]), ValueError, "'b_s'"),
+        ((a, a_s, b, b_s[:, :1]), ValueError, "'b_s'"),
+        ((a[:, :128], a_s[:, :1], b, b_s[..., :1] if fp8 else b_s[:, :4]), ValueError, "'b'"),
+        ((a, a_s, np.repeat(b, 2, 1)[:, ::2], b_s), ValueError, "'b'"),
+        ((a, a_s, b[None], b_s), ValueError, "'b'"),
+        ((None, a_s, b, b_s), TypeError, "'a'"),
+    ]
+    if not fp8:
+        cases.append(((a.view(E4M3), a_s, b.view(E4M3), b_s), TypeError, "'b'"))
+        cases.append(((torch.from_numpy(a).view(torch.float8_e4m3fn), a_s,
+                       torch.from_numpy(b).view(torch.float8_e4m3fn), b_s), TypeError, "'b'"))
+    for args, exc, name in cases:
+        with pytest.raises(exc, match=name):
+            f(*args)
+    with pytest.raises(ValueError, match="out_dtype"):
+        f(a, a_s, b, b_s, out_dtype="float16")
+    with pytest.raises(ValueError, match="'out'"):
+        f(a, a_s, b, b_s, out=np.zeros((M, N + 1), np.float32))
+    with pytest.raises(TypeError, match="'out'"):
+        f(a, a_s, b, b_s, out=np.zeros((M, N), np.float64))
+
+
+# ---------------------------------------------------------------- quantizers
+
+def spread(rng, shape):
+    x = rng.standard_normal(shape).astype(np.float32)
+    return (x * np.float32(10.0) ** rng.uniform(-6, 6, shape[:-1] + (1,))).astype(np.float32)
+
+
+@pytest.mark.parametrize("scale", ["ue8m0", "fp32"])
+@pytest.mark.parametrize("block", [128, 64, 32, 3])
+def test_fp8_quant_codes_scales(isa, rng, scale, block):
+    x = spread(rng, (7, 5, 384))
+    x[2, 1, 5] = np.nan
+    x[3, 0, :block] = 0
+    q, s = dc.fp8_quant(x, block, scale=scale)
+    assert q.dtype == np.uint8 and q.shape == x.shape and s.shape == (7, 5, 384 // block)
+    deq = (q.view(E4M3).astype(np.float32).reshape(7, 5, -1, block) * s[..., None]).reshape(x.shape)
+    want = dc.fp8_round(x.copy(), block, scale=scale)
+    np.testing.assert_array_equal(np.isnan(deq), np.isnan(want))
+    ok = ~np.isnan(want)
+    np.testing.assert_array_equal(deq[ok], want[ok])
+    # the released formula: e4m3(clamp(x / s)) as torch casts it
+    t = (torch.from_numpy(x).unflatten(-1, (-1, block)) / torch.from_numpy(s)[..., None])
+    tq = t.clamp(-448, 448).to(torch.float8_e4m3fn).flatten(-2).view(torch.uint8).numpy()
+    fin = ~np.isnan(x).reshape(7, 5, -1, block).any(-1).repeat(block, -1)
+    np.testing.assert_array_equal(q[fin], tq[fin])
+    if scale == "ue8m0":
+        q2, s2 = dc.fp8_quant(x, block, scale=scale, scale_dtype="e8m0")
+        np.testing.assert_array_equal(q2, q)
+        np.testing.assert_array_equal(dec_e8(s2)[~np.isnan(s)], s[~np.isnan(s)])
+    ref = at_ref(dc.fp8_quant, x, block, scale=scale)
+    np.testing.assert_array_equal(ref[0], q)
+    np.testing.assert_array_equal(ref[1].view(np.uint32), s.view(np.uint32))
+
+
+def test_fp8_quant_bf16_input(rng):
+    x = spread(rng, (9, 256)).astype(ml_dtypes.bfloat16)
+    q, s = dc.fp8_quant(x)
+    q2, s2 = dc.fp8_quant(x.astype(np.float32))
+    np.testing.assert_array_equal(q, q2)
+    np.testing.assert_array_equal(s, s2)
+    qt, st = dc.fp8_quant(torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)[:, :128])
+    np.testing.assert_array_equal(qt, dc.fp8_quant(x[:, :128].astype(np.float32))[0])
+
+
+@pytest.mark.parametrize("scale,block", [("ue8m0", 32), ("e4m3", 16), ("ue8m0", 2)])
+def test_fp4_quant_codes_scales(isa, rng, scale, block):
+    x = spread(rng, (6, 4, 128))
+    x[1, 1, 7] = np.nan
+    q, s = dc.fp4_quant(x, block, scale=scale)
+    assert q.shape == (6, 4, 64) and s.dtype == np.uint8 and s.shape == (6, 4, 128 // block)
+    sf = dec_e8(s) if scale == "ue8m0" else s.view(E4M3).astype(np.float64)
+    deq = (dec4(q, 128).reshape(6, 4, -1, block) * sf[..., None]).reshape(x.shape)
+    want = dc.fp4_round(x.copy(), block, scale=scale)
+    np.testing.assert_array_equal(np.isnan(deq), np.isnan(want))
+    ok = ~np.isnan(want)
+    np.testing.assert_array_equal(deq[ok].astype(np.float32), want[ok])
+    q32, s32 = dc.fp4_quant(x, block, scale=scale, scale_dtype="float32")
+    np.testing.assert_array_equal(q32, q)
+    np.testing.assert_array_equal(s32[~np.isnan(s32)], sf[~np.isnan(s32)].astype(np.float32))
+    ref = at_ref(dc.fp4_quant, x, block, scale=scale)
+    np.testing.assert_array_equal(ref[0], q)
+    np.testing.assert_array_equal(ref[1], s)
+
+
+def test_quant_then_gemm_is_the_released_linear(rng):
+    """act_quant -> fp8_gemm of a random bf16 activation against e4m3 weights matches
+    the dequantized float64 product within float32 accumulation error."""
+    x = spread(rng, (5, 512))
+    q, s = dc.fp8_quant(x, 128, scale_dtype="e8m0")
+    b = rand_e4m3(rng, (96, 512))
+    bs = rand_scales(rng, (1, 4), True)
+    got = dc.fp8_gemm(q, s, b, bs, out_dtype="float32")
+    want, mag = want_fp8(q, s, b, bs)
+    check_close(got, want, mag, "linear")
+
+
+def test_quant_bad_inputs(rng):
+    x = rng.standard_normal((4, 128)).astype(np.float32)
+    with pytest.raises(ValueError, match="'block'"):
+        dc.fp8_quant(x, 100)
+    with pytest.raises(ValueError, match="'block'"):
+        dc.fp4_quant(x, 3)
+    with pytest.raises(ValueError, match="'scale'"):
+        dc.fp8_quant(x, scale="e4m3")
+    with pytest.raises(ValueError, match="e8m0"):
+        dc.fp8_quant(x, scale="fp32", scale_dtype="e8m0")
+    with pytest.raises(ValueError, match="scale_dtype"):
+        dc.fp4_quant(x, 16, scale="e4m3", scale_dtype="e8m0")
+    with pytest.raises(TypeError, match="'x'"):
+        dc.fp8_quant(x.astype(np.float64))
+
+
+# ---------------------------------------------------------------- Sinkhorn
+
+def sinkhorn_ref(mixes, sc, base, h, iters, eps):
+    """SPEC section 9, float64."""
+    m = mixes.astype(np.float64)
+    sig = lambda v: 1 / (1 + np.exp(-v))
+    pre = sig(m[..., :h] * sc[0] + base[:h]) + eps
+    post = 2 * sig(m[..., h:2 * h] * sc[1] + base[h:2 * h])
+    c = m[..., 2 * h:].reshape(m.shape[:-1] + (h, h)) * sc[2] + base[2 * h:].reshape(h, h)
+    c = np.exp(c - c.max(-1, keepdims=True))
+    c = c / c.sum(-1, keepdims=True) + eps
+    c = c / (c.sum(-2, keepdims=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(-1, keepdims=True) + eps)
+        c = c / (c.sum(-2, keepdims=True) + eps)
+    return pre, post, c
+
+
+@pytest.mark.parametrize("h,iters", [(4, 20), (2, 1), (3, 5), (8, 7)])
+def test_hc_split_sinkhorn(isa, rng, h, iters):
+    mixes = rng.standard_normal((3, 5, (2 + h) * h)).astype(np.float32)
+    sc = rng.uniform(0.5, 2, 3).astype(np.float32)
+    base = (0.1 * rng.standard_normal((2 + h) * h)).astype(np.float32)
+    got = dc.hc_split_sinkhorn(mixes, sc, base, h, iters, 1e-6)
+    want = sinkhorn_ref(mixes, sc, base, h, iters, 1e-6)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == np.float32
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    ref = at_ref(dc.hc_split_sinkhorn, mixes, sc, base, h, iters, 1e-6)
+    for g, w in zip(got, ref):
+        np.testing.assert_array_equal(g.view(np.uint32), w.view(np.uint32))
+    # the comb rows and columns are (nearly) doubly stochastic after many iterations
+    if iters >= 20:
+        np.testing.assert_allclose(got[2].sum(-2), 1, atol=1e-4)
+
+
+def test_hc_split_sinkhorn_bad_inputs(rng):
+    m = rng.standard_normal((2, 24)).astype(np.float32)
+    sc, base = np.ones(3, np.float32), np.zeros(24, np.float32)
+    dc.hc_split_sinkhorn(m, sc, base, 4, 20, 1e-6)
+    with pytest.raises(ValueError, match="'mixes'"):
+        dc.hc_split_sinkhorn(m, sc, base, 3, 20, 1e-6)
+    with pytest.raises(ValueError, match="'hc_scale'"):
+        dc.hc_split_sinkhorn(m, sc[:2], base, 4, 20, 1e-6)
+    with pytest.raises(ValueError, match="'hc_base'"):
+        dc.hc_split_sinkhorn(m, sc, base[:20], 4, 20, 1e-6)
+    with pytest.raises(ValueError, match="'sinkhorn_iters'"):
+        dc.hc_split_sinkhorn(m, sc, base, 4, 0, 1e-6)
+    with pytest.raises(TypeError, match="'mixes'"):
+        dc.hc_split_sinkhorn(m.astype(np.float64), sc, base, 4, 20, 1e-6)
