@@ -196,7 +196,7 @@ struct CSA_V(amx_scratch) {
 };
 
 /* One work item: query (b, s), heads h0 .. h0+hc-1 (hcp: hc rounded up to 32). */
-static void CSA_V(amx_item)(const struct csa_attn_args *a, csa_idx b, csa_idx s, csa_idx h0,
+static void CSA_V(amx_item)(const struct csa_attn_problem *a, csa_idx b, csa_idx s, csa_idx h0,
                             csa_idx hc, csa_idx hcp, csa_idx Dp,
                             const struct CSA_V(amx_scratch) *w, const csa_bf16 **rows,
                             uint32_t *keys)
@@ -240,7 +240,7 @@ static void CSA_V(amx_item)(const struct csa_attn_args *a, csa_idx b, csa_idx s,
         CSA_V(amx_store_bf16)(out + h * a->so_h, w->O + h * Dp, w->sum[h], D);
 }
 
-static int CSA_V(sparse_attn_amx)(const struct csa_attn_args *a)
+static int CSA_V(sparse_attn_amx)(const struct csa_attn_problem *a)
 {
     const csa_idx nq = a->B * a->S, H = a->H;
     csa_idx hc_max = nq >= ATTN_FEW_QUERIES ? ATTN_HC : ATTN_HC_FEW;

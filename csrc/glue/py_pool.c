@@ -5,18 +5,6 @@
 
 #include "../pool.h"
 
-/* A contiguous-inner-axis version of a validated array: itself (new reference) when
- * its last stride is one element, else a C-contiguous copy. */
-static PyArrayObject *unit_inner(PyArrayObject *a)
-{
-    int nd = PyArray_NDIM(a);
-    if (nd == 0 || PyArray_DIM(a, nd - 1) <= 1 || csa_stride(a, nd - 1) == 1) {
-        Py_INCREF(a);
-        return a;
-    }
-    return (PyArrayObject *)PyArray_NewCopy(a, NPY_CORDER);
-}
-
 /* `ape` as float32: itself (new reference), or for a bfloat16 ape a float32 copy
  * (exact; ape is [ratio, c*D], small beside kv and score). */
 static PyArrayObject *ape_f32(PyArrayObject *a)
@@ -117,21 +105,18 @@ static PyObject *py_gated_pool(PyObject *self, PyObject *args, PyObject *kw)
     const int kvbf = csa_is_bf16(kv), scbf = sc && csa_is_bf16(sc);
     npy_intp shape[3] = {B, T / ratio, d};
     PyArrayObject *ins[3] = {kv, sc, ape};
-    if (!(out = csa_out_array_as(oo, fn, 3, shape, kv, ins, 3))) goto done;
-    if (!(kvc = unit_inner(kv))) goto done;
-    if (sc && !(scc = unit_inner(sc))) goto done;
+    if (!(out = csa_out_array(oo, fn, 3, shape, kv, 0, ins, 3, 0, NULL))) goto done;
+    if (!(kvc = csa_unit_inner(kv))) goto done;
+    if (sc && !(scc = csa_unit_inner(sc))) goto done;
     if (ape) {
         PyArrayObject *a32 = ape_f32(ape);
         if (!a32) goto done;
-        apc = unit_inner(a32);
+        apc = csa_unit_inner(a32);
         Py_DECREF(a32);
         if (!apc) goto done;
     }
-    PyArrayObject *dst = out;
-    if (shape[2] > 1 && csa_stride(out, 2) != 1) {
-        if (!(tmp = csa_empty_like_dtype(kv, 3, shape))) goto done;
-        dst = tmp;
-    }
+    if (!(tmp = csa_work_array(out, CSA_WORK_UNIT_INNER))) goto done;
+    PyArrayObject *dst = tmp;
     int st;
     Py_BEGIN_ALLOW_THREADS
     st = csa_gated_pool(PyArray_DATA(kvc), kvbf, csa_stride(kvc, 0), csa_stride(kvc, 1), 1,
@@ -284,13 +269,13 @@ static PyObject *py_pool_prefill(PyObject *self, PyObject *args)
     if (check_rope_rows(fn, &v, (long long)G - 1)) goto done;
     npy_intp shape[3] = {B, G, v.st.d};
     PyArrayObject *ins[2] = {kv, sc};
-    if (!(out = csa_out_array_as(oo, fn, 3, shape, kv, ins, 2))) goto done;
+    if (!(out = csa_out_array(oo, fn, 3, shape, kv, 0, ins, 2, 0, NULL))) goto done;
     if (!PyArray_IS_C_CONTIGUOUS(out)) {
         PyErr_Format(PyExc_ValueError, "%s(): 'out' must be C-contiguous", fn);
         goto done;
     }
-    if (!(kvc = unit_inner(kv))) goto done;
-    if (sc && !(scc = unit_inner(sc))) goto done;
+    if (!(kvc = csa_unit_inner(kv))) goto done;
+    if (sc && !(scc = csa_unit_inner(sc))) goto done;
     const int kvbf = csa_is_bf16(kv), scbf = sc && csa_is_bf16(sc);
     int st;
     Py_BEGIN_ALLOW_THREADS
@@ -299,11 +284,7 @@ static PyObject *py_pool_prefill(PyObject *self, PyObject *args)
                           scc ? csa_stride(scc, 1) : 0, v.ape, B, T, &v.ep, PyArray_DATA(out),
                           kvbf, G * v.st.d, v.st.d);
     Py_END_ALLOW_THREADS
-    if (st) {
-        csa_raise_status(st, fn);
-        goto done;
-    }
-    ret = (oo != Py_None) ? (Py_INCREF(oo), oo) : (Py_INCREF(out), (PyObject *)out);
+    ret = csa_finish(st, fn, oo, out, NULL);
 done:
     Py_XDECREF(kv);
     Py_XDECREF(sc);
@@ -347,8 +328,8 @@ static PyObject *py_pool_step(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (emit && check_rope_rows(fn, &v, p / v.st.ratio)) goto done;
     npy_intp shape[3] = {B, 1, v.st.d};
     if (!(out = csa_empty_like_dtype(kv, 3, shape))) goto done;
-    if (!(kvc = unit_inner(kv))) goto done;
-    if (sc && !(scc = unit_inner(sc))) goto done;
+    if (!(kvc = csa_unit_inner(kv))) goto done;
+    if (sc && !(scc = csa_unit_inner(sc))) goto done;
     const int kvbf = csa_is_bf16(kv), scbf = sc && csa_is_bf16(sc);
     int st, emitted = 0;
     Py_BEGIN_ALLOW_THREADS
