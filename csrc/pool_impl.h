@@ -285,12 +285,14 @@ static int CSA_V(pool_entry_tuned)(const pool_cands *c, int nc, csa_idx d, void 
 #undef POOL_BODY
 }
 
-static int CSA_V(gated_pool_tuned)(const void *kv, int kvbf, csa_idx skb, csa_idx skt,
-                                   const void *score, int scbf, csa_idx ssb, csa_idx sst,
-                                   const float *ape, csa_idx sar,
-                                   csa_idx B, csa_idx T, csa_idx d, csa_idx r, int overlap,
-                                   void *out, int obf, csa_idx sob, csa_idx sog)
+static int CSA_V(gated_pool_tuned)(const struct csa_pool_problem *p)
 {
+    const void *kv = p->kv, *score = p->score;
+    const float *ape = p->ape;
+    void *out = p->out;
+    const int kvbf = p->kv_bf16, scbf = p->sc_bf16, obf = p->out_bf16, overlap = p->overlap;
+    const csa_idx skb = p->skb, skt = p->skt, ssb = p->ssb, sst = p->sst, sar = p->sar,
+                  sob = p->sob, sog = p->sog, B = p->B, T = p->T, d = p->d, r = p->ratio;
     if (r <= 0 || B < 0 || T < 0 || d < 0) return CSA_EINVAL;
     const csa_idx G = T / r, items = B * G;
     if (r == 1 && !overlap) {

@@ -89,7 +89,7 @@ static PyObject *py_gated_pool(PyObject *self, PyObject *args, PyObject *kw)
                                      &apo, &overlap, &oo))
         return NULL;
     PyArrayObject *kv = NULL, *sc = NULL, *ape = NULL, *out = NULL, *kvc = NULL, *scc = NULL,
-                  *apc = NULL, *tmp = NULL;
+                  *apc = NULL, *work = NULL;
     PyObject *ret = NULL;
     long long ratio;
     if (csa_int_arg(ro, fn, "ratio", 1, (long long)1 << 40, &ratio)) return NULL;
@@ -115,18 +115,21 @@ static PyObject *py_gated_pool(PyObject *self, PyObject *args, PyObject *kw)
         Py_DECREF(a32);
         if (!apc) goto done;
     }
-    if (!(tmp = csa_work_array(out, CSA_WORK_UNIT_INNER))) goto done;
-    PyArrayObject *dst = tmp;
+    if (!(work = csa_work_array(out, CSA_WORK_UNIT_INNER))) goto done;
+    const struct csa_pool_problem p = {
+        .kv = PyArray_DATA(kvc), .skb = csa_stride(kvc, 0), .skt = csa_stride(kvc, 1), .skf = 1,
+        .score = scc ? PyArray_DATA(scc) : NULL, .ssb = scc ? csa_stride(scc, 0) : 0,
+        .sst = scc ? csa_stride(scc, 1) : 0, .ssf = 1,
+        .ape = apc ? PyArray_DATA(apc) : NULL, .sar = apc ? csa_stride(apc, 0) : 0, .saf = 1,
+        .out = PyArray_DATA(work), .sob = csa_stride(work, 0), .sog = csa_stride(work, 1),
+        .sof = 1, .B = B, .T = T, .d = d, .ratio = ratio, .overlap = overlap,
+        .kv_bf16 = kvbf, .sc_bf16 = scbf, .out_bf16 = kvbf,
+    };
     int st;
     Py_BEGIN_ALLOW_THREADS
-    st = csa_gated_pool(PyArray_DATA(kvc), kvbf, csa_stride(kvc, 0), csa_stride(kvc, 1), 1,
-                        scc ? PyArray_DATA(scc) : NULL, scbf, scc ? csa_stride(scc, 0) : 0,
-                        scc ? csa_stride(scc, 1) : 0, 1,
-                        apc ? (const float *)PyArray_DATA(apc) : NULL,
-                        apc ? csa_stride(apc, 0) : 0, 1, B, T, d, ratio, overlap,
-                        PyArray_DATA(dst), kvbf, csa_stride(dst, 0), csa_stride(dst, 1), 1);
+    st = csa_gated_pool(&p);
     Py_END_ALLOW_THREADS
-    ret = csa_finish(st, fn, oo, out, tmp);
+    ret = csa_finish(st, fn, oo, out, work);
 done:
     Py_XDECREF(kv);
     Py_XDECREF(sc);
@@ -135,7 +138,7 @@ done:
     Py_XDECREF(kvc);
     Py_XDECREF(scc);
     Py_XDECREF(apc);
-    Py_XDECREF(tmp);
+    Py_XDECREF(work);
     return ret;
 }
 
@@ -255,6 +258,26 @@ static int check_rope_rows(const char *fn, const state_view *v, long long last_g
     return 0;
 }
 
+/* The pooling problem of a prefill or step on the state's geometry: kv / score (unit
+ * feature strides), the state's ape, out C-contiguous with strides (sob, sog). */
+static struct csa_pool_problem pool_problem(const state_view *v, PyArrayObject *kv,
+                                            PyArrayObject *sc, PyArrayObject *out,
+                                            csa_idx sob, csa_idx sog)
+{
+    const csa_idx cd = (v->st.overlap ? 2 : 1) * v->st.d;
+    const int kvbf = csa_is_bf16(kv);
+    return (struct csa_pool_problem){
+        .kv = PyArray_DATA(kv), .skb = csa_stride(kv, 0), .skt = csa_stride(kv, 1), .skf = 1,
+        .score = sc ? PyArray_DATA(sc) : NULL, .ssb = sc ? csa_stride(sc, 0) : 0,
+        .sst = sc ? csa_stride(sc, 1) : 0, .ssf = 1,
+        .ape = v->ape, .sar = cd, .saf = 1,
+        .out = PyArray_DATA(out), .sob = sob, .sog = sog, .sof = 1,
+        .B = PyArray_DIM(kv, 0), .T = PyArray_DIM(kv, 1), .d = v->st.d, .ratio = v->st.ratio,
+        .overlap = v->st.overlap, .kv_bf16 = kvbf, .sc_bf16 = sc && csa_is_bf16(sc),
+        .out_bf16 = kvbf,
+    };
+}
+
 static PyObject *py_pool_prefill(PyObject *self, PyObject *args)
 {
     static const char *fn = "Compressor.prefill";
@@ -276,13 +299,10 @@ static PyObject *py_pool_prefill(PyObject *self, PyObject *args)
     }
     if (!(kvc = csa_unit_inner(kv))) goto done;
     if (sc && !(scc = csa_unit_inner(sc))) goto done;
-    const int kvbf = csa_is_bf16(kv), scbf = sc && csa_is_bf16(sc);
+    const struct csa_pool_problem p = pool_problem(&v, kvc, scc, out, G * v.st.d, v.st.d);
     int st;
     Py_BEGIN_ALLOW_THREADS
-    st = csa_pool_prefill(&v.st, PyArray_DATA(kvc), kvbf, csa_stride(kvc, 0), csa_stride(kvc, 1),
-                          scc ? PyArray_DATA(scc) : NULL, scbf, scc ? csa_stride(scc, 0) : 0,
-                          scc ? csa_stride(scc, 1) : 0, v.ape, B, T, &v.ep, PyArray_DATA(out),
-                          kvbf, G * v.st.d, v.st.d);
+    st = csa_pool_prefill(&v.st, &p, &v.ep);
     Py_END_ALLOW_THREADS
     ret = csa_finish(st, fn, oo, out, NULL);
 done:
@@ -330,12 +350,10 @@ static PyObject *py_pool_step(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (!(out = csa_empty_like_dtype(kv, 3, shape))) goto done;
     if (!(kvc = csa_unit_inner(kv))) goto done;
     if (sc && !(scc = csa_unit_inner(sc))) goto done;
-    const int kvbf = csa_is_bf16(kv), scbf = sc && csa_is_bf16(sc);
+    const struct csa_pool_problem pp = pool_problem(&v, kvc, scc, out, v.st.d, 0);
     int st, emitted = 0;
     Py_BEGIN_ALLOW_THREADS
-    st = csa_pool_step(&v.st, PyArray_DATA(kvc), kvbf, csa_stride(kvc, 0),
-                       scc ? PyArray_DATA(scc) : NULL, scbf, scc ? csa_stride(scc, 0) : 0, v.ape,
-                       B, p, &v.ep, PyArray_DATA(out), kvbf, v.st.d, &emitted);
+    st = csa_pool_step(&v.st, &pp, p, &v.ep, &emitted);
     Py_END_ALLOW_THREADS
     if (st) {
         csa_raise_status(st, fn);
