@@ -173,13 +173,7 @@ static int pool_entry_any(const pool_cands *c, int nc, csa_idx d, void *out, int
 
 void csa_round_bf16(float *x, csa_idx n, csa_idx s)
 {
-    for (csa_idx i = 0; i < n; i++) {
-        uint32_t u;
-        memcpy(&u, &x[i * s], 4);
-        if ((u & 0x7fffffffu) > 0x7f800000u) u = 0x7fc00000u;      /* NaN stays NaN */
-        else u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;  /* nearest-even */
-        memcpy(&x[i * s], &u, 4);
-    }
+    for (csa_idx i = 0; i < n; i++) x[i * s] = csa_bf16_to_f32(csa_f32_to_bf16(x[i * s]));
 }
 
 static void round_rows(float *out, csa_idx B, csa_idx G, csa_idx d, csa_idx sob, csa_idx sog)

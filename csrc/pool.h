@@ -87,7 +87,8 @@ int csa_pool_prefill(csa_pool_state *st, const struct csa_pool_problem *p,
 int csa_pool_step(csa_pool_state *st, const struct csa_pool_problem *p, int64_t pos,
                   const csa_pool_epilogue *ep, int *emitted);
 
-/* Rounds n float32 values (stride s) to bfloat16 precision in place, nearest-even,
- * NaN stays NaN. */
+/* Rounds n float32 values (stride s) to bfloat16 precision in place: the value of
+ * csa_f32_to_bf16 (nearest-even; a NaN stays a NaN with its top payload bits, quieted),
+ * widened back. */
 void csa_round_bf16(float *x, csa_idx n, csa_idx s);
 #endif
