@@ -1,4 +1,4 @@
-/* Top-k sparse attention with an attention sink (SPEC section 5). */
+/* Top-k sparse attention with an attention sink (docs/kernels.md, section 5). */
 #ifndef CSA_ATTN_H
 #define CSA_ATTN_H
 #include "csa.h"

@@ -1,4 +1,4 @@
-/* Gated pooling, the Compressor (SPEC section 3): prefill of complete groups and the
+/* Gated pooling, the Compressor (docs/kernels.md, section 3): prefill of complete groups and the
  * explicit per-sequence streaming state of decode. */
 #ifndef CSA_POOL_H
 #define CSA_POOL_H
@@ -50,7 +50,7 @@ typedef struct {
     int64_t *pos;
 } csa_pool_state;
 
-/* What happens to an emitted entry (SPEC 3, "After pooling"), in this order:
+/* What happens to an emitted entry (kernels.md section 3, "Epilogue"), in this order:
  *   bf16:   round to bfloat16 (nearest-even), as the cast to the model dtype, and again
  *           after the norm and after RoPE (each writes back in the model dtype); a
  *           bfloat16 `out` implies it (the entries are then bfloat16 themselves:

@@ -1,4 +1,5 @@
-"""The Compressor: gated pooling of KV groups (SPEC section 3), for prefill and decode.
+"""The Compressor: gated pooling of KV groups (docs/kernels.md, section 3), for prefill
+and decode.
 
 ``gated_pool`` pools the complete groups of a prefill.  ``Compressor`` adds the
 explicit per-sequence streaming state of decode and the optional epilogue of the
@@ -34,7 +35,7 @@ __all__ = ["gated_pool", "Compressor"]
 
 
 def _quant_fn(name, rope_dim, bf16):
-    """The released model's QAT rounding of emitted entries, by name (SPEC 7)."""
+    """The released model's QAT rounding of emitted entries, by name (kernels.md section 7)."""
     def fp8(y):     # V4 compressed KV: FP8 on the features in front of the rope tail
         fp8_round(y[..., :y.shape[-1] - rope_dim], 64)
 
@@ -96,7 +97,7 @@ class Compressor:
     batch       : rows of state; calls may use the first B <= batch rows.
     ratio       : tokens per entry, >= 1 (V4: 4 with overlap, 128; V4.1: 2, 1).
     head_dim    : D, the entry width.  Inputs have c*D features, c = 2 with overlap.
-    overlap     : V4's ratio-4 scheme (2*ratio candidates per entry, SPEC 3).
+    overlap     : V4's ratio-4 scheme (2*ratio candidates per entry, kernels.md section 3).
     ape         : float32 [ratio, c*D] added to the scores (None: zeros, V4.1).
     Epilogue, applied to each emitted entry in the released order:
     model_dtype : "float32" or "bfloat16", for float32 inputs: with bfloat16 the

@@ -1,4 +1,4 @@
-/* sparse_attn: top-k sparse attention with an attention sink (SPEC section 5). */
+/* sparse_attn: top-k sparse attention with an attention sink (docs/kernels.md, section 5). */
 #include "glue.h"
 
 #include <math.h>
@@ -7,7 +7,7 @@
 
 PyDoc_STRVAR(sparse_attn_doc,
 "sparse_attn(q, kv, attn_sink, topk_idxs, softmax_scale, *, out=None)\n--\n\n"
-"Top-k sparse multi-query attention with an attention sink (SPEC section 5).\n\n"
+"Top-k sparse multi-query attention with an attention sink (docs/kernels.md, section 5).\n\n"
 "For every (b, s, h), over the valid entries j of topk_idxs[b, s] (-1 = skip):\n"
 "l_j = softmax_scale * q[b,s,h] . kv[b, idx_j];\n"
 "out[b,s,h] = sum_j e^(l_j - m) kv[b, idx_j] / (sum_j e^(l_j - m) + e^(attn_sink[h] - m)).\n"

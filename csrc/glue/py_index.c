@@ -182,7 +182,7 @@ static PyArrayObject *out_and_work(PyObject *oo, const char *fn, const npy_intp 
 
 PyDoc_STRVAR(index_scores_doc,
 "index_scores(q, k, weights, *, ratio, start_pos=0, out=None)\n--\n\n"
-"Indexer scores (SPEC section 4), float32 [B, S, Tc]:\n"
+"Indexer scores (docs/kernels.md, section 4), float32 [B, S, Tc]:\n"
 "``score[b,s,t] = sum_h relu(q[b,s,h,:] . k[b,t,:]) * weights[b,s,h]`` for the\n"
 "entries the query at absolute position P = start_pos + s can see,\n"
 "t < (P + 1) // ratio; -inf for the others.  For tensor-parallel users who sum\n"
@@ -245,7 +245,7 @@ static int parse_topk_args(const char *fn, PyObject *tko, PyObject *offo, PyObje
 PyDoc_STRVAR(index_topk_doc,
 "index_topk(q, k, weights, topk, *, ratio, start_pos=0, offset=0, order=\"score\",\n"
 "           candidates=None, block_size=None, out=None)\n--\n\n"
-"Fused indexer scoring and top-k selection (SPEC section 4).  Returns int32\n"
+"Fused indexer scoring and top-k selection (docs/kernels.md, section 4).  Returns int32\n"
 "[B, S, K], K = min(topk, (start_pos + S) // ratio).  Never materializes the\n"
 "[S, Tc] scores: each thread scores a block of up to 8 query rows into [Tc]\n"
 "scratch rows and selects from them right away (calls with fewer than 4 rows per\n"
@@ -437,7 +437,7 @@ static int parse_batch_seq(const char *fn, PyObject *bo, PyObject *so, PyObject 
 
 PyDoc_STRVAR(window_topk_idxs_doc,
 "window_topk_idxs(window, batch, seqlen, start_pos, *, out=None)\n--\n\n"
-"Sliding-window indices (SPEC section 6), int32.\n"
+"Sliding-window indices (docs/kernels.md, section 6), int32.\n"
 "Prefill (start_pos == 0): [batch, seqlen, min(seqlen, window)], row s lists\n"
 "  max(0, s-window+1) .. s in ascending order, then -1.\n"
 "Decode (start_pos > 0, seqlen == 1): [batch, 1, window] ring slots: while the ring\n"
@@ -470,7 +470,7 @@ static PyObject *py_window_topk_idxs(PyObject *self, PyObject *args, PyObject *k
 
 PyDoc_STRVAR(compress_topk_idxs_doc,
 "compress_topk_idxs(ratio, batch, seqlen, start_pos, offset, *, out=None)\n--\n\n"
-"HCA indices (SPEC section 4): every visible compressed entry, int32\n"
+"HCA indices (docs/kernels.md, section 4): every visible compressed entry, int32\n"
 "[batch, seqlen, (start_pos + seqlen) // ratio].  Prefill: row s lists t + offset\n"
 "for t < (s+1) // ratio, then -1.  Decode (start_pos > 0, seqlen == 1):\n"
 "0 .. (start_pos+1)//ratio - 1, plus offset.");

@@ -73,7 +73,7 @@ done:
 
 PyDoc_STRVAR(rope_table_doc,
 "rope_table(rope_dim, seqlen, *, base, original_seq_len=0, factor=1.0, beta_fast=32, beta_slow=1)\n--\n\n"
-"RoPE cos/sin tables, float32 [seqlen, rope_dim // 2] each (SPEC section 2).\n\n"
+"RoPE cos/sin tables, float32 [seqlen, rope_dim // 2] each (docs/kernels.md, section 2).\n\n"
 "Frequencies f_i = 1 / base**(2i/rope_dim); with original_seq_len > 0 YaRN blends\n"
 "f_i / factor into the slow pairs between the beta_fast and beta_slow corrections.\n"
 "Angle a[t, i] = float32(t) * f_i.  Returns (cos, sin).");

@@ -1,4 +1,4 @@
-/* fp8_round, fp4_round, hadamard (SPEC section 7). */
+/* fp8_round, fp4_round, hadamard (docs/kernels.md, section 7). */
 #include "glue.h"
 
 #include <math.h>
@@ -95,7 +95,7 @@ static const int fp4_scale_codes[] = {CSA_QS_UE8M0, CSA_QS_E4M3};
 PyDoc_STRVAR(fp8_round_doc,
 "fp8_round(x, block, *, scale='ue8m0', out=None)\n--\n\n"
 "FP8 (e4m3) quantize-dequantize over blocks of `block` features along the last axis,\n"
-"as the released model rounds window KV and compressed KV (SPEC section 7).\n\n"
+"as the released model rounds window KV and compressed KV (docs/kernels.md, section 7).\n\n"
 "Per block: amax = max(max|x|, 1e-4); inv = float32(1/448);\n"
 "  scale='ue8m0' (default): s = 2**ceil(log2(amax * inv)), exact at powers of two;\n"
 "  scale='fp32'           : s = amax * inv;\n"
@@ -120,7 +120,7 @@ static PyObject *py_fp8_round(PyObject *self, PyObject *args, PyObject *kw)
 PyDoc_STRVAR(fp4_round_doc,
 "fp4_round(x, block, *, scale='ue8m0', out=None)\n--\n\n"
 "FP4 (e2m1: 0, 0.5, 1, 1.5, 2, 3, 4, 6) quantize-dequantize over blocks of `block`\n"
-"features along the last axis (SPEC section 7).\n\n"
+"features along the last axis (docs/kernels.md, section 7).\n\n"
 "Per block, with amax = max|x|:\n"
 "  scale='ue8m0' (default; the indexer's q and k, block 32):\n"
 "      amax floored at 6 * 2**-126, s = 2**ceil(log2(amax * float32(1/6)));\n"
