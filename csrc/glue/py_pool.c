@@ -59,7 +59,7 @@ static int check_inputs(const char *fn, PyArrayObject *kv, PyArrayObject *score,
 
 PyDoc_STRVAR(gated_pool_doc,
 "gated_pool(kv, score, ratio, *, ape=None, overlap=False, out=None)\n--\n\n"
-"Gated pooling of the complete groups of a prefill (SPEC section 3), in float32.\n\n"
+"Gated pooling of the complete groups of a prefill (docs/kernels.md, section 3), in float32.\n\n"
 "kv, score : float32 or bfloat16 [B, T, c*D], c = 2 with overlap else 1, any strides.\n"
 "ratio     : int >= 1, tokens per entry.\n"
 "ape       : float32 [ratio, c*D] added to the scores (None: zeros, as in V4.1); a\n"
@@ -278,6 +278,29 @@ static struct csa_pool_problem pool_problem(const state_view *v, PyArrayObject *
     };
 }
 
+/* The arrays of one prefill or step: the caller's kv / score (validated against the
+ * state), their unit-inner-stride views, and the result. */
+struct stream_arrays {
+    PyArrayObject *kv, *sc, *kvc, *scc, *out;
+};
+
+static void stream_clear(struct stream_arrays *a)
+{
+    Py_XDECREF(a->kv);
+    Py_XDECREF(a->sc);
+    Py_XDECREF(a->kvc);
+    Py_XDECREF(a->scc);
+    Py_XDECREF(a->out);
+}
+
+/* The unit-inner views the kernels read; -1 with an exception on error. */
+static int stream_views(struct stream_arrays *a)
+{
+    if (!(a->kvc = csa_unit_inner(a->kv))) return -1;
+    if (a->sc && !(a->scc = csa_unit_inner(a->sc))) return -1;
+    return 0;
+}
+
 static PyObject *py_pool_prefill(PyObject *self, PyObject *args)
 {
     static const char *fn = "Compressor.prefill";
@@ -285,33 +308,42 @@ static PyObject *py_pool_prefill(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "OOO|O:_pool_prefill", &to, &kvo, &so, &oo)) return NULL;
     state_view v;
     if (parse_state(to, fn, &v)) return NULL;
-    PyArrayObject *kv = NULL, *sc = NULL, *kvc = NULL, *scc = NULL, *out = NULL;
+    struct stream_arrays a = {0};
     PyObject *ret = NULL;
-    if (state_inputs(fn, &v, kvo, so, &kv, &sc)) goto done;
-    const npy_intp B = PyArray_DIM(kv, 0), T = PyArray_DIM(kv, 1), G = T / v.st.ratio;
+    if (state_inputs(fn, &v, kvo, so, &a.kv, &a.sc)) goto done;
+    const npy_intp B = PyArray_DIM(a.kv, 0), T = PyArray_DIM(a.kv, 1), G = T / v.st.ratio;
     if (check_rope_rows(fn, &v, (long long)G - 1)) goto done;
     npy_intp shape[3] = {B, G, v.st.d};
-    PyArrayObject *ins[2] = {kv, sc};
-    if (!(out = csa_out_array(oo, fn, 3, shape, kv, 0, ins, 2, 0, NULL))) goto done;
-    if (!PyArray_IS_C_CONTIGUOUS(out)) {
+    PyArrayObject *ins[2] = {a.kv, a.sc};
+    if (!(a.out = csa_out_array(oo, fn, 3, shape, a.kv, 0, ins, 2, 0, NULL))) goto done;
+    if (!PyArray_IS_C_CONTIGUOUS(a.out)) {
         PyErr_Format(PyExc_ValueError, "%s(): 'out' must be C-contiguous", fn);
         goto done;
     }
-    if (!(kvc = csa_unit_inner(kv))) goto done;
-    if (sc && !(scc = csa_unit_inner(sc))) goto done;
-    const struct csa_pool_problem p = pool_problem(&v, kvc, scc, out, G * v.st.d, v.st.d);
+    if (stream_views(&a)) goto done;
+    const struct csa_pool_problem p = pool_problem(&v, a.kvc, a.scc, a.out, G * v.st.d, v.st.d);
     int st;
     Py_BEGIN_ALLOW_THREADS
     st = csa_pool_prefill(&v.st, &p, &v.ep);
     Py_END_ALLOW_THREADS
-    ret = csa_finish(st, fn, oo, out, NULL);
+    ret = csa_finish(st, fn, oo, a.out, NULL);
 done:
-    Py_XDECREF(kv);
-    Py_XDECREF(sc);
-    Py_XDECREF(kvc);
-    Py_XDECREF(scc);
-    Py_XDECREF(out);
+    stream_clear(&a);
     return ret;
+}
+
+/* ValueError unless every used row of the state is at position p. */
+static int check_positions(const char *fn, const state_view *v, npy_intp B, long long p)
+{
+    for (npy_intp b = 0; b < B; b++)
+        if (v->st.pos[b] != p) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s(): 'start_pos' must be %lld, the next position of row %lld of the "
+                         "state, got %lld (prefill() or reset() starts a new sequence)",
+                         fn, (long long)v->st.pos[b], (long long)b, p);
+            return -1;
+        }
+    return 0;
 }
 
 static PyObject *py_pool_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -323,55 +355,37 @@ static PyObject *py_pool_step(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     state_view v;
     if (parse_state(args[0], fn, &v)) return NULL;
-    PyArrayObject *kv = NULL, *sc = NULL, *kvc = NULL, *scc = NULL, *out = NULL;
+    struct stream_arrays a = {0};
     PyObject *ret = NULL;
     long long p;
-    if (state_inputs(fn, &v, args[1], args[2], &kv, &sc)) goto done;
+    if (state_inputs(fn, &v, args[1], args[2], &a.kv, &a.sc)) goto done;
     if (csa_int_arg(args[3], fn, "start_pos", 0, (long long)1 << 62, &p)) goto done;
     char b1[256];
-    if (PyArray_DIM(kv, 1) != 1) {
+    if (PyArray_DIM(a.kv, 1) != 1) {
         PyErr_Format(PyExc_ValueError,
                      "%s(): 'kv' must hold one token per row, shape [B, 1, %lld], got %s", fn,
-                     (long long)PyArray_DIM(kv, 2), csa_shape_str(kv, b1, sizeof b1));
+                     (long long)PyArray_DIM(a.kv, 2), csa_shape_str(a.kv, b1, sizeof b1));
         goto done;
     }
-    const npy_intp B = PyArray_DIM(kv, 0);
-    for (npy_intp b = 0; b < B; b++)
-        if (v.st.pos[b] != p) {
-            PyErr_Format(PyExc_ValueError,
-                         "%s(): 'start_pos' must be %lld, the next position of row %lld of the "
-                         "state, got %lld (prefill() or reset() starts a new sequence)",
-                         fn, (long long)v.st.pos[b], (long long)b, p);
-            goto done;
-        }
+    const npy_intp B = PyArray_DIM(a.kv, 0);
+    if (check_positions(fn, &v, B, p)) goto done;
     const int emit = (p + 1) % v.st.ratio == 0;
     if (emit && check_rope_rows(fn, &v, p / v.st.ratio)) goto done;
     npy_intp shape[3] = {B, 1, v.st.d};
-    if (!(out = csa_empty_like_dtype(kv, 3, shape))) goto done;
-    if (!(kvc = csa_unit_inner(kv))) goto done;
-    if (sc && !(scc = csa_unit_inner(sc))) goto done;
-    const struct csa_pool_problem pp = pool_problem(&v, kvc, scc, out, v.st.d, 0);
+    if (!(a.out = csa_empty_like_dtype(a.kv, 3, shape)) || stream_views(&a)) goto done;
+    const struct csa_pool_problem pp = pool_problem(&v, a.kvc, a.scc, a.out, v.st.d, 0);
     int st, emitted = 0;
     Py_BEGIN_ALLOW_THREADS
     st = csa_pool_step(&v.st, &pp, p, &v.ep, &emitted);
     Py_END_ALLOW_THREADS
     if (st) {
         csa_raise_status(st, fn);
-        goto done;
-    }
-    if (emitted) {
-        Py_INCREF(out);
-        ret = (PyObject *)out;
     } else {
-        Py_INCREF(Py_None);
-        ret = Py_None;
+        ret = emitted ? (PyObject *)a.out : Py_None;   /* an entry, or None mid-group */
+        Py_INCREF(ret);
     }
 done:
-    Py_XDECREF(kv);
-    Py_XDECREF(sc);
-    Py_XDECREF(kvc);
-    Py_XDECREF(scc);
-    Py_XDECREF(out);
+    stream_clear(&a);
     return ret;
 }
 
