@@ -164,7 +164,9 @@ static void CSA_V(amx_pv)(const uint32_t *PT, csa_idx kcp, csa_idx hcp, const ui
 }
 
 /* dst[d] = bf16(src[d] / den) for d < D: csa_f32_to_bf16 sixteen lanes at a time
- * (nearest-even, NaN kept quiet, subnormals kept; VCVTNEPS2BF16 would flush them). */
+ * (nearest-even, NaN kept quiet, subnormals kept; VCVTNEPS2BF16 would flush them).
+ * The same rule as bf16_impl.h's bf16_narrow16, in its own instruction sequence (an
+ * integer NaN test); left as it is because AMX code is only changed mechanically. */
 static void CSA_V(amx_store_bf16)(csa_bf16 *dst, const float *src, float den, csa_idx D)
 {
     const __m512 dv = _mm512_set1_ps(den);
