@@ -29,7 +29,8 @@ from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from ._core import _pool_prefill, _pool_step, _round_bf16, fp4_round, fp8_round, gated_pool, hadamard
+from ._core import (_pool_prefill, _pool_state, _pool_step, _round_bf16, fp4_round, fp8_round,
+                    gated_pool, hadamard)
 
 __all__ = ["gated_pool", "Compressor"]
 
@@ -177,10 +178,13 @@ class Compressor:
         self._prev_score = np.empty(shape_prev, np.float32)
         self._pos = np.zeros(batch, np.int64)
         self.reset()
-        # Built once: the C calls read everything from this tuple (see py_pool.c).
+        # The C state (_cstate), validated once here from these fields (_state): prefill
+        # and step read it (see py_pool.c); it points into the arrays above, which
+        # reset() only ever writes in place.
         self._state = (ratio, int(overlap), head_dim, self._kv, self._score, self._prev_kv,
                        self._prev_score, self._pos, ape, nw, eps, cos, sin,
                        int(model_dtype == "bfloat16"))
+        self._cstate = _pool_state(*self._state)
 
     @staticmethod
     def _int(name, v, lo, hi=1 << 40):
@@ -222,7 +226,7 @@ class Compressor:
         complete group) for ``step``.  Rows >= B are left as they are.  The entries
         have kv's dtype (bfloat16 kv: bfloat16 entries, see the module docstring).
         """
-        y = _pool_prefill(self._state, _view(kv), _view(score), out)
+        y = _pool_prefill(self._cstate, _view(kv), _view(score), out)
         if self._quant is not None and y.shape[1]:
             y = self._apply_quant(y)
         return y
@@ -232,7 +236,7 @@ class Compressor:
         used row's ``positions``); kv, score: float32 or bfloat16 [B, 1, c*head_dim],
         B <= batch.  Returns the new entry [B, 1, head_dim] of kv's dtype (compressed
         index start_pos // ratio) when the token completes its group, else None."""
-        y = _pool_step(self._state, _view(kv), _view(score), start_pos)
+        y = _pool_step(self._cstate, _view(kv), _view(score), start_pos)
         if y is not None and self._quant is not None:
             y = self._apply_quant(y)
         return y

@@ -144,10 +144,12 @@ done:
 
 /* ---------------------------------------------------------------- Compressor state
  *
- * The Python object keeps its state as a tuple built once (deepseek_csa/compressor.py):
- *   (ratio, overlap, d, kv_state, score_state, prev_kv, prev_score, pos,
- *    ape or None, norm_w or None, eps, cos or None, sin or None, bf16)
- * with C-contiguous float32 arrays (pos int64) of the shapes in pool.h. */
+ * deepseek_csa/compressor.py builds the state once, at construction, with
+ *   _pool_state(ratio, overlap, d, kv_state, score_state, prev_kv, prev_score, pos,
+ *               ape or None, norm_w or None, eps, cos or None, sin or None, bf16)
+ * (C-contiguous float32 arrays, pos int64, of the shapes in pool.h, owned by the
+ * Compressor).  They are validated there, once, into a state_view kept in a capsule
+ * (which also keeps the arguments alive); prefill and step take the capsule. */
 
 typedef struct {
     csa_pool_state st;
@@ -215,6 +217,55 @@ static int parse_state(PyObject *tup, const char *fn, state_view *v)
         v->ep.rows = PyArray_DIM(c, 0);
         v->ep.srow = PyArray_DIM(c, 1);
     }
+    return 0;
+}
+
+static const char *const STATE_CAPSULE = "deepseek_csa._pool_state";
+
+typedef struct {
+    state_view v;
+    PyObject *keep;   /* the arguments of _pool_state: the arrays the view points into */
+} pool_state_box;
+
+static void state_capsule_free(PyObject *cap)
+{
+    pool_state_box *b = PyCapsule_GetPointer(cap, STATE_CAPSULE);
+    if (!b) {
+        PyErr_Clear();
+        return;
+    }
+    Py_XDECREF(b->keep);
+    PyMem_Free(b);
+}
+
+static PyObject *py_pool_state(PyObject *self, PyObject *args)
+{
+    state_view v;
+    if (parse_state(args, "Compressor", &v)) return NULL;
+    pool_state_box *b = PyMem_Malloc(sizeof *b);
+    if (!b) return PyErr_NoMemory();
+    b->v = v;
+    b->keep = args;
+    Py_INCREF(args);
+    PyObject *cap = PyCapsule_New(b, STATE_CAPSULE, state_capsule_free);
+    if (!cap) {
+        Py_DECREF(args);
+        PyMem_Free(b);
+    }
+    return cap;
+}
+
+/* The state_view of a _pool_state capsule (validated when it was made). */
+static int get_state(PyObject *cap, const char *fn, state_view *v)
+{
+    const pool_state_box *b =
+        PyCapsule_CheckExact(cap) ? PyCapsule_GetPointer(cap, STATE_CAPSULE) : NULL;
+    if (!b) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s(): the Compressor's state is corrupt", fn);
+        return -1;
+    }
+    *v = b->v;
     return 0;
 }
 
@@ -307,7 +358,7 @@ static PyObject *py_pool_prefill(PyObject *self, PyObject *args)
     PyObject *to, *kvo, *so, *oo = Py_None;
     if (!PyArg_ParseTuple(args, "OOO|O:_pool_prefill", &to, &kvo, &so, &oo)) return NULL;
     state_view v;
-    if (parse_state(to, fn, &v)) return NULL;
+    if (get_state(to, fn, &v)) return NULL;
     struct stream_arrays a = {0};
     PyObject *ret = NULL;
     if (state_inputs(fn, &v, kvo, so, &a.kv, &a.sc)) goto done;
@@ -354,7 +405,7 @@ static PyObject *py_pool_step(PyObject *self, PyObject *const *args, Py_ssize_t 
         return NULL;
     }
     state_view v;
-    if (parse_state(args[0], fn, &v)) return NULL;
+    if (get_state(args[0], fn, &v)) return NULL;
     struct stream_arrays a = {0};
     PyObject *ret = NULL;
     long long p;
@@ -411,6 +462,9 @@ static PyObject *py_round_bf16(PyObject *self, PyObject *xo)
 PyMethodDef csa_pool_methods[] = {
     {"gated_pool", (PyCFunction)(void (*)(void))py_gated_pool, METH_VARARGS | METH_KEYWORDS,
      gated_pool_doc},
+    {"_pool_state", (PyCFunction)py_pool_state, METH_VARARGS,
+     "_pool_state(ratio, overlap, d, kv, score, prev_kv, prev_score, pos, ape, norm_w, eps, "
+     "cos, sin, bf16)\n--\n\nPrivate: the Compressor's state, validated once."},
     {"_pool_prefill", (PyCFunction)py_pool_prefill, METH_VARARGS,
      "_pool_prefill(state, kv, score, out=None)\n--\n\nPrivate: Compressor.prefill."},
     {"_pool_step", (PyCFunction)(void (*)(void))py_pool_step, METH_FASTCALL,
