@@ -1,24 +1,14 @@
 """Top-k sparse attention with a sink: compute-bound (4*S*H*K*D FLOPs, every index
-valid), so GFLOP/s against the fp32 FMA peak.  The eager reference gathers kv[idx]
-into [B, S, K, D] and runs einsum + softmax with the sink as an extra logit."""
+valid), so GFLOP/s against the fp32 FMA peak.  The eager reference (deepseek_csa.reference.attn)
+gathers kv[idx] into [B, S, K, D] and runs einsum + softmax with the sink as an extra
+logit."""
 import ml_dtypes
 import numpy as np
 import torch
 
 import deepseek_csa as dc
+from deepseek_csa.reference.attn import sparse_attn as _attn_ref
 from harness import Case
-
-
-def _attn_ref(q, kv, sink, idx, scale: float):
-    B, S, H, D = q.shape
-    K = idx.shape[-1]
-    valid = idx >= 0
-    g = kv[torch.arange(B)[:, None, None], idx.clamp(min=0).long()]          # [B, S, K, D]
-    logits = torch.einsum("bshd,bskd->bshk", q, g) * scale
-    logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
-    sinks = sink.to(q.dtype).view(1, 1, H, 1).expand(B, S, H, 1)
-    probs = torch.cat([logits, sinks], dim=-1).softmax(dim=-1)[..., :K]
-    return torch.einsum("bshk,bskd->bshd", probs, g)
 
 
 def _case(name, B, S, H, D, N, K, rng, bf16=False):

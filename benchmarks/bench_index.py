@@ -2,7 +2,7 @@
 (2 * S * Hi * Di * Tc, the causal half that is never computed included) against the
 fp32 FMA peak (bfloat16 cases: against the AMX-BF16 tile peak).
 
-bfloat16 cases (issue 9) run ours on ml_dtypes.bfloat16 arrays and the torch reference
+bfloat16 cases run ours on ml_dtypes.bfloat16 arrays and the torch reference
 on torch.bfloat16 tensors (eager and compiled).  The bar is our bf16 scoring at >= 1.5x
 the throughput of our float32 scoring; `python benchmarks/bench_index.py` measures that
 ratio with the two calls interleaved in one process (robust to a busy machine)."""

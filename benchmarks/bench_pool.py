@@ -1,32 +1,15 @@
 """Gated pooling (the Compressor): memory-bound prefill at V4-Flash shapes against the
 torch eager reference pooling and torch.compile of it, and one decode step per kind.
 The bf16 cases take bfloat16 kv / score (2 bytes an element, half the traffic) and
-return bfloat16; their reference is the model's: widen, pool in float32, cast."""
+return bfloat16; their reference is the model's: widen, pool in float32, cast.  The eager
+reference is deepseek_csa.reference.pool."""
 import ml_dtypes
 import numpy as np
 import torch
 
 import deepseek_csa as dc
+from deepseek_csa.reference.pool import pool as _pool_ref
 from harness import Case
-
-
-def _pool_ref(kv, score, ape, ratio: int, overlap: bool):
-    """Torch eager reference pooling (SPEC 3), as the released module computes it:
-    group, add ape, (overlap: gather the 2r candidates), softmax, weighted sum."""
-    B, T, cd = kv.shape
-    G = T // ratio
-    k = kv[:, :G * ratio].unflatten(1, (G, ratio))
-    s = score[:, :G * ratio].unflatten(1, (G, ratio)) + ape
-    if overlap:
-        d = cd // 2
-        kk = k.new_zeros(B, G, 2 * ratio, d)
-        ss = s.new_full((B, G, 2 * ratio, d), float("-inf"))
-        kk[:, :, ratio:] = k[..., d:]
-        ss[:, :, ratio:] = s[..., d:]
-        kk[:, 1:, :ratio] = k[:, :-1, :, :d]
-        ss[:, 1:, :ratio] = s[:, :-1, :, :d]
-        k, s = kk, ss
-    return (k * s.softmax(dim=2)).sum(dim=2)
 
 
 def _prefill_case(rng, T, cd, ratio, overlap, name):
@@ -36,22 +19,18 @@ def _prefill_case(rng, T, cd, ratio, overlap, name):
     d = cd // (2 if overlap else 1)
     out = np.empty((1, T // ratio, d), np.float32)
     tk, ts, ta = torch.from_numpy(kv), torch.from_numpy(sc), torch.from_numpy(ape)
-    fn = _pool_ref if overlap else _pool_ref_plain
-    args = (tk, ts, ta, ratio, True) if overlap else (tk, ts, ta, ratio)
+    fn = _pool_ref
+    args = (tk, ts, ratio, ta, overlap)
     return Case("gated_pool", name,
                 ours=lambda: dc.gated_pool(kv, sc, ratio, ape=ape, overlap=overlap, out=out),
                 eager=lambda: fn(*args), compile_fn=fn, compile_args=args,
                 bytes=kv.nbytes + sc.nbytes + ape.nbytes + out.nbytes)
 
 
-def _pool_ref_plain(kv, score, ape, ratio: int):
-    return _pool_ref(kv, score, ape, ratio, False)
-
-
-def _pool_ref_bf16(kv, score, ape, ratio: int, overlap: bool):
+def _pool_ref_bf16(kv, score, ratio: int, ape, overlap: bool):
     """The reference on bfloat16 tensors, as the model runs it: float32 inside, the
     pooled entry cast to bfloat16."""
-    return _pool_ref(kv.float(), score.float(), ape, ratio, overlap).bfloat16()
+    return _pool_ref(kv, score, ratio, ape, overlap).bfloat16()
 
 
 def _bf16_prefill_case(rng, T, cd, ratio, overlap, name):
@@ -63,7 +42,7 @@ def _bf16_prefill_case(rng, T, cd, ratio, overlap, name):
     out = np.empty((1, T // ratio, d), bf)
     tk = torch.from_numpy(kv.view(np.int16)).view(torch.bfloat16)
     ts = torch.from_numpy(sc.view(np.int16)).view(torch.bfloat16)
-    args = (tk, ts, torch.from_numpy(ape), ratio, overlap)
+    args = (tk, ts, ratio, torch.from_numpy(ape), overlap)
     return Case("gated_pool", name,
                 ours=lambda: dc.gated_pool(kv, sc, ratio, ape=ape, overlap=overlap, out=out),
                 eager=lambda: _pool_ref_bf16(*args), compile_fn=_pool_ref_bf16,

@@ -11,22 +11,6 @@
 #include <immintrin.h>
 #endif
 
-/* Everything the tuned body needs, passed by pointer through the dispatch. */
-struct csa_attn_args {
-    const void *q;     /* float32, or bfloat16 when bf16 */
-    csa_idx sq_b, sq_s, sq_h;
-    const void *kv;    /* same dtype as q */
-    csa_idx skv_b, skv_n;
-    const float *sink;
-    const int32_t *idx;
-    csa_idx si_b, si_s;
-    void *out;         /* same dtype as q */
-    csa_idx so_b, so_s, so_h;
-    csa_idx B, S, H, D, N, K;
-    float scale;
-    int bf16;
-};
-
 /* Element i of a float32 (bf16 = 0) or bfloat16 (bf16 = 1) array. */
 static inline float ld(const void *p, csa_idx i, int bf16)
 {
@@ -40,7 +24,8 @@ static float dot_ref(const void *a, const void *b, csa_idx n, int bf16)
     return s;
 }
 
-static int attn_ref(const struct csa_attn_args *a)
+/* The oracle's body; the indices are already checked. */
+static int attn_ref(const struct csa_attn_problem *a)
 {
     const void *q = a->q, *kv = a->kv;
     void *out = a->out;
@@ -49,7 +34,7 @@ static int attn_ref(const struct csa_attn_args *a)
     const csa_idx sq_b = a->sq_b, sq_s = a->sq_s, sq_h = a->sq_h, skv_b = a->skv_b,
                   skv_n = a->skv_n, si_b = a->si_b, si_s = a->si_s, so_b = a->so_b,
                   so_s = a->so_s, so_h = a->so_h, B = a->B, S = a->S, H = a->H, D = a->D,
-                  N = a->N, K = a->K;
+                  K = a->K;
     const float scale = a->scale;
     const int bf16 = a->bf16;
     const size_t es = bf16 ? sizeof(csa_bf16) : sizeof(float);
@@ -59,13 +44,7 @@ static int attn_ref(const struct csa_attn_args *a)
             const int32_t *ir = idx + b * si_b + s * si_s;
             const char *kvb = (const char *)kv + (size_t)(b * skv_b) * es;
             csa_idx valid = 0;
-            for (csa_idx k = 0; k < K; k++) {
-                if (ir[k] < -1 || ir[k] >= N) {
-                    free(o);
-                    return CSA_EINDEX;
-                }
-                valid += ir[k] >= 0;
-            }
+            for (csa_idx k = 0; k < K; k++) valid += ir[k] >= 0;
             if (!o && !(o = malloc((size_t)(D > 0 ? D : 1) * sizeof(float)))) return CSA_ENOMEM;
             for (csa_idx h = 0; h < H; h++) {
                 const void *qh = (const char *)q + (size_t)(b * sq_b + s * sq_s + h * sq_h) * es;
@@ -106,32 +85,28 @@ static int attn_ref(const struct csa_attn_args *a)
     return CSA_OK;
 }
 
-int csa_sparse_attn_ref(const float *q, csa_idx sq_b, csa_idx sq_s, csa_idx sq_h,
-                        const float *kv, csa_idx skv_b, csa_idx skv_n,
-                        const float *sink,
-                        const int32_t *idx, csa_idx si_b, csa_idx si_s,
-                        float *out, csa_idx so_b, csa_idx so_s, csa_idx so_h,
-                        csa_idx B, csa_idx S, csa_idx H, csa_idx D, csa_idx N, csa_idx K,
-                        float scale)
+int csa_attn_bad_index(const struct csa_attn_problem *p, csa_idx *b, csa_idx *s, csa_idx *k)
 {
-    const struct csa_attn_args a = {q, sq_b, sq_s, sq_h, kv, skv_b, skv_n, sink, idx, si_b, si_s,
-                                    out, so_b, so_s, so_h, B, S, H, D, N, K, scale, 0};
-    return attn_ref(&a);
+    for (csa_idx bi = 0; bi < p->B; bi++)
+        for (csa_idx si = 0; si < p->S; si++) {
+            const int32_t *ir = p->idx + bi * p->si_b + si * p->si_s;
+            for (csa_idx ki = 0; ki < p->K; ki++)
+                if (ir[ki] < -1 || ir[ki] >= p->N) {
+                    *b = bi;
+                    *s = si;
+                    *k = ki;
+                    return 1;
+                }
+        }
+    return 0;
 }
 
-int csa_sparse_attn_bf16_ref(const csa_bf16 *q, csa_idx sq_b, csa_idx sq_s, csa_idx sq_h,
-                             const csa_bf16 *kv, csa_idx skv_b, csa_idx skv_n,
-                             const float *sink,
-                             const int32_t *idx, csa_idx si_b, csa_idx si_s,
-                             csa_bf16 *out, csa_idx so_b, csa_idx so_s, csa_idx so_h,
-                             csa_idx B, csa_idx S, csa_idx H, csa_idx D, csa_idx N, csa_idx K,
-                             float scale)
+int csa_sparse_attn_ref(const struct csa_attn_problem *p)
 {
-    const struct csa_attn_args a = {q, sq_b, sq_s, sq_h, kv, skv_b, skv_n, sink, idx, si_b, si_s,
-                                    out, so_b, so_s, so_h, B, S, H, D, N, K, scale, 1};
-    return attn_ref(&a);
+    csa_idx b, s, k;
+    if (csa_attn_bad_index(p, &b, &s, &k)) return CSA_EINDEX;
+    return attn_ref(p);
 }
-
 
 static int omp_tid(void)
 {
@@ -184,42 +159,12 @@ static csa_idx attn_sorted_valid(const int32_t *ir, csa_idx K, uint32_t *vi, uin
 #define CSA_IMPL "attn_impl.h"
 #include "csa_isa_variants.h"
 
-/* Both public entries: no read out of bounds and no partial output (every index is
- * scanned first), then the tuned body for this ISA level or the oracle. */
-static int attn_run(const struct csa_attn_args *a)
+/* No read out of bounds and no partial output (every index is scanned first), then
+ * the tuned body for this ISA level or the oracle's. */
+int csa_sparse_attn(const struct csa_attn_problem *a)
 {
-    for (csa_idx b = 0; b < a->B; b++)
-        for (csa_idx s = 0; s < a->S; s++) {
-            const int32_t *ir = a->idx + b * a->si_b + s * a->si_s;
-            for (csa_idx k = 0; k < a->K; k++)
-                if (ir[k] < -1 || ir[k] >= a->N) return CSA_EINDEX;
-        }
+    csa_idx b, s, k;
+    if (csa_attn_bad_index(a, &b, &s, &k)) return CSA_EINDEX;
     if (a->B <= 0 || a->S <= 0 || a->H <= 0 || a->D <= 0) return CSA_OK;
     CSA_DISPATCH(sparse_attn_tuned, (a), attn_ref(a));
-}
-
-int csa_sparse_attn(const float *q, csa_idx sq_b, csa_idx sq_s, csa_idx sq_h,
-                    const float *kv, csa_idx skv_b, csa_idx skv_n,
-                    const float *sink,
-                    const int32_t *idx, csa_idx si_b, csa_idx si_s,
-                    float *out, csa_idx so_b, csa_idx so_s, csa_idx so_h,
-                    csa_idx B, csa_idx S, csa_idx H, csa_idx D, csa_idx N, csa_idx K,
-                    float scale)
-{
-    const struct csa_attn_args a = {q, sq_b, sq_s, sq_h, kv, skv_b, skv_n, sink, idx, si_b, si_s,
-                                    out, so_b, so_s, so_h, B, S, H, D, N, K, scale, 0};
-    return attn_run(&a);
-}
-
-int csa_sparse_attn_bf16(const csa_bf16 *q, csa_idx sq_b, csa_idx sq_s, csa_idx sq_h,
-                         const csa_bf16 *kv, csa_idx skv_b, csa_idx skv_n,
-                         const float *sink,
-                         const int32_t *idx, csa_idx si_b, csa_idx si_s,
-                         csa_bf16 *out, csa_idx so_b, csa_idx so_s, csa_idx so_h,
-                         csa_idx B, csa_idx S, csa_idx H, csa_idx D, csa_idx N, csa_idx K,
-                         float scale)
-{
-    const struct csa_attn_args a = {q, sq_b, sq_s, sq_h, kv, skv_b, skv_n, sink, idx, si_b, si_s,
-                                    out, so_b, so_s, so_h, B, S, H, D, N, K, scale, 1};
-    return attn_run(&a);
 }

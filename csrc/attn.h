@@ -1,10 +1,11 @@
-/* Top-k sparse attention with an attention sink (SPEC section 5). */
+/* Top-k sparse attention with an attention sink (docs/kernels.md, section 5). */
 #ifndef CSA_ATTN_H
 #define CSA_ATTN_H
 #include "csa.h"
 
-/* For every batch b, query s and head h, over the valid entries j of idx[b, s, :]
- * (an entry of -1 is skipped):
+/* One sparse attention call; the glue fills it, csa_sparse_attn and the `_ref` oracle
+ * take it as const.  For every batch b, query s and head h, over the valid entries j
+ * of idx[b, s, :] (an entry of -1 is skipped):
  *
  *     l_j = scale * q[b, s, h, :] . kv[b, idx_j, :]
  *     out[b, s, h, :] = sum_j e^(l_j - m) kv[b, idx_j, :]
@@ -23,47 +24,40 @@
  * idx:  [B, S, K] int32, strides (si_b, si_s, 1); every entry in [-1, N)
  * out:  [B, S, H, D], strides (so_b, so_s, so_h, 1); must not overlap the inputs
  *
- * Returns CSA_EINDEX, before writing anything, if an index lies outside [-1, N);
+ * q, kv and out are float32, or bfloat16 (csa_bf16) when `bf16` (the released
+ * model's dtypes; sink stays float32).  bfloat16: logits, softmax and the
+ * accumulation of the output are float32; the weights e^(l_j - m) are rounded to
+ * bfloat16 before they multiply kv (a bf16 GEMM, as the released kernel runs it)
+ * while the denominator sums them unrounded; the output is rounded to bfloat16 once.
+ * At ISA level amx the two products run on AMX-BF16 tiles, whose float32 summation
+ * order differs from the other levels' and which treat bfloat16 subnormals as zero;
+ * every level is within bf16 rounding of the others. */
+struct csa_attn_problem {
+    const void *q;     /* float32, or bfloat16 when bf16 */
+    csa_idx sq_b, sq_s, sq_h;
+    const void *kv;    /* same dtype as q */
+    csa_idx skv_b, skv_n;
+    const float *sink;
+    const int32_t *idx;
+    csa_idx si_b, si_s;
+    void *out;         /* same dtype as q */
+    csa_idx so_b, so_s, so_h;
+    csa_idx B, S, H, D, N, K;
+    float scale;
+    int bf16;
+};
+
+/* Returns CSA_EINDEX, before writing anything, if an index lies outside [-1, N);
  * CSA_ENOMEM if scratch space (a few hundred KB per thread) cannot be allocated.
  * Each (b, s, h) is computed by one thread in a fixed order, so the result is
  * bitwise the same at any thread count. */
-int csa_sparse_attn(const float *q, csa_idx sq_b, csa_idx sq_s, csa_idx sq_h,
-                    const float *kv, csa_idx skv_b, csa_idx skv_n,
-                    const float *sink,
-                    const int32_t *idx, csa_idx si_b, csa_idx si_s,
-                    float *out, csa_idx so_b, csa_idx so_s, csa_idx so_h,
-                    csa_idx B, csa_idx S, csa_idx H, csa_idx D, csa_idx N, csa_idx K,
-                    float scale);
+int csa_sparse_attn(const struct csa_attn_problem *p);
 
-/* The same on bfloat16 q, kv and out (sink stays float32), the released model's
- * dtypes.  Logits, softmax and the accumulation of the output are float32; the
- * weights e^(l_j - m) are rounded to bfloat16 before they multiply kv (a bf16 GEMM,
- * as the released kernel runs it) while the denominator sums them unrounded; the
- * output is rounded to bfloat16 once.  At ISA level amx the two products run on
- * AMX-BF16 tiles, whose float32 summation order differs from the other levels' and
- * which treat bfloat16 subnormals as zero; every level is within bf16 rounding of the
- * others, and each is bitwise the same at any thread count. */
-int csa_sparse_attn_bf16(const csa_bf16 *q, csa_idx sq_b, csa_idx sq_s, csa_idx sq_h,
-                         const csa_bf16 *kv, csa_idx skv_b, csa_idx skv_n,
-                         const float *sink,
-                         const int32_t *idx, csa_idx si_b, csa_idx si_s,
-                         csa_bf16 *out, csa_idx so_b, csa_idx so_s, csa_idx so_h,
-                         csa_idx B, csa_idx S, csa_idx H, csa_idx D, csa_idx N, csa_idx K,
-                         float scale);
+/* The scalar oracle: the formula above, two passes per (b, s, h), no scratch. */
+int csa_sparse_attn_ref(const struct csa_attn_problem *p);
 
-/* The scalar oracles: the formula above, two passes per (b, s, h), no scratch. */
-int csa_sparse_attn_ref(const float *q, csa_idx sq_b, csa_idx sq_s, csa_idx sq_h,
-                        const float *kv, csa_idx skv_b, csa_idx skv_n,
-                        const float *sink,
-                        const int32_t *idx, csa_idx si_b, csa_idx si_s,
-                        float *out, csa_idx so_b, csa_idx so_s, csa_idx so_h,
-                        csa_idx B, csa_idx S, csa_idx H, csa_idx D, csa_idx N, csa_idx K,
-                        float scale);
-int csa_sparse_attn_bf16_ref(const csa_bf16 *q, csa_idx sq_b, csa_idx sq_s, csa_idx sq_h,
-                             const csa_bf16 *kv, csa_idx skv_b, csa_idx skv_n,
-                             const float *sink,
-                             const int32_t *idx, csa_idx si_b, csa_idx si_s,
-                             csa_bf16 *out, csa_idx so_b, csa_idx so_s, csa_idx so_h,
-                             csa_idx B, csa_idx S, csa_idx H, csa_idx D, csa_idx N, csa_idx K,
-                             float scale);
+/* The first entry of p->idx outside [-1, N), in (b, s, k) order: returns 1 and sets
+ * *b, *s, *k, or 0 if every entry is valid.  Both entries above run it (once) before
+ * reading a row; the glue runs it again only to name the entry of a CSA_EINDEX. */
+int csa_attn_bad_index(const struct csa_attn_problem *p, csa_idx *b, csa_idx *s, csa_idx *k);
 #endif

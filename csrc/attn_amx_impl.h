@@ -164,7 +164,9 @@ static void CSA_V(amx_pv)(const uint32_t *PT, csa_idx kcp, csa_idx hcp, const ui
 }
 
 /* dst[d] = bf16(src[d] / den) for d < D: csa_f32_to_bf16 sixteen lanes at a time
- * (nearest-even, NaN kept quiet, subnormals kept; VCVTNEPS2BF16 would flush them). */
+ * (nearest-even, NaN kept quiet, subnormals kept; VCVTNEPS2BF16 would flush them).
+ * The same rule as bf16_impl.h's bf16_narrow16, in its own instruction sequence (an
+ * integer NaN test); left as it is because AMX code is only changed mechanically. */
 static void CSA_V(amx_store_bf16)(csa_bf16 *dst, const float *src, float den, csa_idx D)
 {
     const __m512 dv = _mm512_set1_ps(den);
@@ -196,7 +198,7 @@ struct CSA_V(amx_scratch) {
 };
 
 /* One work item: query (b, s), heads h0 .. h0+hc-1 (hcp: hc rounded up to 32). */
-static void CSA_V(amx_item)(const struct csa_attn_args *a, csa_idx b, csa_idx s, csa_idx h0,
+static void CSA_V(amx_item)(const struct csa_attn_problem *a, csa_idx b, csa_idx s, csa_idx h0,
                             csa_idx hc, csa_idx hcp, csa_idx Dp,
                             const struct CSA_V(amx_scratch) *w, const csa_bf16 **rows,
                             uint32_t *keys)
@@ -240,7 +242,7 @@ static void CSA_V(amx_item)(const struct csa_attn_args *a, csa_idx b, csa_idx s,
         CSA_V(amx_store_bf16)(out + h * a->so_h, w->O + h * Dp, w->sum[h], D);
 }
 
-static int CSA_V(sparse_attn_amx)(const struct csa_attn_args *a)
+static int CSA_V(sparse_attn_amx)(const struct csa_attn_problem *a)
 {
     const csa_idx nq = a->B * a->S, H = a->H;
     csa_idx hc_max = nq >= ATTN_FEW_QUERIES ? ATTN_HC : ATTN_HC_FEW;

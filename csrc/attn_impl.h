@@ -392,7 +392,7 @@ static void CSA_V(attn_transpose_q)(const void *qv, int bf16, csa_idx sq_h, csa_
 
 /* One work item: query (b, s), heads h0 .. h0+hc-1.  ws: per-thread floats,
  * rows: per-thread pointers (K + ATTN_KB + ATTN_MR), keys: 2K uint32 of scratch. */
-static void CSA_V(attn_item)(const struct csa_attn_args *a, csa_idx b, csa_idx s, csa_idx h0,
+static void CSA_V(attn_item)(const struct csa_attn_problem *a, csa_idx b, csa_idx s, csa_idx h0,
                              csa_idx hc, csa_idx hcp, csa_idx dp, float *ws, const float **rows,
                              uint32_t *keys)
 {
@@ -461,7 +461,7 @@ static void CSA_V(attn_item)(const struct csa_attn_args *a, csa_idx b, csa_idx s
 #include "attn_amx_impl.h"
 #endif
 
-static int CSA_V(sparse_attn_tuned)(const struct csa_attn_args *a)
+static int CSA_V(sparse_attn_tuned)(const struct csa_attn_problem *a)
 {
 #if defined(__AVX512F__) && defined(CSA_HAVE_AMX)
     if (a->bf16 && csa_isa_get() >= CSA_ISA_AMX) return CSA_V(sparse_attn_amx)(a);

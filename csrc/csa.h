@@ -12,7 +12,13 @@
 typedef ptrdiff_t csa_idx;
 
 /* bfloat16 storage: the top 16 bits of a float32.  Kernels compute in float32 and
- * round to bfloat16 (nearest-even, NaN kept quiet) only where the reference does. */
+ * round to bfloat16 only where the reference does, always by csa_f32_to_bf16 (its
+ * vector forms in bf16_impl.h): round to nearest-even; a NaN keeps its sign and the
+ * top 7 bits of its payload and gets the quiet bit (0x0040), so it stays a NaN and
+ * a quiet NaN keeps its bits; infinities and overflow to infinity behave as in IEEE
+ * round-to-nearest.  That is the one float32 -> bfloat16 rule of the project (the
+ * torch cast makes every NaN the canonical 0x7fc0 instead; the tests compare NaN
+ * as NaN, never by payload). */
 typedef uint16_t csa_bf16;
 
 static inline float csa_bf16_to_f32(csa_bf16 h)

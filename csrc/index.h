@@ -1,5 +1,5 @@
-/* Indexer scoring and top-k selection (SPEC section 4), window and HCA index lists
- * (SPEC sections 4 and 6). */
+/* Indexer scoring and top-k selection (docs/kernels.md, section 4), window and HCA index lists
+ * (docs/kernels.md, sections 4 and 6). */
 #ifndef CSA_INDEX_H
 #define CSA_INDEX_H
 #include "csa.h"
@@ -94,13 +94,13 @@ int csa_select_candidate_blocks(const float *scores, csa_idx B, csa_idx S, csa_i
                                 csa_idx start_pos, csa_idx topk_blocks, csa_idx bs,
                                 uint8_t *out);
 
-/* SPEC 6.  Prefill (start_pos == 0): out [B, S, min(S, window)], row s lists
+/* kernels.md section 6.  Prefill (start_pos == 0): out [B, S, min(S, window)], row s lists
  * max(0, s-window+1) .. s in ascending order, then -1.  Decode (start_pos > 0, S == 1):
  * out [B, 1, window]: while the ring fills (start_pos < window-1) slots 0 .. start_pos
  * then -1; afterwards the ring slots (start_pos+1+j) mod window, oldest first. */
 int csa_window_topk_idxs(int32_t *out, csa_idx window, csa_idx B, csa_idx S, csa_idx start_pos);
 
-/* SPEC 4, HCA.  Prefill: out [B, S, S/ratio], row s lists t + offset for
+/* kernels.md section 4, HCA.  Prefill: out [B, S, S/ratio], row s lists t + offset for
  * t < (s+1)/ratio, then -1.  Decode (S == 1): out [B, 1, (start_pos+1)/ratio],
  * t + offset for every t. */
 int csa_compress_topk_idxs(int32_t *out, csa_idx ratio, csa_idx B, csa_idx S,

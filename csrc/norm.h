@@ -1,4 +1,4 @@
-/* RMSNorm (SPEC section 1). */
+/* RMSNorm (docs/kernels.md, section 1). */
 #ifndef CSA_NORM_H
 #define CSA_NORM_H
 #include "csa.h"

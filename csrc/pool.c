@@ -121,12 +121,16 @@ static int entry_cands(pool_cands *c, const void *kv, int kvbf, csa_idx skt, csa
     return 2;
 }
 
-int csa_gated_pool_ref(const void *kv, int kv_bf16, csa_idx skb, csa_idx skt, csa_idx skf,
-                       const void *score, int sc_bf16, csa_idx ssb, csa_idx sst, csa_idx ssf,
-                       const float *ape, csa_idx sar, csa_idx saf,
-                       csa_idx B, csa_idx T, csa_idx d, csa_idx ratio, int overlap,
-                       void *out, int out_bf16, csa_idx sob, csa_idx sog, csa_idx sof)
+int csa_gated_pool_ref(const struct csa_pool_problem *p)
 {
+    const void *kv = p->kv, *score = p->score;
+    const float *ape = p->ape;
+    void *out = p->out;
+    const int kv_bf16 = p->kv_bf16, sc_bf16 = p->sc_bf16, out_bf16 = p->out_bf16;
+    const int overlap = p->overlap;
+    const csa_idx skb = p->skb, skt = p->skt, skf = p->skf, ssb = p->ssb, sst = p->sst,
+                  ssf = p->ssf, sar = p->sar, saf = p->saf, sob = p->sob, sog = p->sog,
+                  sof = p->sof, B = p->B, T = p->T, d = p->d, ratio = p->ratio;
     if (ratio <= 0 || B < 0 || T < 0 || d < 0) return CSA_EINVAL;
     const csa_idx G = T / ratio;
     for (csa_idx b = 0; b < B; b++)
@@ -153,22 +157,11 @@ int csa_gated_pool_ref(const void *kv, int kv_bf16, csa_idx skb, csa_idx skt, cs
 #define CSA_IMPL "pool_impl.h"
 #include "csa_isa_variants.h"
 
-int csa_gated_pool(const void *kv, int kv_bf16, csa_idx skb, csa_idx skt, csa_idx skf,
-                   const void *score, int sc_bf16, csa_idx ssb, csa_idx sst, csa_idx ssf,
-                   const float *ape, csa_idx sar, csa_idx saf,
-                   csa_idx B, csa_idx T, csa_idx d, csa_idx ratio, int overlap,
-                   void *out, int out_bf16, csa_idx sob, csa_idx sog, csa_idx sof)
+int csa_gated_pool(const struct csa_pool_problem *p)
 {
-    if (skf != 1 || (score && ssf != 1) || (ape && saf != 1) || sof != 1)
-        return csa_gated_pool_ref(kv, kv_bf16, skb, skt, skf, score, sc_bf16, ssb, sst, ssf, ape,
-                                  sar, saf, B, T, d, ratio, overlap, out, out_bf16, sob, sog,
-                                  sof);
-    CSA_DISPATCH(gated_pool_tuned,
-                 (kv, kv_bf16, skb, skt, score, sc_bf16, ssb, sst, ape, sar, B, T, d, ratio,
-                  overlap, out, out_bf16, sob, sog),
-                 csa_gated_pool_ref(kv, kv_bf16, skb, skt, skf, score, sc_bf16, ssb, sst, ssf,
-                                    ape, sar, saf, B, T, d, ratio, overlap, out, out_bf16, sob,
-                                    sog, sof));
+    if (p->skf != 1 || (p->score && p->ssf != 1) || (p->ape && p->saf != 1) || p->sof != 1)
+        return csa_gated_pool_ref(p);
+    CSA_DISPATCH(gated_pool_tuned, (p), csa_gated_pool_ref(p));
 }
 
 /* One entry at the current ISA level: the decode step pools with exactly the code
@@ -180,13 +173,7 @@ static int pool_entry_any(const pool_cands *c, int nc, csa_idx d, void *out, int
 
 void csa_round_bf16(float *x, csa_idx n, csa_idx s)
 {
-    for (csa_idx i = 0; i < n; i++) {
-        uint32_t u;
-        memcpy(&u, &x[i * s], 4);
-        if ((u & 0x7fffffffu) > 0x7f800000u) u = 0x7fc00000u;      /* NaN stays NaN */
-        else u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;  /* nearest-even */
-        memcpy(&x[i * s], &u, 4);
-    }
+    for (csa_idx i = 0; i < n; i++) x[i * s] = csa_bf16_to_f32(csa_f32_to_bf16(x[i * s]));
 }
 
 static void round_rows(float *out, csa_idx B, csa_idx G, csa_idx d, csa_idx sob, csa_idx sog)
@@ -241,18 +228,24 @@ static void state_row(float *dk, float *ds, const void *k, int kbf, const void *
         for (csa_idx f = 0; f < n; f++) ds[f] += ap[f];
 }
 
-int csa_pool_prefill(csa_pool_state *st, const void *kv, int kv_bf16, csa_idx skb,
-                     csa_idx skt, const void *score, int sc_bf16, csa_idx ssb, csa_idx sst,
-                     const float *ape, csa_idx B, csa_idx T, const csa_pool_epilogue *ep,
-                     void *out, int out_bf16, csa_idx sob, csa_idx sog)
+int csa_pool_prefill(csa_pool_state *st, const struct csa_pool_problem *p,
+                     const csa_pool_epilogue *ep)
 {
+    const void *kv = p->kv, *score = p->score;
+    const float *ape = p->ape;
+    void *out = p->out;
+    const int kv_bf16 = p->kv_bf16, sc_bf16 = p->sc_bf16, out_bf16 = p->out_bf16;
+    const csa_idx skb = p->skb, skt = p->skt, ssb = p->ssb, sst = p->sst, sob = p->sob,
+                  sog = p->sog, B = p->B, T = p->T;
     const csa_idx r = st->ratio, d = st->d, cd = (st->overlap ? 2 : 1) * d;
     if (r <= 0 || B < 0 || B > st->batch || T < 0) return CSA_EINVAL;
+    if (p->ratio != r || p->d != d || p->overlap != st->overlap || p->skf != 1 ||
+        (score && p->ssf != 1) || p->sof != 1 || (ape && (p->sar != cd || p->saf != 1)))
+        return CSA_EINVAL;
     const int gate = r > 1 || st->overlap;
     if (gate && !score) return CSA_EINVAL;
     const csa_idx G = T / r, rem = T % r;
-    int s = csa_gated_pool(kv, kv_bf16, skb, skt, 1, score, sc_bf16, ssb, sst, 1, ape, cd, 1, B,
-                           T, d, r, st->overlap, out, out_bf16, sob, sog, 1);
+    int s = csa_gated_pool(p);
     if (s == CSA_OK) s = pool_epilogue(ep, out, out_bf16, B, G, d, sob, sog, r, 0);
     if (s != CSA_OK) return s;
     for (csa_idx b = 0; b < B; b++) {
@@ -277,11 +270,14 @@ int csa_pool_prefill(csa_pool_state *st, const void *kv, int kv_bf16, csa_idx sk
     return CSA_OK;
 }
 
-int csa_pool_step(csa_pool_state *st, const void *kv, int kv_bf16, csa_idx skb,
-                  const void *score, int sc_bf16, csa_idx ssb, const float *ape, csa_idx B,
-                  int64_t p, const csa_pool_epilogue *ep, void *out, int out_bf16,
-                  csa_idx sob, int *emitted)
+int csa_pool_step(csa_pool_state *st, const struct csa_pool_problem *pp, int64_t p,
+                  const csa_pool_epilogue *ep, int *emitted)
 {
+    const void *kv = pp->kv, *score = pp->score;
+    const float *ape = pp->ape;
+    void *out = pp->out;
+    const int kv_bf16 = pp->kv_bf16, sc_bf16 = pp->sc_bf16, out_bf16 = pp->out_bf16;
+    const csa_idx skb = pp->skb, ssb = pp->ssb, sob = pp->sob, B = pp->B;
     const csa_idx r = st->ratio, d = st->d, cd = (st->overlap ? 2 : 1) * d;
     if (r <= 0 || B < 0 || B > st->batch || p < 0) return CSA_EINVAL;
     for (csa_idx b = 0; b < B; b++)

@@ -1,10 +1,11 @@
-/* Gated pooling, the Compressor (SPEC section 3): prefill of complete groups and the
+/* Gated pooling, the Compressor (docs/kernels.md, section 3): prefill of complete groups and the
  * explicit per-sequence streaming state of decode. */
 #ifndef CSA_POOL_H
 #define CSA_POOL_H
 #include "csa.h"
 
-/* out[b, g, f] for g < T / ratio, f < d (c = 2 with overlap, else 1):
+/* One pooling call; the glue fills it, the kernels take it as const.
+ * out[b, g, f] for g < T / ratio, f < d (c = 2 with overlap, else 1):
  *   non-overlap: softmax over j < ratio of  score[b, g*r+j, f] + ape[j, f]  weighting
  *                kv[b, g*r+j, f];
  *   overlap:     softmax over the r tokens of group g-1 through features f (logit
@@ -18,16 +19,22 @@
  * Element types: kv, score and out are each float32 (flag 0) or bfloat16 (flag 1,
  * csa_bf16): bfloat16 inputs are widened exactly as they are read, and a bfloat16 out
  * is rounded once, nearest-even, on store; ape is float32. */
-int csa_gated_pool(const void *kv, int kv_bf16, csa_idx skb, csa_idx skt, csa_idx skf,
-                   const void *score, int sc_bf16, csa_idx ssb, csa_idx sst, csa_idx ssf,
-                   const float *ape, csa_idx sar, csa_idx saf,
-                   csa_idx B, csa_idx T, csa_idx d, csa_idx ratio, int overlap,
-                   void *out, int out_bf16, csa_idx sob, csa_idx sog, csa_idx sof);
-int csa_gated_pool_ref(const void *kv, int kv_bf16, csa_idx skb, csa_idx skt, csa_idx skf,
-                       const void *score, int sc_bf16, csa_idx ssb, csa_idx sst, csa_idx ssf,
-                       const float *ape, csa_idx sar, csa_idx saf,
-                       csa_idx B, csa_idx T, csa_idx d, csa_idx ratio, int overlap,
-                       void *out, int out_bf16, csa_idx sob, csa_idx sog, csa_idx sof);
+struct csa_pool_problem {
+    const void *kv;
+    csa_idx skb, skt, skf;
+    const void *score;
+    csa_idx ssb, sst, ssf;
+    const float *ape;
+    csa_idx sar, saf;
+    void *out;
+    csa_idx sob, sog, sof;
+    csa_idx B, T, d, ratio;
+    int overlap;
+    int kv_bf16, sc_bf16, out_bf16;
+};
+
+int csa_gated_pool(const struct csa_pool_problem *p);
+int csa_gated_pool_ref(const struct csa_pool_problem *p);
 
 /* Streaming state of `batch` sequences (all arrays C-contiguous, owned by the caller):
  *   kv, score:           [batch, ratio, c*d]  the open group: slot p % ratio holds the kv
@@ -43,7 +50,7 @@ typedef struct {
     int64_t *pos;
 } csa_pool_state;
 
-/* What happens to an emitted entry (SPEC 3, "After pooling"), in this order:
+/* What happens to an emitted entry (kernels.md section 3, "Epilogue"), in this order:
  *   bf16:   round to bfloat16 (nearest-even), as the cast to the model dtype, and again
  *           after the norm and after RoPE (each writes back in the model dtype); a
  *           bfloat16 `out` implies it (the entries are then bfloat16 themselves:
@@ -60,30 +67,28 @@ typedef struct {
     csa_idx half, rows, srow;
 } csa_pool_epilogue;
 
-/* Prefill (start_pos 0) of rows 0..B-1 of the state, B <= st->batch: pools the T/ratio
- * complete groups into out [B, T/ratio, d] (strides sob, sog, unit feature stride),
- * applies the epilogue `ep` (may be NULL), and keeps the T % ratio trailing tokens (and,
- * with overlap, the last complete group) in the state; pos[b] = T.  kv, score: [B, T,
- * c*d] with unit feature strides; ape: [ratio, c*d] contiguous or NULL.  Bitwise equal
- * to pooling the same tokens through csa_pool_step.  kv, score, out: float32 or
- * bfloat16 by their flags (as csa_gated_pool); the state is float32 whatever they are
+/* Prefill (start_pos 0) of rows 0..B-1 of the state, B = p->B <= st->batch: pools the
+ * T/ratio complete groups of p (p->ratio, d, overlap: the state's; unit feature
+ * strides; ape [ratio, c*d] contiguous or NULL; out [B, T/ratio, d] with unit feature
+ * stride), applies the epilogue `ep` (may be NULL), and keeps the T % ratio trailing
+ * tokens (and, with overlap, the last complete group) in the state; pos[b] = T.
+ * Bitwise equal to pooling the same tokens through csa_pool_step.  kv, score, out:
+ * float32 or bfloat16 by their flags; the state is float32 whatever they are
  * (bfloat16 -> float32 is exact). */
-int csa_pool_prefill(csa_pool_state *st, const void *kv, int kv_bf16, csa_idx skb,
-                     csa_idx skt, const void *score, int sc_bf16, csa_idx ssb, csa_idx sst,
-                     const float *ape, csa_idx B, csa_idx T, const csa_pool_epilogue *ep,
-                     void *out, int out_bf16, csa_idx sob, csa_idx sog);
+int csa_pool_prefill(csa_pool_state *st, const struct csa_pool_problem *p,
+                     const csa_pool_epilogue *ep);
 
-/* One decode token at position p for rows 0..B-1 (every pos[b] must equal p): kv,
- * score [B, c*d] (row strides skb, ssb; unit feature stride), ape as above.  Fills
- * slot p % ratio; when (p + 1) % ratio == 0 pools the group into out [B, d] (row
- * stride sob), applies `ep`, sets *emitted = 1 and, with overlap, makes the group the
- * previous one.  pos[b] = p + 1.  Element types as csa_pool_prefill. */
-int csa_pool_step(csa_pool_state *st, const void *kv, int kv_bf16, csa_idx skb,
-                  const void *score, int sc_bf16, csa_idx ssb, const float *ape, csa_idx B,
-                  int64_t p, const csa_pool_epilogue *ep, void *out, int out_bf16,
-                  csa_idx sob, int *emitted);
+/* One decode token at position `pos` for rows 0..B-1 of p (T = 1; every st->pos[b]
+ * must equal pos): kv, score [B, 1, c*d] (row strides skb, ssb; unit feature
+ * stride), ape as above, out [B, 1, d] (row stride sob).  Fills slot pos % ratio;
+ * when (pos + 1) % ratio == 0 pools the group into out, applies `ep`, sets
+ * *emitted = 1 and, with overlap, makes the group the previous one.
+ * st->pos[b] = pos + 1.  Element types as csa_pool_prefill. */
+int csa_pool_step(csa_pool_state *st, const struct csa_pool_problem *p, int64_t pos,
+                  const csa_pool_epilogue *ep, int *emitted);
 
-/* Rounds n float32 values (stride s) to bfloat16 precision in place, nearest-even,
- * NaN stays NaN. */
+/* Rounds n float32 values (stride s) to bfloat16 precision in place: the value of
+ * csa_f32_to_bf16 (nearest-even; a NaN stays a NaN with its top payload bits, quieted),
+ * widened back. */
 void csa_round_bf16(float *x, csa_idx n, csa_idx s);
 #endif

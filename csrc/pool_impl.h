@@ -26,30 +26,15 @@ _Static_assert(POOL_FC % 64 == 0, "POOL_FC must be whole 64-feature blocks");
 #endif
 
 #include "vexp_impl.h"
+#include "bf16_impl.h"
 
 #ifdef __AVX512F__
 /* 16 floats from a float32 or bfloat16 row (masked lanes read as 0). */
 static inline __attribute__((always_inline)) __m512 CSA_V(pool_ld16)(const void *p, csa_idx i,
                                                                      __mmask16 mk, const int bf)
 {
-    if (bf) {
-        const __m256i h = _mm256_maskz_loadu_epi16(mk, (const csa_bf16 *)p + i);
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
+    if (bf) return CSA_V(bf16_widen16)(_mm256_maskz_loadu_epi16(mk, (const csa_bf16 *)p + i));
     return _mm512_maskz_loadu_ps(mk, (const float *)p + i);
-}
-
-/* 16 floats rounded to bfloat16 as csa_f32_to_bf16 does (nearest-even, NaN quiet). */
-static inline __m256i CSA_V(pool_bf16x16)(__m512 v)
-{
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i hi = _mm512_srli_epi32(u, 16);
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                                     _mm512_and_si512(hi, _mm512_set1_epi32(1))));
-    r = _mm512_srli_epi32(r, 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
-    return _mm512_cvtepi32_epi16(r);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 /* 8 floats from a float32 or bfloat16 row; the last vector (`part`) reads n < 8 lanes
@@ -67,15 +52,230 @@ static inline __attribute__((always_inline)) __m256 CSA_V(pool_ld8)(const void *
         } else {
             h = _mm_loadu_si128((const __m128i *)((const csa_bf16 *)p + i));
         }
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        return CSA_V(bf16_widen8)(h);
     }
     return _mm256_maskload_ps((const float *)p + i, mk);
 }
 #endif
 
+#ifdef __AVX512F__
+/* Pass 1 of a chunk of fc features from f0: m = the running max of the logits (whole
+ * 64-feature blocks, the padding zeroed: pass 2 reads them), kept in lb when `keep`. */
+static inline __attribute__((always_inline)) void CSA_V(pool_max16)(
+    const pool_cands *c, int nc, csa_idx f0, csa_idx fc, float *CSA_RESTRICT m, float *lb,
+    csa_idx fcp, __mmask16 tail, csa_idx fv, const int kvbf, const int scbf, const int keep)
+{
+    csa_idx q = 0;   /* candidate row of the logits buffer */
+    for (csa_idx f = 0; f < fc; f += 16)   /* whole 64-blocks: pass 2 reads them */
+        _mm512_store_ps(m + f, _mm512_set1_ps(-INFINITY));
+    for (csa_idx f = (fc + 15) / 16 * 16; f % 64; f += 16)
+        _mm512_store_ps(m + f, _mm512_setzero_ps());
+    for (int k = 0; k < nc; k++)
+        for (csa_idx j = 0; j < c[k].n; j++) {
+            const void *sc = pool_off(c[k].sc, scbf, j * c[k].ssc + f0);
+            const float *ap = c[k].ape ? c[k].ape + j * c[k].sape + f0 : NULL;
+            const void *kv = pool_off(c[k].kv, kvbf, j * c[k].skv + f0);
+            const csa_idx pf = c[k].pf;
+            for (csa_idx f = 0; f < fc; f += 16) {
+                const __mmask16 mk = f == fv ? tail : (__mmask16)0xffff;
+                /* pass 1 streams the rows once from memory: fetch the kv of pass 2
+                 * and the sibling half rows the next entry needs along with them
+                 * (bfloat16 rows: every other prefetch repeats a line) */
+                _mm_prefetch((const char *)pool_off(kv, kvbf, f), _MM_HINT_T1);
+                if (pf) {
+                    _mm_prefetch((const char *)pool_off(sc, scbf, pf + f), _MM_HINT_T1);
+                    _mm_prefetch((const char *)pool_off(kv, kvbf, pf + f), _MM_HINT_T1);
+                }
+                __m512 l = CSA_V(pool_ld16)(sc, f, mk, scbf);
+                if (ap) l = _mm512_add_ps(l, _mm512_maskz_loadu_ps(mk, ap + f));
+                if (keep) _mm512_mask_store_ps(lb + q * fcp + f, mk, l);
+                /* max(l, m) returns m when l is NaN: the NaN shows in its exp */
+                _mm512_store_ps(m + f, _mm512_max_ps(l, _mm512_load_ps(m + f)));
+            }
+            q++;
+        }
+}
+
+/* Pass 2 of the chunk, in blocks of 64 features held in registers across all
+ * candidates (no stores until the result): e = exp(l - m), the sum of e and of
+ * e * kv, then out = the quotient (rounded to bfloat16 when obf). */
+static inline __attribute__((always_inline)) void CSA_V(pool_sum16)(
+    const pool_cands *c, int nc, csa_idx f0, csa_idx fc, const float *CSA_RESTRICT m,
+    const float *lb, csa_idx fcp, __mmask16 tail, csa_idx fv, float *outf, csa_bf16 *outh,
+    int obf, const int kvbf, const int scbf, const int keep)
+{
+    csa_idx q;
+    for (csa_idx fb = 0; fb < fc; fb += 64) {
+        __mmask16 mk[4];
+        __m512 mv[4], sv[4], av[4];
+        for (int v = 0; v < 4; v++) {
+            const csa_idx f = fb + 16 * v;
+            mk[v] = f > fv ? (__mmask16)0 : (f == fv ? tail : (__mmask16)0xffff);
+            mv[v] = _mm512_load_ps(m + f);
+            sv[v] = _mm512_setzero_ps();
+            av[v] = _mm512_setzero_ps();
+        }
+        q = 0;
+        for (int k = 0; k < nc; k++)
+            for (csa_idx j = 0; j < c[k].n; j++, q++) {
+                const void *sc = pool_off(c[k].sc, scbf, j * c[k].ssc + f0 + fb);
+                const void *kv = pool_off(c[k].kv, kvbf, j * c[k].skv + f0 + fb);
+                const float *ap = c[k].ape ? c[k].ape + j * c[k].sape + f0 + fb : NULL;
+                if (c[k].next) {
+                    /* the memory-bound pass 1 of the next entry would otherwise wait
+                     * for its rows after this compute-bound pass: fetch them now */
+                    const char *ns = pool_off(sc, scbf, c[k].n * c[k].ssc);
+                    const char *nk = pool_off(kv, kvbf, c[k].n * c[k].skv);
+                    const csa_idx nb = scbf ? 128 : 256;   /* bytes of 64 features */
+                    for (csa_idx o = 0; o < nb; o += 64) {
+                        _mm_prefetch(ns + o, _MM_HINT_T1);
+                        _mm_prefetch(nk + o, _MM_HINT_T1);
+                    }
+                }
+                for (int v = 0; v < 4; v++) {
+                    __m512 l;
+                    if (keep) {
+                        l = _mm512_maskz_load_ps(mk[v], lb + q * fcp + fb + 16 * v);
+                    } else {
+                        l = CSA_V(pool_ld16)(sc, 16 * v, mk[v], scbf);
+                        if (ap) l = _mm512_add_ps(l, _mm512_maskz_loadu_ps(mk[v], ap + 16 * v));
+                    }
+                    const __m512 e = CSA_V(exp512_neg)(_mm512_sub_ps(l, mv[v]));
+                    sv[v] = _mm512_add_ps(sv[v], e);
+                    av[v] = _mm512_fmadd_ps(e, CSA_V(pool_ld16)(kv, 16 * v, mk[v], kvbf), av[v]);
+                }
+            }
+        for (int v = 0; v < 4; v++) {
+            const __m512 y = _mm512_div_ps(av[v], sv[v]);
+            if (obf)
+                _mm256_mask_storeu_epi16(outh + f0 + fb + 16 * v, mk[v], CSA_V(bf16_narrow16)(y));
+            else
+                _mm512_mask_storeu_ps(outf + f0 + fb + 16 * v, mk[v], y);
+        }
+    }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+/* Pass 1 of a chunk of fc features from f0: m = the running max of the logits; s and
+ * acc start at zero. */
+static inline __attribute__((always_inline)) void CSA_V(pool_max8)(
+    const pool_cands *c, int nc, csa_idx f0, csa_idx fc, float *CSA_RESTRICT m,
+    float *CSA_RESTRICT s, float *CSA_RESTRICT acc, __m256i tail, __m256i full,
+    csa_idx nrem, csa_idx fv, const int scbf)
+{
+    for (csa_idx f = 0; f < fc; f += 8) {
+        _mm256_store_ps(m + f, _mm256_set1_ps(-INFINITY));
+        _mm256_store_ps(s + f, _mm256_setzero_ps());
+        _mm256_store_ps(acc + f, _mm256_setzero_ps());
+    }
+    for (int k = 0; k < nc; k++)
+        for (csa_idx j = 0; j < c[k].n; j++) {
+            const void *sc = pool_off(c[k].sc, scbf, j * c[k].ssc + f0);
+            const float *ap = c[k].ape ? c[k].ape + j * c[k].sape + f0 : NULL;
+            for (csa_idx f = 0; f < fc; f += 8) {
+                const int part = f == fv;
+                const __m256i mk = part ? tail : full;
+                __m256 l = CSA_V(pool_ld8)(sc, f, mk, part, nrem, scbf);
+                if (ap) l = _mm256_add_ps(l, _mm256_maskload_ps(ap + f, mk));
+                _mm256_store_ps(m + f, _mm256_max_ps(l, _mm256_load_ps(m + f)));
+            }
+        }
+}
+
+/* Pass 2: e = exp(l - m) into s += e and acc += e * kv. */
+static inline __attribute__((always_inline)) void CSA_V(pool_sum8)(
+    const pool_cands *c, int nc, csa_idx f0, csa_idx fc, const float *CSA_RESTRICT m,
+    float *CSA_RESTRICT s, float *CSA_RESTRICT acc, __m256i tail, __m256i full,
+    csa_idx nrem, csa_idx fv, const int kvbf, const int scbf)
+{
+    for (int k = 0; k < nc; k++)
+        for (csa_idx j = 0; j < c[k].n; j++) {
+            const void *sc = pool_off(c[k].sc, scbf, j * c[k].ssc + f0);
+            const void *kv = pool_off(c[k].kv, kvbf, j * c[k].skv + f0);
+            const float *ap = c[k].ape ? c[k].ape + j * c[k].sape + f0 : NULL;
+            for (csa_idx f = 0; f < fc; f += 8) {
+                const int part = f == fv;
+                const __m256i mk = part ? tail : full;
+                __m256 l = CSA_V(pool_ld8)(sc, f, mk, part, nrem, scbf);
+                if (ap) l = _mm256_add_ps(l, _mm256_maskload_ps(ap + f, mk));
+                const __m256 e = CSA_V(exp256_neg)(_mm256_sub_ps(l, _mm256_load_ps(m + f)));
+                _mm256_store_ps(s + f, _mm256_add_ps(_mm256_load_ps(s + f), e));
+                _mm256_store_ps(acc + f,
+                                _mm256_fmadd_ps(e, CSA_V(pool_ld8)(kv, f, mk, part, nrem, kvbf),
+                                                _mm256_load_ps(acc + f)));
+            }
+        }
+}
+
+/* The quotients acc / s into out (rounded to bfloat16 when obf; m is scratch then). */
+static inline __attribute__((always_inline)) void CSA_V(pool_store8)(
+    csa_idx f0, csa_idx fc, float *CSA_RESTRICT m, const float *CSA_RESTRICT s,
+    const float *CSA_RESTRICT acc, __m256i tail, __m256i full, csa_idx fv, float *outf,
+    csa_bf16 *outh, int obf)
+{
+    if (obf) {
+        for (csa_idx f = 0; f < fc; f += 8)   /* m is free again: the quotients */
+            _mm256_store_ps(m + f, _mm256_div_ps(_mm256_load_ps(acc + f),
+                                                 _mm256_load_ps(s + f)));
+        for (csa_idx f = 0; f < fc; f++) outh[f0 + f] = csa_f32_to_bf16(m[f]);
+    } else {
+        for (csa_idx f = 0; f < fc; f += 8)
+            _mm256_maskstore_ps(outf + f0 + f, f == fv ? tail : full,
+                                _mm256_div_ps(_mm256_load_ps(acc + f), _mm256_load_ps(s + f)));
+    }
+}
+#else
+/* Pass 1 (scalar): m = the running max of the logits; s and acc start at zero. */
+static inline __attribute__((always_inline)) void CSA_V(pool_max1)(
+    const pool_cands *c, int nc, csa_idx f0, csa_idx fc, float *CSA_RESTRICT m,
+    float *CSA_RESTRICT s, float *CSA_RESTRICT acc, const int scbf)
+{
+    for (csa_idx f = 0; f < fc; f++) {
+        m[f] = -INFINITY;
+        s[f] = 0.0f;
+        acc[f] = 0.0f;
+    }
+    for (int k = 0; k < nc; k++)
+        for (csa_idx j = 0; j < c[k].n; j++) {
+            const void *sc = pool_off(c[k].sc, scbf, j * c[k].ssc + f0);
+            const float *CSA_RESTRICT ap = c[k].ape ? c[k].ape + j * c[k].sape + f0 : NULL;
+            for (csa_idx f = 0; f < fc; f++) {
+                const float x = pool_ld(sc, scbf, f);
+                const float l = ap ? x + ap[f] : x;
+                m[f] = l > m[f] ? l : m[f];
+            }
+        }
+}
+
+/* Pass 2 (scalar): s += e, acc += e * kv, then out = acc / s. */
+static inline __attribute__((always_inline)) void CSA_V(pool_sum1)(
+    const pool_cands *c, int nc, csa_idx f0, csa_idx fc, const float *CSA_RESTRICT m,
+    float *CSA_RESTRICT s, float *CSA_RESTRICT acc, float *outf, csa_bf16 *outh, int obf,
+    const int kvbf, const int scbf)
+{
+    for (int k = 0; k < nc; k++)
+        for (csa_idx j = 0; j < c[k].n; j++) {
+            const void *sc = pool_off(c[k].sc, scbf, j * c[k].ssc + f0);
+            const void *kv = pool_off(c[k].kv, kvbf, j * c[k].skv + f0);
+            const float *CSA_RESTRICT ap = c[k].ape ? c[k].ape + j * c[k].sape + f0 : NULL;
+            for (csa_idx f = 0; f < fc; f++) {
+                const float x = pool_ld(sc, scbf, f);
+                const float l = ap ? x + ap[f] : x;
+                const float e = expf(l - m[f]);
+                s[f] += e;
+                acc[f] += e * pool_ld(kv, kvbf, f);
+            }
+        }
+    if (obf)
+        for (csa_idx f = 0; f < fc; f++) outh[f0 + f] = csa_f32_to_bf16(acc[f] / s[f]);
+    else
+        for (csa_idx f = 0; f < fc; f++) outf[f0 + f] = acc[f] / s[f];
+}
+#endif
+
 /* The entry body for one combination of input types (kvbf, scbf: compile-time
  * constants at each call, so each combination gets its own loops); `obf` only
- * changes the final store. */
+ * changes the final store.  Per chunk of POOL_FC features: pass 1 (the max of the
+ * logits), pass 2 (exp, sums, quotient). */
 static inline __attribute__((always_inline)) int CSA_V(pool_entry_body)(
     const pool_cands *c, int nc, csa_idx d, void *out, int obf, const int kvbf, const int scbf,
     const int keep)
@@ -95,170 +295,22 @@ static inline __attribute__((always_inline)) int CSA_V(pool_entry_body)(
         (void)acc;
         float lb[keep ? POOL_LBUF : 1] __attribute__((aligned(64)));
         const csa_idx fcp = (fc + 63) / 64 * 64;
-        csa_idx q = 0;   /* candidate row of the logits buffer */
-        for (csa_idx f = 0; f < fc; f += 16)   /* whole 64-blocks: pass 2 reads them */
-            _mm512_store_ps(m + f, _mm512_set1_ps(-INFINITY));
-        for (csa_idx f = (fc + 15) / 16 * 16; f % 64; f += 16)
-            _mm512_store_ps(m + f, _mm512_setzero_ps());
         const __mmask16 tail = (__mmask16)((1u << (fc % 16 ? fc % 16 : 16)) - 1u);
         const csa_idx fv = fc - (fc % 16 ? fc % 16 : 16);   /* start of the last vector */
-        for (int k = 0; k < nc; k++)
-            for (csa_idx j = 0; j < c[k].n; j++) {
-                const void *sc = pool_off(c[k].sc, scbf, j * c[k].ssc + f0);
-                const float *ap = c[k].ape ? c[k].ape + j * c[k].sape + f0 : NULL;
-                const void *kv = pool_off(c[k].kv, kvbf, j * c[k].skv + f0);
-                const csa_idx pf = c[k].pf;
-                for (csa_idx f = 0; f < fc; f += 16) {
-                    const __mmask16 mk = f == fv ? tail : (__mmask16)0xffff;
-                    /* pass 1 streams the rows once from memory: fetch the kv of pass 2
-                     * and the sibling half rows the next entry needs along with them
-                     * (bfloat16 rows: every other prefetch repeats a line) */
-                    _mm_prefetch((const char *)pool_off(kv, kvbf, f), _MM_HINT_T1);
-                    if (pf) {
-                        _mm_prefetch((const char *)pool_off(sc, scbf, pf + f), _MM_HINT_T1);
-                        _mm_prefetch((const char *)pool_off(kv, kvbf, pf + f), _MM_HINT_T1);
-                    }
-                    __m512 l = CSA_V(pool_ld16)(sc, f, mk, scbf);
-                    if (ap) l = _mm512_add_ps(l, _mm512_maskz_loadu_ps(mk, ap + f));
-                    if (keep) _mm512_mask_store_ps(lb + q * fcp + f, mk, l);
-                    /* max(l, m) returns m when l is NaN: the NaN shows in its exp */
-                    _mm512_store_ps(m + f, _mm512_max_ps(l, _mm512_load_ps(m + f)));
-                }
-                q++;
-            }
-        /* pass 2 in blocks of 64 features held in registers across all candidates:
-         * no stores until the result */
-        for (csa_idx fb = 0; fb < fc; fb += 64) {
-            __mmask16 mk[4];
-            __m512 mv[4], sv[4], av[4];
-            for (int v = 0; v < 4; v++) {
-                const csa_idx f = fb + 16 * v;
-                mk[v] = f > fv ? (__mmask16)0 : (f == fv ? tail : (__mmask16)0xffff);
-                mv[v] = _mm512_load_ps(m + f);
-                sv[v] = _mm512_setzero_ps();
-                av[v] = _mm512_setzero_ps();
-            }
-            q = 0;
-            for (int k = 0; k < nc; k++)
-                for (csa_idx j = 0; j < c[k].n; j++, q++) {
-                    const void *sc = pool_off(c[k].sc, scbf, j * c[k].ssc + f0 + fb);
-                    const void *kv = pool_off(c[k].kv, kvbf, j * c[k].skv + f0 + fb);
-                    const float *ap = c[k].ape ? c[k].ape + j * c[k].sape + f0 + fb : NULL;
-                    if (c[k].next) {
-                        /* the memory-bound pass 1 of the next entry would otherwise wait
-                         * for its rows after this compute-bound pass: fetch them now */
-                        const char *ns = pool_off(sc, scbf, c[k].n * c[k].ssc);
-                        const char *nk = pool_off(kv, kvbf, c[k].n * c[k].skv);
-                        const csa_idx nb = scbf ? 128 : 256;   /* bytes of 64 features */
-                        for (csa_idx o = 0; o < nb; o += 64) {
-                            _mm_prefetch(ns + o, _MM_HINT_T1);
-                            _mm_prefetch(nk + o, _MM_HINT_T1);
-                        }
-                    }
-                    for (int v = 0; v < 4; v++) {
-                        __m512 l;
-                        if (keep) {
-                            l = _mm512_maskz_load_ps(mk[v], lb + q * fcp + fb + 16 * v);
-                        } else {
-                            l = CSA_V(pool_ld16)(sc, 16 * v, mk[v], scbf);
-                            if (ap) l = _mm512_add_ps(l, _mm512_maskz_loadu_ps(mk[v], ap + 16 * v));
-                        }
-                        const __m512 e = CSA_V(exp512_neg)(_mm512_sub_ps(l, mv[v]));
-                        sv[v] = _mm512_add_ps(sv[v], e);
-                        av[v] = _mm512_fmadd_ps(e, CSA_V(pool_ld16)(kv, 16 * v, mk[v], kvbf), av[v]);
-                    }
-                }
-            for (int v = 0; v < 4; v++) {
-                const __m512 y = _mm512_div_ps(av[v], sv[v]);
-                if (obf)
-                    _mm256_mask_storeu_epi16(outh + f0 + fb + 16 * v, mk[v], CSA_V(pool_bf16x16)(y));
-                else
-                    _mm512_mask_storeu_ps(outf + f0 + fb + 16 * v, mk[v], y);
-            }
-        }
+        CSA_V(pool_max16)(c, nc, f0, fc, m, lb, fcp, tail, fv, kvbf, scbf, keep);
+        CSA_V(pool_sum16)(c, nc, f0, fc, m, lb, fcp, tail, fv, outf, outh, obf, kvbf, scbf, keep);
 #elif defined(__AVX2__) && defined(__FMA__)
         static const int32_t lanes[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
-        for (csa_idx f = 0; f < fc; f += 8) {
-            _mm256_store_ps(m + f, _mm256_set1_ps(-INFINITY));
-            _mm256_store_ps(s + f, _mm256_setzero_ps());
-            _mm256_store_ps(acc + f, _mm256_setzero_ps());
-        }
         const csa_idx nrem = fc % 8 ? fc % 8 : 8;
         const __m256i tail = _mm256_loadu_si256((const __m256i *)(lanes + 8 - nrem));
         const __m256i full = _mm256_set1_epi32(-1);
         const csa_idx fv = fc - nrem;
-        for (int k = 0; k < nc; k++)
-            for (csa_idx j = 0; j < c[k].n; j++) {
-                const void *sc = pool_off(c[k].sc, scbf, j * c[k].ssc + f0);
-                const float *ap = c[k].ape ? c[k].ape + j * c[k].sape + f0 : NULL;
-                for (csa_idx f = 0; f < fc; f += 8) {
-                    const int part = f == fv;
-                    const __m256i mk = part ? tail : full;
-                    __m256 l = CSA_V(pool_ld8)(sc, f, mk, part, nrem, scbf);
-                    if (ap) l = _mm256_add_ps(l, _mm256_maskload_ps(ap + f, mk));
-                    _mm256_store_ps(m + f, _mm256_max_ps(l, _mm256_load_ps(m + f)));
-                }
-            }
-        for (int k = 0; k < nc; k++)
-            for (csa_idx j = 0; j < c[k].n; j++) {
-                const void *sc = pool_off(c[k].sc, scbf, j * c[k].ssc + f0);
-                const void *kv = pool_off(c[k].kv, kvbf, j * c[k].skv + f0);
-                const float *ap = c[k].ape ? c[k].ape + j * c[k].sape + f0 : NULL;
-                for (csa_idx f = 0; f < fc; f += 8) {
-                    const int part = f == fv;
-                    const __m256i mk = part ? tail : full;
-                    __m256 l = CSA_V(pool_ld8)(sc, f, mk, part, nrem, scbf);
-                    if (ap) l = _mm256_add_ps(l, _mm256_maskload_ps(ap + f, mk));
-                    const __m256 e = CSA_V(exp256_neg)(_mm256_sub_ps(l, _mm256_load_ps(m + f)));
-                    _mm256_store_ps(s + f, _mm256_add_ps(_mm256_load_ps(s + f), e));
-                    _mm256_store_ps(acc + f,
-                                    _mm256_fmadd_ps(e, CSA_V(pool_ld8)(kv, f, mk, part, nrem, kvbf),
-                                                    _mm256_load_ps(acc + f)));
-                }
-            }
-        if (obf) {
-            for (csa_idx f = 0; f < fc; f += 8)   /* m is free again: the quotients */
-                _mm256_store_ps(m + f, _mm256_div_ps(_mm256_load_ps(acc + f),
-                                                     _mm256_load_ps(s + f)));
-            for (csa_idx f = 0; f < fc; f++) outh[f0 + f] = csa_f32_to_bf16(m[f]);
-        } else {
-            for (csa_idx f = 0; f < fc; f += 8)
-                _mm256_maskstore_ps(outf + f0 + f, f == fv ? tail : full,
-                                    _mm256_div_ps(_mm256_load_ps(acc + f), _mm256_load_ps(s + f)));
-        }
+        CSA_V(pool_max8)(c, nc, f0, fc, m, s, acc, tail, full, nrem, fv, scbf);
+        CSA_V(pool_sum8)(c, nc, f0, fc, m, s, acc, tail, full, nrem, fv, kvbf, scbf);
+        CSA_V(pool_store8)(f0, fc, m, s, acc, tail, full, fv, outf, outh, obf);
 #else
-        for (csa_idx f = 0; f < fc; f++) {
-            m[f] = -INFINITY;
-            s[f] = 0.0f;
-            acc[f] = 0.0f;
-        }
-        for (int k = 0; k < nc; k++)
-            for (csa_idx j = 0; j < c[k].n; j++) {
-                const void *sc = pool_off(c[k].sc, scbf, j * c[k].ssc + f0);
-                const float *CSA_RESTRICT ap = c[k].ape ? c[k].ape + j * c[k].sape + f0 : NULL;
-                for (csa_idx f = 0; f < fc; f++) {
-                    const float x = pool_ld(sc, scbf, f);
-                    const float l = ap ? x + ap[f] : x;
-                    m[f] = l > m[f] ? l : m[f];
-                }
-            }
-        for (int k = 0; k < nc; k++)
-            for (csa_idx j = 0; j < c[k].n; j++) {
-                const void *sc = pool_off(c[k].sc, scbf, j * c[k].ssc + f0);
-                const void *kv = pool_off(c[k].kv, kvbf, j * c[k].skv + f0);
-                const float *CSA_RESTRICT ap = c[k].ape ? c[k].ape + j * c[k].sape + f0 : NULL;
-                for (csa_idx f = 0; f < fc; f++) {
-                    const float x = pool_ld(sc, scbf, f);
-                    const float l = ap ? x + ap[f] : x;
-                    const float e = expf(l - m[f]);
-                    s[f] += e;
-                    acc[f] += e * pool_ld(kv, kvbf, f);
-                }
-            }
-        if (obf)
-            for (csa_idx f = 0; f < fc; f++) outh[f0 + f] = csa_f32_to_bf16(acc[f] / s[f]);
-        else
-            for (csa_idx f = 0; f < fc; f++) outf[f0 + f] = acc[f] / s[f];
+        CSA_V(pool_max1)(c, nc, f0, fc, m, s, acc, scbf);
+        CSA_V(pool_sum1)(c, nc, f0, fc, m, s, acc, outf, outh, obf, kvbf, scbf);
 #endif
     }
     return CSA_OK;
@@ -285,12 +337,14 @@ static int CSA_V(pool_entry_tuned)(const pool_cands *c, int nc, csa_idx d, void 
 #undef POOL_BODY
 }
 
-static int CSA_V(gated_pool_tuned)(const void *kv, int kvbf, csa_idx skb, csa_idx skt,
-                                   const void *score, int scbf, csa_idx ssb, csa_idx sst,
-                                   const float *ape, csa_idx sar,
-                                   csa_idx B, csa_idx T, csa_idx d, csa_idx r, int overlap,
-                                   void *out, int obf, csa_idx sob, csa_idx sog)
+static int CSA_V(gated_pool_tuned)(const struct csa_pool_problem *p)
 {
+    const void *kv = p->kv, *score = p->score;
+    const float *ape = p->ape;
+    void *out = p->out;
+    const int kvbf = p->kv_bf16, scbf = p->sc_bf16, obf = p->out_bf16, overlap = p->overlap;
+    const csa_idx skb = p->skb, skt = p->skt, ssb = p->ssb, sst = p->sst, sar = p->sar,
+                  sob = p->sob, sog = p->sog, B = p->B, T = p->T, d = p->d, r = p->ratio;
     if (r <= 0 || B < 0 || T < 0 || d < 0) return CSA_EINVAL;
     const csa_idx G = T / r, items = B * G;
     if (r == 1 && !overlap) {

@@ -1,5 +1,5 @@
 /* Quantization-aware rounding (FP8 e4m3, FP4 e2m1) and the Hadamard rotation
- * (SPEC section 7). */
+ * (docs/kernels.md, section 7). */
 #ifndef CSA_QUANT_H
 #define CSA_QUANT_H
 #include "csa.h"

@@ -3,6 +3,8 @@
  * row (every block) is computed by the same operations in the same order as the
  * scalar oracle in quant.c, so the bits never depend on the level or thread count. */
 
+#include "bf16_impl.h"
+
 /* One block of `block` contiguous features: amax as the largest |x| bit pattern
  * (integer max: NaN patterns sort above inf, so a NaN wins, as torch's amax does),
  * then scale, divide (multiply by the exact inverse for power-of-two scales),
@@ -56,25 +58,15 @@ static inline __m512 CSA_V(round_grid16)(__m512 v, __m512i emin, __m512i cshift)
         _mm512_or_si512(_mm512_castps_si512(r), _mm512_andnot_si512(absm, b)));
 }
 
-/* 16 bfloat16 <-> 16 floats in registers: widening is a 16-bit shift (exact), narrowing
- * rounds nearest-even with NaN kept quiet, as csa_f32_to_bf16. */
+/* 16 bfloat16 <-> 16 floats in memory (bf16_impl.h). */
 static inline __m512 CSA_V(q_ld16h)(const csa_bf16 *p)
 {
-    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return CSA_V(bf16_widen16)(_mm256_loadu_si256((const __m256i *)p));
 }
 
 static inline void CSA_V(q_st16h)(csa_bf16 *p, __m512 v)
 {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i hi = _mm512_srli_epi32(u, 16);
-    __m512i r = _mm512_srli_epi32(
-        _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                             _mm512_and_si512(hi, _mm512_set1_epi32(1)))),
-        16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                              _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
+    _mm256_storeu_si256((__m256i *)p, CSA_V(bf16_narrow16)(v));
 }
 
 /* 16 values at element i of a float32 (bf = 0) or bfloat16 (bf = 1) row. */

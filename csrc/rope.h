@@ -1,4 +1,4 @@
-/* Rotary position embedding with YaRN (SPEC section 2). */
+/* Rotary position embedding with YaRN (docs/kernels.md, section 2). */
 #ifndef CSA_ROPE_H
 #define CSA_ROPE_H
 #include "csa.h"

@@ -3,10 +3,19 @@
 Every kernel takes NumPy arrays (or CPU torch tensors, without copying), validates
 them, releases the GIL and runs C code parallelized with OpenMP; thread counts follow
 OMP_NUM_THREADS and threadpoolctl, and results are bitwise identical at any thread
-count.  See SPEC.md for what each computes.
+count.  docs/kernels.md says what each computes, docs/architecture.md how the package
+is built.
+
+ISA levels (``ISA_LEVELS``, lowest first): 'ref' runs the scalar oracles, the others
+the tuned kernels compiled for that level; ``set_isa`` / the DEEPSEEK_CSA_ISA
+environment variable cap the level at what the CPU has.
 """
+import os as _os
+import warnings as _warnings
+
 from . import _core
-from ._core import apply_rope, best_isa, get_isa, max_threads, rms_norm, rope_table, set_isa
+from ._core import (ISA_LEVELS, apply_rope, best_isa, get_isa, max_threads, rms_norm,
+                    rope_table, set_isa)
 from .configs import V4_FLASH, V4_PRO, V41_FLASH, CSAConfig
 from .compressor import *  # noqa: F401,F403  gated_pool, Compressor
 from .indexer import *  # noqa: F401,F403  index_scores, index_topk, ...
@@ -33,6 +42,14 @@ if not _core._build_info()["openmp"]:
                    "OpenMP-capable compiler (GCC, or clang with libomp) for threads.",
                    RuntimeWarning, stacklevel=2)
 
+_env_isa = _os.environ.get("DEEPSEEK_CSA_ISA", "")
+if _env_isa and _env_isa not in ISA_LEVELS:
+    # the C runtime ignores a value it does not know (kernels never print): say so here
+    _warnings.warn(f"DEEPSEEK_CSA_ISA={_env_isa!r} is not one of {ISA_LEVELS}; it is ignored "
+                   f"and kernels run at {get_isa()!r}, the best level of this CPU",
+                   RuntimeWarning, stacklevel=2)
+del _env_isa
+
 __all__ = (["apply_rope", "rms_norm", "rope_table", "get_isa", "set_isa", "best_isa",
-            "max_threads", "build_info", "V4_FLASH", "V4_PRO", "V41_FLASH", "CSAConfig"]
-           + _c.__all__ + _i.__all__ + _a.__all__ + _q.__all__ + _g.__all__)
+            "max_threads", "build_info", "ISA_LEVELS", "V4_FLASH", "V4_PRO", "V41_FLASH",
+            "CSAConfig"] + _c.__all__ + _i.__all__ + _a.__all__ + _q.__all__ + _g.__all__)

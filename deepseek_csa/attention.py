@@ -1,4 +1,4 @@
-"""Top-k sparse attention with an attention sink (SPEC section 5).
+"""Top-k sparse attention with an attention sink (docs/kernels.md, section 5).
 
 ``sparse_attn(q, kv, attn_sink, topk_idxs, softmax_scale, *, out=None)`` has the
 signature of the released reference kernel, so it can be dropped in:

@@ -1,4 +1,5 @@
-"""The Compressor: gated pooling of KV groups (SPEC section 3), for prefill and decode.
+"""The Compressor: gated pooling of KV groups (docs/kernels.md, section 3), for prefill
+and decode.
 
 ``gated_pool`` pools the complete groups of a prefill.  ``Compressor`` adds the
 explicit per-sequence streaming state of decode and the optional epilogue of the
@@ -28,13 +29,14 @@ from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from ._core import _pool_prefill, _pool_step, _round_bf16, fp4_round, fp8_round, gated_pool, hadamard
+from ._core import (_pool_prefill, _pool_state, _pool_step, _round_bf16, fp4_round, fp8_round,
+                    gated_pool, hadamard)
 
 __all__ = ["gated_pool", "Compressor"]
 
 
 def _quant_fn(name, rope_dim, bf16):
-    """The released model's QAT rounding of emitted entries, by name (SPEC 7)."""
+    """The released model's QAT rounding of emitted entries, by name (kernels.md section 7)."""
     def fp8(y):     # V4 compressed KV: FP8 on the features in front of the rope tail
         fp8_round(y[..., :y.shape[-1] - rope_dim], 64)
 
@@ -96,7 +98,7 @@ class Compressor:
     batch       : rows of state; calls may use the first B <= batch rows.
     ratio       : tokens per entry, >= 1 (V4: 4 with overlap, 128; V4.1: 2, 1).
     head_dim    : D, the entry width.  Inputs have c*D features, c = 2 with overlap.
-    overlap     : V4's ratio-4 scheme (2*ratio candidates per entry, SPEC 3).
+    overlap     : V4's ratio-4 scheme (2*ratio candidates per entry, kernels.md section 3).
     ape         : float32 [ratio, c*D] added to the scores (None: zeros, V4.1).
     Epilogue, applied to each emitted entry in the released order:
     model_dtype : "float32" or "bfloat16", for float32 inputs: with bfloat16 the
@@ -176,10 +178,13 @@ class Compressor:
         self._prev_score = np.empty(shape_prev, np.float32)
         self._pos = np.zeros(batch, np.int64)
         self.reset()
-        # Built once: the C calls read everything from this tuple (see py_pool.c).
+        # The C state (_cstate), validated once here from these fields (_state): prefill
+        # and step read it (see py_pool.c); it points into the arrays above, which
+        # reset() only ever writes in place.
         self._state = (ratio, int(overlap), head_dim, self._kv, self._score, self._prev_kv,
                        self._prev_score, self._pos, ape, nw, eps, cos, sin,
                        int(model_dtype == "bfloat16"))
+        self._cstate = _pool_state(*self._state)
 
     @staticmethod
     def _int(name, v, lo, hi=1 << 40):
@@ -221,7 +226,7 @@ class Compressor:
         complete group) for ``step``.  Rows >= B are left as they are.  The entries
         have kv's dtype (bfloat16 kv: bfloat16 entries, see the module docstring).
         """
-        y = _pool_prefill(self._state, _view(kv), _view(score), out)
+        y = _pool_prefill(self._cstate, _view(kv), _view(score), out)
         if self._quant is not None and y.shape[1]:
             y = self._apply_quant(y)
         return y
@@ -231,7 +236,7 @@ class Compressor:
         used row's ``positions``); kv, score: float32 or bfloat16 [B, 1, c*head_dim],
         B <= batch.  Returns the new entry [B, 1, head_dim] of kv's dtype (compressed
         index start_pos // ratio) when the token completes its group, else None."""
-        y = _pool_step(self._state, _view(kv), _view(score), start_pos)
+        y = _pool_step(self._cstate, _view(kv), _view(score), start_pos)
         if y is not None and self._quant is not None:
             y = self._apply_quant(y)
         return y

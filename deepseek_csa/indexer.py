@@ -1,5 +1,5 @@
-"""Indexer scoring and top-k selection (SPEC section 4), window and HCA index lists
-(SPEC sections 4 and 6).
+"""Indexer scoring and top-k selection (docs/kernels.md, section 4), window and HCA index lists
+(docs/kernels.md, sections 4 and 6).
 
 V4 CSA layers:     ``index_topk(q, k, w, cfg.index_topk, ratio=4, start_pos=p, offset=o)``
 V4.1 index layers: ``select_candidate_blocks`` on a first level of scores, then

@@ -1,4 +1,4 @@
-"""QAT rounding and the Hadamard rotation (SPEC section 7).
+"""QAT rounding and the Hadamard rotation (docs/kernels.md, section 7).
 
 fp8_round(x, block, *, scale="ue8m0", out=None)
     FP8 e4m3 quantize-dequantize per block of the last axis; in place unless out=.

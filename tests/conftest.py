@@ -1,6 +1,6 @@
 """Shared test helpers: ISA levels, thread limits, inputs-unchanged checks, error budgets.
 
-Float32 references live beside the tests (tests/ref_*.py), written from SPEC.md.
+The torch references live in deepseek_csa.reference (tests/ref_*.py name them).
 """
 import contextlib
 
@@ -9,7 +9,7 @@ import pytest
 
 import deepseek_csa as dc
 
-ALL_LEVELS = ("ref", "base", "avx2", "avx512", "amx")
+ALL_LEVELS = dc.ISA_LEVELS
 # Every level this CPU has.  'amx' differs from 'avx512' only in the bfloat16 dot
 # products (AVX512_BF16 / AMX tiles), so float32-only tests skip it.
 ISA_LEVELS_BF16 = list(ALL_LEVELS[:ALL_LEVELS.index(dc.best_isa()) + 1])

@@ -387,7 +387,7 @@ ENTRIES = [
           big=dict(B=1, S=8192, H=64, Dh=32, extra=448),
           medium=dict(B=2, S=4001, H=16, Dh=32, extra=5)),
 
-    # ---- issue 3: the Compressor
+    # ---- the Compressor
     Entry("gated_pool", "gated_pool",
           dict(kv=Arr(("B", "T", "CD"), also=("bfloat16",)),
                score=Arr(("B", "T", "CD"), optional=True, also=("bfloat16",)),
@@ -442,7 +442,7 @@ ENTRIES = [
           derive=_pool_derive, zero_ok=("G", "tail", "more"), call=_compressor_step,
           result=_compressor_result),
 
-    # ---- issue 4: the indexer
+    # ---- the indexer
     Entry("index_scores", "index_scores",
           dict(q=Arr(("B", "S", "Hi", "Di"), also=("bfloat16",)),
                k=Arr(("B", "Tc", "Di"), also=("bfloat16",)),
@@ -533,7 +533,7 @@ ENTRIES = [
           sizes=dict(ratio=(1, 9), B=(1, 3), S=(1, 9), p=(0, 20), off=(0, 9)),
           derive=_hca_derive, zero_ok=("B", "S")),
 
-    # ---- issue 5: sparse attention
+    # ---- sparse attention
     Entry("sparse_attn", "sparse_attn",
           dict(q=Arr(("B", "S", "H", "D")), kv=Arr(("B", "N", "D")),
                attn_sink=Arr(("H",)),
@@ -550,7 +550,7 @@ ENTRIES = [
           long=dict(B=1, S=512, H=64, D=512, N=4096 + 1024, K=640),
           medium=dict(B=1, S=17, H=64, D=512, N=1200, K=640)),
 
-    # ---- issue 6: QAT rounding and Hadamard
+    # ---- QAT rounding and Hadamard
     Entry("fp8_round", "fp8_round",
           dict(x=Arr(("R", "L"), role="inout", ndim=(1, None), also=("bfloat16",)),
                block=Int(_S("blk"), lo=1, hi=1 << 40, huge_ok=True),

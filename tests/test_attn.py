@@ -20,7 +20,7 @@ def want(q, kv, sink, idx, scale):
 
 
 def prefill_indices(B, S, rng, window=WINDOW, topk=TOPK, ratio=RATIO):
-    """SPEC 5-6 prefill rows: window positions (padded with -1 to min(S, window)) then
+    """kernels.md section 5-6 prefill rows: window positions (padded with -1 to min(S, window)) then
     top-k of the visible compressed entries (t < (s+1)//ratio), shifted by S."""
     w = min(S, window)
     idx = np.full((B, S, w + topk), -1, np.int32)
@@ -35,7 +35,7 @@ def prefill_indices(B, S, rng, window=WINDOW, topk=TOPK, ratio=RATIO):
 
 
 def decode_indices(B, p, n_comp, rng, window=WINDOW, topk=TOPK):
-    """SPEC 6 decode row at position p: ring slots from (p+1) % window, then top-k of the
+    """kernels.md section 6 decode row at position p: ring slots from (p+1) % window, then top-k of the
     n_comp compressed entries shifted by the window size."""
     slots = (np.arange(window) + p + 1) % window
     slots[slots > p] = -1

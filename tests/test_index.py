@@ -119,7 +119,7 @@ def test_index_scores_bf16_tolerance(rng):
     want = want.float().numpy()
     scale = np.abs(want[np.isfinite(want)]).max()
     assert_close(got, want, rtol=3e-2, atol=3e-2 * scale, what="bf16 scores")
-    # top-k overlap with the bfloat16 path (SPEC 8: >= 99%)
+    # top-k overlap with the bfloat16 path (kernels.md section 8: >= 99%)
     mine = dc.index_topk(q, k, w, 512, ratio=4, start_pos=4064)
     theirs = ref.topk_indices(T(want), 512, 4, 4064).numpy()
     overlap = np.mean([len(set(a) & set(b)) / len(a) for a, b in
@@ -466,7 +466,7 @@ def test_topk_indices_property(B, S, ratio, p, topk, order, seed):
             ref.exact_candidate_blocks(sc, tb, bs, ratio, p))
 
 
-# ---------------------------------------------------------------- bfloat16 inputs (issue 9)
+# ---------------------------------------------------------------- bfloat16 inputs
 #
 # The bf16 run of the reference is the float32 reference on the bfloat16 values (what the
 # released scorer does: bf16 q and k, float32 products and sums, float32 scores).  The
@@ -553,7 +553,7 @@ def test_bf16_topk_released_shapes(isa_bf16, rng, case):
 
 
 def test_bf16_against_pure_bf16_torch_run(isa_bf16, rng):
-    """SPEC 8: the reference run entirely in bfloat16 (einsum rounded to bf16) at bf16
+    """kernels.md section 8: the reference run entirely in bfloat16 (einsum rounded to bf16) at bf16
     tolerance, >= 99% of the top-k shared."""
     if isa_bf16 == "ref":
         pytest.skip("slow scalar oracle; the float32-run comparisons cover it")

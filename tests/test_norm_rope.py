@@ -122,7 +122,7 @@ def test_rope_table_yarn_changes_only_slow_pairs():
 
 
 def test_rope_table_equal_correction_bounds():
-    """high == low uses a span of 0.001 (SPEC)."""
+    """high == low uses a span of 0.001 (docs/kernels.md)."""
     kw = dict(base=10000.0, original_seq_len=4096, factor=4.0, beta_fast=8, beta_slow=8)
     c, s = dc.rope_table(16, 50, **kw)
     rc, rs = ref.rope_table(16, 50, **kw)

@@ -371,7 +371,7 @@ def test_compressor_quant_hook(rng):
 @pytest.mark.parametrize("quant", ["fp8", "fp4", "hadamard_fp4", "fp4_e4m3"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_compressor_released_quant(rng, quant, dtype):
-    """The named QAT roundings equal the float32 reference of SPEC 7 applied to the
+    """The named QAT roundings equal the float32 reference of kernels.md section 7 applied to the
     entries of the same Compressor without rounding, in prefill and in decode."""
     import ref_quant
     D, ratio, T = 128, 4, 19

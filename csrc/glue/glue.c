@@ -287,23 +287,24 @@ int csa_may_overlap(PyArrayObject *a, PyArrayObject *b)
     return alo < bhi && blo < ahi;
 }
 
-PyArrayObject *csa_out_array(PyObject *out, const char *fn, int ndim, const npy_intp *shape,
-                             PyArrayObject **inputs, int n_in)
+static int dtype_flag(int npy_type)
 {
-    return csa_out_array_as(out, fn, ndim, shape, NULL, inputs, n_in);
+    return npy_type == NPY_INT32 ? CSA_I32 : npy_type == NPY_BOOL ? CSA_BOOL : CSA_F32;
 }
 
-PyArrayObject *csa_out_array_as(PyObject *out, const char *fn, int ndim, const npy_intp *shape,
-                                PyArrayObject *proto, PyArrayObject **inputs, int n_in)
+PyArrayObject *csa_out_array(PyObject *out_arg, const char *fn, int ndim, const npy_intp *shape,
+                             PyArrayObject *proto, int npy_type, PyArrayObject **inputs,
+                             int n_in, int flags, int *inplace)
 {
     const int bf16 = proto && csa_is_bf16(proto);
-    if (out == NULL || out == Py_None) {
-        if (!bf16) return (PyArrayObject *)PyArray_ZEROS(ndim, (npy_intp *)shape, NPY_FLOAT32, 0);
-        PyArrayObject *o = csa_empty_like_dtype(proto, ndim, shape);
-        if (o) memset(PyArray_DATA(o), 0, (size_t)PyArray_NBYTES(o));
-        return o;
+    if (proto) npy_type = NPY_FLOAT32;
+    if (inplace) *inplace = 0;
+    if (out_arg == NULL || out_arg == Py_None) {
+        if (bf16) return csa_empty_like_dtype(proto, ndim, shape);
+        return (PyArrayObject *)PyArray_EMPTY(ndim, (npy_intp *)shape, npy_type, 0);
     }
-    PyArrayObject *o = csa_array(out, fn, "out", bf16 ? CSA_BF16 : CSA_F32, ndim, ndim, 1);
+    PyArrayObject *o = csa_array(out_arg, fn, "out", bf16 ? CSA_BF16 : dtype_flag(npy_type), ndim,
+                                 ndim, 1);
     if (!o) return NULL;
     for (int i = 0; i < ndim; i++) {
         if (PyArray_DIM(o, i) != shape[i]) {
@@ -320,15 +321,92 @@ PyArrayObject *csa_out_array_as(PyObject *out, const char *fn, int ndim, const n
             return NULL;
         }
     }
+    if ((flags & CSA_OUT_MAY_ALIAS) && n_in > 0 && inputs[0] && csa_same_view(o, inputs[0])) {
+        if (inplace) *inplace = 1;
+        inputs++;
+        n_in--;
+    }
     for (int i = 0; i < n_in; i++) {
         if (inputs[i] && csa_may_overlap(o, inputs[i])) {
-            PyErr_Format(PyExc_ValueError, "%s(): 'out' overlaps an input; pass a separate array",
-                         fn);
+            PyErr_Format(PyExc_ValueError, "%s(): 'out' overlaps an input; pass a separate array%s",
+                         fn, (flags & CSA_OUT_MAY_ALIAS) ? " or the input itself (in place)" : "");
             Py_DECREF(o);
             return NULL;
         }
     }
     return o;
+}
+
+PyArrayObject *csa_work_array(PyArrayObject *out, int layout)
+{
+    const int nd = PyArray_NDIM(out);
+    const int ok = layout == CSA_WORK_C_CONTIG
+                       ? PyArray_IS_C_CONTIGUOUS(out)
+                       : (nd == 0 || PyArray_DIM(out, nd - 1) <= 1 || csa_stride(out, nd - 1) == 1);
+    if (ok) {
+        Py_INCREF(out);
+        return out;
+    }
+    return csa_empty_like_dtype(out, nd, PyArray_DIMS(out));
+}
+
+PyArrayObject *csa_unit_inner(PyArrayObject *a)
+{
+    const int nd = PyArray_NDIM(a);
+    if (nd == 0 || PyArray_DIM(a, nd - 1) <= 1 || csa_stride(a, nd - 1) == 1) {
+        Py_INCREF(a);
+        return a;
+    }
+    return (PyArrayObject *)PyArray_NewCopy(a, NPY_CORDER);
+}
+
+int csa_same_view(PyArrayObject *a, PyArrayObject *b)
+{
+    if (PyArray_BYTES(a) != PyArray_BYTES(b) || PyArray_NDIM(a) != PyArray_NDIM(b)) return 0;
+    for (int i = 0; i < PyArray_NDIM(a); i++)
+        if (PyArray_DIM(a, i) != PyArray_DIM(b, i) ||
+            (PyArray_DIM(a, i) > 1 && PyArray_STRIDE(a, i) != PyArray_STRIDE(b, i)))
+            return 0;
+    return 1;
+}
+
+int csa_run_rows(PyArrayObject *src, PyArrayObject *dst, const char *fn, csa_rows_kernel kernel,
+                 const void *params)
+{
+    const int nd = PyArray_NDIM(src);
+    const int inplace = src == dst;
+    PyArrayObject *s = src, *t = dst, *scopy = NULL, *tcopy = NULL;
+    csa_idx rows, ssr, str;
+    int rc = -1;
+    if (csa_fold_rows(src, &rows, &ssr)) {
+        if (!(scopy = (PyArrayObject *)PyArray_NewCopy(src, NPY_CORDER))) goto done;
+        s = scopy;
+        if (inplace) t = scopy;
+    }
+    if (!inplace && csa_fold_rows(dst, &rows, &str)) {
+        if (!(tcopy = csa_empty_like_dtype(dst, nd, PyArray_DIMS(dst)))) goto done;
+        t = tcopy;
+    }
+    csa_fold_rows(s, &rows, &ssr);
+    csa_fold_rows(t, &rows, &str);
+    const csa_idx d = PyArray_DIM(s, nd - 1);
+    const int bf16 = csa_is_bf16(s);
+    int st;
+    Py_BEGIN_ALLOW_THREADS
+    st = kernel(PyArray_DATA(s), rows, d, ssr, csa_stride(s, nd - 1), PyArray_DATA(t), str,
+                csa_stride(t, nd - 1), bf16, params);
+    Py_END_ALLOW_THREADS
+    if (st) {
+        csa_raise_status(st, fn);
+        goto done;
+    }
+    if (inplace && scopy && PyArray_CopyInto(dst, scopy)) goto done;
+    if (tcopy && PyArray_CopyInto(dst, tcopy)) goto done;
+    rc = 0;
+done:
+    Py_XDECREF(scopy);
+    Py_XDECREF(tcopy);
+    return rc;
 }
 
 int csa_fold_rows(PyArrayObject *a, csa_idx *rows, csa_idx *row_stride)
@@ -357,10 +435,10 @@ int csa_fold_rows(PyArrayObject *a, csa_idx *rows, csa_idx *row_stride)
 }
 
 PyObject *csa_finish(int status, const char *fn, PyObject *out_arg, PyArrayObject *out,
-                     PyArrayObject *tmp)
+                     PyArrayObject *work)
 {
     if (status) return csa_raise_status(status, fn);
-    if (tmp && PyArray_CopyInto(out, tmp)) return NULL;
+    if (work && work != out && PyArray_CopyInto(out, work)) return NULL;
     PyObject *r = (out_arg && out_arg != Py_None) ? out_arg : (PyObject *)out;
     Py_INCREF(r);
     return r;

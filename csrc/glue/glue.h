@@ -60,16 +60,48 @@ const char *csa_shape_str(PyArrayObject *a, char *buf, size_t n);
 int csa_check_dim(PyArrayObject *a, const char *fn, const char *name, int axis,
                   npy_intp want, const char *what);
 
-/* Validates an `out=` argument: None gives a new zeroed C-contiguous float32 array
- * of `shape`; otherwise it must be a writeable float32 array of exactly that shape
- * that does not overlap any of the `n_in` inputs (in-place is the caller's job). */
-PyArrayObject *csa_out_array(PyObject *out, const char *fn, int ndim, const npy_intp *shape,
-                             PyArrayObject **inputs, int n_in);
+/* The result array of a call.  `out_arg` None: a new, uninitialized C-contiguous
+ * array of `shape` (every kernel writes every element of its result), in the dtype of
+ * `proto` when it is given (float32 or bfloat16, like it), else of `npy_type`
+ * (NPY_FLOAT32, NPY_INT32 or NPY_BOOL).  Otherwise `out_arg` must be a writeable
+ * array of exactly that dtype and shape that does not overlap any of the `n_in`
+ * inputs (NULL entries are skipped); with CSA_OUT_MAY_ALIAS it may instead be the
+ * same view as inputs[0] (in place), and *inplace (if not NULL) says so.
+ * Returns a new reference, or NULL with the exception set. */
+enum { CSA_OUT_MAY_ALIAS = 1 };
+PyArrayObject *csa_out_array(PyObject *out_arg, const char *fn, int ndim, const npy_intp *shape,
+                             PyArrayObject *proto, int npy_type, PyArrayObject **inputs,
+                             int n_in, int flags, int *inplace);
 
-/* csa_out_array for a result in the dtype of `proto` (float32 or bfloat16; NULL means
- * float32): a new zeroed array of that dtype, or a writeable `out` of exactly it. */
-PyArrayObject *csa_out_array_as(PyObject *out, const char *fn, int ndim, const npy_intp *shape,
-                                PyArrayObject *proto, PyArrayObject **inputs, int n_in);
+/* What a kernel writes for the result `out`: `out` itself when its layout suits the
+ * kernel (CSA_WORK_UNIT_INNER: unit stride on the last axis; CSA_WORK_C_CONTIG:
+ * C-contiguous), else a new temporary C-contiguous array of its shape and dtype,
+ * which csa_finish copies into `out`.  A new reference either way; NULL on error. */
+enum { CSA_WORK_UNIT_INNER = 1, CSA_WORK_C_CONTIG = 2 };
+PyArrayObject *csa_work_array(PyArrayObject *out, int layout);
+
+/* A view of `a` whose last axis has unit stride (what the tuned kernels stream):
+ * `a` itself or a C-contiguous copy.  Always a NEW reference: the caller keeps (and
+ * still releases) its own reference to `a`.  NULL on error. */
+PyArrayObject *csa_unit_inner(PyArrayObject *a);
+
+/* 1 if a and b are the same view of the same memory (same data pointer, shape and
+ * strides on every axis longer than 1): the in-place use of an `out=` argument. */
+int csa_same_view(PyArrayObject *a, PyArrayObject *b);
+
+/* A kernel over the rows of [rows, d] arrays (x read, out written; one dtype,
+ * float32, or bfloat16 when `bf16`), with the strides of each in elements;
+ * `params` is the kernel's own. */
+typedef int (*csa_rows_kernel)(const void *x, csa_idx rows, csa_idx d, csa_idx sx_row,
+                               csa_idx sx_col, void *out, csa_idx so_row, csa_idx so_col,
+                               int bf16, const void *params);
+
+/* Runs `kernel` from src to dst ([..., d] each, one dtype) with the GIL released,
+ * folding the leading axes into rows, through contiguous copies when a layout cannot
+ * be folded.  dst == src means in place.  Returns 0, or -1 with an exception set
+ * (a bad kernel status raised as csa_raise_status does). */
+int csa_run_rows(PyArrayObject *src, PyArrayObject *dst, const char *fn, csa_rows_kernel kernel,
+                 const void *params);
 
 /* 1 if the memory spans of a and b overlap. */
 int csa_may_overlap(PyArrayObject *a, PyArrayObject *b);
@@ -78,11 +110,12 @@ int csa_may_overlap(PyArrayObject *a, PyArrayObject *b);
  * its layout allows; returns 0 and sets rows/row_stride, or -1 when it does not. */
 int csa_fold_rows(PyArrayObject *a, csa_idx *rows, csa_idx *row_stride);
 
-/* The end of a call that returns an array: raises for a bad kernel status, copies a
- * temporary result `tmp` (if any) into `out`, and returns a new reference to what the
- * caller gets: their `out_arg` object when they passed one, else `out`; NULL on error. */
+/* The end of a call that returns an array: raises for a bad kernel status, copies
+ * the kernel's `work` buffer into `out` when they differ (work may be NULL), and
+ * returns a new reference to what the caller gets: their `out_arg` object when they
+ * passed one, else `out`; NULL on error. */
 PyObject *csa_finish(int status, const char *fn, PyObject *out_arg, PyArrayObject *out,
-                     PyArrayObject *tmp);
+                     PyArrayObject *work);
 
 /* Raises the exception for a kernel status (after the GIL is back); returns NULL. */
 PyObject *csa_raise_status(int status, const char *fn);

@@ -8,10 +8,9 @@
 #include <omp.h>
 #endif
 
-/* issue 18: the released kernel module's GEMMs, quantizers and Sinkhorn (py_gemm.c) */
+/* the released kernel module's GEMMs, quantizers and Sinkhorn (py_gemm.c) */
 extern PyMethodDef csa_gemm_methods[];
 
-static const char *isa_names[] = {"ref", "base", "avx2", "avx512", "amx"};
 
 static PyObject *py_get_isa(PyObject *self, PyObject *noargs)
 {
@@ -23,14 +22,31 @@ static PyObject *py_best_isa(PyObject *self, PyObject *noargs)
     return PyUnicode_FromString(csa_isa_name(csa_isa_best()));
 }
 
+/* "'ref', 'base', ... or 'amx'", from csa_isa_name: the one list of level names. */
+static PyObject *isa_choices(void)
+{
+    PyObject *r = PyUnicode_FromString("");
+    for (int l = CSA_ISA_REF; r && l <= CSA_ISA_AMX; l++) {
+        PyObject *t = PyUnicode_FromFormat("%U%s'%s'", r,
+                                           l == CSA_ISA_REF ? "" : l == CSA_ISA_AMX ? " or " : ", ",
+                                           csa_isa_name(l));
+        Py_DECREF(r);
+        r = t;
+    }
+    return r;
+}
+
 static PyObject *py_set_isa(PyObject *self, PyObject *arg)
 {
     const char *s = PyUnicode_Check(arg) ? PyUnicode_AsUTF8(arg) : NULL;
-    for (int l = 0; s && l < (int)(sizeof isa_names / sizeof *isa_names); l++)
-        if (strcmp(s, isa_names[l]) == 0) return PyUnicode_FromString(csa_isa_name(csa_isa_set(l)));
-    PyErr_Format(PyExc_ValueError,
-                 "set_isa(): level must be 'ref', 'base', 'avx2', 'avx512' or 'amx', got %R",
-                 arg);
+    for (int l = CSA_ISA_REF; s && l <= CSA_ISA_AMX; l++)
+        if (strcmp(s, csa_isa_name(l)) == 0) return PyUnicode_FromString(csa_isa_name(csa_isa_set(l)));
+    PyErr_Clear();
+    PyObject *choices = isa_choices();
+    if (choices) {
+        PyErr_Format(PyExc_ValueError, "set_isa(): level must be %U, got %R", choices, arg);
+        Py_DECREF(choices);
+    }
     return NULL;
 }
 
@@ -66,6 +82,18 @@ PyMODINIT_FUNC PyInit__core(void)
     import_array();
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
+    /* ISA_LEVELS: the level names, lowest first (csa_isa_name order). */
+    PyObject *levels = PyTuple_New(CSA_ISA_AMX + 1);
+    for (int l = CSA_ISA_REF; levels && l <= CSA_ISA_AMX; l++) {
+        PyObject *n = PyUnicode_FromString(csa_isa_name(l));
+        if (!n) Py_CLEAR(levels);
+        else PyTuple_SET_ITEM(levels, l, n);
+    }
+    if (!levels || PyModule_AddObject(m, "ISA_LEVELS", levels)) {
+        Py_XDECREF(levels);
+        Py_DECREF(m);
+        return NULL;
+    }
     PyMethodDef *tables[] = {csa_norm_rope_methods, csa_pool_methods, csa_index_methods,
                              csa_attn_methods, csa_quant_methods, csa_bench_methods,
                              csa_gemm_methods};

@@ -21,14 +21,14 @@ static void qkw_clear(struct qkw *a)
     memset(a, 0, sizeof *a);
 }
 
-/* A view with unit inner stride: `a` itself or a C-contiguous copy (steals a). */
-static PyArrayObject *unit_inner(PyArrayObject *a)
+/* Replaces *a by its unit-inner-stride view (csa_unit_inner), releasing the old
+ * reference; -1 on error (with *a cleared). */
+static int to_unit_inner(PyArrayObject **a)
 {
-    const int nd = PyArray_NDIM(a);
-    if (nd == 0 || PyArray_DIM(a, nd - 1) <= 1 || csa_stride(a, nd - 1) == 1) return a;
-    PyArrayObject *c = (PyArrayObject *)PyArray_NewCopy(a, NPY_CORDER);
-    Py_DECREF(a);
-    return c;
+    PyArrayObject *c = csa_unit_inner(*a);
+    Py_DECREF(*a);
+    *a = c;
+    return c ? 0 : -1;
 }
 
 static int parse_qkw(const char *fn, PyObject *qo, PyObject *ko, PyObject *wo, long long ratio,
@@ -68,7 +68,7 @@ static int parse_qkw(const char *fn, PyObject *qo, PyObject *ko, PyObject *wo, l
                      fn, start_pos, (long long)S, ratio, need, csa_shape_str(a->k, b1, sizeof b1));
         goto fail;
     }
-    if (!(a->q = unit_inner(a->q)) || !(a->k = unit_inner(a->k))) goto fail;
+    if (to_unit_inner(&a->q) || to_unit_inner(&a->k)) goto fail;
     *p = (struct csa_index_problem){
         .q = PyArray_DATA(a->q), .k = PyArray_DATA(a->k), .w = PyArray_DATA(a->w),
         .qk_bf16 = qbf, .w_bf16 = csa_is_bf16(a->w),
@@ -166,69 +166,23 @@ fail:
     return -1;
 }
 
-/* `out` for an int32 / bool / float32 result of `shape`: a new C-contiguous array when
- * None, else a checked writeable array (shape, no overlap with the inputs).  *work is
- * what the kernel writes: out itself if C-contiguous, else a temporary to copy in. */
-static PyArrayObject *out_or_new(PyObject *oo, const char *fn, int ndim, const npy_intp *shape,
-                                 int dtflag, int npy_type, PyArrayObject **ins, int n_in,
-                                 PyArrayObject **work)
+/* The result of `shape` (an npy_type array) and the C-contiguous buffer the kernel
+ * writes (*work: out itself, or a temporary csa_finish copies in). */
+static PyArrayObject *out_and_work(PyObject *oo, const char *fn, const npy_intp *shape,
+                                   int npy_type, PyArrayObject **ins, int n_in,
+                                   PyArrayObject **work)
 {
-    char b1[256], b2[256];
-    PyArrayObject *o;
-    *work = NULL;
-    if (!oo || oo == Py_None) {
-        o = (PyArrayObject *)PyArray_EMPTY(ndim, (npy_intp *)shape, npy_type, 0);
-        if (!o) return NULL;
-    } else {
-        if (!(o = csa_array(oo, fn, "out", dtflag, ndim, ndim, 1))) return NULL;
-        for (int i = 0; i < ndim; i++)
-            if (PyArray_DIM(o, i) != shape[i]) {
-                PyArrayObject *tmp = (PyArrayObject *)PyArray_EMPTY(ndim, (npy_intp *)shape,
-                                                                    npy_type, 0);
-                PyErr_Format(PyExc_ValueError, "%s(): 'out' must have shape %s, got %s", fn,
-                             tmp ? csa_shape_str(tmp, b1, sizeof b1) : "?",
-                             csa_shape_str(o, b2, sizeof b2));
-                Py_XDECREF(tmp);
-                Py_DECREF(o);
-                return NULL;
-            }
-        for (int i = 0; i < n_in; i++)
-            if (ins[i] && csa_may_overlap(o, ins[i])) {
-                PyErr_Format(PyExc_ValueError,
-                             "%s(): 'out' overlaps an input; pass a separate array", fn);
-                Py_DECREF(o);
-                return NULL;
-            }
-    }
-    if (PyArray_IS_C_CONTIGUOUS(o)) {
-        Py_INCREF(o);
-        *work = o;
-    } else if (!(*work = (PyArrayObject *)PyArray_EMPTY(ndim, (npy_intp *)shape, npy_type, 0))) {
-        Py_DECREF(o);
-        return NULL;
-    }
+    PyArrayObject *o = csa_out_array(oo, fn, 3, shape, NULL, npy_type, ins, n_in, 0, NULL);
+    *work = o ? csa_work_array(o, CSA_WORK_C_CONTIG) : NULL;
+    if (o && !*work) Py_CLEAR(o);
     return o;
-}
-
-/* Finishes a call: copies work into out when they differ, returns the result. */
-static PyObject *finish(int st, const char *fn, PyObject *oo, PyArrayObject *out,
-                        PyArrayObject *work)
-{
-    if (st) return csa_raise_status(st, fn);
-    if (work != out && PyArray_CopyInto(out, work)) return NULL;
-    if (oo && oo != Py_None) {
-        Py_INCREF(oo);
-        return oo;
-    }
-    Py_INCREF(out);
-    return (PyObject *)out;
 }
 
 /* ------------------------------------------------------------------ index_scores */
 
 PyDoc_STRVAR(index_scores_doc,
 "index_scores(q, k, weights, *, ratio, start_pos=0, out=None)\n--\n\n"
-"Indexer scores (SPEC section 4), float32 [B, S, Tc]:\n"
+"Indexer scores (docs/kernels.md, section 4), float32 [B, S, Tc]:\n"
 "``score[b,s,t] = sum_h relu(q[b,s,h,:] . k[b,t,:]) * weights[b,s,h]`` for the\n"
 "entries the query at absolute position P = start_pos + s can see,\n"
 "t < (P + 1) // ratio; -inf for the others.  For tensor-parallel users who sum\n"
@@ -263,12 +217,12 @@ static PyObject *py_index_scores(PyObject *self, PyObject *args, PyObject *kw)
     npy_intp shape[3] = {p.B, p.S, p.Tc};
     PyArrayObject *ins[3] = {a.q, a.k, a.w}, *work, *out;
     PyObject *ret = NULL;
-    if (!(out = out_or_new(oo, fn, 3, shape, CSA_F32, NPY_FLOAT32, ins, 3, &work))) goto done;
+    if (!(out = out_and_work(oo, fn, shape, NPY_FLOAT32, ins, 3, &work))) goto done;
     int st;
     Py_BEGIN_ALLOW_THREADS
     st = csa_index_scores(&p, (float *)PyArray_DATA(work), p.S * p.Tc, p.Tc);
     Py_END_ALLOW_THREADS
-    ret = finish(st, fn, oo, out, work);
+    ret = csa_finish(st, fn, oo, out, work);
     Py_DECREF(out);
     Py_DECREF(work);
 done:
@@ -291,7 +245,7 @@ static int parse_topk_args(const char *fn, PyObject *tko, PyObject *offo, PyObje
 PyDoc_STRVAR(index_topk_doc,
 "index_topk(q, k, weights, topk, *, ratio, start_pos=0, offset=0, order=\"score\",\n"
 "           candidates=None, block_size=None, out=None)\n--\n\n"
-"Fused indexer scoring and top-k selection (SPEC section 4).  Returns int32\n"
+"Fused indexer scoring and top-k selection (docs/kernels.md, section 4).  Returns int32\n"
 "[B, S, K], K = min(topk, (start_pos + S) // ratio).  Never materializes the\n"
 "[S, Tc] scores: each thread scores a block of up to 8 query rows into [Tc]\n"
 "scratch rows and selects from them right away (calls with fewer than 4 rows per\n"
@@ -336,12 +290,12 @@ static PyObject *py_index_topk(PyObject *self, PyObject *args, PyObject *kw)
     const csa_idx K = topk < width ? topk : width;
     npy_intp shape[3] = {p.B, p.S, K};
     PyArrayObject *ins[4] = {a.q, a.k, a.w, ca};
-    if (!(out = out_or_new(oo, fn, 3, shape, CSA_I32, NPY_INT32, ins, 4, &work))) goto done;
+    if (!(out = out_and_work(oo, fn, shape, NPY_INT32, ins, 4, &work))) goto done;
     int st;
     Py_BEGIN_ALLOW_THREADS
     st = csa_index_topk(&p, &c, K, offset, order, (int32_t *)PyArray_DATA(work));
     Py_END_ALLOW_THREADS
-    ret = finish(st, fn, oo, out, work);
+    ret = csa_finish(st, fn, oo, out, work);
 done:
     Py_XDECREF(out);
     Py_XDECREF(work);
@@ -403,14 +357,14 @@ static PyObject *py_topk_indices(PyObject *self, PyObject *args, PyObject *kw)
     const csa_idx K = topk < width ? topk : width;
     npy_intp shape[3] = {B, S, K};
     PyArrayObject *ins[2] = {s, ca};
-    if (!(out = out_or_new(oo, fn, 3, shape, CSA_I32, NPY_INT32, ins, 2, &work))) goto done;
+    if (!(out = out_and_work(oo, fn, shape, NPY_INT32, ins, 2, &work))) goto done;
     int st;
     Py_BEGIN_ALLOW_THREADS
     st = csa_topk_indices((const float *)PyArray_DATA(s), B, S, Tc, csa_stride(s, 0),
                           csa_stride(s, 1), csa_stride(s, 2), ratio, start_pos, &c, K, offset,
                           order, (int32_t *)PyArray_DATA(work));
     Py_END_ALLOW_THREADS
-    ret = finish(st, fn, oo, out, work);
+    ret = csa_finish(st, fn, oo, out, work);
 done:
     Py_XDECREF(out);
     Py_XDECREF(work);
@@ -448,14 +402,14 @@ static PyObject *py_select_candidate_blocks(PyObject *self, PyObject *args, PyOb
     const npy_intp B = PyArray_DIM(s, 0), S = PyArray_DIM(s, 1), Tc = PyArray_DIM(s, 2);
     npy_intp shape[3] = {B, S, (Tc + bs - 1) / bs};
     PyArrayObject *ins[1] = {s};
-    if (!(out = out_or_new(oo, fn, 3, shape, CSA_BOOL, NPY_BOOL, ins, 1, &work))) goto done;
+    if (!(out = out_and_work(oo, fn, shape, NPY_BOOL, ins, 1, &work))) goto done;
     int st;
     Py_BEGIN_ALLOW_THREADS
     st = csa_select_candidate_blocks((const float *)PyArray_DATA(s), B, S, Tc, csa_stride(s, 0),
                                      csa_stride(s, 1), csa_stride(s, 2), ratio, start_pos, tb,
                                      bs, (uint8_t *)PyArray_DATA(work));
     Py_END_ALLOW_THREADS
-    ret = finish(st, fn, oo, out, work);
+    ret = csa_finish(st, fn, oo, out, work);
 done:
     Py_XDECREF(out);
     Py_XDECREF(work);
@@ -483,7 +437,7 @@ static int parse_batch_seq(const char *fn, PyObject *bo, PyObject *so, PyObject 
 
 PyDoc_STRVAR(window_topk_idxs_doc,
 "window_topk_idxs(window, batch, seqlen, start_pos, *, out=None)\n--\n\n"
-"Sliding-window indices (SPEC section 6), int32.\n"
+"Sliding-window indices (docs/kernels.md, section 6), int32.\n"
 "Prefill (start_pos == 0): [batch, seqlen, min(seqlen, window)], row s lists\n"
 "  max(0, s-window+1) .. s in ascending order, then -1.\n"
 "Decode (start_pos > 0, seqlen == 1): [batch, 1, window] ring slots: while the ring\n"
@@ -502,13 +456,13 @@ static PyObject *py_window_topk_idxs(PyObject *self, PyObject *args, PyObject *k
     if (csa_int_arg(wo, fn, "window", 1, I32_MAX, &window)) return NULL;
     if (parse_batch_seq(fn, bo, so, spo, &B, &S, &sp)) return NULL;
     npy_intp shape[3] = {B, S, sp == 0 ? (S < window ? S : window) : window};
-    PyArrayObject *work, *out = out_or_new(oo, fn, 3, shape, CSA_I32, NPY_INT32, NULL, 0, &work);
+    PyArrayObject *work, *out = out_and_work(oo, fn, shape, NPY_INT32, NULL, 0, &work);
     if (!out) return NULL;
     int st;
     Py_BEGIN_ALLOW_THREADS
     st = csa_window_topk_idxs((int32_t *)PyArray_DATA(work), window, B, S, sp);
     Py_END_ALLOW_THREADS
-    PyObject *ret = finish(st, fn, oo, out, work);
+    PyObject *ret = csa_finish(st, fn, oo, out, work);
     Py_DECREF(out);
     Py_DECREF(work);
     return ret;
@@ -516,7 +470,7 @@ static PyObject *py_window_topk_idxs(PyObject *self, PyObject *args, PyObject *k
 
 PyDoc_STRVAR(compress_topk_idxs_doc,
 "compress_topk_idxs(ratio, batch, seqlen, start_pos, offset, *, out=None)\n--\n\n"
-"HCA indices (SPEC section 4): every visible compressed entry, int32\n"
+"HCA indices (docs/kernels.md, section 4): every visible compressed entry, int32\n"
 "[batch, seqlen, (start_pos + seqlen) // ratio].  Prefill: row s lists t + offset\n"
 "for t < (s+1) // ratio, then -1.  Decode (start_pos > 0, seqlen == 1):\n"
 "0 .. (start_pos+1)//ratio - 1, plus offset.");
@@ -535,13 +489,13 @@ static PyObject *py_compress_topk_idxs(PyObject *self, PyObject *args, PyObject 
     const long long W = (sp + S) / ratio;
     if (csa_int_arg(offo, fn, "offset", 0, I32_MAX - (W > 0 ? W - 1 : 0), &offset)) return NULL;
     npy_intp shape[3] = {B, S, W};
-    PyArrayObject *work, *out = out_or_new(oo, fn, 3, shape, CSA_I32, NPY_INT32, NULL, 0, &work);
+    PyArrayObject *work, *out = out_and_work(oo, fn, shape, NPY_INT32, NULL, 0, &work);
     if (!out) return NULL;
     int st;
     Py_BEGIN_ALLOW_THREADS
     st = csa_compress_topk_idxs((int32_t *)PyArray_DATA(work), ratio, B, S, sp, offset);
     Py_END_ALLOW_THREADS
-    PyObject *ret = finish(st, fn, oo, out, work);
+    PyObject *ret = csa_finish(st, fn, oo, out, work);
     Py_DECREF(out);
     Py_DECREF(work);
     return ret;

@@ -6,14 +6,20 @@
 #include "../norm.h"
 #include "../rope.h"
 
-static int same_view(PyArrayObject *a, PyArrayObject *b)
+struct norm_params {
+    const float *w;
+    csa_idx sw;
+    float eps;
+};
+
+static int norm_rows(const void *x, csa_idx rows, csa_idx d, csa_idx sx_row, csa_idx sx_col,
+                     void *out, csa_idx so_row, csa_idx so_col, int bf16, const void *params)
 {
-    if (PyArray_BYTES(a) != PyArray_BYTES(b) || PyArray_NDIM(a) != PyArray_NDIM(b)) return 0;
-    for (int i = 0; i < PyArray_NDIM(a); i++)
-        if (PyArray_DIM(a, i) != PyArray_DIM(b, i) ||
-            (PyArray_DIM(a, i) > 1 && PyArray_STRIDE(a, i) != PyArray_STRIDE(b, i)))
-            return 0;
-    return 1;
+    const struct norm_params *p = params;
+    if (bf16)
+        return csa_rms_norm_bf16(x, rows, d, sx_row, sx_col, p->w, p->sw, p->eps, out, so_row,
+                                 so_col);
+    return csa_rms_norm(x, rows, d, sx_row, sx_col, p->w, p->sw, p->eps, out, so_row, so_col);
 }
 
 PyDoc_STRVAR(rms_norm_doc,
@@ -36,11 +42,10 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *args, PyObject *kw)
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OO$O:rms_norm", kwlist, &xo, &wo, &epso, &oo))
         return NULL;
     if (epso && csa_float_arg(epso, fn, "eps", &eps)) return NULL;
-    PyArrayObject *x = NULL, *w = NULL, *out = NULL, *xc = NULL, *tmp = NULL;
+    PyArrayObject *x = NULL, *w = NULL, *out = NULL;
     PyObject *ret = NULL;
     if (!(x = csa_array(xo, fn, "x", CSA_F32 | CSA_BF16, 1, NPY_MAXDIMS, 0))) goto done;
     const int nd = PyArray_NDIM(x);
-    const int bf16 = csa_is_bf16(x);
     const npy_intp d = PyArray_DIM(x, nd - 1);
     if (wo != Py_None) {
         if (!(w = csa_array(wo, fn, "weight", CSA_F32, 1, 1, 0))) goto done;
@@ -50,69 +55,25 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *args, PyObject *kw)
         csa_value_error_f(fn, "eps", "finite and >= 0", eps);
         goto done;
     }
-    if (oo != Py_None) {
-        PyArrayObject *o = csa_array(oo, fn, "out", bf16 ? CSA_BF16 : CSA_F32, nd, nd, 1);
-        if (!o) goto done;
-        if (same_view(o, x) || bf16) {
-            out = o;
-            char b1[256], b2[256];
-            if (!PyArray_CompareLists(PyArray_DIMS(o), PyArray_DIMS(x), nd)) {
-                PyErr_Format(PyExc_ValueError, "%s(): 'out' must have shape %s, got %s", fn,
-                             csa_shape_str(x, b1, sizeof b1), csa_shape_str(o, b2, sizeof b2));
-                goto done;
-            }
-            if (!same_view(o, x) && csa_may_overlap(o, x)) {
-                PyErr_Format(PyExc_ValueError,
-                             "%s(): 'out' overlaps an input; pass a separate array", fn);
-                goto done;
-            }
-        } else {
-            PyArrayObject *ins[2] = {x, w};
-            Py_DECREF(o);
-            if (!(out = csa_out_array(oo, fn, nd, PyArray_DIMS(x), ins, 2))) goto done;
-        }
-    } else {
-        if (!(out = csa_empty_like_dtype(x, nd, PyArray_DIMS(x)))) goto done;
-    }
-
-    csa_idx rows, sxr, sor;
-    xc = x;
-    Py_INCREF(xc);
-    if (csa_fold_rows(xc, &rows, &sxr)) {
-        Py_DECREF(xc);
-        if (!(xc = (PyArrayObject *)PyArray_NewCopy(x, NPY_CORDER))) goto done;
-        csa_fold_rows(xc, &rows, &sxr);
-    }
-    PyArrayObject *dst = out;
-    if (csa_fold_rows(out, &rows, &sor)) {
-        if (!(tmp = csa_empty_like_dtype(x, nd, PyArray_DIMS(x)))) goto done;
-        dst = tmp;
-        csa_fold_rows(tmp, &rows, &sor);
-    }
-    int st;
-    Py_BEGIN_ALLOW_THREADS
-    if (bf16)
-        st = csa_rms_norm_bf16(PyArray_DATA(xc), rows, d, sxr, csa_stride(xc, nd - 1),
-                               w ? (const float *)PyArray_DATA(w) : NULL, w ? csa_stride(w, 0) : 0,
-                               (float)eps, PyArray_DATA(dst), sor, csa_stride(dst, nd - 1));
-    else
-        st = csa_rms_norm((const float *)PyArray_DATA(xc), rows, d, sxr, csa_stride(xc, nd - 1),
-                          w ? (const float *)PyArray_DATA(w) : NULL, w ? csa_stride(w, 0) : 0,
-                          (float)eps, (float *)PyArray_DATA(dst), sor, csa_stride(dst, nd - 1));
-    Py_END_ALLOW_THREADS
-    ret = csa_finish(st, fn, oo, out, tmp);
+    PyArrayObject *ins[2] = {x, w};
+    int inplace = 0;
+    if (!(out = csa_out_array(oo, fn, nd, PyArray_DIMS(x), x, 0, ins, 2, CSA_OUT_MAY_ALIAS,
+                              &inplace)))
+        goto done;
+    const struct norm_params p = {w ? PyArray_DATA(w) : NULL, w ? csa_stride(w, 0) : 0,
+                                  (float)eps};
+    if (csa_run_rows(inplace ? out : x, out, fn, norm_rows, &p)) goto done;
+    ret = csa_finish(CSA_OK, fn, oo, out, NULL);
 done:
     Py_XDECREF(x);
     Py_XDECREF(w);
     Py_XDECREF(out);
-    Py_XDECREF(xc);
-    Py_XDECREF(tmp);
     return ret;
 }
 
 PyDoc_STRVAR(rope_table_doc,
 "rope_table(rope_dim, seqlen, *, base, original_seq_len=0, factor=1.0, beta_fast=32, beta_slow=1)\n--\n\n"
-"RoPE cos/sin tables, float32 [seqlen, rope_dim // 2] each (SPEC section 2).\n\n"
+"RoPE cos/sin tables, float32 [seqlen, rope_dim // 2] each (docs/kernels.md, section 2).\n\n"
 "Frequencies f_i = 1 / base**(2i/rope_dim); with original_seq_len > 0 YaRN blends\n"
 "f_i / factor into the slow pairs between the beta_fast and beta_slow corrections.\n"
 "Angle a[t, i] = float32(t) * f_i.  Returns (cos, sin).");

@@ -5,18 +5,6 @@
 
 #include "../pool.h"
 
-/* A contiguous-inner-axis version of a validated array: itself (new reference) when
- * its last stride is one element, else a C-contiguous copy. */
-static PyArrayObject *unit_inner(PyArrayObject *a)
-{
-    int nd = PyArray_NDIM(a);
-    if (nd == 0 || PyArray_DIM(a, nd - 1) <= 1 || csa_stride(a, nd - 1) == 1) {
-        Py_INCREF(a);
-        return a;
-    }
-    return (PyArrayObject *)PyArray_NewCopy(a, NPY_CORDER);
-}
-
 /* `ape` as float32: itself (new reference), or for a bfloat16 ape a float32 copy
  * (exact; ape is [ratio, c*D], small beside kv and score). */
 static PyArrayObject *ape_f32(PyArrayObject *a)
@@ -71,7 +59,7 @@ static int check_inputs(const char *fn, PyArrayObject *kv, PyArrayObject *score,
 
 PyDoc_STRVAR(gated_pool_doc,
 "gated_pool(kv, score, ratio, *, ape=None, overlap=False, out=None)\n--\n\n"
-"Gated pooling of the complete groups of a prefill (SPEC section 3), in float32.\n\n"
+"Gated pooling of the complete groups of a prefill (docs/kernels.md, section 3), in float32.\n\n"
 "kv, score : float32 or bfloat16 [B, T, c*D], c = 2 with overlap else 1, any strides.\n"
 "ratio     : int >= 1, tokens per entry.\n"
 "ape       : float32 [ratio, c*D] added to the scores (None: zeros, as in V4.1); a\n"
@@ -101,7 +89,7 @@ static PyObject *py_gated_pool(PyObject *self, PyObject *args, PyObject *kw)
                                      &apo, &overlap, &oo))
         return NULL;
     PyArrayObject *kv = NULL, *sc = NULL, *ape = NULL, *out = NULL, *kvc = NULL, *scc = NULL,
-                  *apc = NULL, *tmp = NULL;
+                  *apc = NULL, *work = NULL;
     PyObject *ret = NULL;
     long long ratio;
     if (csa_int_arg(ro, fn, "ratio", 1, (long long)1 << 40, &ratio)) return NULL;
@@ -117,31 +105,31 @@ static PyObject *py_gated_pool(PyObject *self, PyObject *args, PyObject *kw)
     const int kvbf = csa_is_bf16(kv), scbf = sc && csa_is_bf16(sc);
     npy_intp shape[3] = {B, T / ratio, d};
     PyArrayObject *ins[3] = {kv, sc, ape};
-    if (!(out = csa_out_array_as(oo, fn, 3, shape, kv, ins, 3))) goto done;
-    if (!(kvc = unit_inner(kv))) goto done;
-    if (sc && !(scc = unit_inner(sc))) goto done;
+    if (!(out = csa_out_array(oo, fn, 3, shape, kv, 0, ins, 3, 0, NULL))) goto done;
+    if (!(kvc = csa_unit_inner(kv))) goto done;
+    if (sc && !(scc = csa_unit_inner(sc))) goto done;
     if (ape) {
         PyArrayObject *a32 = ape_f32(ape);
         if (!a32) goto done;
-        apc = unit_inner(a32);
+        apc = csa_unit_inner(a32);
         Py_DECREF(a32);
         if (!apc) goto done;
     }
-    PyArrayObject *dst = out;
-    if (shape[2] > 1 && csa_stride(out, 2) != 1) {
-        if (!(tmp = csa_empty_like_dtype(kv, 3, shape))) goto done;
-        dst = tmp;
-    }
+    if (!(work = csa_work_array(out, CSA_WORK_UNIT_INNER))) goto done;
+    const struct csa_pool_problem p = {
+        .kv = PyArray_DATA(kvc), .skb = csa_stride(kvc, 0), .skt = csa_stride(kvc, 1), .skf = 1,
+        .score = scc ? PyArray_DATA(scc) : NULL, .ssb = scc ? csa_stride(scc, 0) : 0,
+        .sst = scc ? csa_stride(scc, 1) : 0, .ssf = 1,
+        .ape = apc ? PyArray_DATA(apc) : NULL, .sar = apc ? csa_stride(apc, 0) : 0, .saf = 1,
+        .out = PyArray_DATA(work), .sob = csa_stride(work, 0), .sog = csa_stride(work, 1),
+        .sof = 1, .B = B, .T = T, .d = d, .ratio = ratio, .overlap = overlap,
+        .kv_bf16 = kvbf, .sc_bf16 = scbf, .out_bf16 = kvbf,
+    };
     int st;
     Py_BEGIN_ALLOW_THREADS
-    st = csa_gated_pool(PyArray_DATA(kvc), kvbf, csa_stride(kvc, 0), csa_stride(kvc, 1), 1,
-                        scc ? PyArray_DATA(scc) : NULL, scbf, scc ? csa_stride(scc, 0) : 0,
-                        scc ? csa_stride(scc, 1) : 0, 1,
-                        apc ? (const float *)PyArray_DATA(apc) : NULL,
-                        apc ? csa_stride(apc, 0) : 0, 1, B, T, d, ratio, overlap,
-                        PyArray_DATA(dst), kvbf, csa_stride(dst, 0), csa_stride(dst, 1), 1);
+    st = csa_gated_pool(&p);
     Py_END_ALLOW_THREADS
-    ret = csa_finish(st, fn, oo, out, tmp);
+    ret = csa_finish(st, fn, oo, out, work);
 done:
     Py_XDECREF(kv);
     Py_XDECREF(sc);
@@ -150,16 +138,18 @@ done:
     Py_XDECREF(kvc);
     Py_XDECREF(scc);
     Py_XDECREF(apc);
-    Py_XDECREF(tmp);
+    Py_XDECREF(work);
     return ret;
 }
 
 /* ---------------------------------------------------------------- Compressor state
  *
- * The Python object keeps its state as a tuple built once (deepseek_csa/compressor.py):
- *   (ratio, overlap, d, kv_state, score_state, prev_kv, prev_score, pos,
- *    ape or None, norm_w or None, eps, cos or None, sin or None, bf16)
- * with C-contiguous float32 arrays (pos int64) of the shapes in pool.h. */
+ * deepseek_csa/compressor.py builds the state once, at construction, with
+ *   _pool_state(ratio, overlap, d, kv_state, score_state, prev_kv, prev_score, pos,
+ *               ape or None, norm_w or None, eps, cos or None, sin or None, bf16)
+ * (C-contiguous float32 arrays, pos int64, of the shapes in pool.h, owned by the
+ * Compressor).  They are validated there, once, into a state_view kept in a capsule
+ * (which also keeps the arguments alive); prefill and step take the capsule. */
 
 typedef struct {
     csa_pool_state st;
@@ -230,6 +220,55 @@ static int parse_state(PyObject *tup, const char *fn, state_view *v)
     return 0;
 }
 
+static const char *const STATE_CAPSULE = "deepseek_csa._pool_state";
+
+typedef struct {
+    state_view v;
+    PyObject *keep;   /* the arguments of _pool_state: the arrays the view points into */
+} pool_state_box;
+
+static void state_capsule_free(PyObject *cap)
+{
+    pool_state_box *b = PyCapsule_GetPointer(cap, STATE_CAPSULE);
+    if (!b) {
+        PyErr_Clear();
+        return;
+    }
+    Py_XDECREF(b->keep);
+    PyMem_Free(b);
+}
+
+static PyObject *py_pool_state(PyObject *self, PyObject *args)
+{
+    state_view v;
+    if (parse_state(args, "Compressor", &v)) return NULL;
+    pool_state_box *b = PyMem_Malloc(sizeof *b);
+    if (!b) return PyErr_NoMemory();
+    b->v = v;
+    b->keep = args;
+    Py_INCREF(args);
+    PyObject *cap = PyCapsule_New(b, STATE_CAPSULE, state_capsule_free);
+    if (!cap) {
+        Py_DECREF(args);
+        PyMem_Free(b);
+    }
+    return cap;
+}
+
+/* The state_view of a _pool_state capsule (validated when it was made). */
+static int get_state(PyObject *cap, const char *fn, state_view *v)
+{
+    const pool_state_box *b =
+        PyCapsule_CheckExact(cap) ? PyCapsule_GetPointer(cap, STATE_CAPSULE) : NULL;
+    if (!b) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s(): the Compressor's state is corrupt", fn);
+        return -1;
+    }
+    *v = b->v;
+    return 0;
+}
+
 /* The kv / score of a prefill or step, validated against the state. */
 static int state_inputs(const char *fn, state_view *v, PyObject *kvo, PyObject *so,
                         PyArrayObject **kv, PyArrayObject **sc)
@@ -270,47 +309,92 @@ static int check_rope_rows(const char *fn, const state_view *v, long long last_g
     return 0;
 }
 
+/* The pooling problem of a prefill or step on the state's geometry: kv / score (unit
+ * feature strides), the state's ape, out C-contiguous with strides (sob, sog). */
+static struct csa_pool_problem pool_problem(const state_view *v, PyArrayObject *kv,
+                                            PyArrayObject *sc, PyArrayObject *out,
+                                            csa_idx sob, csa_idx sog)
+{
+    const csa_idx cd = (v->st.overlap ? 2 : 1) * v->st.d;
+    const int kvbf = csa_is_bf16(kv);
+    return (struct csa_pool_problem){
+        .kv = PyArray_DATA(kv), .skb = csa_stride(kv, 0), .skt = csa_stride(kv, 1), .skf = 1,
+        .score = sc ? PyArray_DATA(sc) : NULL, .ssb = sc ? csa_stride(sc, 0) : 0,
+        .sst = sc ? csa_stride(sc, 1) : 0, .ssf = 1,
+        .ape = v->ape, .sar = cd, .saf = 1,
+        .out = PyArray_DATA(out), .sob = sob, .sog = sog, .sof = 1,
+        .B = PyArray_DIM(kv, 0), .T = PyArray_DIM(kv, 1), .d = v->st.d, .ratio = v->st.ratio,
+        .overlap = v->st.overlap, .kv_bf16 = kvbf, .sc_bf16 = sc && csa_is_bf16(sc),
+        .out_bf16 = kvbf,
+    };
+}
+
+/* The arrays of one prefill or step: the caller's kv / score (validated against the
+ * state), their unit-inner-stride views, and the result. */
+struct stream_arrays {
+    PyArrayObject *kv, *sc, *kvc, *scc, *out;
+};
+
+static void stream_clear(struct stream_arrays *a)
+{
+    Py_XDECREF(a->kv);
+    Py_XDECREF(a->sc);
+    Py_XDECREF(a->kvc);
+    Py_XDECREF(a->scc);
+    Py_XDECREF(a->out);
+}
+
+/* The unit-inner views the kernels read; -1 with an exception on error. */
+static int stream_views(struct stream_arrays *a)
+{
+    if (!(a->kvc = csa_unit_inner(a->kv))) return -1;
+    if (a->sc && !(a->scc = csa_unit_inner(a->sc))) return -1;
+    return 0;
+}
+
 static PyObject *py_pool_prefill(PyObject *self, PyObject *args)
 {
     static const char *fn = "Compressor.prefill";
     PyObject *to, *kvo, *so, *oo = Py_None;
     if (!PyArg_ParseTuple(args, "OOO|O:_pool_prefill", &to, &kvo, &so, &oo)) return NULL;
     state_view v;
-    if (parse_state(to, fn, &v)) return NULL;
-    PyArrayObject *kv = NULL, *sc = NULL, *kvc = NULL, *scc = NULL, *out = NULL;
+    if (get_state(to, fn, &v)) return NULL;
+    struct stream_arrays a = {0};
     PyObject *ret = NULL;
-    if (state_inputs(fn, &v, kvo, so, &kv, &sc)) goto done;
-    const npy_intp B = PyArray_DIM(kv, 0), T = PyArray_DIM(kv, 1), G = T / v.st.ratio;
+    if (state_inputs(fn, &v, kvo, so, &a.kv, &a.sc)) goto done;
+    const npy_intp B = PyArray_DIM(a.kv, 0), T = PyArray_DIM(a.kv, 1), G = T / v.st.ratio;
     if (check_rope_rows(fn, &v, (long long)G - 1)) goto done;
     npy_intp shape[3] = {B, G, v.st.d};
-    PyArrayObject *ins[2] = {kv, sc};
-    if (!(out = csa_out_array_as(oo, fn, 3, shape, kv, ins, 2))) goto done;
-    if (!PyArray_IS_C_CONTIGUOUS(out)) {
+    PyArrayObject *ins[2] = {a.kv, a.sc};
+    if (!(a.out = csa_out_array(oo, fn, 3, shape, a.kv, 0, ins, 2, 0, NULL))) goto done;
+    if (!PyArray_IS_C_CONTIGUOUS(a.out)) {
         PyErr_Format(PyExc_ValueError, "%s(): 'out' must be C-contiguous", fn);
         goto done;
     }
-    if (!(kvc = unit_inner(kv))) goto done;
-    if (sc && !(scc = unit_inner(sc))) goto done;
-    const int kvbf = csa_is_bf16(kv), scbf = sc && csa_is_bf16(sc);
+    if (stream_views(&a)) goto done;
+    const struct csa_pool_problem p = pool_problem(&v, a.kvc, a.scc, a.out, G * v.st.d, v.st.d);
     int st;
     Py_BEGIN_ALLOW_THREADS
-    st = csa_pool_prefill(&v.st, PyArray_DATA(kvc), kvbf, csa_stride(kvc, 0), csa_stride(kvc, 1),
-                          scc ? PyArray_DATA(scc) : NULL, scbf, scc ? csa_stride(scc, 0) : 0,
-                          scc ? csa_stride(scc, 1) : 0, v.ape, B, T, &v.ep, PyArray_DATA(out),
-                          kvbf, G * v.st.d, v.st.d);
+    st = csa_pool_prefill(&v.st, &p, &v.ep);
     Py_END_ALLOW_THREADS
-    if (st) {
-        csa_raise_status(st, fn);
-        goto done;
-    }
-    ret = (oo != Py_None) ? (Py_INCREF(oo), oo) : (Py_INCREF(out), (PyObject *)out);
+    ret = csa_finish(st, fn, oo, a.out, NULL);
 done:
-    Py_XDECREF(kv);
-    Py_XDECREF(sc);
-    Py_XDECREF(kvc);
-    Py_XDECREF(scc);
-    Py_XDECREF(out);
+    stream_clear(&a);
     return ret;
+}
+
+/* ValueError unless every used row of the state is at position p. */
+static int check_positions(const char *fn, const state_view *v, npy_intp B, long long p)
+{
+    for (npy_intp b = 0; b < B; b++)
+        if (v->st.pos[b] != p) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s(): 'start_pos' must be %lld, the next position of row %lld of the "
+                         "state, got %lld (prefill() or reset() starts a new sequence)",
+                         fn, (long long)v->st.pos[b], (long long)b, p);
+            return -1;
+        }
+    return 0;
 }
 
 static PyObject *py_pool_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -321,58 +405,38 @@ static PyObject *py_pool_step(PyObject *self, PyObject *const *args, Py_ssize_t 
         return NULL;
     }
     state_view v;
-    if (parse_state(args[0], fn, &v)) return NULL;
-    PyArrayObject *kv = NULL, *sc = NULL, *kvc = NULL, *scc = NULL, *out = NULL;
+    if (get_state(args[0], fn, &v)) return NULL;
+    struct stream_arrays a = {0};
     PyObject *ret = NULL;
     long long p;
-    if (state_inputs(fn, &v, args[1], args[2], &kv, &sc)) goto done;
+    if (state_inputs(fn, &v, args[1], args[2], &a.kv, &a.sc)) goto done;
     if (csa_int_arg(args[3], fn, "start_pos", 0, (long long)1 << 62, &p)) goto done;
     char b1[256];
-    if (PyArray_DIM(kv, 1) != 1) {
+    if (PyArray_DIM(a.kv, 1) != 1) {
         PyErr_Format(PyExc_ValueError,
                      "%s(): 'kv' must hold one token per row, shape [B, 1, %lld], got %s", fn,
-                     (long long)PyArray_DIM(kv, 2), csa_shape_str(kv, b1, sizeof b1));
+                     (long long)PyArray_DIM(a.kv, 2), csa_shape_str(a.kv, b1, sizeof b1));
         goto done;
     }
-    const npy_intp B = PyArray_DIM(kv, 0);
-    for (npy_intp b = 0; b < B; b++)
-        if (v.st.pos[b] != p) {
-            PyErr_Format(PyExc_ValueError,
-                         "%s(): 'start_pos' must be %lld, the next position of row %lld of the "
-                         "state, got %lld (prefill() or reset() starts a new sequence)",
-                         fn, (long long)v.st.pos[b], (long long)b, p);
-            goto done;
-        }
+    const npy_intp B = PyArray_DIM(a.kv, 0);
+    if (check_positions(fn, &v, B, p)) goto done;
     const int emit = (p + 1) % v.st.ratio == 0;
     if (emit && check_rope_rows(fn, &v, p / v.st.ratio)) goto done;
     npy_intp shape[3] = {B, 1, v.st.d};
-    if (!(out = csa_empty_like_dtype(kv, 3, shape))) goto done;
-    if (!(kvc = unit_inner(kv))) goto done;
-    if (sc && !(scc = unit_inner(sc))) goto done;
-    const int kvbf = csa_is_bf16(kv), scbf = sc && csa_is_bf16(sc);
+    if (!(a.out = csa_empty_like_dtype(a.kv, 3, shape)) || stream_views(&a)) goto done;
+    const struct csa_pool_problem pp = pool_problem(&v, a.kvc, a.scc, a.out, v.st.d, 0);
     int st, emitted = 0;
     Py_BEGIN_ALLOW_THREADS
-    st = csa_pool_step(&v.st, PyArray_DATA(kvc), kvbf, csa_stride(kvc, 0),
-                       scc ? PyArray_DATA(scc) : NULL, scbf, scc ? csa_stride(scc, 0) : 0, v.ape,
-                       B, p, &v.ep, PyArray_DATA(out), kvbf, v.st.d, &emitted);
+    st = csa_pool_step(&v.st, &pp, p, &v.ep, &emitted);
     Py_END_ALLOW_THREADS
     if (st) {
         csa_raise_status(st, fn);
-        goto done;
-    }
-    if (emitted) {
-        Py_INCREF(out);
-        ret = (PyObject *)out;
     } else {
-        Py_INCREF(Py_None);
-        ret = Py_None;
+        ret = emitted ? (PyObject *)a.out : Py_None;   /* an entry, or None mid-group */
+        Py_INCREF(ret);
     }
 done:
-    Py_XDECREF(kv);
-    Py_XDECREF(sc);
-    Py_XDECREF(kvc);
-    Py_XDECREF(scc);
-    Py_XDECREF(out);
+    stream_clear(&a);
     return ret;
 }
 
@@ -398,6 +462,9 @@ static PyObject *py_round_bf16(PyObject *self, PyObject *xo)
 PyMethodDef csa_pool_methods[] = {
     {"gated_pool", (PyCFunction)(void (*)(void))py_gated_pool, METH_VARARGS | METH_KEYWORDS,
      gated_pool_doc},
+    {"_pool_state", (PyCFunction)py_pool_state, METH_VARARGS,
+     "_pool_state(ratio, overlap, d, kv, score, prev_kv, prev_score, pos, ape, norm_w, eps, "
+     "cos, sin, bf16)\n--\n\nPrivate: the Compressor's state, validated once."},
     {"_pool_prefill", (PyCFunction)py_pool_prefill, METH_VARARGS,
      "_pool_prefill(state, kv, score, out=None)\n--\n\nPrivate: Compressor.prefill."},
     {"_pool_step", (PyCFunction)(void (*)(void))py_pool_step, METH_FASTCALL,

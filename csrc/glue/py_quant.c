@@ -1,4 +1,4 @@
-/* fp8_round, fp4_round, hadamard (SPEC section 7). */
+/* fp8_round, fp4_round, hadamard (docs/kernels.md, section 7). */
 #include "glue.h"
 
 #include <math.h>
@@ -6,97 +6,13 @@
 
 #include "../quant.h"
 
-/* 1 if a and b are the same view of the same memory (in-place use). */
-static int q_same_view(PyArrayObject *a, PyArrayObject *b)
-{
-    if (PyArray_BYTES(a) != PyArray_BYTES(b) || PyArray_NDIM(a) != PyArray_NDIM(b)) return 0;
-    for (int i = 0; i < PyArray_NDIM(a); i++)
-        if (PyArray_DIM(a, i) != PyArray_DIM(b, i) ||
-            (PyArray_DIM(a, i) > 1 && PyArray_STRIDE(a, i) != PyArray_STRIDE(b, i)))
-            return 0;
-    return 1;
-}
-
-/* Parses `out`: NULL result with an exception on error; *inplace = 1 when out is the
- * same view as x.  Otherwise out must have x's dtype and shape and not overlap it. */
+/* Parses `out` for a result of x's shape and dtype: NULL with an exception on error;
+ * *inplace = 1 when out is the same view as x (else it must not overlap x). */
 static PyArrayObject *q_out(PyObject *oo, PyArrayObject *x, const char *fn, int *inplace)
 {
-    char b1[256], b2[256];
-    const int nd = PyArray_NDIM(x);
-    PyArrayObject *o = csa_array(oo, fn, "out", csa_is_bf16(x) ? CSA_BF16 : CSA_F32, nd, nd, 1);
-    if (!o) return NULL;
-    for (int i = 0; i < nd; i++)
-        if (PyArray_DIM(o, i) != PyArray_DIM(x, i)) {
-            PyErr_Format(PyExc_ValueError, "%s(): 'out' must have the shape of 'x' %s, got %s",
-                         fn, csa_shape_str(x, b1, sizeof b1), csa_shape_str(o, b2, sizeof b2));
-            Py_DECREF(o);
-            return NULL;
-        }
-    if (q_same_view(o, x)) {
-        *inplace = 1;
-    } else if (csa_may_overlap(o, x)) {
-        PyErr_Format(PyExc_ValueError,
-                     "%s(): 'out' overlaps 'x' without being the same view; pass x itself or a "
-                     "separate array",
-                     fn);
-        Py_DECREF(o);
-        return NULL;
-    }
-    return o;
-}
-
-/* x, out: float32, or bfloat16 (csa_bf16) when `bf16`. */
-typedef int (*q_kernel)(const void *x, csa_idx rows, csa_idx d, csa_idx sx_row,
-                        csa_idx sx_col, void *out, csa_idx so_row, csa_idx so_col, int bf16,
-                        const void *params);
-
-/* Runs `kernel` from src to dst ([..., d] each, one dtype) with the GIL released,
- * going through contiguous copies when a layout cannot be folded into [rows, d].  dst
- * may be src itself (in place).  Returns 0, or -1 with an exception set. */
-static int q_run(PyArrayObject *src, PyArrayObject *dst, const char *fn, q_kernel kernel,
-                 const void *params)
-{
-    const int nd = PyArray_NDIM(src);
-    const int inplace = src == dst;
-    PyArrayObject *s = src, *t = dst, *scopy = NULL, *tcopy = NULL;
-    csa_idx rows, ssr, str;
-    int rc = -1;
-    if (inplace) {
-        if (csa_fold_rows(src, &rows, &ssr)) {
-            if (!(scopy = (PyArrayObject *)PyArray_NewCopy(src, NPY_CORDER))) goto done;
-            s = t = scopy;
-        }
-    } else {
-        if (csa_fold_rows(src, &rows, &ssr)) {
-            if (!(scopy = (PyArrayObject *)PyArray_NewCopy(src, NPY_CORDER))) goto done;
-            s = scopy;
-        }
-        if (csa_fold_rows(dst, &rows, &str)) {
-            tcopy = csa_empty_like_dtype(dst, nd, PyArray_DIMS(dst));
-            if (!tcopy) goto done;
-            t = tcopy;
-        }
-    }
-    csa_fold_rows(s, &rows, &ssr);
-    csa_fold_rows(t, &rows, &str);
-    const csa_idx d = PyArray_DIM(s, nd - 1);
-    const int bf16 = csa_is_bf16(s);
-    int st;
-    Py_BEGIN_ALLOW_THREADS
-    st = kernel(PyArray_DATA(s), rows, d, ssr, csa_stride(s, nd - 1), PyArray_DATA(t), str,
-                csa_stride(t, nd - 1), bf16, params);
-    Py_END_ALLOW_THREADS
-    if (st) {
-        csa_raise_status(st, fn);
-        goto done;
-    }
-    if (inplace && scopy && PyArray_CopyInto(dst, scopy)) goto done;
-    if (tcopy && PyArray_CopyInto(dst, tcopy)) goto done;
-    rc = 0;
-done:
-    Py_XDECREF(scopy);
-    Py_XDECREF(tcopy);
-    return rc;
+    PyArrayObject *ins[1] = {x};
+    return csa_out_array(oo, fn, PyArray_NDIM(x), PyArray_DIMS(x), x, 0, ins, 1,
+                         CSA_OUT_MAY_ALIAS, inplace);
 }
 
 /* ------------------------------------------------------------ fp8_round / fp4_round */
@@ -162,7 +78,7 @@ static PyObject *q_round(PyObject *args, PyObject *kw, const char *fn, int fmt,
     if (have_out && !(out = q_out(oo, x, fn, &inplace))) goto done;
     const struct q_round_params p = {(csa_idx)block, fmt, scale};
     PyArrayObject *dst = out ? out : x;  /* out may be x's own view (in place) */
-    if (q_run(inplace ? dst : x, dst, fn, q_round_kernel, &p)) goto done;
+    if (csa_run_rows(inplace ? dst : x, dst, fn, q_round_kernel, &p)) goto done;
     ret = have_out ? oo : xo;
     Py_INCREF(ret);
 done:
@@ -179,7 +95,7 @@ static const int fp4_scale_codes[] = {CSA_QS_UE8M0, CSA_QS_E4M3};
 PyDoc_STRVAR(fp8_round_doc,
 "fp8_round(x, block, *, scale='ue8m0', out=None)\n--\n\n"
 "FP8 (e4m3) quantize-dequantize over blocks of `block` features along the last axis,\n"
-"as the released model rounds window KV and compressed KV (SPEC section 7).\n\n"
+"as the released model rounds window KV and compressed KV (docs/kernels.md, section 7).\n\n"
 "Per block: amax = max(max|x|, 1e-4); inv = float32(1/448);\n"
 "  scale='ue8m0' (default): s = 2**ceil(log2(amax * inv)), exact at powers of two;\n"
 "  scale='fp32'           : s = amax * inv;\n"
@@ -204,7 +120,7 @@ static PyObject *py_fp8_round(PyObject *self, PyObject *args, PyObject *kw)
 PyDoc_STRVAR(fp4_round_doc,
 "fp4_round(x, block, *, scale='ue8m0', out=None)\n--\n\n"
 "FP4 (e2m1: 0, 0.5, 1, 1.5, 2, 3, 4, 6) quantize-dequantize over blocks of `block`\n"
-"features along the last axis (SPEC section 7).\n\n"
+"features along the last axis (docs/kernels.md, section 7).\n\n"
 "Per block, with amax = max|x|:\n"
 "  scale='ue8m0' (default; the indexer's q and k, block 32):\n"
 "      amax floored at 6 * 2**-126, s = 2**ceil(log2(amax * float32(1/6)));\n"
@@ -297,13 +213,8 @@ static PyObject *py_hadamard(PyObject *self, PyObject *args, PyObject *kw)
     }
     float scale = (float)(1.0 / sqrt((double)n));
     if (so != Py_None) {
-        if (PyBool_Check(so) || !(PyFloat_Check(so) || PyLong_Check(so))) {
-            PyErr_Format(PyExc_TypeError, "%s(): 'scale' must be a float or None, got %s", fn,
-                         Py_TYPE(so)->tp_name);
-            goto done;
-        }
-        const double sd = PyFloat_AsDouble(so);
-        if (sd == -1.0 && PyErr_Occurred()) goto done;
+        double sd;
+        if (csa_float_arg(so, fn, "scale", &sd)) goto done;
         scale = (float)sd;
     }
     int inplace = 0;
@@ -316,8 +227,8 @@ static PyObject *py_hadamard(PyObject *self, PyObject *args, PyObject *kw)
     }
     if (inplace) {
         /* out is x's own memory, so it must be writeable: q_out checked that. */
-        if (q_run(out, out, fn, q_hadamard_kernel, &scale)) goto done;
-    } else if (q_run(x, out, fn, q_hadamard_kernel, &scale)) {
+        if (csa_run_rows(out, out, fn, q_hadamard_kernel, &scale)) goto done;
+    } else if (csa_run_rows(x, out, fn, q_hadamard_kernel, &scale)) {
         goto done;
     }
     if (oo != Py_None) {

@@ -400,9 +400,14 @@ static int run_pool(const tcase *c, void *out)
     const long cd = (ov ? 2 : 1) * d;
     const int kbf = (c->flags & F_BF16) != 0, sbf = kbf && !(c->flags & F_SC_F32);
     const float *ape = (c->flags & F_NOW) ? NULL : c->buf[2];
-    return csa_gated_pool(c->buf[0], kbf, T * (cd + 1), cd + 1, 1, c->buf[1], sbf,
-                          T * (cd + 2), cd + 2, 1, ape, cd, 1, B, T, d, r, ov, out, kbf,
-                          (T / r) * d, d, 1);
+    const struct csa_pool_problem p = {
+        .kv = c->buf[0], .skb = T * (cd + 1), .skt = cd + 1, .skf = 1,
+        .score = c->buf[1], .ssb = T * (cd + 2), .sst = cd + 2, .ssf = 1,
+        .ape = ape, .sar = cd, .saf = 1,
+        .out = out, .sob = (T / r) * d, .sog = d, .sof = 1,
+        .B = B, .T = T, .d = d, .ratio = r, .overlap = ov,
+        .kv_bf16 = kbf, .sc_bf16 = sbf, .out_bf16 = kbf};
+    return csa_gated_pool(&p);
 }
 static const kernel K_POOL = {"gated_pool", init_pool, run_pool, NULL};
 
@@ -461,9 +466,15 @@ static int run_pool_stream(const tcase *c, void *out)
     char *o_state = o_step + (size_t)B * G * d * es;
     csa_pool_state st;
     int s = pool_state_new(c, &st);
+    const struct csa_pool_problem pre = {
+        .kv = c->buf[0], .skb = T * cd, .skt = cd, .skf = 1,
+        .score = c->buf[1], .ssb = T * cd, .sst = cd, .ssf = 1,
+        .ape = c->buf[2], .sar = cd, .saf = 1,
+        .out = o_pre, .sob = G * d, .sog = d, .sof = 1,
+        .B = B, .T = T, .d = d, .ratio = r, .overlap = ov,
+        .kv_bf16 = bf, .sc_bf16 = bf, .out_bf16 = bf};
     if (!s)
-        s = csa_pool_prefill(&st, c->buf[0], bf, T * cd, cd, c->buf[1], bf, T * cd, cd, c->buf[2],
-                             B, T, epp, o_pre, bf, G * d, d);
+        s = csa_pool_prefill(&st, &pre, epp);
     if (!s) {
         memcpy(o_state, st.kv, (size_t)B * r * cd * 4);
         memcpy(o_state + (size_t)B * r * cd * 4, st.score, (size_t)B * r * cd * 4);
@@ -481,7 +492,14 @@ static int run_pool_stream(const tcase *c, void *out)
             memcpy((char *)sc1 + b * cd * es, (const char *)c->buf[1] + (b * T + p) * cd * es, cd * es);
         }
         int emitted = 0;
-        s = csa_pool_step(&st, kv1, bf, cd, sc1, bf, cd, c->buf[2], B, p, epp, o1, bf, d, &emitted);
+        const struct csa_pool_problem one = {
+            .kv = kv1, .skb = cd, .skt = cd, .skf = 1,
+            .score = sc1, .ssb = cd, .sst = cd, .ssf = 1,
+            .ape = c->buf[2], .sar = cd, .saf = 1,
+            .out = o1, .sob = d, .sog = d, .sof = 1,
+            .B = B, .T = 1, .d = d, .ratio = r, .overlap = ov,
+            .kv_bf16 = bf, .sc_bf16 = bf, .out_bf16 = bf};
+        s = csa_pool_step(&st, &one, p, epp, &emitted);
         if (!s && emitted)
             for (long b = 0; b < B; b++)
                 memcpy(o_step + ((size_t)b * G + p / r) * d * es, (char *)o1 + b * d * es, d * es);
@@ -649,13 +667,14 @@ static int run_attn(const tcase *c, void *out)
 {
     const long B = c->p[0], S = c->p[1], H = c->p[2], D = c->p[3], N = c->p[4], K = c->p[5];
     const float scale = 1.0f / sqrtf((float)D);
-    if (c->flags & F_BF16)
-        return csa_sparse_attn_bf16(c->buf[0], S * H * (D + 3), H * (D + 3), D + 3, c->buf[1],
-                                    N * (D + 1), D + 1, c->buf[2], c->buf[3], S * K, K, out,
-                                    S * H * D, H * D, D, B, S, H, D, N, K, scale);
-    return csa_sparse_attn(c->buf[0], S * H * (D + 3), H * (D + 3), D + 3, c->buf[1], N * (D + 1),
-                           D + 1, c->buf[2], c->buf[3], S * K, K, out, S * H * D, H * D, D, B, S,
-                           H, D, N, K, scale);
+    const struct csa_attn_problem p = {
+        .q = c->buf[0], .sq_b = S * H * (D + 3), .sq_s = H * (D + 3), .sq_h = D + 3,
+        .kv = c->buf[1], .skv_b = N * (D + 1), .skv_n = D + 1,
+        .sink = c->buf[2], .idx = c->buf[3], .si_b = S * K, .si_s = K,
+        .out = out, .so_b = S * H * D, .so_s = H * D, .so_h = D,
+        .B = B, .S = S, .H = H, .D = D, .N = N, .K = K, .scale = scale,
+        .bf16 = (c->flags & F_BF16) != 0};
+    return csa_sparse_attn(&p);
 }
 static const kernel K_ATTN = {"sparse_attn", init_attn, run_attn, NULL};
 
