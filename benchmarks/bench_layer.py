@@ -3,19 +3,14 @@ without the dense projections (both sides start from the same projected tensors 
 the de-rotated attention output), and a full decode step after the prefill.
 
 Ours: deepseek_csa.layer.CSALayer.attend / forward.  Reference: the float32 torch layer of
-tests/ref_layer.py, processed in query chunks of 512 (its unchunked form would gather
+deepseek_csa.reference.layer, processed in query chunks of 512 (its unchunked form would gather
 [4096, 640, 512] floats, 5.4 GB) -- and torch.compile of it.
 """
-import sys
-from pathlib import Path
-
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
 import deepseek_csa as dc  # noqa: E402
-import ref_layer as R  # noqa: E402
+from deepseek_csa.reference import layer as R  # noqa: E402
 from harness import Case  # noqa: E402
 
 from deepseek_csa.layer import CSALayer  # noqa: E402

@@ -3,16 +3,14 @@ weights, run through deepseek_csa: prefill of 4096 tokens, then 64 decode steps,
 per-op timing table, tokens/s, and the agreement with the float32 torch reference layer.
 
 NumPy only: torch is needed for the agreement check alone (it is skipped, with a note,
-when torch or the checkout's tests/ref_layer.py is missing).
+when torch is missing).
 
     python -m deepseek_csa.demo [--seqlen 4096] [--steps 64] [--check-len 1024] [--no-check]
 """
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -75,15 +73,11 @@ def check_against_reference(res, cfg, n, steps, qat=True):
     """Largest relative error of our layer vs the float32 torch reference layer on the first
     n tokens + `steps` decode steps (same weights and inputs), or a note why not.
     qat=False turns the FP8/FP4 rounding off on both sides."""
-    tests = Path(__file__).resolve().parents[1] / "tests"
     try:
         import torch
+        from deepseek_csa.reference import layer as R
     except ImportError:
         return None, "skipped: torch is not installed"
-    if not (tests / "ref_layer.py").exists():
-        return None, "skipped: tests/ref_layer.py (the reference) is not in this install"
-    sys.path.insert(0, str(tests))
-    import ref_layer as R
     ratio = res["ratio"]
     args = R.ModelArgs(max_batch_size=1, max_seq_len=n + steps, dim=cfg.dim,
                        n_heads=cfg.n_heads, head_dim=cfg.head_dim, rope_head_dim=cfg.rope_dim,

@@ -43,7 +43,6 @@ swapped layer's forward.
 """
 from __future__ import annotations
 
-import sys
 from typing import Iterable, Optional
 
 import numpy as np

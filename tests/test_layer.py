@@ -1,4 +1,4 @@
-"""deepseek_csa.layer.CSALayer against the float32 torch reference layer (tests/ref_layer.py):
+"""deepseek_csa.layer.CSALayer against the float32 torch reference layer (deepseek_csa.reference.layer):
 V4 ratios 0 / 4 / 128 (and a small HCA ratio), V4.1 kv-source / index-source / reader
 stacks, prefill then decode, batch > 1, odd lengths, a V4-Flash-shaped layer, bad input."""
 import copy

@@ -9,7 +9,7 @@ Transformer is built and run in float32 (prefill, then decode steps); then each 
 deepseek_csa (``deepseek_csa.torch.swap``) and every layer's output and every indexer
 top-k is compared with the unswapped run: the swapped layer within 1e-4 relative, the
 others unchanged, top-k sets identical.  The swapped layer's output is handed on as the
-unswapped one's (tests/ref_layer.py ``swap_report``) so that QAT rounding and top-k
+unswapped one's (deepseek_csa.reference.layer ``swap_report``) so that QAT rounding and top-k
 selections downstream see the same inputs.
 
 The unswapped run uses the package's kernel module for what model.py imports from

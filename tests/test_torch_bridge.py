@@ -1,5 +1,5 @@
 """deepseek_csa.torch: drop-in ops with the released call signatures (float32 without copies,
-bfloat16 through float32) and layer-by-layer swaps on the reference model (tests/ref_layer.py,
+bfloat16 through float32) and layer-by-layer swaps on the reference model (deepseek_csa.reference.layer,
 shaped like the released model.py)."""
 import copy
 
