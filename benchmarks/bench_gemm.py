@@ -1,4 +1,4 @@
-"""fp8_gemm / fp4_gemm, the released kernel module's block-scaled GEMMs (issue 18).
+"""fp8_gemm / fp4_gemm, the released kernel module's block-scaled GEMMs.
 
 Decode (one activation row) is bound by the weight bytes: GB/s of weight bytes (plus
 their scales) against stream bandwidth.  Prefill (4096 rows on the same weights) is

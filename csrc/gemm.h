@@ -1,4 +1,4 @@
-/* FP8 x FP8 and FP8 x FP4 block-scaled GEMMs (SPEC section 9: the released
+/* FP8 x FP8 and FP8 x FP4 block-scaled GEMMs (docs/kernels.md section 9: the released
  * `fp8_gemm` / `fp4_gemm`).
  *
  * C[m, n] = sum over K blocks kb of  P(m, n, kb) * (sa[m, k0 / 128] * sbx(n, kb)),

@@ -1,4 +1,4 @@
-/* Quantization to codes and scales (SPEC section 9: the released `act_quant` and
+/* Quantization to codes and scales (docs/kernels.md section 9: the released `act_quant` and
  * `fp4_act_quant` when not in place).  The same per-block arithmetic as
  * csa_quant_round (quant.h: amax, floor, scale rule, x / s, clamp, nearest-even onto
  * the grid), but the rounded values are stored as their codes instead of being

@@ -1,4 +1,4 @@
-/* Hyper-connection split with Sinkhorn normalisation (SPEC section 9: the released
+/* Hyper-connection split with Sinkhorn normalisation (docs/kernels.md section 9: the released
  * `hc_split_sinkhorn`), float32, per token row of `mixes` [(2 + h) * h]:
  *   pre[i]  = sigmoid(fma(mixes[i], sc[0], base[i])) + eps
  *   post[i] = 2 * sigmoid(fma(mixes[h + i], sc[1], base[h + i]))

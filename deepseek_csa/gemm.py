@@ -1,5 +1,5 @@
 """Block-scaled FP8 / FP4 GEMMs, quantization to codes, and the hyper-connection
-Sinkhorn split: the C side of DeepSeek's released ``kernel`` module (SPEC section 9).
+Sinkhorn split: the C side of DeepSeek's released ``kernel`` module (docs/kernels.md section 9).
 
 fp8_gemm(a, a_s, b, b_s, *, out_dtype=None, out=None)
     e4m3 activations [..., K] (one scale per 128 columns) times e4m3 weights [N, K]

@@ -556,6 +556,6 @@ def unswap(model):
             m.__dict__.pop("forward", None)
     return model
 
-# issue 18: DeepSeek's released model.py on the CPU as shipped (deepseek_csa/_kernel_module.py)
+# DeepSeek's released model.py on the CPU as shipped (deepseek_csa/_kernel_module.py)
 from ._kernel_module import install_kernels, load_model_py  # noqa: E402
 __all__ += ["load_model_py", "install_kernels"]

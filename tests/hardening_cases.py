@@ -691,7 +691,7 @@ def _like_layout(v, s):
     return s.copy()
 
 
-# ---- issue 18: arrays read with a unit last stride only (hardening_registry
+# ---- arrays read with a unit last stride only (hardening_registry
 # UNIT_LAST_STRIDE): their layout variants that change the last stride must raise a
 # ValueError naming them instead of giving the contiguous result; and the out= dtypes
 # an entry documents besides float32 (hardening_registry OUT_ALSO) are valid.

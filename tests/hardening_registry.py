@@ -606,7 +606,7 @@ def default_sizes(entry, pick=operator.itemgetter(1)):
     return entry.make_sizes({k: pick(v) for k, v in entry.sizes.items()})
 
 
-# ---- issue 18: the released kernel module's GEMMs, quantizers and Sinkhorn
+# ---- the released kernel module's GEMMs, quantizers and Sinkhorn
 
 def _e4m3_codes(rng, shape, sizes):
     u = rng.integers(0, 256, shape).astype(np.uint8)

@@ -1,5 +1,5 @@
-"""fp8_gemm / fp4_gemm, fp8_quant / fp4_quant and hc_split_sinkhorn (SPEC section 9)
-against dequantize-to-float64-then-matmul references written here from the SPEC, at
+"""fp8_gemm / fp4_gemm, fp8_quant / fp4_quant and hc_split_sinkhorn (docs/kernels.md section 9)
+against dequantize-to-float64-then-matmul references written here from docs/kernels.md, at
 every ISA level; bitwise equal to the scalar oracle and across thread counts."""
 import ml_dtypes
 import numpy as np
@@ -313,7 +313,7 @@ def test_quant_bad_inputs(rng):
 # ---------------------------------------------------------------- Sinkhorn
 
 def sinkhorn_ref(mixes, sc, base, h, iters, eps):
-    """SPEC section 9, float64."""
+    """docs/kernels.md section 9, float64."""
     m = mixes.astype(np.float64)
     sig = lambda v: 1 / (1 + np.exp(-v))
     pre = sig(m[..., :h] * sc[0] + base[:h]) + eps

@@ -4,8 +4,8 @@ GPU-only ``kernel`` and ``fast_hadamard_transform`` runs on the CPU with FP8 / F
 The model is tests/tiny_model/model.py, written for these tests (not DeepSeek's code)
 with the released file's import pattern.  FP8 makes end-to-end comparisons chaotic
 (every GEMM input is rounded to 3 mantissa bits), so the strict check is a replay:
-every ``kernel`` call of a run on float32 reference kernels (written here from SPEC
-section 9) is recorded with copies of its inputs (strided views kept) and our kernel
+every ``kernel`` call of a run on float32 reference kernels (written here from
+docs/kernels.md section 9) is recorded with copies of its inputs (strided views kept) and our kernel
 runs on copies of the same inputs: quantizers bit for bit, GEMMs within 1 bf16 ulp,
 Sinkhorn within 1e-5, attention within bf16 rounding.
 """

@@ -43,7 +43,7 @@ pytestmark = pytest.mark.skipif(
 # The file is imported through the package's own CPU ``kernel`` / ``fast_hadamard_transform``
 # (deepseek_csa.torch.load_model_py); the former float32 stand-ins of this file are gone
 # (their Sinkhorn normalised rows and columns in the other order than the released kernel,
-# SPEC section 9; the package's follows the released order).
+# docs/kernels.md section 9; the package's follows the released order).
 def _hadamard(x):
     """The released rotate_activation's transform without its bfloat16 assertion."""
     return K.hadamard_transform(x, scale=x.shape[-1] ** -0.5)

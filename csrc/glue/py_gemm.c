@@ -1,4 +1,4 @@
-/* fp8_gemm, fp4_gemm, fp8_quant, fp4_quant, hc_split_sinkhorn (SPEC section 9). */
+/* fp8_gemm, fp4_gemm, fp8_quant, fp4_quant, hc_split_sinkhorn (docs/kernels.md section 9). */
 #include "glue.h"
 
 #include <math.h>
@@ -305,7 +305,7 @@ done:
 
 PyDoc_STRVAR(fp8_gemm_doc,
 "fp8_gemm(a, a_s, b, b_s, *, out_dtype=None, out=None)\n--\n\n"
-"Block-scaled FP8 GEMM, the released kernel.fp8_gemm (SPEC section 9):\n"
+"Block-scaled FP8 GEMM, the released kernel.fp8_gemm (docs/kernels.md section 9):\n"
 "C[m, n] = sum over 128-blocks kb of (sum_k a[m, k] b[n, k]) * a_s[m, kb] *\n"
 "b_s[n // 128, kb], each block's partial sum in float32, scaled and added into a\n"
 "float32 accumulator by one FMA; stored as bfloat16 (default) or float32.\n\n"
@@ -538,7 +538,7 @@ done:
 
 PyDoc_STRVAR(hc_split_sinkhorn_doc,
 "hc_split_sinkhorn(mixes, hc_scale, hc_base, hc_mult=4, sinkhorn_iters=20, eps=1e-6)\n--\n\n"
-"The released hyper-connection split (SPEC section 9), float32:\n"
+"The released hyper-connection split (docs/kernels.md section 9), float32:\n"
 "pre = sigmoid(mixes[..., :h] * hc_scale[0] + hc_base[:h]) + eps;\n"
 "post = 2 * sigmoid(mixes[..., h:2h] * hc_scale[1] + hc_base[h:2h]);\n"
 "comb = mixes[..., 2h:] viewed [h, h] * hc_scale[2] + hc_base[2h:], then softmax over\n"
