@@ -353,7 +353,7 @@ class _Swap:
 
     def __init__(self, model, base, layers, qat):
         self.model, self.base, self.layers, self.qat = model, base, set(layers), qat
-        self.all_layers = len(self.layers) == len(base.layers)
+        self.all_layers = hasattr(base, "layers") and len(self.layers) == len(base.layers)
         self.call_reason = None      # set by the model wrapper for one call
         self.mask_skipped = False
         self.warned = set()
@@ -552,10 +552,10 @@ def _base(model):
     mdl = _check_version()
     if isinstance(model, mdl.DeepseekV4ForCausalLM):
         return model.model
-    if isinstance(model, mdl.DeepseekV4Model):
+    if isinstance(model, (mdl.DeepseekV4Model, mdl.DeepseekV4Attention)):
         return model
-    raise TypeError(f"swap() takes a DeepseekV4ForCausalLM or DeepseekV4Model, got "
-                    f"{type(model).__name__}")
+    raise TypeError(f"swap() takes a DeepseekV4ForCausalLM, DeepseekV4Model or "
+                    f"DeepseekV4Attention, got {type(model).__name__}")
 
 
 def is_swapped(model) -> bool:
@@ -564,12 +564,23 @@ def is_swapped(model) -> bool:
 
 def swap(model, layers: Optional[Iterable[int]] = None, *, qat: bool = False):
     """Routes the attention of the chosen decoder layers (indices; None: all) of a
-    ``DeepseekV4ForCausalLM`` / ``DeepseekV4Model`` through deepseek_csa.  ``qat=True``
+    ``DeepseekV4ForCausalLM`` / ``DeepseekV4Model`` through deepseek_csa.  A single
+    ``DeepseekV4Attention`` may be given too (layer-level use and benchmarks): it then
+    ignores ``attention_mask`` (causal, no padding assumed; pass None) and the autograd /
+    output_attentions / position checks still apply.  ``qat=True``
     adds model.py's QAT roundings (FP8 KV, Hadamard + FP4 indexer).  Swapping an already
     swapped model first unswaps it.  Returns the model."""
     base = _base(model)
     if is_swapped(model):
         unswap(model)
+    if not hasattr(base, "layers"):          # one DeepseekV4Attention on its own
+        if layers is not None:
+            raise ValueError("swap(): 'layers' is for a model, not one attention module")
+        _cache_classes()
+        st = _Swap(base, base, [], bool(qat))
+        base.forward = _make_forward(st, base)
+        setattr(base, _ATTR, st)
+        return model
     n = len(base.layers)
     chosen = list(range(n)) if layers is None else sorted({int(i) for i in layers})
     for i in chosen:
@@ -591,8 +602,9 @@ def unswap(model):
     st = getattr(base, _ATTR, None)
     if st is None:
         return model
-    for i in st.layers:
-        attn = base.layers[i].self_attn
+    mods = [base] if not hasattr(base, "layers") else [base.layers[i].self_attn
+                                                        for i in st.layers]
+    for attn in mods:
         if getattr(attn.__dict__.get("forward"), "_deepseek_csa", False):
             del attn.forward
     if getattr(base.__dict__.get("forward"), "_deepseek_csa", False):

@@ -385,3 +385,23 @@ def test_bf16_close_to_float32():
     # float32 than transformers' own bf16 run (with a margin for an unlucky seed)
     assert e_ours < 0.2 and e_ours < 1.5 * e_hf, (e_ours, e_hf)
 
+
+
+def test_single_attention_module():
+    """swap() on one DeepseekV4Attention (layer-level use): same output as its own
+    forward under the causal mask, with mask None."""
+    from transformers.masking_utils import create_sliding_window_causal_mask
+    m = make_model(layer_types=["compressed_sparse_attention"], seed=8)
+    attn = m.model.layers[0].self_attn
+    x = torch.randn(2, 45, 64, generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(45)[None]
+    pe = {k: m.model.rotary_emb(x, pos, layer_type=k) for k in ("main", "compress")}
+    with torch.no_grad():
+        mask = create_sliding_window_causal_mask(config=m.config, inputs_embeds=x,
+                                                 attention_mask=None, past_key_values=None,
+                                                 position_ids=pos)
+        ref = attn(x, pe, pos, mask, None)[0]
+        with dch.swapped(attn):
+            got = attn(x, pe, pos, None, None)[0]
+    assert rel(got, ref) < 1e-5
+    assert "forward" not in attn.__dict__
