@@ -8,8 +8,9 @@ round, alternating order; a speed-up is the median of the per-round ratios).
           norms, RoPE, compressor, indexer, attention, output projections; eager also
           builds its dense mask, as the model does when layers are not all swapped) and
           one decode step at a long context (the cache built once, by chunked prefill,
-          copied before every timed step).  "proj" times the dense projections alone,
-          so "non-proj" = side - proj.
+          copied before every timed step).  The time spent inside the nn.Linear
+          modules (the dense projections) is measured in the same calls by forward
+          hooks, so "non-proj" = a side's time minus its own projections' time.
   model : a whole small DeepseekV4ForCausalLM (V4-Flash layer widths, few layers, small
           vocabulary and experts) generating new tokens greedily after a long prompt.
 
@@ -77,6 +78,25 @@ def interleaved(sides, rounds, warm=True):
     return res
 
 
+class ProjTimer:
+    """Seconds spent inside the nn.Linear modules (the dense projections, grouped one
+    included) of a module tree, accumulated by forward hooks during each call."""
+
+    def __init__(self, module):
+        self.total = 0.0
+        self._t0 = []
+        for sub in module.modules():
+            if isinstance(sub, torch.nn.Linear):
+                sub.register_forward_pre_hook(self._pre)
+                sub.register_forward_hook(self._post)
+
+    def _pre(self, mod, inp):
+        self._t0.append(time.perf_counter())
+
+    def _post(self, mod, inp, out):
+        self.total += time.perf_counter() - self._t0.pop()
+
+
 def flash_config(n_layers=1, layer_types=None, vocab=256):
     from transformers import DeepseekV4Config
     layer_types = layer_types or ["compressed_sparse_attention"] * n_layers
@@ -114,6 +134,7 @@ class Layer:
         self.ours = copy.deepcopy(self.eager)
         import deepseek_csa.transformers as dch
         dch.swap(self.ours)
+        self.timers = {"eager": ProjTimer(self.eager), "ours": ProjTimer(self.ours)}
         self.rot = mdl.DeepseekV4RotaryEmbedding(self.cfg)
 
     def inputs(self, S, start=0, seed=1):
@@ -137,32 +158,23 @@ class Layer:
     def run_ours(self, x, pos, pe, cache):
         return self.ours(x, pe, pos, None, cache)[0]
 
-    def run_proj(self, x):
-        """The dense projections of one forward on x, alone."""
-        m = self.eager
-        S = x.shape[1]
-        qr = m.q_a_proj(x)
-        m.q_b_proj(qr)
-        m.kv_proj(x)
-        c = m.compressor
-        c.kv_proj(x), c.gate_proj(x)
-        ix = c.indexer
-        ix.kv_proj(x), ix.gate_proj(x), ix.q_b_proj(qr), ix.scorer.weights_proj(x)
-        o = torch.empty((1, S, self.cfg.o_groups, m.num_heads * m.head_dim // self.cfg.o_groups))
-        m.o_b_proj(m.o_a_proj(o).flatten(2))
-
 
 def bench_prefill(layer, sizes, rounds, eager_max):
     rows = []
     for S in sizes:
         x, pos, pe = layer.inputs(S)
-        outs = {}
-        sides = {"ours": lambda: outs.__setitem__("ours", layer.run_ours(x, pos, pe,
-                                                                         layer.cache())),
-                 "proj": lambda: layer.run_proj(x)}
+        outs, proj = {}, {"ours": [], "eager": []}
+
+        def side(k, fn):
+            def call():
+                t = layer.timers[k]
+                t.total = 0.0
+                outs[k] = fn(x, pos, pe, layer.cache())
+                proj[k].append(t.total)
+            return call
+        sides = {"ours": side("ours", layer.run_ours)}
         if S <= eager_max:
-            sides["eager"] = lambda: outs.__setitem__("eager", layer.run_eager(
-                x, pos, pe, layer.cache()))
+            sides["eager"] = side("eager", layer.run_eager)
         with torch.no_grad():
             res = interleaved(sides, rounds, warm=S <= 1024)
         err = None
@@ -172,14 +184,18 @@ def bench_prefill(layer, sizes, rounds, eager_max):
         outs.clear()
         row = {"case": f"layer prefill S={S}", "S": S, "rounds": rounds, "max_rel_err": err}
         for k, (ts, pk) in res.items():
+            pj = proj[k][-len(ts):]
             row[f"{k}_s"] = statistics.median(ts)
             row[f"{k}_times"] = ts
+            row[f"{k}_proj_times"] = pj
+            row[f"{k}_non_proj_s"] = statistics.median([a - b for a, b in zip(ts, pj)])
             row[f"{k}_peak_mem_bytes"] = pk
         if "eager" in res:
-            e, o, p = res["eager"][0], res["ours"][0], res["proj"][0]
+            e, o = res["eager"][0], res["ours"][0]
+            pe_, po = proj["eager"][-len(e):], proj["ours"][-len(o):]
             row["speedup"] = statistics.median([a / b for a, b in zip(e, o)])
             row["speedup_non_proj"] = statistics.median(
-                [(a - c) / max(b - c, 1e-9) for a, b, c in zip(e, o, p)])
+                [(a - c) / (b - d) for a, b, c, d in zip(e, o, pe_, po)])
         rows.append(row)
         print(fmt(row), flush=True)
     return rows
@@ -252,8 +268,11 @@ def fmt(r):
     s = f"{r['case']:<44} ours {r['ours_s']:8.3f} s"
     if "eager_s" in r:
         s += f"  eager {r['eager_s']:8.3f} s  x{r['speedup']:6.2f}"
-    if "speedup_non_proj" in r:
-        s += f"  (non-proj x{r['speedup_non_proj']:6.2f}, proj {r['proj_s']:6.3f} s)"
+    if "ours_non_proj_s" in r:
+        s += f"  (non-proj ours {r['ours_non_proj_s']:.3f} s"
+        if "speedup_non_proj" in r:
+            s += f" eager {r['eager_non_proj_s']:.3f} s x{r['speedup_non_proj']:6.2f}"
+        s += ")"
     if "ours_peak_mem_bytes" in r:
         s += f"  peak ours {r['ours_peak_mem_bytes'] / 2**30:5.2f} GiB"
     if "eager_peak_mem_bytes" in r:
@@ -294,7 +313,7 @@ def main():
     ap.add_argument("--decode-context", type=int, default=16384)
     ap.add_argument("--decode-rounds", type=int, default=7)
     ap.add_argument("--no-model", action="store_true")
-    ap.add_argument("--model-layers", type=int, default=4)
+    ap.add_argument("--model-layers", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=4096)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--model-rounds", type=int, default=1)
@@ -302,22 +321,27 @@ def main():
     a = ap.parse_args()
     threads = int(os.environ.get("OMP_NUM_THREADS", "2"))
     torch.set_num_threads(threads)
+    import transformers
     rows = []
+
+    def save():          # after every row, so an interrupted run keeps what it measured
+        out = {"environment": dict(environment(threads), transformers=transformers.__version__,
+                                   load_average=os.getloadavg()), "rows": rows}
+        RESULTS.mkdir(exist_ok=True)
+        Path(a.out).write_text(json.dumps(out, indent=1))
+        plot(rows, Path(a.out).with_suffix(".png"))
+
     layer = Layer()
-    if a.prefill:
-        rows += bench_prefill(layer, a.prefill, a.rounds, a.eager_max)
+    for S in a.prefill:
+        rows += bench_prefill(layer, [S], a.rounds, a.eager_max)
+        save()
     if a.decode_context:
         rows.append(bench_decode(layer, a.decode_context, a.decode_rounds))
+        save()
     del layer
     if not a.no_model:
         rows.append(bench_model(a.prompt, a.new, a.model_rounds, a.model_layers))
-    import transformers
-    out = {"environment": dict(environment(threads), transformers=transformers.__version__,
-                               load_average=os.getloadavg()),
-           "rows": rows}
-    RESULTS.mkdir(exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=1))
-    plot(rows, Path(a.out).with_suffix(".png"))
+        save()
     print("wrote", a.out)
 
 
