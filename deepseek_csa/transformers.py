@@ -558,6 +558,14 @@ def _base(model):
                     f"DeepseekV4Attention, got {type(model).__name__}")
 
 
+def _check_qat(cfg):
+    rd, D, Di = cfg.qk_rope_head_dim, cfg.head_dim, cfg.index_head_dim
+    if (D - rd) % 64 or Di % 32 or Di & (Di - 1):
+        raise ValueError(f"swap(qat=True) needs model.py's shapes: head_dim - rope_head_dim "
+                         f"a multiple of 64 (FP8 blocks, got {D - rd}) and index_head_dim a "
+                         f"power of two >= 32 (Hadamard, FP4 blocks, got {Di})")
+
+
 def is_swapped(model) -> bool:
     return getattr(_base(model), _ATTR, None) is not None
 
@@ -577,6 +585,8 @@ def swap(model, layers: Optional[Iterable[int]] = None, *, qat: bool = False):
         if layers is not None:
             raise ValueError("swap(): 'layers' is for a model, not one attention module")
         _cache_classes()
+        if qat:
+            _check_qat(base.config)
         st = _Swap(base, base, [], bool(qat))
         base.forward = _make_forward(st, base)
         setattr(base, _ATTR, st)
@@ -587,6 +597,8 @@ def swap(model, layers: Optional[Iterable[int]] = None, *, qat: bool = False):
         if not 0 <= i < n:
             raise ValueError(f"swap(): layer {i} out of range (the model has {n} layers)")
     _cache_classes()
+    if qat:
+        _check_qat(base.config)
     st = _Swap(model, base, chosen, bool(qat))
     for i in chosen:
         attn = base.layers[i].self_attn

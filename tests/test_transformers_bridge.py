@@ -405,3 +405,21 @@ def test_single_attention_module():
             got = attn(x, pe, pos, None, None)[0]
     assert rel(got, ref) < 1e-5
     assert "forward" not in attn.__dict__
+
+
+def test_qat_option():
+    """qat=True adds model.py's FP8 (KV rows, compressed entries) and Hadamard + FP4
+    (indexer) roundings: close to, but not the same as, transformers' unrounded run."""
+    with pytest.raises(ValueError, match="qat"):
+        dch.swap(make_model(), qat=True)     # 24 features before the rope tail
+    model4 = make_model(head_dim=72, partial_rotary_factor=8 / 72, index_head_dim=32)
+    ids = ids_for(2, 60, seed=17)
+    with torch.no_grad():
+        ref = model4(ids).logits
+        with dch.swapped(model4, qat=True):
+            q = model4(ids).logits
+            dec = model4(ids[:, :1], past_key_values=model4(ids, use_cache=True)
+                         .past_key_values).logits
+    e = rel(q, ref)
+    assert 1e-6 < e < 1.0, e      # FP4 indexer keys move the top-k: a visible change
+    assert torch.isfinite(dec).all()
