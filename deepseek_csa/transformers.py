@@ -476,6 +476,7 @@ def _attention(st, m, h, position_embeddings, position_ids, cache):
                 sel = _dc.index_topk(qi, keys, w, ix.index_topk, ratio=comp.compress_rate,
                                      start_pos=start, offset=off)
                 idx.append(sel)
+                del qi, w       # [S, Hi, Di] is freed before the attention allocates
         elif T:
             a = _all_idx(S, start, comp.compress_rate, T, off)
             idx.append(np.broadcast_to(a, (B,) + a.shape))
@@ -484,6 +485,7 @@ def _attention(st, m, h, position_embeddings, position_ids, cache):
     o = torch.empty((B, S, H, D), dtype=q.dtype)
     _dc.sparse_attn(q, kvbuf.contiguous() if kvbuf.stride(-1) != 1 else kvbuf,
                     m.sinks.detach().float().contiguous(), idx, float(m.scaling), out=o)
+    del q, qr, kvbuf    # peak memory: q [S, H, D] goes before the output projections
     _dc.apply_rope(o[..., D - rd:], cos, sin, inverse=True)
     grouped = m.o_a_proj(o.view(B, S, m.config.o_groups, -1)).flatten(2)
     return m.o_b_proj(grouped)
