@@ -15,7 +15,7 @@ $(VENV)/.deps: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q $(PIP_LINKS) "setuptools>=64" wheel "numpy>=2" \
-	    pytest hypothesis threadpoolctl ml_dtypes tqdm matplotlib nbclient nbformat ipykernel "torch==2.13.0"
+	    pytest hypothesis threadpoolctl ml_dtypes tqdm matplotlib nbclient nbformat ipykernel "torch==2.13.0" "transformers==5.23.0" safetensors
 	touch $@
 
 venv: $(VENV)/.deps
