@@ -4,55 +4,25 @@
 #include <math.h>
 #include <string.h>
 
-static inline uint32_t p_bits(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u;
-}
-
-static inline float p_float(uint32_t u)
-{
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* Nearest-even onto a float grid (the same construction as quant.c's q_round_grid:
- * a + c where the float32 ulp is the grid step, minus c, the sign put back). */
-static inline float p_round_grid(float v, uint32_t emin, uint32_t c_shift)
-{
-    const uint32_t b = p_bits(v);
-    const uint32_t e0 = b & 0x7f800000u;
-    const uint32_t e = e0 > emin ? e0 : emin;
-    const float c = p_float(e + c_shift);
-    const float a = p_float(b & 0x7fffffffu);
-    const float r = (a + c) - c;
-    return p_float(p_bits(r) | (b & 0x80000000u));
-}
-
-#define P_E4M3_EMIN ((uint32_t)(127 - 6) << 23)
-#define P_E4M3_CSHIFT ((uint32_t)20 << 23)
-#define P_E2M1_EMIN ((uint32_t)127 << 23)
-#define P_E2M1_CSHIFT ((uint32_t)22 << 23)
+#include "fpgrid_impl.h"
 
 /* Code of an e4m3 grid value (|v| <= 448 or NaN): |v| * 2^-120 puts the e4m3 exponent
  * and mantissa in the float32 fields' top 7 bits (the e4m3 subnormals become float32
  * subnormals m * 2^20 ulps: exact), so the code is those bits. */
 static inline uint32_t p_code_e4m3(float v)
 {
-    const uint32_t b = p_bits(v), sign = (b >> 24) & 0x80u;
+    const uint32_t b = q_bits(v), sign = (b >> 24) & 0x80u;
     if ((b & 0x7fffffffu) > 0x7f800000u) return sign | 0x7fu;
-    return sign | (p_bits(p_float(b & 0x7fffffffu) * 0x1p-120f) >> 20);
+    return sign | (q_bits(q_float(b & 0x7fffffffu) * 0x1p-120f) >> 20);
 }
 
 /* Code of an e2m1 grid value (|v| <= 6): |v| * 2^-126 likewise (0.5 -> subnormal 2^22
  * ulps -> 1); NaN -> 0 with the sign. */
 static inline uint32_t p_code_e2m1(float v)
 {
-    const uint32_t b = p_bits(v), sign = (b >> 28) & 0x8u;
+    const uint32_t b = q_bits(v), sign = (b >> 28) & 0x8u;
     if ((b & 0x7fffffffu) > 0x7f800000u) return sign;
-    return sign | (p_bits(p_float(b & 0x7fffffffu) * 0x1p-126f) >> 22);
+    return sign | (q_bits(q_float(b & 0x7fffffffu) * 0x1p-126f) >> 22);
 }
 
 static int p_args_ok(csa_idx d, csa_idx block, int fmt, int scale, int s_bytes)
@@ -79,7 +49,7 @@ static inline void p_store_scale(void *s, int s_bytes, int scale, csa_idx i, flo
     if (!s_bytes)
         ((float *)s)[i] = v;
     else if (scale == CSA_QS_UE8M0)
-        ((uint8_t *)s)[i] = (uint8_t)((p_bits(v) >> 23) & 0xffu);
+        ((uint8_t *)s)[i] = (uint8_t)((q_bits(v) >> 23) & 0xffu);
     else
         ((uint8_t *)s)[i] = (uint8_t)p_code_e4m3(v);   /* an e4m3 value already */
 }

@@ -8,15 +8,15 @@ static inline __attribute__((always_inline)) void CSA_V(p_block)(
     float *sc_out)
 {
     const float qmax = fmt == CSA_Q_E4M3 ? 448.0f : 6.0f;
-    const uint32_t emin = fmt == CSA_Q_E4M3 ? P_E4M3_EMIN : P_E2M1_EMIN;
-    const uint32_t cshift = fmt == CSA_Q_E4M3 ? P_E4M3_CSHIFT : P_E2M1_CSHIFT;
+    const uint32_t emin = fmt == CSA_Q_E4M3 ? Q_E4M3_EMIN : Q_E2M1_EMIN;
+    const uint32_t cshift = fmt == CSA_Q_E4M3 ? Q_E4M3_CSHIFT : Q_E2M1_CSHIFT;
     uint32_t m = 0;
 #pragma omp simd reduction(max : m)
     for (csa_idx i = 0; i < block; i++) {
-        const uint32_t u = p_bits(xb[i]) & 0x7fffffffu;
+        const uint32_t u = q_bits(xb[i]) & 0x7fffffffu;
         m = u > m ? u : m;
     }
-    const float s = csa_quant_scale(p_float(m), fmt, scale);
+    const float s = csa_quant_scale(q_float(m), fmt, scale);
     *sc_out = s;
     const int pow2 = scale == CSA_QS_UE8M0;
     const float inv = 1.0f / s;
@@ -25,7 +25,7 @@ static inline __attribute__((always_inline)) void CSA_V(p_block)(
         for (csa_idx i = 0; i < block; i++) {
             float v = pow2 ? xb[i] * inv : xb[i] / s;
             v = v > qmax ? qmax : (v < -qmax ? -qmax : v);
-            qb[i] = (uint8_t)p_code_e4m3(p_round_grid(v, emin, cshift));
+            qb[i] = (uint8_t)p_code_e4m3(q_round_grid(v, emin, cshift));
         }
     } else {
 #pragma omp simd
@@ -34,8 +34,8 @@ static inline __attribute__((always_inline)) void CSA_V(p_block)(
             float v1 = pow2 ? xb[i + 1] * inv : xb[i + 1] / s;
             v0 = v0 > qmax ? qmax : (v0 < -qmax ? -qmax : v0);
             v1 = v1 > qmax ? qmax : (v1 < -qmax ? -qmax : v1);
-            qb[i / 2] = (uint8_t)(p_code_e2m1(p_round_grid(v0, emin, cshift)) |
-                                  (p_code_e2m1(p_round_grid(v1, emin, cshift)) << 4));
+            qb[i / 2] = (uint8_t)(p_code_e2m1(q_round_grid(v0, emin, cshift)) |
+                                  (p_code_e2m1(q_round_grid(v1, emin, cshift)) << 4));
         }
     }
 }

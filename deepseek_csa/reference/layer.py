@@ -29,12 +29,13 @@ switches to publishing on every call, which is what ``deepseek_csa.layer.CSALaye
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Tuple
 
 import torch
 from torch import nn
+
+from .norm_rope import rope_table as _rope_table
 
 # Large prefills are processed in query chunks so that the eager reference does not
 # materialise [S, K, D] gathers or [S, Hi, Tc] score tensors of several GB.
@@ -165,18 +166,10 @@ def rotate_activation(x):
 
 # ----------------------------------------------------------------------------- RoPE
 def precompute_freqs_cis(dim, seqlen, original_seq_len, base, factor, beta_fast, beta_slow):
-    """Complex [seqlen, dim//2] table of docs/kernels.md 2 (YaRN when original_seq_len > 0)."""
-    i = torch.arange(dim // 2, dtype=torch.float32)
-    f = 1.0 / (base ** (2 * i / dim))
-    if original_seq_len > 0:
-        def corr(n):
-            return dim * math.log(original_seq_len / (n * 2 * math.pi)) / (2 * math.log(base))
-        lo = max(math.floor(corr(beta_fast)), 0)
-        hi = min(math.ceil(corr(beta_slow)), dim - 1)
-        ramp = ((i - lo) / (0.001 if hi == lo else hi - lo)).clamp(0, 1)
-        f = f / factor * ramp + f * (1 - ramp)
-    ang = torch.arange(seqlen, dtype=torch.float32)[:, None] * f[None, :]
-    return torch.complex(torch.cos(ang), torch.sin(ang))
+    """Complex [seqlen, dim//2] table of docs/kernels.md 2 (YaRN when original_seq_len > 0),
+    in the released argument order, from the one table of reference.norm_rope."""
+    cos, sin = _rope_table(dim, seqlen, base, original_seq_len, factor, beta_fast, beta_slow)
+    return torch.complex(cos, sin)
 
 
 def apply_rotary_emb(x, freqs_cis, inverse=False):
