@@ -10,21 +10,9 @@
 #include <immintrin.h>
 #endif
 
+#include "fpgrid_impl.h"
+
 /* ------------------------------------------------------------ decoding */
-
-static inline uint32_t g_bits(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u;
-}
-
-static inline float g_float(uint32_t u)
-{
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
 
 /* e4m3fn: the 7 magnitude bits placed at the top of a float32's exponent/mantissa
  * fields give 2^-120 times the value (a float32 subnormal for the e4m3 subnormals),
@@ -32,8 +20,8 @@ static inline float g_float(uint32_t u)
 static inline float g_e4m3(uint32_t v)
 {
     const uint32_t em = v & 0x7fu;
-    const uint32_t mag = em == 0x7fu ? 0x7fc00000u : g_bits(g_float(em << 20) * 0x1p120f);
-    return g_float(mag | ((v & 0x80u) << 24));
+    const uint32_t mag = em == 0x7fu ? 0x7fc00000u : q_bits(q_float(em << 20) * 0x1p120f);
+    return q_float(mag | ((v & 0x80u) << 24));
 }
 
 static inline float g_e2m1(uint32_t nib)
@@ -46,7 +34,7 @@ static inline float g_e2m1(uint32_t nib)
 /* e8m0: 2^(v - 127); 0 is 2^-127 (a float32 subnormal), 0xff NaN. */
 static inline float g_e8m0(uint32_t v)
 {
-    return v == 0xffu ? NAN : (v == 0 ? 0x1p-127f : g_float(v << 23));
+    return v == 0xffu ? NAN : (v == 0 ? 0x1p-127f : q_float(v << 23));
 }
 
 float csa_e4m3_to_f32(uint8_t v) { return g_e4m3(v); }
