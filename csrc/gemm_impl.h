@@ -44,25 +44,6 @@ static inline void CSA_V(g_dec16_e4m3)(const uint8_t *p, float *dst)
     _mm256_storeu_ps(dst + 8, _mm256_cvtph_ps(hi));
 }
 
-/* 16 bytes of packed e2m1 (32 values, element 2i in the low nibble of byte i) ->
- * 32 floats: each nibble indexes an in-register table of the high bytes of the fp16
- * values (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives; the low bytes are zero). */
-static inline void CSA_V(g_dec32_e2m1)(const uint8_t *p, float *dst)
-{
-    const __m128i x = _mm_loadu_si128((const __m128i *)p);
-    const __m128i m4 = _mm_set1_epi8(0x0f);
-    const __m128i tbl = _mm_setr_epi8(0x00, 0x38, 0x3c, 0x3e, 0x40, 0x42, 0x44, 0x46,
-                                      (char)0x80, (char)0xb8, (char)0xbc, (char)0xbe,
-                                      (char)0xc0, (char)0xc2, (char)0xc4, (char)0xc6);
-    const __m128i lv = _mm_shuffle_epi8(tbl, _mm_and_si128(x, m4));
-    const __m128i hv = _mm_shuffle_epi8(tbl, _mm_and_si128(_mm_srli_epi16(x, 4), m4));
-    const __m128i e0 = _mm_unpacklo_epi8(lv, hv), e1 = _mm_unpackhi_epi8(lv, hv);
-    const __m128i z = _mm_setzero_si128();
-    _mm256_storeu_ps(dst, _mm256_cvtph_ps(_mm_unpacklo_epi8(z, e0)));
-    _mm256_storeu_ps(dst + 8, _mm256_cvtph_ps(_mm_unpackhi_epi8(z, e0)));
-    _mm256_storeu_ps(dst + 16, _mm256_cvtph_ps(_mm_unpacklo_epi8(z, e1)));
-    _mm256_storeu_ps(dst + 24, _mm256_cvtph_ps(_mm_unpackhi_epi8(z, e1)));
-}
 #endif
 
 #if G_SIMD
@@ -84,6 +65,9 @@ static inline __attribute__((always_inline)) void CSA_V(g_reg16_e4m3)(const uint
     *hi = _mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(_mm_unpackhi_epi8(z, x), 1), keep));
 }
 
+/* 16 bytes of packed e2m1 (32 values, element 2i in the low nibble of byte i) ->
+ * 32 floats: each nibble indexes an in-register table of the high bytes of the fp16
+ * values (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives; the low bytes are zero). */
 static inline __attribute__((always_inline)) void CSA_V(g_reg32_e2m1)(const uint8_t *p,
                                                                      __m256 v[4])
 {
@@ -100,6 +84,14 @@ static inline __attribute__((always_inline)) void CSA_V(g_reg32_e2m1)(const uint
     v[1] = _mm256_cvtph_ps(_mm_unpackhi_epi8(z, e0));
     v[2] = _mm256_cvtph_ps(_mm_unpacklo_epi8(z, e1));
     v[3] = _mm256_cvtph_ps(_mm_unpackhi_epi8(z, e1));
+}
+
+/* 32 e2m1 codes (16 bytes) into a float32 buffer: the register decoder, stored. */
+static inline void CSA_V(g_dec32_e2m1)(const uint8_t *p, float *dst)
+{
+    __m256 v[4];
+    CSA_V(g_reg32_e2m1)(p, v);
+    for (int i = 0; i < 4; i++) _mm256_storeu_ps(dst + 8 * i, v[i]);
 }
 
 /* One activation row against 4 weight rows (rows past nr repeat the last one, their
