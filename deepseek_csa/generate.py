@@ -1,0 +1,418 @@
+"""A CPU runner for DeepSeek's released inference code and checkpoints (docs/runner.md).
+
+    python -m deepseek_csa.generate --inference-dir DIR --ckpt-path CKPT --config CONFIG \\
+        [--interactive | --input-file F] [--max-new-tokens N] [--temperature T]
+    torchrun --nproc-per-node 2 -m deepseek_csa.generate ...      # tensor parallel, gloo
+
+DIR/model.py is imported through ``deepseek_csa.torch.load_model_py`` (our CPU ``kernel``
+and ``fast_hadamard_transform``), CONFIG (a config.json) fills the file's ``ModelArgs``,
+and each rank loads ``CKPT/model{rank}-mp{world}.safetensors`` (the layout of the released
+convert.py) into the parameters the model allocated, tensor by tensor: FP8 / FP4 weights
+stay FP8 / FP4 and no float32 copy of a weight is ever made.  Prefill and decode run on
+the CPU with the default dtype bfloat16; temperature 0 is greedy, otherwise tokens are
+sampled from softmax(logits / T).
+
+Under torchrun (WORLD_SIZE > 1) torch.distributed is initialized with the gloo backend;
+rank 0 reads the prompts and broadcasts them.  Prompts are text when a tokenizer is found
+(tokenizer files in DIR or CKPT, loaded with transformers.AutoTokenizer, offline) or
+lines of whitespace-separated token ids.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import os
+import re
+import resource
+import sys
+import time
+
+__all__ = ["main", "load_checkpoint", "shard_path", "check_layout", "generate",
+           "CheckpointError"]
+
+
+class CheckpointError(RuntimeError):
+    """The checkpoint does not fit the runner: missing shard, wrong layout, a shape or
+    dtype that differs from what model.py allocated."""
+
+
+def _torch():
+    import torch
+    return torch
+
+
+def peak_rss_bytes():
+    """This process's peak resident set size so far (Linux ru_maxrss is in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def shard_path(ckpt_path, rank, world_size):
+    return os.path.join(ckpt_path, f"model{rank}-mp{world_size}.safetensors")
+
+
+_HF_NAMES = ("model.safetensors.index.json", "model.safetensors")
+_HF_SHARD = re.compile(r"^model-\d+-of-\d+\.safetensors$")
+_MP_SHARD = re.compile(r"^model(\d+)-mp(\d+)\.safetensors$")
+
+
+def check_layout(ckpt_path, rank, world_size):
+    """Path of this rank's shard, or a CheckpointError saying what the folder holds."""
+    if not os.path.isdir(ckpt_path):
+        raise CheckpointError(f"--ckpt-path {ckpt_path!r} is not a directory")
+    path = shard_path(ckpt_path, rank, world_size)
+    if os.path.isfile(path):
+        return path
+    names = sorted(os.listdir(ckpt_path))
+    hf = [n for n in names if n in _HF_NAMES or _HF_SHARD.match(n)]
+    mp = sorted({int(m.group(2)) for m in map(_MP_SHARD.match, names) if m})
+    if hf and not mp:
+        raise CheckpointError(
+            f"{ckpt_path!r} holds a Hugging Face layout checkpoint ({hf[0]}"
+            f"{', ...' if len(hf) > 1 else ''}), not the per-rank shards this runner loads "
+            f"(model{{rank}}-mp{{world}}.safetensors).  Convert it with DeepSeek's "
+            f"inference/convert.py: python convert.py --hf-ckpt-path {ckpt_path} "
+            f"--save-path NEW_DIR --n-experts N_ROUTED_EXPERTS --model-parallel {world_size}")
+    if mp:
+        raise CheckpointError(
+            f"no shard for rank {rank} of world size {world_size}: {path!r} is missing; "
+            f"{ckpt_path!r} has shards for model-parallel size(s) {mp} (run with "
+            f"--nproc-per-node {mp[0]} or convert with --model-parallel {world_size})")
+    raise CheckpointError(f"no shard for rank {rank} of world size {world_size}: "
+                          f"{path!r} is missing and {ckpt_path!r} holds no .safetensors shards")
+
+
+def read_config(path, model_args_cls):
+    """config.json -> the file's ModelArgs; keys ModelArgs has no field for are reported
+    and ignored."""
+    with open(path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    names = {f.name for f in dataclasses.fields(model_args_cls)}
+    unknown = sorted(set(cfg) - names)
+    args = model_args_cls(**{k: v for k, v in cfg.items() if k in names})
+    return args, unknown
+
+
+def check_divisible(args, world_size):
+    """World size must divide what the released layout splits across ranks."""
+    for field in ("n_heads", "n_routed_experts", "vocab_size"):
+        n = getattr(args, field, None)
+        if isinstance(n, int) and n % world_size:
+            raise ValueError(f"world size {world_size} does not divide {field}={n} of the "
+                             f"config: run with a --nproc-per-node that divides it")
+
+
+_ST_TORCH_ELEMS = {"F4": 2}     # torch.float4_e2m1fn_x2 packs two e2m1 values per element
+
+
+def _st_shape(sl):
+    shape = list(sl.get_shape())
+    per = _ST_TORCH_ELEMS.get(sl.get_dtype(), 1)
+    if per > 1 and shape:
+        shape[-1] //= per
+    return tuple(shape)
+
+
+def load_checkpoint(model, path, chunk_bytes=256 << 20, strict=False, log=print):
+    """Copies the tensors of the safetensors file ``path`` into ``model``'s parameters
+    and persistent buffers in place (same dtype required: FP8 / FP4 stay as stored).
+    Every shape and dtype is checked against the model before any data is read.  The
+    file is opened again for each ~``chunk_bytes`` of tensors so that at most that much
+    of its mapping is resident on top of the model.  ``strict=False`` (as the released
+    generate.py loads, for the MTP keys that alias the main model's) reports keys
+    missing on either side instead of failing.  Returns (missing, unexpected)."""
+    torch = _torch()
+    from safetensors import safe_open
+    targets = dict(model.state_dict(keep_vars=True))
+    with safe_open(path, framework="pt") as f:
+        meta = {k: (f.get_slice(k).get_dtype(), _st_shape(f.get_slice(k))) for k in f.keys()}
+    missing = sorted(set(targets) - set(meta))
+    unexpected = sorted(set(meta) - set(targets))
+    for k, (dt, shape) in meta.items():
+        if k not in targets:
+            continue
+        t = targets[k]
+        if tuple(t.shape) != shape:
+            raise CheckpointError(
+                f"{os.path.basename(path)}: tensor {k!r} has shape {list(shape)} in the "
+                f"checkpoint but {list(t.shape)} in the model built from the config "
+                f"(config and checkpoint disagree, or the shard is for another world size)")
+    if strict and (missing or unexpected):
+        raise CheckpointError(f"{path}: missing keys {missing[:8]}, unexpected {unexpected[:8]}")
+    keys = [k for k in meta if k in targets]
+    groups, cur, size = [], [], 0
+    for k in keys:
+        nb = targets[k].numel() * targets[k].element_size()
+        if cur and size + nb > chunk_bytes:
+            groups.append(cur)
+            cur, size = [], 0
+        cur.append(k)
+        size += nb
+    if cur:
+        groups.append(cur)
+    with torch.no_grad():
+        for g in groups:
+            with safe_open(path, framework="pt") as f:
+                for k in g:
+                    src = f.get_tensor(k)
+                    dst = targets[k]
+                    if src.dtype != dst.dtype:
+                        raise CheckpointError(
+                            f"{os.path.basename(path)}: tensor {k!r} is {src.dtype} in the "
+                            f"checkpoint but {dst.dtype} in the model (check the config's "
+                            f"dtype / expert_dtype / scale_fmt)")
+                    dst.copy_(src)
+                    del src
+    if missing:
+        log(f"[load] {len(missing)} model tensor(s) not in the checkpoint (left as "
+            f"initialized): {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    if unexpected:
+        log(f"[load] {len(unexpected)} checkpoint tensor(s) the model has no place for "
+            f"(ignored): {', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
+    return missing, unexpected
+
+
+def sample(logits, temperature, generator=None):
+    """Greedy at temperature 0, else a draw from softmax(logits / temperature)."""
+    torch = _torch()
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, -1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def generate(model, prompts, max_new_tokens, eos_id=None, temperature=0.0, seed=0,
+             max_seq_len=None, log=None):
+    """Prefill of the common prompt prefix, then one token per call (rows whose prompt
+    is longer keep their prompt tokens).  Returns (the new tokens of each prompt,
+    stats: prefill / decode seconds and token counts)."""
+    torch = _torch()
+    bsz = len(prompts)
+    lens = [len(p) for p in prompts]
+    if min(lens) < 1:
+        raise ValueError("empty prompt")
+    total = max(lens) + max_new_tokens
+    if max_seq_len is not None and total > max_seq_len:
+        raise ValueError(f"prompt ({max(lens)} tokens) + --max-new-tokens {max_new_tokens} "
+                         f"exceeds the model's max_seq_len={max_seq_len}")
+    tokens = torch.full((bsz, total), -1, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+    in_prompt = tokens != -1
+    done = torch.zeros(bsz, dtype=torch.bool)
+    gen = torch.Generator().manual_seed(seed)
+    prev, t0 = 0, time.perf_counter()
+    stats = {"prefill_tokens": bsz * min(lens), "decode_steps": 0}
+    for cur in range(min(lens), total):
+        logits = model.forward(tokens[:, prev:cur], prev)
+        if prev == 0:
+            stats["prefill_s"] = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            if log:
+                log(f"[generate] prefill {bsz} x {min(lens)} tokens: {stats['prefill_s']:.3f} s")
+        else:
+            stats["decode_steps"] += 1
+        nxt = sample(logits, temperature, gen)
+        nxt = torch.where(in_prompt[:, cur], tokens[:, cur], nxt)
+        tokens[:, cur] = nxt
+        if eos_id is not None:
+            done |= ~in_prompt[:, cur] & (nxt == eos_id)
+        prev = cur
+        if log and stats["decode_steps"] and stats["decode_steps"] % 16 == 0:
+            log(f"[generate] {cur + 1 - min(lens)} / {total - min(lens)} tokens")
+        if done.all():
+            break
+    stats["decode_s"] = time.perf_counter() - t1 if total > min(lens) else 0.0
+    out = []
+    for i, p in enumerate(prompts):
+        row = tokens[i, len(p):prev + 1].tolist()
+        if eos_id is not None and eos_id in row:
+            row = row[:row.index(eos_id) + 1]
+        out.append(row)
+    return out, stats
+
+
+def _find_tokenizer(*dirs):
+    for d in dirs:
+        if d and any(os.path.isfile(os.path.join(d, n)) for n in
+                     ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+            return d
+    return None
+
+
+def _parse_ids(line, vocab_size):
+    try:
+        ids = [int(t) for t in line.split()]
+    except ValueError:
+        return None
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def _encode(line, tok, vocab_size):
+    ids = _parse_ids(line, vocab_size)
+    if ids is not None:
+        return ids
+    if tok is None:
+        raise ValueError("no tokenizer files in --inference-dir or --ckpt-path: give "
+                         f"prompts as whitespace-separated token ids, got {line[:60]!r}")
+    return tok.encode(line)
+
+
+def _decode(ids, tok):
+    return tok.decode(ids) if tok is not None else " ".join(map(str, ids))
+
+
+def _parser():
+    p = argparse.ArgumentParser(prog="python -m deepseek_csa.generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--inference-dir", required=True, help="folder holding model.py")
+    p.add_argument("--ckpt-path", required=True,
+                   help="folder of model{rank}-mp{world}.safetensors (convert.py's layout)")
+    p.add_argument("--config", required=True, help="config.json for the file's ModelArgs")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--interactive", action="store_true")
+    g.add_argument("--input-file", help="one prompt per line (text or token ids)")
+    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eos-id", type=int, default=None,
+                   help="stop token (default: the tokenizer's eos, none without one)")
+    p.add_argument("--output-json", help="rank 0 writes tokens, timings and peak RSS here")
+    return p
+
+
+def main(argv=None):
+    args = _parser().parse_args(argv)
+    if not args.interactive and not args.input_file:
+        _parser().error("give --interactive or --input-file")
+    torch = _torch()
+    import torch.distributed as dist
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world_size > 1:
+        dist.init_process_group("gloo")
+    log = print if rank == 0 else (lambda *a, **k: None)
+    try:
+        return _run(args, torch, dist, world_size, rank, log)
+    finally:
+        if world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run(args, torch, dist, world_size, rank, log):
+    import deepseek_csa.torch as dct
+    torch.set_default_dtype(torch.bfloat16)
+    torch.manual_seed(args.seed)
+    rss0 = peak_rss_bytes()
+    mod = dct.load_model_py(args.inference_dir)
+    margs, unknown = read_config(args.config, mod.ModelArgs)
+    if unknown:
+        log(f"[config] ignored keys ModelArgs has no field for: {', '.join(unknown)}")
+    check_divisible(margs, world_size)
+    path = check_layout(args.ckpt_path, rank, world_size)
+    t0 = time.perf_counter()
+    with torch.device("cpu"):
+        model = mod.Transformer(margs)
+    load_checkpoint(model, path, log=log)
+    t_load = time.perf_counter() - t0
+    ckpt_bytes = os.path.getsize(path)
+    log(f"[load] rank 0 of {world_size}: {path} ({ckpt_bytes / 2**20:.1f} MiB) in "
+        f"{t_load:.2f} s, {torch.get_num_threads()} thread(s) per rank")
+    tokdir = _find_tokenizer(args.inference_dir, args.ckpt_path)
+    tok = None
+    if tokdir:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(tokdir, local_files_only=True)
+    eos = args.eos_id if args.eos_id is not None else (tok.eos_token_id if tok else None)
+    vocab = margs.vocab_size
+
+    def bcast(obj):
+        if world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def run(prompts):
+        outs, st = generate(model, prompts, args.max_new_tokens, eos, args.temperature,
+                            args.seed, getattr(margs, "max_seq_len", None), log)
+        return outs, st
+
+    if args.input_file:
+        prompts = None
+        if rank == 0:
+            with open(args.input_file, encoding="utf-8") as f:
+                lines = [ln.strip() for ln in f if ln.strip()]
+            mb = getattr(margs, "max_batch_size", len(lines))
+            if len(lines) > mb:
+                raise ValueError(f"{len(lines)} prompts in {args.input_file} exceed "
+                                 f"max_batch_size={mb} of the config")
+            prompts = [_encode(ln, tok, vocab) for ln in lines]
+        prompts = bcast(prompts)
+        outs, st = run(prompts)
+        for p, o in zip(prompts, outs):
+            log(f"[prompt] {_decode(p, tok)}")
+            log(f"[completion] {_decode(o, tok)}")
+        _report(args, st, outs, world_size, rank, dist, rss0, ckpt_bytes, t_load, log)
+        return outs
+    history = []
+    while True:
+        line = None
+        if rank == 0:
+            try:
+                line = input(">>> ")
+            except EOFError:
+                line = "/exit"
+        line = bcast(line)
+        if line.strip() == "/exit":
+            return history
+        if not line.strip():
+            continue
+        try:
+            ids = _encode(line, tok, vocab) if rank == 0 else None
+        except ValueError as e:
+            log(f"error: {e}")
+            ids = []
+        ids = bcast(ids)
+        if not ids:
+            continue
+        outs, st = run([ids])
+        log(_decode(outs[0], tok))
+        _report(args, st, outs, world_size, rank, dist, rss0, ckpt_bytes, t_load, log)
+        history.append(outs[0])
+
+
+def _report(args, st, outs, world_size, rank, dist, rss0, ckpt_bytes, t_load, log):
+    peak = peak_rss_bytes()
+    rows = [(rank, peak, rss0, ckpt_bytes)]
+    if world_size > 1:
+        rows = [None] * world_size
+        dist.all_gather_object(rows, (rank, peak, rss0, ckpt_bytes))
+    bsz = len(outs)
+    pre = st["prefill_tokens"] / st["prefill_s"] if st.get("prefill_s") else 0.0
+    dec = bsz * st["decode_steps"] / st["decode_s"] if st["decode_s"] else 0.0
+    log(f"[speed] prefill {pre:.1f} tokens/s, decode {dec:.2f} tokens/s "
+        f"({st['decode_steps']} steps x {bsz} row(s))")
+    for r, pk, r0, cb in rows:
+        log(f"[memory] rank {r}: peak RSS {pk / 2**20:.1f} MiB (before loading model.py "
+            f"{r0 / 2**20:.1f} MiB), shard {cb / 2**20:.1f} MiB on disk")
+    if rank == 0 and args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"tokens": outs, "world_size": world_size,
+                       "prefill_tokens_per_s": pre, "decode_tokens_per_s": dec,
+                       "prefill_s": st.get("prefill_s"), "decode_s": st["decode_s"],
+                       "decode_steps": st["decode_steps"], "load_s": t_load,
+                       "ranks": [{"rank": r, "peak_rss": pk, "rss_before_model": r0,
+                                  "shard_bytes": cb} for r, pk, r0, cb in rows]}, f)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (CheckpointError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

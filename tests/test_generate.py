@@ -1,0 +1,326 @@
+"""deepseek_csa.generate: the CPU runner for model.py + convert.py-layout checkpoints,
+in one process and tensor-parallel under torchrun (gloo).
+
+The model is tests/tiny_model/model.py (our own, the released file's layout), filled
+as in test_kernel_module and made decisive: every layer routes by token id (hash
+routing, no near-tie top-k of the gate to flip between runs) and the head carries a
+planted next-token map (head row pi(t) follows the embedding of t), so that the greedy
+token has a margin far above the bf16 rounding that separates a 2-rank run (row-parallel
+partials rounded to bf16 before the float32 all-reduce) from a 1-rank run.  Exactness
+of the sharding itself is checked per GEMM: each rank's GEMM on its shard equals the
+matching slice (column-parallel) or partial sum (row-parallel) of the unsharded GEMM.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import deepseek_csa as dc
+import deepseek_csa.torch as dct
+from deepseek_csa import _kernel_module as K
+from deepseek_csa import generate as G
+
+from test_kernel_module import TINY, bf16_default, fill
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CFG = dict(vocab_size=96, dim=256, n_layers=2, n_heads=4, head_dim=128, rope_head_dim=64,
+           q_lora_rank=128, window_size=8, n_routed_experts=4, n_activated_experts=2,
+           moe_inter_dim=256, hc_mult=2, max_batch_size=2, max_seq_len=64,
+           dtype="fp8", expert_dtype="fp4", scale_fmt="ue8m0", n_hash_layers=2)
+PROMPTS = [[5, 17, 42, 3, 88, 61, 9], [70, 2, 33, 14, 50, 27, 81]]
+NEW = 6
+
+
+def planted_next(v):
+    return (v * 7 + 3) % 96
+
+
+def decisive_state(mod, seed=0):
+    """The full (world size 1) state dict of the decisive tiny model."""
+    with bf16_default():
+        model = mod.Transformer(mod.ModelArgs(**CFG))
+        fill(model, seed)
+        g = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for layer in model.layers:
+                ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(96)])
+                layer.ffn.tid2eid.copy_(ids.to(torch.int32))
+            e = torch.randn(96, CFG["dim"], generator=g)
+            model.embed.weight.copy_(e.to(torch.bfloat16))
+            head = torch.zeros(96, CFG["dim"])
+            for t in range(96):
+                head[planted_next(t)] = e[t] / e[t].norm()
+            model.head.copy_(4 * head + 0.02 * torch.randn(head.shape, generator=g))
+    return model, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def shard(state, rank, world):
+    """convert.py's split: column-parallel rows, row-parallel columns, vocab rows, heads'
+    sinks, whole experts per rank (others dropped)."""
+    n_local = CFG["n_routed_experts"] // world
+    out = {}
+    for k, v in state.items():
+        parts = k.split(".")
+        if "experts" in parts and "shared_experts" not in parts:
+            e = int(parts[parts.index("experts") + 1])
+            if e // n_local == rank:
+                out[k] = v
+            continue
+        dim = None
+        if k in ("embed.weight", "head") or ".wq_b." in k or k.endswith("attn_sink"):
+            dim = 0
+        elif ".wo." in k:
+            dim = 1
+        if dim is None or world == 1:
+            out[k] = v
+        else:
+            n = v.shape[dim] // world
+            out[k] = v.narrow(dim, rank * n, n).contiguous()
+    return out
+
+
+def save(tensors, path):
+    from safetensors.torch import save_file
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return dct.load_model_py(TINY)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    model, state = decisive_state(tiny)
+    for world in (1, 2):
+        d = root / f"mp{world}"
+        d.mkdir()
+        for r in range(world):
+            save(shard(state, r, world), str(d / f"model{r}-mp{world}.safetensors"))
+    (root / "config.json").write_text(json.dumps(CFG))
+    (root / "prompts.txt").write_text("\n".join(" ".join(map(str, p)) for p in PROMPTS))
+    return root, model, state
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def runner(root, world, ckpt_dir=None, extra=(), check=True):
+    out = root / f"out{world}-{free_port()}.json"
+    cmd = [sys.executable]
+    if world > 1:
+        cmd += ["-m", "torch.distributed.run", "--nproc-per-node", str(world),
+                "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    cmd += ["-m", "deepseek_csa.generate", "--inference-dir", TINY,
+            "--ckpt-path", str(ckpt_dir or root / f"mp{world}"),
+            "--config", str(root / "config.json"), "--input-file", str(root / "prompts.txt"),
+            "--max-new-tokens", str(NEW), "--output-json", str(out), *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    if check:
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        return json.loads(out.read_text()), p
+    return None, p
+
+
+# ----------------------------------------------------------------------------- runner
+def test_in_process_planted_and_loaded(tiny, ckpt):
+    """The checkpoint loads back bit for bit (FP8 / FP4 kept) and the in-process greedy
+    run follows the planted map."""
+    root, model, state = ckpt
+    with bf16_default():
+        fresh = tiny.Transformer(tiny.ModelArgs(**CFG))
+        missing, unexpected = G.load_checkpoint(fresh, str(root / "mp1" / "model0-mp1.safetensors"),
+                                                chunk_bytes=1 << 16, log=lambda *a: None)
+        assert not missing and not unexpected
+        for k, v in fresh.state_dict().items():
+            assert v.dtype == state[k].dtype, k
+            assert torch.equal(v.view(torch.uint8) if v.element_size() == 1 else v,
+                               state[k].view(torch.uint8) if v.element_size() == 1 else state[k]), k
+        assert fresh.layers[0].ffn.experts[0].w1.weight.dtype == torch.float4_e2m1fn_x2
+        assert fresh.layers[0].attn.wo.weight.dtype == torch.float8_e4m3fn
+        outs, st = G.generate(fresh, PROMPTS, NEW)
+    for p, o in zip(PROMPTS, outs):
+        want = [planted_next(p[-1])]
+        for _ in range(NEW - 1):
+            want.append(planted_next(want[-1]))
+        assert o == want
+    assert st["decode_steps"] == NEW - 1
+    pytest.in_process_tokens = outs
+
+
+def test_runner_tp2_equals_tp1_equals_in_process(ckpt):
+    root, _, _ = ckpt
+    one, p1 = runner(root, 1)
+    two, p2 = runner(root, 2)
+    assert one["tokens"] == two["tokens"] == pytest.in_process_tokens
+    assert one["world_size"] == 1 and two["world_size"] == 2
+    assert len(two["ranks"]) == 2 and all(r["peak_rss"] > 0 for r in two["ranks"])
+    assert "tokens/s" in p2.stdout and "peak RSS" in p2.stdout
+
+
+def test_runner_sampling_same_on_every_rank(tiny, ckpt):
+    """At a temperature every rank draws the same tokens (same seed, all-gathered
+    logits): the 2-rank run equals an in-process sampled run."""
+    root, model, _ = ckpt
+    with bf16_default():
+        want, _ = G.generate(model, PROMPTS, NEW, temperature=10.0, seed=3)
+    two, _ = runner(root, 2, extra=("--temperature", "10", "--seed", "3"))
+    assert two["tokens"] == want
+    assert all(len(t) == NEW and all(0 <= i < 96 for i in t) for t in want)
+    assert want != pytest.in_process_tokens       # a real draw, not the greedy walk
+
+
+# ----------------------------------------------------------------------------- shards
+def _shard_tensors(root, rank, world):
+    from safetensors.torch import load_file
+    return load_file(str(root / f"mp{world}" / f"model{rank}-mp{world}.safetensors"))
+
+
+def test_sharded_gemms_equal_slices_of_unsharded(ckpt):
+    root, _, state = ckpt
+    g = torch.Generator().manual_seed(4)
+    x_q = torch.randn(3, CFG["q_lora_rank"], generator=g)
+    x_o = torch.randn(3, CFG["n_heads"] * CFG["head_dim"], generator=g)
+    x_e = torch.randn(3, CFG["dim"], generator=g)
+    with bf16_default():
+        for name, x in (("layers.0.attn.wq_b", x_q), ("layers.1.attn.wo", x_o)):
+            a, a_s = K.act_quant(x.bfloat16(), 128, "ue8m0", torch.float8_e8m0fnu)
+            full = K.fp8_gemm(a, a_s, state[name + ".weight"], state[name + ".scale"])
+            torch.set_default_dtype(torch.float32)
+            full32 = K.fp8_gemm(a, a_s, state[name + ".weight"], state[name + ".scale"])
+            torch.set_default_dtype(torch.bfloat16)
+            parts, parts32 = [], []
+            for r in range(2):
+                sh = _shard_tensors(root, r, 2)
+                w, s = sh[name + ".weight"], sh[name + ".scale"]
+                if ".wq_b" in name:        # column-parallel: bitwise the rows' slice
+                    y = K.fp8_gemm(a, a_s, w, s)
+                    n = y.shape[-1]
+                    assert torch.equal(y, full[:, r * n:(r + 1) * n])
+                else:                      # row-parallel: K split on 128-blocks
+                    k = w.shape[1]
+                    ar, ars = a[:, r * k:(r + 1) * k], a_s[:, r * k // 128:(r + 1) * k // 128]
+                    parts.append(K.fp8_gemm(ar.contiguous(), ars.contiguous(), w, s))
+                    torch.set_default_dtype(torch.float32)
+                    parts32.append(K.fp8_gemm(ar.contiguous(), ars.contiguous(), w, s))
+                    torch.set_default_dtype(torch.bfloat16)
+            if parts:
+                # float32 partials: the unsharded sum to float32 rounding
+                torch.testing.assert_close(parts32[0] + parts32[1], full32, rtol=1e-6, atol=1e-5)
+                # as the released file runs it: bf16 partials, float32 sum
+                y = (parts[0].float() + parts[1].float())
+                assert (y - full32).abs().max() <= 2 * 2 ** -8 * full32.abs().max()
+        # expert parallel: rank r's FP4 experts are the unsharded ones, bit for bit
+        a, a_s = K.act_quant(x_e.bfloat16(), 128, "ue8m0", torch.float8_e8m0fnu)
+        seen = set()
+        for r in range(2):
+            sh = _shard_tensors(root, r, 2)
+            for k in sh:
+                if ".experts." in k and k.endswith("w1.weight"):
+                    seen.add(k)
+                    s = k[:-len("weight")] + "scale"
+                    assert torch.equal(K.fp4_gemm(a, a_s, sh[k], sh[s]),
+                                       K.fp4_gemm(a, a_s, state[k], state[s]))
+        assert len(seen) == 2 * CFG["n_routed_experts"]
+
+
+def test_all_reduced_index_scores_equal_single_process():
+    """Two ranks with half the indexer heads each: index_scores + sum (what the
+    all-reduce computes) equals the single-process scores to float32 rounding and
+    gives the same topk_indices."""
+    g = torch.Generator().manual_seed(9)
+    b, s, h, d, r, p = 2, 5, 8, 128, 4, 37
+    q = torch.randn(b, s, h, d, generator=g).numpy()
+    k = torch.randn(b, (p + s) // r, d, generator=g).numpy()
+    w = torch.randn(b, s, h, generator=g).numpy()
+    full = dc.index_scores(q, k, w, ratio=r, start_pos=p)
+    parts = [dc.index_scores(q[:, :, i * h // 2:(i + 1) * h // 2].copy(), k,
+                             w[:, :, i * h // 2:(i + 1) * h // 2].copy(), ratio=r, start_pos=p)
+             for i in range(2)]
+    summed = torch.from_numpy(parts[0]) + torch.from_numpy(parts[1])
+    fin = torch.isfinite(torch.from_numpy(full))
+    assert torch.equal(fin, torch.isfinite(summed))
+    torch.testing.assert_close(summed[fin], torch.from_numpy(full)[fin], rtol=1e-5, atol=1e-4)
+    want = dc.topk_indices(full, 6, ratio=r, start_pos=p, offset=8)
+    got = dc.topk_indices(summed.numpy(), 6, ratio=r, start_pos=p, offset=8)
+    assert (torch.from_numpy(want).sort(-1).values == torch.from_numpy(got).sort(-1).values).all()
+    # and the fused single-process path selects the same set
+    fused = dc.index_topk(q, k, w, 6, ratio=r, start_pos=p, offset=8, order="score")
+    assert (torch.from_numpy(fused).sort(-1).values == torch.from_numpy(want).sort(-1).values).all()
+
+
+# ----------------------------------------------------------------------------- errors
+def test_error_missing_shard_for_rank(ckpt, tmp_path):
+    root, _, _ = ckpt
+    with pytest.raises(G.CheckpointError, match=r"no shard for rank 1 of world size 2.*"
+                                                r"model-parallel size\(s\) \[1\]"):
+        G.check_layout(str(root / "mp1"), 1, 2)
+    d = tmp_path / "partial"
+    d.mkdir()
+    os.link(root / "mp2" / "model0-mp2.safetensors", d / "model0-mp2.safetensors")
+    with pytest.raises(G.CheckpointError, match=r"rank 1 of world size 2.*model1-mp2"):
+        G.check_layout(str(d), 1, 2)
+    with pytest.raises(G.CheckpointError, match="holds no .safetensors"):
+        G.check_layout(str(tmp_path), 0, 1)
+
+
+def test_error_missing_shard_under_torchrun(ckpt, tmp_path):
+    root, _, _ = ckpt
+    d = tmp_path / "partial"
+    d.mkdir()
+    os.link(root / "mp2" / "model0-mp2.safetensors", d / "model0-mp2.safetensors")
+    _, p = runner(root, 2, ckpt_dir=d, check=False)
+    assert p.returncode != 0
+    assert "no shard for rank 1 of world size 2" in p.stdout + p.stderr
+
+
+def test_error_hf_layout(tmp_path):
+    for n in ("model-00001-of-00002.safetensors", "model.safetensors.index.json"):
+        (tmp_path / n).write_bytes(b"{}")
+    with pytest.raises(G.CheckpointError, match=r"Hugging Face layout.*convert\.py.*"
+                                                r"--model-parallel 2"):
+        G.check_layout(str(tmp_path), 0, 2)
+
+
+def test_error_shape_mismatch_names_tensor(tiny, ckpt):
+    root, _, _ = ckpt
+    with bf16_default():
+        cfg = dict(CFG, q_lora_rank=256)   # wq_a / wq_b / q_norm change shape
+        m = tiny.Transformer(tiny.ModelArgs(**cfg))
+        with pytest.raises(G.CheckpointError, match=r"tensor 'layers\.0\.attn\.q_norm\.weight' has "
+                                                    r"shape \[128\] in the checkpoint but "
+                                                    r"\[256\] in the model"):
+            G.load_checkpoint(m, str(root / "mp1" / "model0-mp1.safetensors"))
+    # the TP=2 shard against a TP=1 model: the vocab-split embedding
+    with bf16_default():
+        m = tiny.Transformer(tiny.ModelArgs(**CFG))
+        with pytest.raises(G.CheckpointError, match=r"'embed\.weight' has shape \[48, 256\]"):
+            G.load_checkpoint(m, str(root / "mp2" / "model0-mp2.safetensors"))
+
+
+def test_error_world_size_not_dividing(tiny):
+    args = tiny.ModelArgs(**dict(CFG, n_heads=3))
+    with pytest.raises(ValueError, match=r"world size 2 does not divide n_heads=3"):
+        G.check_divisible(args, 2)
+    with pytest.raises(ValueError, match=r"does not divide n_routed_experts=4"):
+        G.check_divisible(tiny.ModelArgs(**dict(CFG, n_heads=6)), 3)
+    with pytest.raises(ValueError, match=r"does not divide vocab_size=97"):
+        G.check_divisible(tiny.ModelArgs(**dict(CFG, vocab_size=97)), 2)
+    G.check_divisible(tiny.ModelArgs(**CFG), 2)
+
+
+def test_error_token_ids_without_tokenizer():
+    with pytest.raises(ValueError, match="no tokenizer files"):
+        G._encode("hello world", None, 96)
+    with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 96\)"):
+        G._encode("1 2 300", None, 96)
+    assert G._encode("1 2 3", None, 96) == [1, 2, 3]
