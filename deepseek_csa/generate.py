@@ -43,9 +43,29 @@ def _torch():
     return torch
 
 
+def _status_bytes(field):
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def peak_rss_bytes():
-    """This process's peak resident set size so far (Linux ru_maxrss is in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak resident set size so far: VmHWM of /proc/self/status (reset
+    by exec, unlike ru_maxrss, which a child started from a large parent inherits), else
+    ru_maxrss."""
+    v = _status_bytes("VmHWM")
+    return v if v is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rss_bytes():
+    """Current resident set size (VmRSS), else the peak."""
+    v = _status_bytes("VmRSS")
+    return v if v is not None else peak_rss_bytes()
 
 
 def shard_path(ckpt_path, rank, world_size):
@@ -307,7 +327,7 @@ def _run(args, torch, dist, world_size, rank, log):
     import deepseek_csa.torch as dct
     torch.set_default_dtype(torch.bfloat16)
     torch.manual_seed(args.seed)
-    rss0 = peak_rss_bytes()
+    rss0 = rss_bytes()         # interpreter + torch + deepseek_csa, before model.py
     mod = dct.load_model_py(args.inference_dir)
     margs, unknown = read_config(args.config, mod.ModelArgs)
     if unknown:

@@ -324,3 +324,19 @@ def test_error_token_ids_without_tokenizer():
     with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 96\)"):
         G._encode("1 2 300", None, 96)
     assert G._encode("1 2 3", None, 96) == [1, 2, 3]
+
+
+def test_interactive_token_ids(ckpt, monkeypatch, capsys):
+    """--interactive (one process, in-process main): a line of ids, a bad line reported
+    and skipped, /exit; the greedy completion follows the planted map."""
+    root, _, _ = ckpt
+    lines = iter(["5 17 42", "not ids", "", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    with bf16_default():
+        hist = G.main(["--inference-dir", TINY, "--ckpt-path", str(root / "mp1"),
+                       "--config", str(root / "config.json"), "--interactive",
+                       "--max-new-tokens", "3"])
+    out = capsys.readouterr().out
+    assert hist == [[planted_next(42), planted_next(planted_next(42)),
+                     planted_next(planted_next(planted_next(42)))]]
+    assert "error: no tokenizer files" in out and "tokens/s" in out
