@@ -176,6 +176,8 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--tmp", default="/tmp/bench_generate")
+    ap.add_argument("--part", choices=("both", "speed", "memory"), default="both",
+                    help="run one part; the other is kept from an existing generate.json")
     a = ap.parse_args()
     tmp = Path(a.tmp)
     cfg = dict(FLASH, n_layers=a.layers, n_hash_layers=a.layers)
@@ -186,42 +188,50 @@ def main():
     result = {"cpu": _cpu_name(), "threads_note": "1 process x 2 threads vs 2 processes x 1 thread",
               "isa": os.environ.get("DEEPSEEK_CSA_ISA", "auto (avx2 on this host)"),
               "config": cfg, "prompt_len": a.prompt_len, "new_tokens": a.new}
+    old = RESULTS / "generate.json"
+    if a.part != "both" and old.exists():
+        prev = json.loads(old.read_text())
+        for k in ("speed", "memory"):
+            if k in prev and k != a.part:
+                result[k] = prev[k]
     try:
-        write_ckpt(cfg, tmp / "speed", (1, 2))
-        sides = {"1proc_x_2threads": (1, 2), "2procs_x_1thread": (2, 1)}
-        runs = {k: [] for k in sides}
-        for _ in range(a.reps):
-            for k, (w, t) in sides.items():
-                runs[k].append(run(tmp / "speed", w, t, prompt, a.new))
-        toks = {k: [r["tokens"] for r in v] for k, v in runs.items()}
-        same = all(t == [want] for v in toks.values() for t in v)
-        result["speed"] = {
-            k: {"rss_python_torch_baseline_per_rank": [[x["rss_before_model"] for x in r["ranks"]] for r in v],
-                "decode_tokens_per_s": [r["decode_tokens_per_s"] for r in v],
-                "prefill_tokens_per_s": [r["prefill_tokens_per_s"] for r in v],
-                "peak_rss_per_rank": [[x["peak_rss"] for x in r["ranks"]] for r in v],
-                "shard_bytes": [x["shard_bytes"] for x in v[0]["ranks"]]}
-            for k, v in runs.items()}
-        best = {k: max(v["decode_tokens_per_s"]) for k, v in result["speed"].items()}
-        result["speed"]["same_tokens_as_planted"] = same
-        result["speed"]["decode_ratio_2procs_over_1proc"] = best["2procs_x_1thread"] / best["1proc_x_2threads"]
-        print(json.dumps(result["speed"], indent=1))
-        shutil.rmtree(tmp / "speed")
-        mcfg = dict(FLASH, n_layers=a.mem_layers, n_hash_layers=a.mem_layers)
-        write_ckpt(mcfg, tmp / "mem", (1,))
-        r = run(tmp / "mem", 1, 2, prompt, 4)
-        rk = r["ranks"][0]
-        result["memory"] = {
-            "n_layers": a.mem_layers, "shard_bytes": rk["shard_bytes"],
-            "peak_rss": rk["peak_rss"], "rss_python_torch_baseline": rk["rss_before_model"],
-            "peak_over_disk": rk["peak_rss"] / rk["shard_bytes"],
-            "peak_minus_baseline_over_disk": (rk["peak_rss"] - rk["rss_before_model"]) / rk["shard_bytes"],
-            "tokens_match_planted": r["tokens"][0] == want[:4],
-            "what": "1 process x 2 threads loads the 1-rank shard and generates 4 tokens; "
-                    "peak_rss = VmHWM of that process (load + prefill + decode); baseline = "
-                    "VmRSS after importing torch + deepseek_csa, before model.py",
-            "decode_tokens_per_s": r["decode_tokens_per_s"]}
-        print(json.dumps(result["memory"], indent=1))
+        if a.part in ("both", "speed"):
+            write_ckpt(cfg, tmp / "speed", (1, 2))
+            sides = {"1proc_x_2threads": (1, 2), "2procs_x_1thread": (2, 1)}
+            runs = {k: [] for k in sides}
+            for _ in range(a.reps):
+                for k, (w, t) in sides.items():
+                    runs[k].append(run(tmp / "speed", w, t, prompt, a.new))
+            toks = {k: [r["tokens"] for r in v] for k, v in runs.items()}
+            same = all(t == [want] for v in toks.values() for t in v)
+            result["speed"] = {
+                k: {"rss_python_torch_baseline_per_rank": [[x["rss_before_model"] for x in r["ranks"]] for r in v],
+                    "decode_tokens_per_s": [r["decode_tokens_per_s"] for r in v],
+                    "prefill_tokens_per_s": [r["prefill_tokens_per_s"] for r in v],
+                    "peak_rss_per_rank": [[x["peak_rss"] for x in r["ranks"]] for r in v],
+                    "shard_bytes": [x["shard_bytes"] for x in v[0]["ranks"]]}
+                for k, v in runs.items()}
+            best = {k: max(v["decode_tokens_per_s"]) for k, v in result["speed"].items()}
+            result["speed"]["same_tokens_as_planted"] = same
+            result["speed"]["decode_ratio_2procs_over_1proc"] = best["2procs_x_1thread"] / best["1proc_x_2threads"]
+            print(json.dumps(result["speed"], indent=1))
+            shutil.rmtree(tmp / "speed")
+        if a.part in ("both", "memory"):
+            mcfg = dict(FLASH, n_layers=a.mem_layers, n_hash_layers=a.mem_layers)
+            write_ckpt(mcfg, tmp / "mem", (1,))
+            r = run(tmp / "mem", 1, 2, prompt, 4)
+            rk = r["ranks"][0]
+            result["memory"] = {
+                "n_layers": a.mem_layers, "shard_bytes": rk["shard_bytes"],
+                "peak_rss": rk["peak_rss"], "rss_python_torch_baseline": rk["rss_before_model"],
+                "peak_over_disk": rk["peak_rss"] / rk["shard_bytes"],
+                "peak_minus_baseline_over_disk": (rk["peak_rss"] - rk["rss_before_model"]) / rk["shard_bytes"],
+                "tokens_match_planted": r["tokens"][0] == want[:4],
+                "what": "1 process x 2 threads loads the 1-rank shard and generates 4 tokens; "
+                        "peak_rss = VmHWM of that process (load + prefill + decode); baseline = "
+                        "VmRSS after importing torch + deepseek_csa, before model.py",
+                "decode_tokens_per_s": r["decode_tokens_per_s"]}
+            print(json.dumps(result["memory"], indent=1))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     RESULTS.mkdir(parents=True, exist_ok=True)

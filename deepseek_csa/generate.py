@@ -126,6 +126,16 @@ def check_divisible(args, world_size):
 _ST_TORCH_ELEMS = {"F4": 2}     # torch.float4_e2m1fn_x2 packs two e2m1 values per element
 
 
+def _st_dtype(name):
+    torch = _torch()
+    return {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+            "F8_E8M0": getattr(torch, "float8_e8m0fnu", None),
+            "F4": getattr(torch, "float4_e2m1fn_x2", None), "BF16": torch.bfloat16,
+            "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+            "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32,
+            "I64": torch.int64, "BOOL": torch.bool}.get(name)
+
+
 def _st_shape(sl):
     shape = list(sl.get_shape())
     per = _ST_TORCH_ELEMS.get(sl.get_dtype(), 1)
@@ -134,12 +144,12 @@ def _st_shape(sl):
     return tuple(shape)
 
 
-def load_checkpoint(model, path, chunk_bytes=256 << 20, strict=False, log=print):
+def load_checkpoint(model, path, chunk_bytes=64 << 20, strict=False, log=print):
     """Copies the tensors of the safetensors file ``path`` into ``model``'s parameters
     and persistent buffers in place (same dtype required: FP8 / FP4 stay as stored).
     Every shape and dtype is checked against the model before any data is read.  The
-    file is opened again for each ~``chunk_bytes`` of tensors so that at most that much
-    of its mapping is resident on top of the model.  ``strict=False`` (as the released
+    file is opened again for each ~``chunk_bytes`` of tensors (row ranges of larger
+    ones) so that at most that much of its mapping is resident on top of the model.  ``strict=False`` (as the released
     generate.py loads, for the MTP keys that alias the main model's) reports keys
     missing on either side instead of failing.  Returns (missing, unexpected)."""
     torch = _torch()
@@ -158,31 +168,45 @@ def load_checkpoint(model, path, chunk_bytes=256 << 20, strict=False, log=print)
                 f"{os.path.basename(path)}: tensor {k!r} has shape {list(shape)} in the "
                 f"checkpoint but {list(t.shape)} in the model built from the config "
                 f"(config and checkpoint disagree, or the shard is for another world size)")
+        want = _st_dtype(dt)
+        if want is not None and want != t.dtype:
+            raise CheckpointError(
+                f"{os.path.basename(path)}: tensor {k!r} is {want} in the checkpoint but "
+                f"{t.dtype} in the model (check the config's dtype / expert_dtype / scale_fmt)")
     if strict and (missing or unexpected):
         raise CheckpointError(f"{path}: missing keys {missing[:8]}, unexpected {unexpected[:8]}")
-    keys = [k for k in meta if k in targets]
+    # pieces of at most ~chunk_bytes (row ranges of large tensors), grouped; one open
+    # per group: its mapped pages are let go when it closes
+    pieces = []
+    for k in (k for k in meta if k in targets):
+        t = targets[k]
+        nb = t.numel() * t.element_size()
+        rows = t.shape[0] if t.dim() > 1 else 1
+        step = rows if nb <= chunk_bytes else max(1, rows * chunk_bytes // nb)
+        for a in range(0, rows, step):
+            pieces.append((k, a, min(rows, a + step), nb * (min(rows, a + step) - a) // rows))
     groups, cur, size = [], [], 0
-    for k in keys:
-        nb = targets[k].numel() * targets[k].element_size()
-        if cur and size + nb > chunk_bytes:
+    for pc in pieces:
+        if cur and size + pc[3] > chunk_bytes:
             groups.append(cur)
             cur, size = [], 0
-        cur.append(k)
-        size += nb
+        cur.append(pc)
+        size += pc[3]
     if cur:
         groups.append(cur)
     with torch.no_grad():
         for g in groups:
             with safe_open(path, framework="pt") as f:
-                for k in g:
-                    src = f.get_tensor(k)
+                for k, a, b, _ in g:
                     dst = targets[k]
+                    whole = a == 0 and (dst.dim() <= 1 or b == dst.shape[0])
+                    src = f.get_tensor(k) if whole else f.get_slice(k)[a:b]
                     if src.dtype != dst.dtype:
                         raise CheckpointError(
                             f"{os.path.basename(path)}: tensor {k!r} is {src.dtype} in the "
                             f"checkpoint but {dst.dtype} in the model (check the config's "
                             f"dtype / expert_dtype / scale_fmt)")
-                    dst.copy_(src)
+                    (dst if whole else dst[a:b]).copy_(src)
                     del src
     if missing:
         log(f"[load] {len(missing)} model tensor(s) not in the checkpoint (left as "

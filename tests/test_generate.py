@@ -340,3 +340,15 @@ def test_interactive_token_ids(ckpt, monkeypatch, capsys):
     assert hist == [[planted_next(42), planted_next(planted_next(42)),
                      planted_next(planted_next(planted_next(42)))]]
     assert "error: no tokenizer files" in out and "tokens/s" in out
+
+
+def test_error_dtype_mismatch_names_tensor(tiny, ckpt):
+    """A config without ue8m0 scales (float32 FP8 scales, same shapes) against the
+    checkpoint's e8m0 ones: caught from the header, before any data is read."""
+    root, _, _ = ckpt
+    with bf16_default():
+        m = tiny.Transformer(tiny.ModelArgs(**dict(CFG, scale_fmt=None)))
+        with pytest.raises(G.CheckpointError, match=r"tensor 'layers\.\d\.attn\.\w+\.scale' is "
+                                                    r"torch\.float8_e8m0fnu in the checkpoint but "
+                                                    r"torch\.float32 in the model"):
+            G.load_checkpoint(m, str(root / "mp1" / "model0-mp1.safetensors"))
