@@ -1,12 +1,15 @@
 #include "pool.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef __x86_64__
 #include <immintrin.h>
 #endif
 
 #include "norm.h"
+#include "qpack.h"
+#include "quant.h"
 #include "rope.h"
 
 /* Element access for arrays that are float32 (bf = 0) or bfloat16 (bf = 1). */
@@ -184,6 +187,53 @@ static void round_rows(float *out, csa_idx B, csa_idx G, csa_idx d, csa_idx sob,
     for (csa_idx i = 0; i < rows; i++) csa_round_bf16(out + (i / G) * sob + (i % G) * sog, d, 1);
 }
 
+/* The QAT rounding of the epilogue (pool.h, `quant`) on out [B, G, d] (unit feature
+ * stride), in place, by the kernels fp8_round / fp4_round / hadamard run: the same
+ * calls on the same values, so the same bits. */
+static int pool_round(float *of, csa_bf16 *oh, csa_idx G, csa_idx d, csa_idx sog,
+                      csa_idx block, int fmt, int scale)
+{
+    return oh ? csa_quant_round_bf16(oh, G, d, sog, 1, block, fmt, scale, oh, sog, 1)
+              : csa_quant_round(of, G, d, sog, 1, block, fmt, scale, of, sog, 1);
+}
+
+static int pool_quant(const csa_pool_epilogue *ep, void *out, int obf, csa_idx B, csa_idx G,
+                      csa_idx d, csa_idx sob, csa_idx sog)
+{
+    const int q = ep->quant;
+    if (q < CSA_POOL_Q_NONE || q > CSA_POOL_Q_FP4_E4M3) return CSA_EINVAL;
+    if (q == CSA_POOL_Q_FP8 && (ep->quant_d < 0 || ep->quant_d > d)) return CSA_EINVAL;
+    const float hscale = (float)(1.0 / sqrt((double)d));
+    int st = CSA_OK;
+    for (csa_idx b = 0; b < B && st == CSA_OK; b++) {
+        float *of = obf ? NULL : (float *)out + b * sob;
+        csa_bf16 *oh = obf ? (csa_bf16 *)out + b * sob : NULL;
+        switch (q) {
+        case CSA_POOL_Q_FP8:
+            st = pool_round(of, oh, G, ep->quant_d, sog, 64, CSA_Q_E4M3, CSA_QS_UE8M0);
+            break;
+        case CSA_POOL_Q_FP4:
+            st = pool_round(of, oh, G, d, sog, 32, CSA_Q_E2M1, CSA_QS_UE8M0);
+            break;
+        case CSA_POOL_Q_HADAMARD_FP4:
+            st = oh ? csa_hadamard_bf16(oh, G, d, sog, 1, hscale, oh, sog, 1)
+                    : csa_hadamard(of, G, d, sog, 1, hscale, of, sog, 1);
+            if (st == CSA_OK && ep->bf16 && of)
+                for (csa_idx g = 0; g < G; g++) csa_round_bf16(of + g * sog, d, 1);
+            if (st == CSA_OK) st = pool_round(of, oh, G, d, sog, 32, CSA_Q_E2M1, CSA_QS_UE8M0);
+            break;
+        case CSA_POOL_Q_FP4_E4M3:
+            st = pool_round(of, oh, G, d, sog, 16, CSA_Q_E2M1, CSA_QS_E4M3);
+            if (st == CSA_OK && ep->bf16 && of)
+                for (csa_idx g = 0; g < G; g++) csa_round_bf16(of + g * sog, d, 1);
+            break;
+        default:
+            break;
+        }
+    }
+    return st;
+}
+
 /* The epilogue of entries g0 .. g0+G-1 of rows 0..B-1 (out [B, G, d], unit feature
  * stride).  A bfloat16 out is already rounded (the cast to the model dtype happened on
  * the pooling store); the bf16 norm and RoPE kernels round on their stores. */
@@ -214,6 +264,7 @@ static int pool_epilogue(const csa_pool_epilogue *ep, void *out, int obf, csa_id
                                   sr, 1, ep->sin + row0, sr, 1, 0);
         if (ep->bf16 && !obf) round_rows(of, B, G, d, sob, sog);
     }
+    if (ep->quant && st == CSA_OK) st = pool_quant(ep, out, obf, B, G, d, sob, sog);
     return st;
 }
 
@@ -228,8 +279,8 @@ static void state_row(float *dk, float *ds, const void *k, int kbf, const void *
         for (csa_idx f = 0; f < n; f++) ds[f] += ap[f];
 }
 
-int csa_pool_prefill(csa_pool_state *st, const struct csa_pool_problem *p,
-                     const csa_pool_epilogue *ep)
+static int pool_prefill_values(csa_pool_state *st, const struct csa_pool_problem *p,
+                               const csa_pool_epilogue *ep)
 {
     const void *kv = p->kv, *score = p->score;
     const float *ape = p->ape;
@@ -270,8 +321,8 @@ int csa_pool_prefill(csa_pool_state *st, const struct csa_pool_problem *p,
     return CSA_OK;
 }
 
-int csa_pool_step(csa_pool_state *st, const struct csa_pool_problem *pp, int64_t p,
-                  const csa_pool_epilogue *ep, int *emitted)
+static int pool_step_values(csa_pool_state *st, const struct csa_pool_problem *pp, int64_t p,
+                            const csa_pool_epilogue *ep, int *emitted)
 {
     const void *kv = pp->kv, *score = pp->score;
     const float *ape = pp->ape;
@@ -339,4 +390,55 @@ int csa_pool_step(csa_pool_state *st, const struct csa_pool_problem *pp, int64_t
     }
     for (csa_idx b = 0; b < B; b++) st->pos[b] = p + 1;
     return s;
+}
+
+/* A packed call (pool.h, `pack`): the entries are made as values in a scratch
+ * [B, G, d] (G = 1 for a step) of the problem's out type, by exactly the unpacked path,
+ * then encoded into the caller's uint8 rows by csa_quant_pack, whose rounding is the
+ * FP4 rounding the values got: the codes times the scales are those values. */
+static int pool_packed(csa_pool_state *st, const struct csa_pool_problem *p,
+                       const csa_pool_epilogue *ep, int64_t pos, int *emitted)
+{
+    const csa_idx d = st->d, r = st->ratio, B = p->B;
+    if ((ep->quant != CSA_POOL_Q_FP4 && ep->quant != CSA_POOL_Q_HADAMARD_FP4) || d % 32 ||
+        r <= 0 || B < 0 || p->T < 0 || p->sof != 1)
+        return CSA_EINVAL;
+    const csa_idx G = emitted ? 1 : p->T / r;
+    const size_t esz = p->out_bf16 ? sizeof(csa_bf16) : sizeof(float);
+    void *vals = malloc((size_t)(B * G * d) * esz + 1);
+    if (!vals) return CSA_ENOMEM;
+    struct csa_pool_problem q = *p;
+    q.out = vals;
+    q.sob = G * d;
+    q.sog = emitted ? 0 : d;
+    csa_pool_epilogue e = *ep;
+    e.pack = 0;
+    int made = 0;
+    int s = emitted ? pool_step_values(st, &q, pos, &e, &made)
+                    : pool_prefill_values(st, &q, &e);
+    if (emitted) *emitted = made;
+    else made = G > 0;
+    uint8_t *o = p->out;
+    for (csa_idx b = 0; b < B && s == CSA_OK && made; b++) {
+        const void *x = p->out_bf16 ? (const void *)((csa_bf16 *)vals + b * G * d)
+                                    : (const void *)((float *)vals + b * G * d);
+        s = csa_quant_pack(x, p->out_bf16, G, d, d, 1, 32, CSA_Q_E2M1, CSA_QS_UE8M0,
+                           o + b * p->sob, p->sog, o + b * p->sob + d / 2, 1, p->sog, 1);
+    }
+    free(vals);
+    return s;
+}
+
+int csa_pool_prefill(csa_pool_state *st, const struct csa_pool_problem *p,
+                     const csa_pool_epilogue *ep)
+{
+    if (ep && ep->pack) return pool_packed(st, p, ep, 0, NULL);
+    return pool_prefill_values(st, p, ep);
+}
+
+int csa_pool_step(csa_pool_state *st, const struct csa_pool_problem *pp, int64_t p,
+                  const csa_pool_epilogue *ep, int *emitted)
+{
+    if (ep && ep->pack) return pool_packed(st, pp, ep, p, emitted);
+    return pool_step_values(st, pp, p, ep, emitted);
 }

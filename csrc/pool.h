@@ -57,15 +57,47 @@ typedef struct {
  *           rounded on the pooling store, normed and rotated by the bf16 kernels);
  *   norm_w: [d] RMSNorm weight (unit stride), eps; NULL: no norm;
  *   cos, sin: [rows, half] tables (row stride srow, unit inner stride); entry g is
- *           rotated on its last 2*half features by row g*ratio; NULL: no RoPE.
- * The FP8 / FP4 rounding is applied by the caller. */
+ *           rotated on its last 2*half features by row g*ratio; NULL: no RoPE;
+ *   quant:  the released QAT rounding (enum csa_pool_quant), applied last, in place,
+ *           by the rounding kernels of quant.h (the bits of csa_quant_round /
+ *           csa_hadamard on the stored entries):
+ *             FP8           e4m3, ue8m0 scales, blocks of 64, on the first quant_d
+ *                           features (d minus the rope dimension);
+ *             FP4           e2m1, ue8m0 scales, blocks of 32;
+ *             HADAMARD_FP4  the normalized Hadamard rotation (scale float32(d^-1/2)),
+ *                           back to bfloat16 under `bf16`, then FP4 as above;
+ *             FP4_E4M3      e2m1 in blocks of 16 with e4m3 scales, then back to
+ *                           bfloat16 under `bf16` (the scales are not powers of two);
+ *           a bfloat16 `out` is rounded by the bfloat16 kernels (widen, round in
+ *           float32, narrow once);
+ *   pack:   (FP4 or HADAMARD_FP4 only, d % 32 == 0) the entries are not stored as
+ *           values: `out` of the problem is uint8 [B, G, d/2 + d/32] (strides sob, sog
+ *           in bytes, unit inner stride) and each entry row holds the e2m1 codes of
+ *           its rounded values, two a byte, element 2i in the low nibble, then one
+ *           ue8m0 exponent byte per block of 32 (csa_quant_pack's layout, qpack.h;
+ *           docs/kernels.md, "Packed FP4 entries").  The value rows live in a scratch
+ *           buffer only (CSA_ENOMEM if it cannot be allocated). */
+enum csa_pool_quant {
+    CSA_POOL_Q_NONE = 0,
+    CSA_POOL_Q_FP8 = 1,
+    CSA_POOL_Q_FP4 = 2,
+    CSA_POOL_Q_HADAMARD_FP4 = 3,
+    CSA_POOL_Q_FP4_E4M3 = 4,
+};
+
 typedef struct {
     int bf16;
     const float *norm_w;
     float eps;
     const float *cos, *sin;
     csa_idx half, rows, srow;
+    int quant;
+    csa_idx quant_d;
+    int pack;
 } csa_pool_epilogue;
+
+/* Bytes of one packed FP4 entry row of width d (pack above): d/2 codes + d/32 scales. */
+#define CSA_POOL_PACKED_ROW(d) ((d) / 2 + (d) / 32)
 
 /* Prefill (start_pos 0) of rows 0..B-1 of the state, B = p->B <= st->batch: pools the
  * T/ratio complete groups of p (p->ratio, d, overlap: the state's; unit feature

@@ -59,6 +59,9 @@ def _quant_fn(name, rope_dim, bf16):
 
 
 _QUANT_NAMES = ("fp8", "fp4", "hadamard_fp4", "fp4_e4m3")
+# The C epilogue's codes of the named roundings (enum csa_pool_quant in csrc/pool.h);
+# _quant_fn above is the same rounding by separate calls, kept as the tests' oracle.
+_QUANT_CODES = {"fp8": 1, "fp4": 2, "hadamard_fp4": 3, "fp4_e4m3": 4}
 
 
 def _view(x):
@@ -93,7 +96,8 @@ class Compressor:
     """Streaming gated pooling for ``batch`` sequences (rows), one state per row.
 
     Compressor(batch, ratio, head_dim, *, overlap=False, ape=None,
-               norm_weight=None, eps=1e-6, rope=None, model_dtype="float32", quant=None)
+               norm_weight=None, eps=1e-6, rope=None, model_dtype="float32", quant=None,
+               packed=False)
 
     batch       : rows of state; calls may use the first B <= batch rows.
     ratio       : tokens per entry, >= 1 (V4: 4 with overlap, 128; V4.1: 2, 1).
@@ -120,7 +124,16 @@ class Compressor:
                   "fp4_e4m3"  FP4 in blocks of 16 with e4m3 scales (V4.1 KV),
                   or a callable ``quant(entries) -> array or None`` given every
                   emitted [B, n, D] array, float32 or (bfloat16 inputs) bfloat16
-                  (None result: rounded in place).
+                  (None result: rounded in place).  The named roundings run inside
+                  the C epilogue (one C call per prefill / step); a callable runs in
+                  Python on the returned entries.
+    packed      : False, or True with quant "fp4" or "hadamard_fp4" (head_dim a
+                  multiple of 32): prefill / step return the entries as uint8
+                  [B, n, head_dim // 2 + head_dim // 32], the e2m1 codes of the
+                  rounded values two a byte (element 2i in the low nibble), then one
+                  ue8m0 exponent byte per block of 32 features (127 = 2^0); codes
+                  times scales are bitwise the entries of packed=False
+                  (docs/kernels.md, "Packed FP4 entries").
 
     Ratio 1 without overlap is V4.1's ungated entry: the token's own kv (score may
     be None), then the epilogue.
@@ -131,7 +144,7 @@ class Compressor:
     def __init__(self, batch: int, ratio: int, head_dim: int, *, overlap: bool = False,
                  ape=None, norm_weight=None, eps: float = 1e-6,
                  rope: Optional[Sequence] = None, model_dtype: str = "float32",
-                 quant: Union[None, str, Callable] = None):
+                 quant: Union[None, str, Callable] = None, packed: bool = False):
         batch = self._int("batch", batch, 1)
         ratio = self._int("ratio", ratio, 1)
         head_dim = self._int("head_dim", head_dim, 1)
@@ -159,17 +172,43 @@ class Compressor:
         if model_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"Compressor(): 'model_dtype' must be 'float32' or 'bfloat16', "
                              f"got {model_dtype!r}")
+        qcode, quant_d = 0, 0
         if isinstance(quant, str):
             if quant not in _QUANT_NAMES:
                 raise ValueError(f"Compressor(): 'quant' must be None, a callable or one of "
                                  f"{_QUANT_NAMES}, got {quant!r}")
-            quant = _quant_fn(quant, 2 * cos.shape[1] if cos is not None else 64,
-                              model_dtype == "bfloat16")
+            qcode = _QUANT_CODES[quant]
+            rd = 2 * cos.shape[1] if cos is not None else 64
+            quant_d = head_dim - rd
+            if quant == "fp8" and (quant_d < 0 or quant_d % 64):
+                raise ValueError(f"Compressor(): 'quant' 'fp8' rounds the head_dim - {rd} "
+                                 f"features in front of the rope tail in blocks of 64, so "
+                                 f"head_dim - {rd} must be a multiple of 64 >= 0, got "
+                                 f"head_dim={head_dim}")
+            if quant in ("fp4", "hadamard_fp4") and head_dim % 32:
+                raise ValueError(f"Compressor(): 'quant' {quant!r} rounds blocks of 32, so "
+                                 f"head_dim must be a multiple of 32, got {head_dim}")
+            if quant == "fp4_e4m3" and head_dim % 16:
+                raise ValueError(f"Compressor(): 'quant' 'fp4_e4m3' rounds blocks of 16, so "
+                                 f"head_dim must be a multiple of 16, got {head_dim}")
+            if quant == "hadamard_fp4" and head_dim & (head_dim - 1):
+                raise ValueError(f"Compressor(): 'quant' 'hadamard_fp4' needs a power-of-two "
+                                 f"head_dim, got {head_dim}")
+            quant_d = max(quant_d, 0)
+            quant = None
         if quant is not None and not callable(quant):
             raise TypeError(f"Compressor(): 'quant' must be None or callable, got "
                             f"{type(quant).__name__}")
+        if not isinstance(packed, (bool, np.bool_)):
+            raise TypeError(f"Compressor(): 'packed' must be a bool, got "
+                            f"{type(packed).__name__}")
+        packed = bool(packed)
+        if packed and qcode not in (_QUANT_CODES["fp4"], _QUANT_CODES["hadamard_fp4"]):
+            raise ValueError("Compressor(): 'packed' needs quant='fp4' or 'hadamard_fp4' "
+                             "(FP4 codes with ue8m0 scales), got "
+                             f"quant={_QUANT_NAMES[qcode - 1] if qcode else quant!r}")
         self.batch, self.ratio, self.head_dim, self.overlap = batch, ratio, head_dim, overlap
-        self.model_dtype, self.eps = model_dtype, eps
+        self.model_dtype, self.eps, self.packed = model_dtype, eps, packed
         self._quant = quant
         self._kv = np.zeros((batch, ratio, c * head_dim), np.float32)
         self._score = np.empty_like(self._kv)
@@ -178,13 +217,13 @@ class Compressor:
         self._prev_score = np.empty(shape_prev, np.float32)
         self._pos = np.zeros(batch, np.int64)
         self.reset()
-        # The C state (_cstate), validated once here from these fields (_state): prefill
-        # and step read it (see py_pool.c); it points into the arrays above, which
-        # reset() only ever writes in place.
-        self._state = (ratio, int(overlap), head_dim, self._kv, self._score, self._prev_kv,
-                       self._prev_score, self._pos, ape, nw, eps, cos, sin,
-                       int(model_dtype == "bfloat16"))
-        self._cstate = _pool_state(*self._state)
+        # The C state and epilogue (a capsule), validated once here: prefill and step
+        # read it (see py_pool.c); it points into the arrays above, which reset() only
+        # ever writes in place, and keeps them alive.
+        self._cstate = _pool_state(ratio, int(overlap), head_dim, self._kv, self._score,
+                                   self._prev_kv, self._prev_score, self._pos, ape, nw, eps,
+                                   cos, sin, int(model_dtype == "bfloat16"), qcode, quant_d,
+                                   int(packed))
 
     @staticmethod
     def _int(name, v, lo, hi=1 << 40):
@@ -220,11 +259,13 @@ class Compressor:
 
         kv, score : float32 or bfloat16 [B, T, c*head_dim], B <= batch, any strides
                     (they may differ in dtype: each is widened exactly).
-        out       : [B, T // ratio, head_dim] of kv's dtype, C-contiguous, or None.
+        out       : [B, T // ratio, head_dim] of kv's dtype, C-contiguous, or None
+                    (packed: uint8 [B, T // ratio, head_dim // 2 + head_dim // 32]).
         Returns the T // ratio complete entries [B, T // ratio, head_dim] (after the
         epilogue); keeps the T % ratio trailing tokens (and, with overlap, the last
         complete group) for ``step``.  Rows >= B are left as they are.  The entries
-        have kv's dtype (bfloat16 kv: bfloat16 entries, see the module docstring).
+        have kv's dtype (bfloat16 kv: bfloat16 entries, see the module docstring), or
+        are packed FP4 rows (``packed=True``).
         """
         y = _pool_prefill(self._cstate, _view(kv), _view(score), out)
         if self._quant is not None and y.shape[1]:
@@ -235,7 +276,8 @@ class Compressor:
         """One decode token per row at position ``start_pos`` (which must be every
         used row's ``positions``); kv, score: float32 or bfloat16 [B, 1, c*head_dim],
         B <= batch.  Returns the new entry [B, 1, head_dim] of kv's dtype (compressed
-        index start_pos // ratio) when the token completes its group, else None."""
+        index start_pos // ratio; packed: uint8 [B, 1, head_dim // 2 + head_dim // 32])
+        when the token completes its group, else None."""
         y = _pool_step(self._cstate, _view(kv), _view(score), start_pos)
         if y is not None and self._quant is not None:
             y = self._apply_quant(y)
@@ -248,4 +290,5 @@ class Compressor:
     def __repr__(self):
         return (f"Compressor(batch={self.batch}, ratio={self.ratio}, head_dim={self.head_dim}, "
                 f"overlap={self.overlap}, model_dtype={self.model_dtype!r}, "
+                f"{'packed=True, ' if self.packed else ''}"
                 f"positions={self._pos.tolist() if self.batch <= 8 else '...'})")

@@ -244,6 +244,11 @@ def compressor_forward(self, x, start_pos):
     kv, sc = _f32(kv_t), _f32(sc_t)
     ov = bool(getattr(self, "overlap", False))
     ape = _f32(self.ape) if v4 else None
+    # Not the Compressor's C state on these buffers: that state is separate C-contiguous
+    # [B, r, c*D] / [B, r, D] arrays plus a position per row, while the released module
+    # keeps previous and open group in one [B, c*r, c*D] buffer (the previous group's
+    # first halves interleaved with unused columns) and no positions, and its epilogue
+    # must call the module's own norm / RoPE / act_quant (which other drop-ins replace).
     st_kv, st_sc = _f32(self.kv_state), _f32(self.score_state)
     if start_pos == 0:
         whole = s - s % r

@@ -229,11 +229,20 @@ def test_private_pool_step_corrupt_ratio_raises_cleanly():
         pytest.skip("no Compressor yet")
     from deepseek_csa import _core
     comp = dc.Compressor(2, 4, 8, overlap=True)
-    state = list(comp._state)
-    state[0] = 0
+    args = [4, 1, 8, comp._kv, comp._score, comp._prev_kv, comp._prev_score, comp._pos,
+            None, None, 1e-6, None, None, 0, 0, 0, 0]
+    _core._pool_state(*args)                      # the valid state is accepted
     one = np.zeros((2, 1, 16), np.float32)
-    with pytest.raises((ValueError, RuntimeError, TypeError)):
-        _core._pool_step(tuple(state), one, one, 0)
+    for i, bad in [(0, 0), (14, 9), (15, 99), (16, 1), (7, comp._kv)]:
+        corrupt = list(args)
+        corrupt[i] = bad                          # ratio 0, quant code, quant_d, pack, pos
+        with pytest.raises((ValueError, RuntimeError, TypeError)):
+            _core._pool_state(*corrupt)
+    with pytest.raises(TypeError, match="state"):  # only the capsule is a state
+        _core._pool_step(tuple(args), one, one, 0)
+    with pytest.raises(TypeError, match="state"):
+        _core._pool_prefill(None, one, one)
+    assert comp.step(one, one, 0) is None
 
 
 def test_isa_controls_reject_bad_levels():

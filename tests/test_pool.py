@@ -810,3 +810,136 @@ def test_bf16_nan_inf_and_mixed_dtype_stream(isa_bf16, rng):
     a = _stream(dc.Compressor(2, 4, 8, overlap=True, ape=ape), kb, sb, 9)
     b = _stream(dc.Compressor(2, 4, 8, overlap=True, ape=ape), kb, sb.astype(np.float32), 9)
     assert a.dtype == b.dtype == BF16 and np.array_equal(_bits(a), _bits(b))
+
+
+# ---------------------------------------------------------------- the fused QAT epilogue
+
+# (B, ratio, overlap, T, T1): T not a multiple of ratio, a prefill shorter than one
+# group (S < ratio), batch > 1, overlap on and off, V4.1's ratios 2 and 1.
+_FUSED_SHAPES = [(2, 4, True, 19, 10), (3, 4, False, 13, 3), (1, 4, True, 11, 2),
+                 (2, 2, False, 9, 5), (2, 1, False, 5, 3), (1, 8, False, 21, 7)]
+
+
+def _quant_then_round(comp_plain, quant, rd, bf16, kv, sc, T1):
+    """The old path: entries of a Compressor without rounding, then the released QAT
+    rounding by separate calls (compressor._quant_fn) on each returned array."""
+    from deepseek_csa.compressor import _quant_fn
+    fn = _quant_fn(quant, rd, bf16)
+    outs = []
+    y = comp_plain.prefill(kv[:, :T1], sc[:, :T1])
+    if y.shape[1]:
+        fn(y)
+    outs.append(y)
+    for p in range(T1, kv.shape[1]):
+        y = comp_plain.step(kv[:, p:p + 1], sc[:, p:p + 1], p)
+        if y is not None:
+            fn(y)
+            outs.append(y)
+    return np.concatenate(outs, 1)
+
+
+@pytest.mark.parametrize("shape", _FUSED_SHAPES)
+@pytest.mark.parametrize("mode", ["float32", "bfloat16", "bf16_inputs"])
+@pytest.mark.parametrize("quant", ["fp8", "fp4", "hadamard_fp4", "fp4_e4m3"])
+def test_compressor_fused_quant_is_pool_then_round(rng, quant, mode, shape):
+    """The named roundings in the C epilogue give bitwise what pooling and then rounding
+    by separate calls gave, in prefill and in every streaming step."""
+    B, ratio, overlap, T, T1 = shape
+    D = 128
+    c = 2 if overlap else 1
+    kv, sc, ape = _inputs(rng, B, T, c * D, ratio)
+    if mode == "bf16_inputs":
+        kv, sc = kv.astype(BF16), sc.astype(BF16)
+    kw = _epilogue_kw(rng, D, ratio, T, dtype="bfloat16" if mode == "bfloat16" else "float32")
+    kw.update(overlap=overlap, ape=ape if ratio > 1 else None)
+    want = _quant_then_round(dc.Compressor(B, ratio, D, **kw), quant, 64, mode == "bfloat16",
+                             kv, sc, T1)
+    got = _stream(dc.Compressor(B, ratio, D, quant=quant, **kw), kv, sc, T1)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert np.array_equal(_bits(got), _bits(want)), (quant, mode, shape)
+    plain = _stream(dc.Compressor(B, ratio, D, **kw), kv, sc, T1)
+    assert not np.array_equal(_bits(plain), _bits(got))   # the rounding did something
+
+
+def test_compressor_fused_quant_without_rope_rounds_in_front_of_64(rng):
+    kv, sc, ape = _inputs(rng, 2, 9, 192, 2)
+    kw = dict(ape=ape, norm_weight=rng.standard_normal(192, dtype=np.float32))
+    want = _quant_then_round(dc.Compressor(2, 2, 192, **kw), "fp8", 64, False, kv, sc, 4)
+    got = _stream(dc.Compressor(2, 2, 192, quant="fp8", **kw), kv, sc, 4)
+    assert np.array_equal(_bits(got), _bits(want))
+
+
+from deepseek_csa import _core  # noqa: E402
+
+E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
+
+
+def _unpack_fp4(q, D):
+    """uint8 [..., D/2 + D/32] packed entries -> float32 [..., D]: codes times scales."""
+    codes = np.stack([q[..., :D // 2] & 15, q[..., :D // 2] >> 4], -1).reshape(q.shape[:-1] + (D,))
+    vals = E2M1_VALUES[codes & 7] * np.where(codes & 8, np.float32(-1), np.float32(1))
+    e = q[..., D // 2:].astype(np.int32) - 127
+    scale = np.ldexp(np.float32(1), e).astype(np.float32)
+    return (vals.reshape(q.shape[:-1] + (D // 32, 32)) * scale[..., None]).reshape(vals.shape)
+
+
+@pytest.mark.parametrize("shape", [(2, 4, True, 19, 10), (3, 2, False, 9, 1), (2, 1, False, 4, 2)])
+@pytest.mark.parametrize("mode", ["float32", "bfloat16", "bf16_inputs"])
+@pytest.mark.parametrize("quant", ["fp4", "hadamard_fp4"])
+def test_compressor_packed_fp4_is_the_rounded_entries(rng, quant, mode, shape):
+    """packed=True rows: D/2 bytes of e2m1 codes (element 2i low nibble) then D/32 ue8m0
+    bytes; codes times scales are bitwise the entries of packed=False, prefill and step."""
+    B, ratio, overlap, T, T1 = shape
+    D = 128
+    c = 2 if overlap else 1
+    kv, sc, ape = _inputs(rng, B, T, c * D, ratio)
+    if mode == "bf16_inputs":
+        kv, sc = kv.astype(BF16), sc.astype(BF16)
+    kw = _epilogue_kw(rng, D, ratio, T, dtype="bfloat16" if mode == "bfloat16" else "float32")
+    kw.update(overlap=overlap, ape=ape if ratio > 1 else None, quant=quant)
+    vals = dc.Compressor(B, ratio, D, **kw)
+    pk = dc.Compressor(B, ratio, D, packed=True, **kw)
+    want = [vals.prefill(kv[:, :T1], sc[:, :T1])]
+    got = [pk.prefill(kv[:, :T1], sc[:, :T1])]
+    assert got[0].dtype == np.uint8 and got[0].shape == (B, T1 // ratio, D // 2 + D // 32)
+    for p in range(T1, T):
+        w, g = (m.step(kv[:, p:p + 1], sc[:, p:p + 1], p) for m in (vals, pk))
+        assert (w is None) == (g is None)
+        if g is not None:
+            assert g.dtype == np.uint8 and g.shape == (B, 1, D // 2 + D // 32)
+            want.append(w)
+            got.append(g)
+    want = np.concatenate(want, 1).astype(np.float32)
+    got = _unpack_fp4(np.concatenate(got, 1), D)
+    assert want.shape[1] > 1
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (quant, mode, shape)
+    # the same bytes as quantizing the rounded rows to codes (fp4_quant, csrc/qpack.h)
+    q, rows = pk.prefill(kv, sc), vals.prefill(kv, sc)
+    codes, scales = _core.fp4_quant(rows, 32)
+    assert np.array_equal(q[..., :D // 2], codes) and np.array_equal(q[..., D // 2:], scales)
+
+
+def test_compressor_packed_out_and_bad_arguments(rng):
+    kv, sc, ape = _inputs(rng, 2, 12, 64, 4)
+    comp = dc.Compressor(2, 4, 64, ape=ape, quant="fp4", packed=True)
+    want = comp.prefill(kv, sc)
+    out = np.full((2, 3, 34), 7, np.uint8)
+    assert comp.prefill(kv, sc, out=out) is out and np.array_equal(out, want)
+    s0 = _state(comp)
+    for bad, exc, word in [(np.zeros((2, 3, 34), np.float32), TypeError, "uint8"),
+                           (np.zeros((2, 3, 32), np.uint8), ValueError, "shape"),
+                           (np.zeros((2, 3, 68), np.uint8)[..., ::2], ValueError, "contiguous")]:
+        with unchanged(kv, sc):
+            with pytest.raises(exc, match=word):
+                comp.prefill(kv, sc, out=bad)
+        assert _same_state(s0, _state(comp))
+    for kwargs in [{}, {"quant": "fp8"}, {"quant": "fp4_e4m3"}, {"quant": np.round}]:
+        with pytest.raises(ValueError, match="'packed'"):
+            dc.Compressor(1, 4, 128, packed=True, **kwargs)
+    with pytest.raises(TypeError, match="'packed'"):
+        dc.Compressor(1, 4, 64, quant="fp4", packed="yes")
+    for D, q in [(48, "fp4"), (48, "hadamard_fp4"), (96, "hadamard_fp4"), (24, "fp4_e4m3"),
+                 (96, "fp8")]:
+        with pytest.raises(ValueError, match="'quant'"):
+            dc.Compressor(1, 4, D, quant=q)
+    assert "packed=True" in repr(comp)

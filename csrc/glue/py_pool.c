@@ -146,9 +146,11 @@ done:
  *
  * deepseek_csa/compressor.py builds the state once, at construction, with
  *   _pool_state(ratio, overlap, d, kv_state, score_state, prev_kv, prev_score, pos,
- *               ape or None, norm_w or None, eps, cos or None, sin or None, bf16)
+ *               ape or None, norm_w or None, eps, cos or None, sin or None, bf16,
+ *               quant, quant_d, pack)
  * (C-contiguous float32 arrays, pos int64, of the shapes in pool.h, owned by the
- * Compressor).  They are validated there, once, into a state_view kept in a capsule
+ * Compressor; quant an enum csa_pool_quant code, quant_d the features FP8 rounds,
+ * pack 0/1: the epilogue of pool.h).  They are validated there, once, into a state_view kept in a capsule
  * (which also keeps the arguments alive); prefill and step take the capsule. */
 
 typedef struct {
@@ -171,19 +173,22 @@ static int state_arr(PyObject *o, int type, npy_intp n, const char *what, const 
 static int parse_state(PyObject *tup, const char *fn, state_view *v)
 {
     Py_ssize_t ratio, d;
-    int overlap, bf16;
+    Py_ssize_t quant_d;
+    int overlap, bf16, quant, pack;
     double eps;
     PyObject *ks, *ss, *pk, *ps, *pos, *ape, *nw, *co, *so;
     if (!PyTuple_Check(tup) ||
-        !PyArg_ParseTuple(tup, "ninOOOOOOOdOOi", &ratio, &overlap, &d, &ks, &ss, &pk, &ps, &pos,
-                          &ape, &nw, &eps, &co, &so, &bf16)) {
+        !PyArg_ParseTuple(tup, "ninOOOOOOOdOOiini", &ratio, &overlap, &d, &ks, &ss, &pk, &ps,
+                          &pos, &ape, &nw, &eps, &co, &so, &bf16, &quant, &quant_d, &pack)) {
         if (!PyErr_Occurred())
             PyErr_Format(PyExc_TypeError, "%s(): the Compressor's state is corrupt", fn);
         return -1;
     }
     const npy_intp batch = PyArray_Check(pos) ? PyArray_SIZE((PyArrayObject *)pos) : 0;
     const npy_intp cd = (overlap ? 2 : 1) * d;
-    if (ratio < 1 || d < 0) {
+    const int fp4 = quant == CSA_POOL_Q_FP4 || quant == CSA_POOL_Q_HADAMARD_FP4;
+    if (ratio < 1 || d < 0 || quant < CSA_POOL_Q_NONE || quant > CSA_POOL_Q_FP4_E4M3 ||
+        quant_d < 0 || quant_d > d || (pack && (!fp4 || d % 32))) {
         PyErr_Format(PyExc_RuntimeError, "%s(): the Compressor's state is corrupt", fn);
         return -1;
     }
@@ -201,7 +206,7 @@ static int parse_state(PyObject *tup, const char *fn, state_view *v)
                              PyArray_DATA((PyArrayObject *)pos)};
     v->ape = ape == Py_None ? NULL : PyArray_DATA((PyArrayObject *)ape);
     v->ep = (csa_pool_epilogue){bf16, nw == Py_None ? NULL : PyArray_DATA((PyArrayObject *)nw),
-                                (float)eps, NULL, NULL, 0, 0, 0};
+                                (float)eps, NULL, NULL, 0, 0, 0, quant, quant_d, pack != 0};
     if (co != Py_None) {
         PyArrayObject *c = (PyArrayObject *)co, *s = (PyArrayObject *)so;
         if (!PyArray_Check(co) || !PyArray_Check(so) || PyArray_NDIM(c) != 2 ||
@@ -352,6 +357,42 @@ static int stream_views(struct stream_arrays *a)
     return 0;
 }
 
+/* The uint8 result of a packed prefill (pool.h, `pack`): a new C-contiguous array, or
+ * `out`, which must be a writeable C-contiguous uint8 array of exactly `shape` that
+ * overlaps none of the inputs.  A new reference, or NULL with the exception set. */
+static PyArrayObject *packed_out(PyObject *oo, const char *fn, npy_intp *shape,
+                                 PyArrayObject **ins, int n_in)
+{
+    if (oo == Py_None) return (PyArrayObject *)PyArray_EMPTY(3, shape, NPY_UINT8, 0);
+    char b1[256];
+    PyArrayObject *o = (PyArrayObject *)oo;
+    if (!PyArray_Check(oo) || PyArray_TYPE(o) != NPY_UINT8) {
+        PyErr_Format(PyExc_TypeError, "%s(): 'out' must be a uint8 array (packed=True), got %s",
+                     fn, PyArray_Check(oo) ? PyArray_DESCR(o)->typeobj->tp_name
+                                           : Py_TYPE(oo)->tp_name);
+        return NULL;
+    }
+    if (PyArray_NDIM(o) != 3 || PyArray_DIM(o, 0) != shape[0] || PyArray_DIM(o, 1) != shape[1] ||
+        PyArray_DIM(o, 2) != shape[2]) {
+        PyErr_Format(PyExc_ValueError, "%s(): 'out' must have shape [%lld, %lld, %lld], got %s",
+                     fn, (long long)shape[0], (long long)shape[1], (long long)shape[2],
+                     csa_shape_str(o, b1, sizeof b1));
+        return NULL;
+    }
+    if (!PyArray_IS_C_CONTIGUOUS(o) || !PyArray_ISWRITEABLE(o)) {
+        PyErr_Format(PyExc_ValueError, "%s(): 'out' must be writeable and C-contiguous", fn);
+        return NULL;
+    }
+    for (int i = 0; i < n_in; i++)
+        if (ins[i] && csa_may_overlap(o, ins[i])) {
+            PyErr_Format(PyExc_ValueError, "%s(): 'out' overlaps an input; pass a separate array",
+                         fn);
+            return NULL;
+        }
+    Py_INCREF(o);
+    return o;
+}
+
 static PyObject *py_pool_prefill(PyObject *self, PyObject *args)
 {
     static const char *fn = "Compressor.prefill";
@@ -364,15 +405,18 @@ static PyObject *py_pool_prefill(PyObject *self, PyObject *args)
     if (state_inputs(fn, &v, kvo, so, &a.kv, &a.sc)) goto done;
     const npy_intp B = PyArray_DIM(a.kv, 0), T = PyArray_DIM(a.kv, 1), G = T / v.st.ratio;
     if (check_rope_rows(fn, &v, (long long)G - 1)) goto done;
-    npy_intp shape[3] = {B, G, v.st.d};
+    const npy_intp row = v.ep.pack ? CSA_POOL_PACKED_ROW(v.st.d) : v.st.d;
+    npy_intp shape[3] = {B, G, row};
     PyArrayObject *ins[2] = {a.kv, a.sc};
-    if (!(a.out = csa_out_array(oo, fn, 3, shape, a.kv, 0, ins, 2, 0, NULL))) goto done;
+    a.out = v.ep.pack ? packed_out(oo, fn, shape, ins, 2)
+                      : csa_out_array(oo, fn, 3, shape, a.kv, 0, ins, 2, 0, NULL);
+    if (!a.out) goto done;
     if (!PyArray_IS_C_CONTIGUOUS(a.out)) {
         PyErr_Format(PyExc_ValueError, "%s(): 'out' must be C-contiguous", fn);
         goto done;
     }
     if (stream_views(&a)) goto done;
-    const struct csa_pool_problem p = pool_problem(&v, a.kvc, a.scc, a.out, G * v.st.d, v.st.d);
+    const struct csa_pool_problem p = pool_problem(&v, a.kvc, a.scc, a.out, G * row, row);
     int st;
     Py_BEGIN_ALLOW_THREADS
     st = csa_pool_prefill(&v.st, &p, &v.ep);
@@ -422,9 +466,12 @@ static PyObject *py_pool_step(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (check_positions(fn, &v, B, p)) goto done;
     const int emit = (p + 1) % v.st.ratio == 0;
     if (emit && check_rope_rows(fn, &v, p / v.st.ratio)) goto done;
-    npy_intp shape[3] = {B, 1, v.st.d};
-    if (!(a.out = csa_empty_like_dtype(a.kv, 3, shape)) || stream_views(&a)) goto done;
-    const struct csa_pool_problem pp = pool_problem(&v, a.kvc, a.scc, a.out, v.st.d, 0);
+    const npy_intp row = v.ep.pack ? CSA_POOL_PACKED_ROW(v.st.d) : v.st.d;
+    npy_intp shape[3] = {B, 1, row};
+    a.out = v.ep.pack ? (PyArrayObject *)PyArray_EMPTY(3, shape, NPY_UINT8, 0)
+                      : csa_empty_like_dtype(a.kv, 3, shape);
+    if (!a.out || stream_views(&a)) goto done;
+    const struct csa_pool_problem pp = pool_problem(&v, a.kvc, a.scc, a.out, row, 0);
     int st, emitted = 0;
     Py_BEGIN_ALLOW_THREADS
     st = csa_pool_step(&v.st, &pp, p, &v.ep, &emitted);
@@ -464,7 +511,7 @@ PyMethodDef csa_pool_methods[] = {
      gated_pool_doc},
     {"_pool_state", (PyCFunction)py_pool_state, METH_VARARGS,
      "_pool_state(ratio, overlap, d, kv, score, prev_kv, prev_score, pos, ape, norm_w, eps, "
-     "cos, sin, bf16)\n--\n\nPrivate: the Compressor's state, validated once."},
+     "cos, sin, bf16, quant, quant_d, pack)\n--\n\nPrivate: the Compressor's state, validated once."},
     {"_pool_prefill", (PyCFunction)py_pool_prefill, METH_VARARGS,
      "_pool_prefill(state, kv, score, out=None)\n--\n\nPrivate: Compressor.prefill."},
     {"_pool_step", (PyCFunction)(void (*)(void))py_pool_step, METH_FASTCALL,

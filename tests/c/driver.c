@@ -460,7 +460,8 @@ static int run_pool_stream(const tcase *c, void *out)
     const int ov = (c->flags & F_OVERLAP) != 0, bf = (c->flags & F_BF16) != 0;
     const long cd = (ov ? 2 : 1) * d, G = T / r;
     const size_t es = bf ? 2 : 4;
-    const csa_pool_epilogue ep = {bf, c->buf[3], 1e-6f, c->buf[4], c->buf[5], half, T, half};
+    const csa_pool_epilogue ep = {bf, c->buf[3], 1e-6f, c->buf[4], c->buf[5], half, T, half,
+                                  (int)c->p[5], d - 2 * half, 0};
     const csa_pool_epilogue *epp = (c->flags & F_EPI) ? &ep : NULL;
     char *o_pre = out, *o_step = o_pre + (size_t)B * G * d * es;
     char *o_state = o_step + (size_t)B * G * d * es;
@@ -717,6 +718,13 @@ static tcase cases[] = {
     {&K_POOL_STREAM, {2, 261, 32, 128, 8}, F_EPI, 2e-6, 2e-6, "f32 r128 norm+rope"},
     {&K_POOL_STREAM, {3, 19, 64, 4, 16}, F_OVERLAP | F_EPI | BF, 2e-6, 2e-6, "bf16 overlap r4 norm+rope"},
     {&K_POOL_STREAM, {1, 9, 16, 1, 4}, F_EPI, 2e-6, 2e-6, "f32 r1 norm+rope"},
+    /* p[5]: the epilogue's QAT rounding (enum csa_pool_quant); a level's pooled value may
+     * differ from the scalar one in an ulp, which can move a rounded value by one grid
+     * step (atol 2: the largest FP4 step of these unit-scale entries); the bitwise checks
+     * are prefill == stepped at each level and 1 == 2 threads */
+    {&K_POOL_STREAM, {2, 23, 128, 4, 32, CSA_POOL_Q_FP8}, F_OVERLAP | F_EPI, 0, 2, "f32 overlap r4 norm+rope+fp8"},
+    {&K_POOL_STREAM, {3, 19, 64, 4, 16, CSA_POOL_Q_HADAMARD_FP4}, F_OVERLAP | F_EPI | BF, 0, 2, "bf16 overlap r4 norm+rope+hadamard_fp4"},
+    {&K_POOL_STREAM, {2, 9, 64, 2, 8, CSA_POOL_Q_FP4_E4M3}, F_EPI, 0, 2, "f32 r2 norm+rope+fp4_e4m3"},
     /* index_scores: B, S, Hi, Di, Tc, ratio, start_pos */
     {&K_INDEX_SCORES, {2, 9, 8, 67, 40, 4, 150}, 0, 1e-5, 1e-4, "f32 odd Di decode-ish"},
     {&K_INDEX_SCORES, {1, 64, 16, 128, 32, 4, 0}, 0, 1e-5, 1e-4, "f32 prefill causal"},
