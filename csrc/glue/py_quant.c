@@ -313,6 +313,12 @@ static PyObject *py_fp4_pack(PyObject *self, PyObject *args, PyObject *kw)
             PyErr_Format(PyExc_ValueError, "%s(): 'out' must be writeable", fn);
             goto done;
         }
+        if (csa_self_overlap(out)) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s(): 'out' must not have overlapping elements (a zero or overlapping "
+                         "stride)", fn);
+            goto done;
+        }
         if (csa_may_overlap(out, x)) {
             PyErr_Format(PyExc_ValueError, "%s(): 'out' must not overlap 'x'", fn);
             goto done;
