@@ -134,8 +134,14 @@ static void CSA_V(ix_widen_keys)(const struct csa_index_problem *p, csa_idx b, c
     for (csa_idx t = t0; t < t1; t++) {
         const csa_bf16 *CSA_RESTRICT kr = kb + t * p->skt;
         float *CSA_RESTRICT o = dst + (t - t0) * Di;
-#pragma omp simd
-        for (csa_idx d = 0; d < Di; d++) o[d] = csa_bf16_to_f32(kr[d]);
+        csa_idx d = 0;
+#if defined(__AVX2__)
+        /* in registers: zero-extend 8 halves to 32 bits, shift into the high half */
+        for (; d + 8 <= Di; d += 8)
+            _mm256_storeu_si256((__m256i *)(o + d),
+                                _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(kr + d))), 16));
+#endif
+        for (; d < Di; d++) o[d] = csa_bf16_to_f32(kr[d]);
     }
 }
 
