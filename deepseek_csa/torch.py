@@ -331,6 +331,8 @@ def _fp4_keys(owner, kn, b, first):
     if Di % 32 or n == 0:
         return kn
     st = getattr(owner, "_csa_fp4_keys", None)
+    # rows written while the module ran unswapped are repacked too
+    first = min(first, getattr(owner, "_csa_fp4_valid", 0))
     if st is None or st.shape[0] < b or st.shape[1] < n:
         rows = max(n, 2 * st.shape[1]) if st is not None else n
         new = np.zeros((max(b, st.shape[0] if st is not None else 0), rows, Di // 2 + Di // 32),
@@ -339,9 +341,9 @@ def _fp4_keys(owner, kn, b, first):
     try:
         _dc.fp4_pack(kn[:, first:n], out=st[:b, first:n])
     except ValueError:
-        owner._csa_fp4_keys = None
+        owner._csa_fp4_keys, owner._csa_fp4_valid = None, 0
         return kn
-    owner._csa_fp4_keys = st
+    owner._csa_fp4_keys, owner._csa_fp4_valid = st, n
     return st[:b, :n]
 
 

@@ -98,16 +98,16 @@ static int parse_qkw(const char *fn, PyObject *qo, PyObject *ko, PyObject *wo, l
         }
         const npy_intp qd = PyArray_DIM(a->q, 3);
         const npy_intp Di = q8 ? (qd % 17 == 0 ? qd / 17 * 32 : -1) : qd;
-        if (Di < 0 || Di % 32) {
-            PyErr_Format(PyExc_ValueError,
-                         "%s(): FP4 'k' needs an index head dim Di that is a multiple of 32 "
-                         "(rows of Di/2 + Di/32 bytes), got q of shape %s", fn,
+        /* a uint8 k is FP4 rows only at that width: anything else is a wrong dtype */
+        if (Di < 0 || Di % 32 || PyArray_DIM(a->k, 2) != Di / 2 + Di / 32) {
+            PyErr_Format(PyExc_TypeError,
+                         "%s(): 'k' must be float32 or bfloat16 [B, Tc, Di], or uint8 FP4 rows "
+                         "[B, Tc, Di/2 + Di/32] with Di a multiple of 32; got uint8 of shape %s "
+                         "with q of shape %s", fn, csa_shape_str(a->k, b2, sizeof b2),
                          csa_shape_str(a->q, b1, sizeof b1));
             goto fail;
         }
         if (csa_check_dim(a->k, fn, "k", 0, PyArray_DIM(a->q, 0), "batch, q.shape[0]")) goto fail;
-        if (csa_check_dim(a->k, fn, "k", 2, Di / 2 + Di / 32, "Di/2 + Di/32 bytes of an FP4 row"))
-            goto fail;
         if (!(a->w = csa_array(wo, fn, "weights", CSA_F32 | CSA_BF16, 3, 3, 0))) goto fail;
         const npy_intp B = PyArray_DIM(a->q, 0), S = PyArray_DIM(a->q, 1),
                        Hi = PyArray_DIM(a->q, 2), Tc = PyArray_DIM(a->k, 1);
