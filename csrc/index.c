@@ -8,6 +8,8 @@
  * oracle sorts composite (key, position) pairs with qsort instead. */
 #include "index.h"
 #include "amx.h"
+#include "qpack.h"
+#include "quant.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -194,6 +196,82 @@ static void select_row(const float *sc, csa_idx sst, csa_idx nvis, const uint8_t
     for (csa_idx j = k; j < K; j++) out[j] = -1;
 }
 
+/* Element i of a float32 or bfloat16 array, widened exactly to float32. */
+static inline float ld(const void *a, int bf16, csa_idx i)
+{
+    return bf16 ? csa_bf16_to_f32(((const csa_bf16 *)a)[i]) : ((const float *)a)[i];
+}
+
+/* ------------------------------------------------------------------ FP4 rows */
+
+/* 2x the e2m1 value of a code (sign bit 3; 0, 0.5, 1, 1.5, 2, 3, 4, 6): the integers
+ * the exact block sums run on. */
+static const int8_t fp4_v2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+static inline int fp4_code(const uint8_t *row, csa_idx d) { return (row[d >> 1] >> (4 * (d & 1))) & 15; }
+
+/* 2^(e - 127) for a ue8m0 byte e (2^-127 is a float32 subnormal, exact); 0xff is NaN. */
+static inline float fp4_scale(uint8_t e)
+{
+    if (e == 0xff) return NAN;
+    union { uint32_t u; float f; } v = {e ? (uint32_t)e << 23 : 0x00400000u};
+    return v.f;
+}
+
+/* Packs the Hi query rows of (b, s) (float32 or bfloat16) into FP4 rows of
+ * W = Di / 2 + Di / 32 bytes at dst (row stride W): the released indexer's query
+ * rounding (block 32, ue8m0), stored as codes. */
+static int fp4_pack_q(const struct csa_index_problem *p, csa_idx b, csa_idx s, uint8_t *dst,
+                      int ref)
+{
+    const csa_idx W = p->Di / 2 + p->Di / 32;
+    const size_t es = p->qk_bf16 ? 2 : 4;
+    const char *q = (const char *)p->q + (size_t)(b * p->sqb + s * p->sqs) * es;
+    if (ref)
+        return csa_quant_pack_ref(q, p->qk_bf16, p->Hi, p->Di, p->sqh, 1, 32, CSA_Q_E2M1,
+                                  CSA_QS_UE8M0, dst, W, dst + p->Di / 2, 1, W, 1);
+    return csa_quant_pack(q, p->qk_bf16, p->Hi, p->Di, p->sqh, 1, 32, CSA_Q_E2M1, CSA_QS_UE8M0,
+                          dst, W, dst + p->Di / 2, 1, W, 1);
+}
+
+/* The plainest statement of the FP4 score: per head, per block, an integer sum of
+ * the 2x codes, times the product of the scales (and 1/4), added in block order. */
+static float score_ref_fp4(const struct csa_index_problem *p, const uint8_t *qrows, csa_idx sqh,
+                           csa_idx b, csa_idx s, csa_idx t)
+{
+    const csa_idx Di = p->Di, nb = Di / 32;
+    const uint8_t *kr = (const uint8_t *)p->k + b * p->skb + t * p->skt;
+    const csa_idx w0 = b * p->swb + s * p->sws;
+    float acc = 0.0f;
+    for (csa_idx h = 0; h < p->Hi; h++) {
+        const uint8_t *qr = qrows + h * sqh;
+        float dot = 0.0f;
+        for (csa_idx j = 0; j < nb; j++) {
+            int32_t isum = 0;
+            for (csa_idx d = 32 * j; d < 32 * j + 32; d++)
+                isum += fp4_v2[fp4_code(qr, d)] * fp4_v2[fp4_code(kr, d)];
+            const float sc = fp4_scale(qr[Di / 2 + j]) * (fp4_scale(kr[Di / 2 + j]) * 0.25f);
+            dot += (float)isum * sc;
+        }
+        const float r = dot < 0.0f ? 0.0f : dot; /* keeps NaN */
+        acc += r * ld(p->w, p->w_bf16, w0 + h * p->swh);
+    }
+    return acc;
+}
+
+/* The FP4 query rows of (b, s) for the oracle: q itself (q_fp4) or packed into buf. */
+static const uint8_t *fp4_q_rows_ref(const struct csa_index_problem *p, csa_idx b, csa_idx s,
+                                     uint8_t *buf, csa_idx *sqh)
+{
+    if (p->q_fp4) {
+        *sqh = p->sqh;
+        return (const uint8_t *)p->q + b * p->sqb + s * p->sqs;
+    }
+    *sqh = p->Di / 2 + p->Di / 32;
+    fp4_pack_q(p, b, s, buf, 1);
+    return buf;
+}
+
 /* ------------------------------------------------------------------ oracle */
 
 static int cmp_u64_desc(const void *a, const void *b)
@@ -230,12 +308,6 @@ static int select_row_ref(const float *sc, csa_idx sst, csa_idx nvis, const uint
     return CSA_OK;
 }
 
-/* Element i of a float32 or bfloat16 array, widened exactly to float32. */
-static inline float ld(const void *a, int bf16, csa_idx i)
-{
-    return bf16 ? csa_bf16_to_f32(((const csa_bf16 *)a)[i]) : ((const float *)a)[i];
-}
-
 static float score_ref(const struct csa_index_problem *p, csa_idx b, csa_idx s, csa_idx t)
 {
     const int bf = p->qk_bf16;
@@ -252,31 +324,61 @@ static float score_ref(const struct csa_index_problem *p, csa_idx b, csa_idx s, 
     return acc;
 }
 
+static int fp4_args_ok(const struct csa_index_problem *p)
+{
+    if (p->q_fp4 && !p->k_fp4) return 0;
+    return !p->k_fp4 || p->Di % 32 == 0;
+}
+
+/* Query-row scratch of the FP4 oracle (NULL-safe size). */
+static uint8_t *fp4_qbuf_ref(const struct csa_index_problem *p)
+{
+    return malloc((size_t)(p->Hi > 0 ? p->Hi : 1) * (size_t)(p->Di / 2 + p->Di / 32 + 1));
+}
+
 int csa_index_scores_ref(const struct csa_index_problem *p, float *out, csa_idx sob, csa_idx sos)
 {
+    if (!fp4_args_ok(p)) return CSA_EINVAL;
+    uint8_t *qb = p->k_fp4 ? fp4_qbuf_ref(p) : NULL;
+    if (p->k_fp4 && !qb) return CSA_ENOMEM;
     for (csa_idx b = 0; b < p->B; b++)
         for (csa_idx s = 0; s < p->S; s++) {
             const csa_idx nv = visible(p->start_pos + s, p->ratio);
             float *o = out + b * sob + s * sos;
-            for (csa_idx t = 0; t < p->Tc; t++) o[t] = t < nv ? score_ref(p, b, s, t) : -INFINITY;
+            csa_idx sqh = 0;
+            const uint8_t *qr = p->k_fp4 && nv > 0 ? fp4_q_rows_ref(p, b, s, qb, &sqh) : NULL;
+            for (csa_idx t = 0; t < p->Tc; t++)
+                o[t] = t >= nv ? -INFINITY
+                     : p->k_fp4 ? score_ref_fp4(p, qr, sqh, b, s, t) : score_ref(p, b, s, t);
         }
+    free(qb);
     return CSA_OK;
 }
 
 int csa_index_topk_ref(const struct csa_index_problem *p, const struct csa_index_cand *c,
                        csa_idx K, csa_idx offset, int order, int32_t *out)
 {
+    if (!fp4_args_ok(p)) return CSA_EINVAL;
     float *row = malloc((size_t)(p->Tc > 0 ? p->Tc : 1) * sizeof(float));
-    if (!row) return CSA_ENOMEM;
+    uint8_t *qb = p->k_fp4 ? fp4_qbuf_ref(p) : NULL;
+    if (!row || (p->k_fp4 && !qb)) {
+        free(row);
+        free(qb);
+        return CSA_ENOMEM;
+    }
     int st = CSA_OK;
     for (csa_idx b = 0; b < p->B && !st; b++)
         for (csa_idx s = 0; s < p->S && !st; s++) {
             const csa_idx nv = visible(p->start_pos + s, p->ratio);
-            for (csa_idx t = 0; t < nv; t++) row[t] = score_ref(p, b, s, t);
+            csa_idx sqh = 0;
+            const uint8_t *qr = p->k_fp4 && nv > 0 ? fp4_q_rows_ref(p, b, s, qb, &sqh) : NULL;
+            for (csa_idx t = 0; t < nv; t++)
+                row[t] = p->k_fp4 ? score_ref_fp4(p, qr, sqh, b, s, t) : score_ref(p, b, s, t);
             st = select_row_ref(row, 1, nv, cand_row(c, b, s), c, K, offset, order,
                                 out + (b * p->S + s) * K);
         }
     free(row);
+    free(qb);
     return st;
 }
 
@@ -301,7 +403,7 @@ int csa_topk_indices_ref(const float *scores, csa_idx B, csa_idx S, csa_idx Tc, 
 /* What the tuned kernels read for q . k (index_impl.h): float32 q/k in place,
  * bfloat16 q/k widened to float32 copies for the float32 code, or bfloat16 q/k on
  * AMX-BF16 tiles (level 'amx' only). */
-enum { IX_F32 = 0, IX_WIDEN = 1, IX_AMX = 2 };
+enum { IX_F32 = 0, IX_WIDEN = 1, IX_AMX = 2, IX_FP4 = 3 };
 
 /* One tuned call: scores into sc (idx == NULL) or fused top-k into idx. */
 struct ix_call {
@@ -312,6 +414,9 @@ struct ix_call {
     int32_t *idx;
     float *sc;
     csa_idx sob, sos;
+    /* FP4 keys: the FP4 query rows, bytes (q itself, or rounded and packed once) */
+    const uint8_t *qp;
+    csa_idx qpb, qps, qph;
 };
 
 #define CSA_IMPL "index_impl.h"

@@ -38,6 +38,16 @@ struct csa_index_problem {
     csa_idx skb, skt;
     csa_idx swb, sws, swh;
     csa_idx ratio, start_pos;
+    /* FP4 operands (docs/kernels.md, section 4, "FP4 key rows"): k_fp4 = k holds
+     * uint8 rows of Di / 2 + Di / 32 bytes (e2m1 codes two a byte, element 2i in the
+     * low nibble, then one ue8m0 exponent byte per 32 features), skb / skt in bytes;
+     * q_fp4 = q holds such rows too (sqb, sqs, sqh in bytes), else q (float32 or
+     * bfloat16 per qk_bf16) is rounded to FP4 per 32 features with ue8m0 scales
+     * first.  q_fp4 needs k_fp4; Di % 32 == 0.  Each block of 32 features is scored
+     * as an exact integer sum of (2 q)(2 k) codes times 2^(eq + ek - 256) (the
+     * product of the two scales, then the integer sum converted and scaled), the
+     * blocks added in float32 in order; relu, weights and the head sum as above. */
+    int k_fp4, q_fp4;
 };
 
 /* V4.1 candidate blocks: mask [B, S, n_blocks] (nonzero = kept) with strides

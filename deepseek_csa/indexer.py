@@ -22,9 +22,16 @@ bf16 path equals the float32 reference on the bf16 values up to the order of flo
 additions.  At ISA level 'amx' q . k run on AMX-BF16 tiles (several times the float32
 throughput; bfloat16 subnormals count as zero there); at the other levels bfloat16
 inputs give bitwise the float32 result.  Bits never depend on the thread count.
+
+FP4 key rows (docs/kernels.md, section 4): ``fp4_pack(k)`` stores FP4-rounded index keys
+as uint8 [..., D // 2 + D // 32] (68 bytes a row at D = 128 instead of 512), and a
+uint8 ``k`` of that width is scored from that format by ``index_scores`` /
+``index_topk`` with exact integer block dot products (q float32 / bfloat16, rounded to
+FP4 per 32 features as the released indexer rounds its queries, or q packed too).
+``fp4_unpack`` gives the float32 values back.
 """
-from ._core import (compress_topk_idxs, index_scores, index_topk, select_candidate_blocks,
-                    topk_indices, window_topk_idxs)
+from ._core import (compress_topk_idxs, fp4_pack, fp4_unpack, index_scores, index_topk,
+                    select_candidate_blocks, topk_indices, window_topk_idxs)
 
 __all__ = ["index_scores", "index_topk", "topk_indices", "select_candidate_blocks",
-           "window_topk_idxs", "compress_topk_idxs"]
+           "window_topk_idxs", "compress_topk_idxs", "fp4_pack", "fp4_unpack"]

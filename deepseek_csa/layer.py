@@ -284,8 +284,15 @@ class CSALayer:
         self._kv = np.zeros((batch, cfg.window + (self.n_comp_max if own_cache else 0), D),
                             np.float32)
         self._ik = None
+        # With QAT the index keys are on the FP4 grid: the cache holds them as FP4 rows
+        # (docs/kernels.md, section 4: Di/2 + Di/32 bytes a key, 68 at Di = 128) and the
+        # indexer scores them from that format.
+        self.index_fp4 = bool(self.qat and cfg.index_head_dim % 32 == 0)
         if r and ((not v41 and r == 4) or (v41 and self.kv_source and self.index_source)):
-            self._ik = np.zeros((batch, self.n_comp_max, cfg.index_head_dim), np.float32)
+            Di = cfg.index_head_dim
+            self._ik = (np.zeros((batch, self.n_comp_max, Di // 2 + Di // 32), np.uint8)
+                        if self.index_fp4 else
+                        np.zeros((batch, self.n_comp_max, Di), np.float32))
         self.timings: Dict[str, float] = {}
         self.last_topk = None
         self._pos = 0
@@ -314,6 +321,21 @@ class CSALayer:
         elif self.kv_source:
             self._comp = _dc.Compressor(self.batch, r, cfg.head_dim,
                                         norm_weight=W["compressor.norm.weight"], eps=eps)
+
+    def cache_bytes(self):
+        """Bytes of this layer's caches: {'kv': window ring + compressed KV, 'index_keys':
+        the indexer's key cache (FP4 rows when QAT is on), 'total'}."""
+        kv = int(self._kv.nbytes)
+        ik = int(self._ik.nbytes) if self._ik is not None else 0
+        return {"kv": kv, "index_keys": ik, "total": kv + ik}
+
+    def _store_index_keys(self, rows, B, first):
+        """Index keys [B, n, Di] (QAT-rounded when index_fp4) into the cache from `first`."""
+        dst = self._ik[:B, first:first + rows.shape[1]]
+        if self.index_fp4:
+            _dc.fp4_pack(rows, out=dst)   # already on the grid: packing is exact
+        else:
+            dst[...] = rows
 
     def reset(self):
         """Forgets the sequence (a prefill does this by itself)."""
@@ -506,7 +528,7 @@ class CSALayer:
             e = self._pool(self._icomp, p["ickv"], p["icscore"], start_pos)
             if e is not None:
                 first = 0 if start_pos == 0 else start_pos // r
-                self._ik[:B, first:first + e.shape[1]] = e
+                self._store_index_keys(e, B, first)
             t = self._tick("compressor", t)
             iq = p["iq"]
             cos, sin = self._cos[start_pos:start_pos + S], self._sin[start_pos:start_pos + S]
@@ -550,7 +572,7 @@ class CSALayer:
                     t = self._tick("rope", t)
                     self._index_rotate_round(k)
                     t = self._tick("qat", t)
-                    self._ik[:B, first:first + k.shape[1]] = k
+                    self._store_index_keys(k, B, first)
                 _dc.apply_rope(latent[..., -Dr:], c, s)
                 t = self._tick("rope", t)
                 self._round_entries(latent)

@@ -315,6 +315,7 @@ def indexer_forward(self, x, qr, start_pos, offset):
     self.compressor(x, start_pos)
     w = self.weights_proj(x) * (self.softmax_scale * self.n_heads ** -0.5)
     qn, kn, wn = _index_operands(q, self.kv_cache[:b, :end // r], w)
+    kn = _fp4_keys(self, kn, b, 0 if start_pos == 0 else start_pos // r)
     k = self.index_topk                       # the kernels take min(k, visible) themselves
     if G.get("world_size", 1) > 1:
         sc = torch.from_numpy(_dc.index_scores(qn, kn, wn, ratio=r, start_pos=start_pos))
@@ -324,6 +325,31 @@ def indexer_forward(self, x, qr, start_pos, offset):
         idx = _dc.index_topk(qn, kn, wn, k, ratio=r, start_pos=start_pos, offset=offset,
                              order="score")
     return torch.from_numpy(idx).long()
+
+
+def _fp4_keys(owner, kn, b, first):
+    """The index keys kn [b, n, Di] (rows from `first` new since the last call) as FP4
+    rows (docs/kernels.md, section 4) kept beside the module's key cache on `owner`, so
+    the indexer scores 68-byte keys instead of float rows; kn itself when the keys are
+    not on the FP4 grid (QAT off) or Di % 32 != 0."""
+    n, Di = kn.shape[1], kn.shape[2]
+    if Di % 32 or n == 0:
+        return kn
+    st = getattr(owner, "_csa_fp4_keys", None)
+    # rows written while the module ran unswapped are repacked too
+    first = min(first, getattr(owner, "_csa_fp4_valid", 0))
+    if st is None or st.shape[0] < b or st.shape[1] < n:
+        rows = max(n, 2 * st.shape[1]) if st is not None else n
+        new = np.zeros((max(b, st.shape[0] if st is not None else 0), rows, Di // 2 + Di // 32),
+                       np.uint8)
+        st, first = new, 0
+    try:
+        _dc.fp4_pack(kn[:, first:n], out=st[:b, first:n])
+    except ValueError:
+        owner._csa_fp4_keys, owner._csa_fp4_valid = None, 0
+        return kn
+    owner._csa_fp4_keys, owner._csa_fp4_valid = st, n
+    return st[:b, :n]
 
 
 def _index_operands(q, kc, w):
@@ -365,11 +391,18 @@ def indexer_forward_v41(self, x, qr, latent, start_pos, offset):
         G["fp4_act_quant"](k, fp4_block, True)
         self.k_cache[:b, first:first + g] = k
         sh.index_k = self.k_cache
+        # FP4 rows of the new keys beside k_cache, published with it (_fp4_keys)
+        kf = _fp4_keys(self, _index_operands(k, self.k_cache[:b, :first + g], k)[1], b, first)
+        sh._csa_index_fp4 = ((self.k_cache, self._csa_fp4_keys, first + g)
+                             if kf.dtype == np.uint8 else None)
     q = self.wq_b(qr).unflatten(-1, (self.n_local_heads, self.index_head_dim))
     G["apply_rotary_emb"](q[..., -rd:], self.freqs_cis[start_pos:end])
     G["fp4_act_quant"](q, fp4_block, True)
     w = self.weights_proj(x) * (self.softmax_scale * self.n_heads ** -0.5)
     qn, kn, wn = _index_operands(q, sh.index_k[:b, :n], w)
+    pub = getattr(sh, "_csa_index_fp4", None)
+    if pub is not None and pub[0] is sh.index_k and pub[2] >= n and pub[1].shape[0] >= b:
+        kn = pub[1][:b, :n]
     bs = self.candidate_block_size
     kw = {}
     if self.uses_candidates and not self.is_candidate_source:

@@ -643,6 +643,20 @@ def _quant4_derive(s):
     return s
 
 
+def _fp4rows_derive(s):
+    s["L"] = 32 * s["NB"]
+    s["W"] = 17 * s["NB"]
+    return s
+
+
+def _fp4rows_fill(rng, shape, sizes):
+    """Valid FP4 rows: random codes, exponent bytes in a moderate range (no 0xff)."""
+    u = rng.integers(0, 256, shape).astype(np.uint8)
+    nb = shape[-1] // 17
+    u[..., 16 * nb:] = rng.integers(110, 140, u[..., 16 * nb:].shape)
+    return u
+
+
 def _hc_derive(s):
     s["W"] = (2 + s["h"]) * s["h"]
     return s
@@ -691,6 +705,18 @@ ENTRIES += [
                scale=Choice(_C("ue8m0"), ("ue8m0", "e4m3"), none_ok=True)),
           positional=("x",), sizes=dict(R=(1, 5), NB=(1, 4), blk2=(1, 20)),
           derive=_quant4_derive, zero_ok=("R",), medium=dict(R=16385, NB=4, blk2=16)),
+    # FP4 key rows of the indexer (fp4_pack / fp4_unpack; round=True: any input packs)
+    Entry("fp4_pack", "fp4_pack",
+          dict(x=Arr(("R", "L"), ndim=(1, None), also=("bfloat16",)),
+               round=Flag(_C(True)),
+               out=Arr(("R", "W"), dtype=np.uint8, role="out", ndim=(1, None))),
+          positional=("x",), sizes=dict(R=(1, 5), NB=(1, 4)),
+          derive=_fp4rows_derive, zero_ok=("R",), medium=dict(R=8193, NB=4)),
+    Entry("fp4_unpack", "fp4_unpack",
+          dict(p=Arr(("R", "W"), dtype=np.uint8, ndim=(1, None), fill=_fp4rows_fill),
+               out=Arr(("R", "L"), role="out", ndim=(1, None))),
+          positional=("p",), sizes=dict(R=(1, 5), NB=(1, 4)),
+          derive=_fp4rows_derive, zero_ok=("R",), medium=dict(R=8193, NB=4)),
     Entry("hc_split_sinkhorn", "hc_split_sinkhorn",
           dict(mixes=Arr(("B", "S", "W"), ndim=(1, None)),
                hc_scale=Arr((3,)),

@@ -31,11 +31,114 @@ static int to_unit_inner(PyArrayObject **a)
     return c ? 0 : -1;
 }
 
+/* A new reference to obj viewed as a uint8 ndarray (numpy uint8 arrays, torch uint8
+ * tensors: FP4 rows), or NULL without an exception when obj is not uint8. */
+PyArrayObject *csa_index_u8_view(PyObject *obj);
+PyArrayObject *csa_index_u8_view(PyObject *obj)
+{
+    if (PyArray_Check(obj)) {
+        if (PyArray_TYPE((PyArrayObject *)obj) != NPY_UINT8) return NULL;
+        Py_INCREF(obj);
+        return (PyArrayObject *)obj;
+    }
+    PyObject *dt = PyObject_GetAttrString(obj, "dtype");
+    if (!dt) {
+        PyErr_Clear();
+        return NULL;
+    }
+    PyObject *r = PyObject_Str(dt);
+    Py_DECREF(dt);
+    const char *u = r ? PyUnicode_AsUTF8(r) : NULL;
+    const int is_u8 = u && (strcmp(u, "torch.uint8") == 0 || strcmp(u, "uint8") == 0);
+    Py_XDECREF(r);
+    PyErr_Clear();
+    if (!is_u8) return NULL;
+    PyObject *a = PyArray_FromAny(obj, NULL, 0, 0, 0, NULL);
+    if (!a) {
+        PyErr_Clear();
+        return NULL;
+    }
+    if (PyArray_TYPE((PyArrayObject *)a) != NPY_UINT8) {
+        Py_DECREF(a);
+        return NULL;
+    }
+    return (PyArrayObject *)a;
+}
+
 static int parse_qkw(const char *fn, PyObject *qo, PyObject *ko, PyObject *wo, long long ratio,
                      long long start_pos, struct qkw *a, struct csa_index_problem *p)
 {
     char b1[256], b2[256];
     memset(a, 0, sizeof *a);
+    /* FP4 rows (docs/kernels.md, section 4): a uint8 k (and optionally a uint8 q) of
+     * Di / 2 + Di / 32 bytes a row. */
+    PyArrayObject *k8 = csa_index_u8_view(ko), *q8 = csa_index_u8_view(qo);
+    if (q8 && !k8) {
+        Py_DECREF(q8);
+        PyErr_Format(PyExc_TypeError,
+                     "%s(): a uint8 (FP4 rows) 'q' needs a uint8 (FP4 rows) 'k', got k of another "
+                     "dtype", fn);
+        goto fail;
+    }
+    if (k8) {
+        a->k = k8;
+        a->q = q8;
+        if (PyArray_NDIM(a->k) != 3) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s(): 'k' (uint8 FP4 rows) must have 3 dimensions [B, Tc, Di/2 + Di/32], "
+                         "got shape %s", fn, csa_shape_str(a->k, b1, sizeof b1));
+            goto fail;
+        }
+        if (!a->q && !(a->q = csa_array(qo, fn, "q", CSA_F32 | CSA_BF16, 4, 4, 0))) goto fail;
+        if (q8 && PyArray_NDIM(a->q) != 4) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s(): 'q' (uint8 FP4 rows) must have 4 dimensions [B, S, Hi, Di/2 + "
+                         "Di/32], got shape %s", fn, csa_shape_str(a->q, b1, sizeof b1));
+            goto fail;
+        }
+        const npy_intp qd = PyArray_DIM(a->q, 3);
+        const npy_intp Di = q8 ? (qd % 17 == 0 ? qd / 17 * 32 : -1) : qd;
+        /* a uint8 k is FP4 rows only at that width: anything else is a wrong dtype */
+        if (Di < 0 || Di % 32 || PyArray_DIM(a->k, 2) != Di / 2 + Di / 32) {
+            PyErr_Format(PyExc_TypeError,
+                         "%s(): 'k' must be float32 or bfloat16 [B, Tc, Di], or uint8 FP4 rows "
+                         "[B, Tc, Di/2 + Di/32] with Di a multiple of 32; got uint8 of shape %s "
+                         "with q of shape %s", fn, csa_shape_str(a->k, b2, sizeof b2),
+                         csa_shape_str(a->q, b1, sizeof b1));
+            goto fail;
+        }
+        if (csa_check_dim(a->k, fn, "k", 0, PyArray_DIM(a->q, 0), "batch, q.shape[0]")) goto fail;
+        if (!(a->w = csa_array(wo, fn, "weights", CSA_F32 | CSA_BF16, 3, 3, 0))) goto fail;
+        const npy_intp B = PyArray_DIM(a->q, 0), S = PyArray_DIM(a->q, 1),
+                       Hi = PyArray_DIM(a->q, 2), Tc = PyArray_DIM(a->k, 1);
+        if (PyArray_DIM(a->w, 0) != B || PyArray_DIM(a->w, 1) != S || PyArray_DIM(a->w, 2) != Hi) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s(): 'weights' must have shape [B, S, Hi] = [%lld, %lld, %lld] "
+                         "(from q of shape %s), got %s",
+                         fn, (long long)B, (long long)S, (long long)Hi,
+                         csa_shape_str(a->q, b1, sizeof b1), csa_shape_str(a->w, b2, sizeof b2));
+            goto fail;
+        }
+        const long long need = (start_pos + (long long)S) / ratio;
+        if ((long long)Tc < need) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s(): 'k' must hold at least (start_pos + S) // ratio = (%lld + %lld) // "
+                         "%lld = %lld compressed entries, got shape %s",
+                         fn, start_pos, (long long)S, ratio, need, csa_shape_str(a->k, b1, sizeof b1));
+            goto fail;
+        }
+        if (to_unit_inner(&a->q) || to_unit_inner(&a->k)) goto fail;
+        *p = (struct csa_index_problem){
+            .q = PyArray_DATA(a->q), .k = PyArray_DATA(a->k), .w = PyArray_DATA(a->w),
+            .qk_bf16 = !q8 && csa_is_bf16(a->q), .w_bf16 = csa_is_bf16(a->w),
+            .B = B, .S = S, .Hi = Hi, .Di = Di, .Tc = Tc,
+            .sqb = csa_stride(a->q, 0), .sqs = csa_stride(a->q, 1), .sqh = csa_stride(a->q, 2),
+            .skb = csa_stride(a->k, 0), .skt = csa_stride(a->k, 1),
+            .swb = csa_stride(a->w, 0), .sws = csa_stride(a->w, 1), .swh = csa_stride(a->w, 2),
+            .ratio = ratio, .start_pos = start_pos, .k_fp4 = 1, .q_fp4 = q8 != NULL,
+        };
+        return 0;
+    }
     if (!(a->q = csa_array(qo, fn, "q", CSA_F32 | CSA_BF16, 4, 4, 0))) goto fail;
     if (!(a->k = csa_array(ko, fn, "k", CSA_F32 | CSA_BF16, 3, 3, 0))) goto fail;
     if (!(a->w = csa_array(wo, fn, "weights", CSA_F32 | CSA_BF16, 3, 3, 0))) goto fail;

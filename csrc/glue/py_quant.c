@@ -244,7 +244,226 @@ done:
     return ret;
 }
 
+/* ------------------------------------------------------------ fp4_pack / fp4_unpack */
+
+#include <stdlib.h>
+#include "../qpack.h"
+
+PyArrayObject *csa_index_u8_view(PyObject *obj); /* py_index.c */
+
+PyDoc_STRVAR(fp4_pack_doc,
+"fp4_pack(x, *, round=False, out=None)\n--\n\n"
+"FP4 rows (docs/kernels.md, section 4, \"FP4 key rows\"): the indexer's key cache format.\n"
+"Each row of D features (D % 32 == 0) becomes D // 2 + D // 32 bytes: bytes\n"
+"0 .. D/2 - 1 hold the e2m1 codes (sign bit 3; magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6)\n"
+"two a byte, element 2i in the low nibble (torch's float4_e2m1fn_x2), then one ue8m0\n"
+"byte per block of 32 features, the exponent field of the block's power-of-two scale\n"
+"(127 = 2**0; 0xff = NaN).  D = 128: 68 bytes instead of 512 (float32).\n\n"
+"x     : float32 or bfloat16 [..., D], any strides.  With round=False (default) every\n"
+"        block must already be on its FP4 grid, i.e. fp4_round(x, 32) == x bitwise (as\n"
+"        the QAT-rounded index keys are): otherwise ValueError naming the first row and\n"
+"        block that is not.  round=True rounds as fp4_round(x, 32) does first.\n"
+"out   : uint8 [..., D // 2 + D // 32] or None.\n"
+"fp4_unpack(fp4_pack(x)) == fp4_round(x, 32) bitwise.  Returns out (a new array when\n"
+"out is None).");
+
+static PyObject *py_fp4_pack(PyObject *self, PyObject *args, PyObject *kw)
+{
+    static const char *fn = "fp4_pack";
+    static char *kwlist[] = {"x", "round", "out", NULL};
+    PyObject *xo, *ro = Py_False, *oo = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$OO:fp4_pack", kwlist, &xo, &ro, &oo))
+        return NULL;
+    const int rnd = PyObject_IsTrue(ro);
+    if (rnd < 0) return NULL;
+    PyArrayObject *x = NULL, *xc = NULL, *res = NULL, *out = NULL;
+    PyObject *ret = NULL;
+    char b1[256], b2[256];
+    if (!(x = csa_array(xo, fn, "x", CSA_F32 | CSA_BF16, 1, NPY_MAXDIMS, 0))) goto done;
+    const int nd = PyArray_NDIM(x);
+    const npy_intp D = PyArray_DIM(x, nd - 1);
+    if (D % 32) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): the last dimension of 'x' must be a multiple of 32 (one scale per 32 "
+                     "features), got shape %s", fn, csa_shape_str(x, b1, sizeof b1));
+        goto done;
+    }
+    npy_intp shape[NPY_MAXDIMS];
+    for (int i = 0; i < nd; i++) shape[i] = PyArray_DIM(x, i);
+    const npy_intp W = D / 2 + D / 32;
+    shape[nd - 1] = W;
+    if (oo != Py_None) {
+        if (!(out = csa_index_u8_view(oo))) {
+            PyErr_Format(PyExc_TypeError, "%s(): 'out' must be a uint8 array, got %s", fn,
+                         Py_TYPE(oo)->tp_name);
+            goto done;
+        }
+        int same = PyArray_NDIM(out) == nd;
+        for (int i = 0; same && i < nd; i++) same = PyArray_DIM(out, i) == shape[i];
+        if (!same) {
+            PyArrayObject *tmp = (PyArrayObject *)PyArray_EMPTY(nd, shape, NPY_UINT8, 0);
+            if (tmp) {
+                PyErr_Format(PyExc_ValueError, "%s(): 'out' must have shape %s, got %s", fn,
+                             csa_shape_str(tmp, b1, sizeof b1), csa_shape_str(out, b2, sizeof b2));
+                Py_DECREF(tmp);
+            }
+            goto done;
+        }
+        if (!PyArray_ISWRITEABLE(out)) {
+            PyErr_Format(PyExc_ValueError, "%s(): 'out' must be writeable", fn);
+            goto done;
+        }
+        if (csa_self_overlap(out)) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s(): 'out' must not have overlapping elements (a zero or overlapping "
+                         "stride)", fn);
+            goto done;
+        }
+        if (csa_may_overlap(out, x)) {
+            PyErr_Format(PyExc_ValueError, "%s(): 'out' must not overlap 'x'", fn);
+            goto done;
+        }
+    }
+    if (!(xc = (PyArrayObject *)PyArray_NewCopy(x, NPY_CORDER))) goto done;
+    if (!(res = (PyArrayObject *)PyArray_EMPTY(nd, shape, NPY_UINT8, 0))) goto done;
+    const int bf = csa_is_bf16(x);
+    const csa_idx rows = D ? (csa_idx)(PyArray_SIZE(x) / D) : 0;
+    int st = CSA_OK;
+    csa_idx bad = -1;
+    float bad_v = 0, bad_r = 0;
+    Py_BEGIN_ALLOW_THREADS
+    const size_t n = (size_t)rows * (size_t)D;
+    float *xf = NULL, *rf = NULL;
+    if (bf) {
+        xf = malloc((n ? n : 1) * sizeof(float));
+        if (!xf) st = CSA_ENOMEM;
+        const csa_bf16 *s16 = (const csa_bf16 *)PyArray_DATA(xc);
+        for (size_t i = 0; !st && i < n; i++) xf[i] = csa_bf16_to_f32(s16[i]);
+    }
+    const float *src = bf ? xf : (const float *)PyArray_DATA(xc);
+    if (!st && !rnd) {
+        rf = malloc((n ? n : 1) * sizeof(float));
+        if (!rf) st = CSA_ENOMEM;
+        if (!st)
+            st = csa_quant_round(src, rows, D, D, 1, 32, CSA_Q_E2M1, CSA_QS_UE8M0, rf, D, 1);
+        for (size_t i = 0; !st && i < n; i++) {
+            uint32_t a, b;
+            memcpy(&a, src + i, 4);
+            memcpy(&b, rf + i, 4);
+            if (a != b && !(src[i] != src[i] && rf[i] != rf[i])) {
+                bad = (csa_idx)i;
+                bad_v = src[i];
+                bad_r = rf[i];
+                break;
+            }
+        }
+    }
+    uint8_t *q = (uint8_t *)PyArray_DATA(res);
+    if (!st && bad < 0 && rows > 0)
+        st = csa_quant_pack(src, 0, rows, D, D, 1, 32, CSA_Q_E2M1, CSA_QS_UE8M0, q, W, q + D / 2,
+                            1, W, 1);
+    free(xf);
+    free(rf);
+    Py_END_ALLOW_THREADS
+    if (st) {
+        csa_raise_status(st, fn);
+        goto done;
+    }
+    if (bad >= 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): 'x' is not on the FP4 grid of its block (block 32, ue8m0 scale): row "
+                     "%lld (of the leading axes flattened), block %lld (features %lld..%lld) "
+                     "holds %R at feature %lld, which rounds to %R; pass round=True to round",
+                     fn, (long long)(bad / D), (long long)(bad % D / 32),
+                     (long long)(bad % D / 32 * 32), (long long)(bad % D / 32 * 32 + 31),
+                     PyFloat_FromDouble(bad_v), (long long)(bad % D), PyFloat_FromDouble(bad_r));
+        goto done;
+    }
+    if (out) {
+        if (PyArray_CopyInto(out, res)) goto done;
+        ret = oo;
+        Py_INCREF(ret);
+    } else {
+        ret = (PyObject *)res;
+        res = NULL;
+    }
+done:
+    Py_XDECREF(x);
+    Py_XDECREF(xc);
+    Py_XDECREF(res);
+    Py_XDECREF(out);
+    return ret;
+}
+
+PyDoc_STRVAR(fp4_unpack_doc,
+"fp4_unpack(p, *, out=None)\n--\n\n"
+"The float32 values of FP4 rows (fp4_pack's format, docs/kernels.md section 4):\n"
+"p : uint8 [..., W] with W = D // 2 + D // 32 (W % 17 == 0), any strides.\n"
+"Returns float32 [..., D]: e2m1(code) * 2**(e - 127) per element (NaN where the\n"
+"block's byte is 0xff), exact.  out: float32 [..., D] or None.");
+
+static PyObject *py_fp4_unpack(PyObject *self, PyObject *args, PyObject *kw)
+{
+    static const char *fn = "fp4_unpack";
+    static char *kwlist[] = {"p", "out", NULL};
+    PyObject *po, *oo = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$O:fp4_unpack", kwlist, &po, &oo)) return NULL;
+    PyArrayObject *p = csa_index_u8_view(po), *pc = NULL, *out = NULL, *work = NULL;
+    PyObject *ret = NULL;
+    char b1[256];
+    if (!p) {
+        PyErr_Format(PyExc_TypeError, "%s(): 'p' must be a uint8 array of FP4 rows, got %s", fn,
+                     Py_TYPE(po)->tp_name);
+        return NULL;
+    }
+    const int nd = PyArray_NDIM(p);
+    const npy_intp W = nd ? PyArray_DIM(p, nd - 1) : -1;
+    if (nd < 1 || W % 17) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): 'p' must have a last dimension D/2 + D/32 (a multiple of 17 bytes), "
+                     "got shape %s", fn, csa_shape_str(p, b1, sizeof b1));
+        goto done;
+    }
+    const npy_intp D = W / 17 * 32;
+    npy_intp shape[NPY_MAXDIMS];
+    for (int i = 0; i < nd; i++) shape[i] = PyArray_DIM(p, i);
+    shape[nd - 1] = D;
+    PyArrayObject *ins[1] = {p};
+    if (!(out = csa_out_array(oo, fn, nd, shape, NULL, NPY_FLOAT32, ins, 1, 0, NULL))) goto done;
+    if (!(work = csa_work_array(out, CSA_WORK_C_CONTIG))) goto done;
+    if (!(pc = (PyArrayObject *)PyArray_NewCopy(p, NPY_CORDER))) goto done;
+    Py_BEGIN_ALLOW_THREADS
+    static const float e2m1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                   -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+    const uint8_t *src = (const uint8_t *)PyArray_DATA(pc);
+    float *dst = (float *)PyArray_DATA(work);
+    const npy_intp rows = D ? PyArray_SIZE(work) / D : 0;
+    for (npy_intp r = 0; r < rows; r++) {
+        const uint8_t *row = src + r * W;
+        float *o = dst + r * D;
+        for (npy_intp j = 0; j < D / 32; j++) {
+            const uint8_t e = row[D / 2 + j];
+            union { uint32_t u; float f; } sc = {e ? (uint32_t)e << 23 : 0x00400000u};
+            if (e == 0xff) sc.u = 0x7fc00000u;
+            for (npy_intp i = 32 * j; i < 32 * j + 32; i++)
+                o[i] = e2m1[(row[i >> 1] >> (4 * (i & 1))) & 15] * sc.f;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    ret = csa_finish(CSA_OK, fn, oo, out, work);
+done:
+    Py_XDECREF(p);
+    Py_XDECREF(pc);
+    Py_XDECREF(out);
+    Py_XDECREF(work);
+    return ret;
+}
+
 PyMethodDef csa_quant_methods[] = {
+    {"fp4_pack", (PyCFunction)(void (*)(void))py_fp4_pack, METH_VARARGS | METH_KEYWORDS,
+     fp4_pack_doc},
+    {"fp4_unpack", (PyCFunction)(void (*)(void))py_fp4_unpack, METH_VARARGS | METH_KEYWORDS,
+     fp4_unpack_doc},
     {"fp8_round", (PyCFunction)(void (*)(void))py_fp8_round, METH_VARARGS | METH_KEYWORDS,
      fp8_round_doc},
     {"fp4_round", (PyCFunction)(void (*)(void))py_fp4_round, METH_VARARGS | METH_KEYWORDS,

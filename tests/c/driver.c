@@ -609,6 +609,64 @@ static int check_index_topk(const tcase *c, const void *out)
 static const kernel K_INDEX_TOPK = {"index_topk", init_index_topk, run_index_topk,
                                     check_index_topk};
 
+/* index.h, FP4 keys: k as uint8 rows of Di/2 + Di/32 bytes (row stride W + 3; buf[4]),
+ * random codes and exponent bytes (F_EXACT: 126..128 with integer weights, so every
+ * sum is exact and the levels agree bitwise; else 122..131; head sums cancel, so a looser tolerance); q float32 or bfloat16,
+ * rounded to FP4 inside the kernel.  Same p as the float32 index cases. */
+static int init_index_fp4(tcase *c)
+{
+    init_index(c);
+    const long B = c->p[0], Tc = c->p[4], Di = c->p[3], W = Di / 2 + Di / 32;
+    uint8_t *k = tc_alloc(c, (size_t)B * Tc * (W + 3));
+    for (long r = 0; r < B * Tc; r++) {
+        uint8_t *row = k + r * (W + 3);
+        for (long i = 0; i < Di / 2; i++) row[i] = (uint8_t)rng_u64();
+        for (long j = 0; j < Di / 32; j++)
+            row[Di / 2 + j] = (uint8_t)((c->flags & F_EXACT) ? rng_int(126, 128) : rng_int(122, 131));
+    }
+    return 0;
+}
+static struct csa_index_problem index_problem_fp4(const tcase *c)
+{
+    struct csa_index_problem p = index_problem(c);
+    const long W = p.Di / 2 + p.Di / 32;
+    p.k = c->buf[4];
+    p.k_fp4 = 1;
+    p.skb = p.Tc * (W + 3);
+    p.skt = W + 3;
+    return p;
+}
+static int init_index_scores_fp4(tcase *c)
+{
+    init_index_fp4(c);
+    c->out_n = (size_t)c->p[0] * c->p[1] * c->p[4];
+    c->out_type = T_F32;
+    return 0;
+}
+static int run_index_scores_fp4(const tcase *c, void *out)
+{
+    const struct csa_index_problem p = index_problem_fp4(c);
+    return csa_index_scores(&p, out, p.S * p.Tc, p.Tc);
+}
+static const kernel K_INDEX_SCORES_FP4 = {"index_scores fp4", init_index_scores_fp4,
+                                          run_index_scores_fp4, NULL};
+static int init_index_topk_fp4(tcase *c)
+{
+    init_index_fp4(c);
+    c->out_n = (size_t)c->p[0] * c->p[1] * c->p[7];
+    c->out_type = T_I32;
+    return 0;
+}
+static int run_index_topk_fp4(const tcase *c, void *out)
+{
+    const struct csa_index_problem p = index_problem_fp4(c);
+    const struct csa_index_cand cand = index_cand(c);
+    return csa_index_topk(&p, &cand, c->p[7], 5, (c->flags & F_POSITION) ? CSA_ORDER_POSITION
+                                                                         : CSA_ORDER_SCORE, out);
+}
+static const kernel K_INDEX_TOPK_FP4 = {"index_topk fp4", init_index_topk_fp4, run_index_topk_fp4,
+                                        NULL};
+
 /* ------------------------------------------------------------------ top-k of scores
  * p: B, S, Tc, ratio, start_pos, K.  Scores from few values (many ties), with
  * F_NAN: NaN, +-inf, -0.0 and +0.0 (index.h defines their ranking). */
@@ -738,6 +796,12 @@ static tcase cases[] = {
     {&K_INDEX_TOPK, {1, 7, 8, 33, 50, 4, 170, 64}, F_EXACT | F_NAN, 0, 0, "exact NaN, K > visible"},
     {&K_INDEX_TOPK, {1, 13, 16, 64, 49, 4, 180, 9}, BF | F_EXACT | F_POSITION, 0, 0, "bf16 exact V4.1"},
     /* topk_indices: B, S, Tc, ratio, start_pos, K */
+    /* index_scores / index_topk with FP4 keys: B, S, Hi, Di, Tc, ratio, start_pos (, K) */
+    {&K_INDEX_SCORES_FP4, {2, 9, 64, 128, 40, 4, 150}, 0, 1e-4, 2e-3, "fp4 k decode-ish"},
+    {&K_INDEX_SCORES_FP4, {1, 33, 17, 64, 13, 4, 20}, F_EXACT, 0, 0, "fp4 k exact odd heads"},
+    {&K_INDEX_SCORES_FP4, {1, 40, 8, 32, 45, 1, 0}, BF | F_W_BF16, 1e-5, 1e-4, "fp4 k bf16 q/w prefill"},
+    {&K_INDEX_TOPK_FP4, {2, 9, 16, 64, 60, 4, 200, 16}, F_EXACT | F_NOW, 0, 0, "fp4 k exact V4"},
+    {&K_INDEX_TOPK_FP4, {1, 13, 16, 96, 49, 4, 180, 9}, F_EXACT | F_POSITION, 0, 0, "fp4 k exact V4.1 mask"},
     {&K_TOPK, {2, 37, 70, 4, 100, 17}, F_NAN, 0, 0, "ties NaN inf -0 V4"},
     {&K_TOPK, {1, 64, 40, 4, 0, 9}, F_NAN | F_POSITION, 0, 0, "ties NaN prefill V4.1"},
     {&K_TOPK, {1, 5, 300, 1, 295, 64}, F_NOW, 0, 0, "ties ratio 1 no mask"},
