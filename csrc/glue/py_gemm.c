@@ -9,6 +9,14 @@
 #include "../quant.h"
 #include "../sinkhorn.h"
 
+/* The Python entry point `name`: the body shared by one family (g_gemm, g_quant) run
+ * for one format, under the function's own name (its errors say which was called). */
+#define G_ENTRY(name, body, fmt)                                                   \
+    static PyObject *py_##name(PyObject *self, PyObject *args, PyObject *kw)      \
+    {                                                                              \
+        return body(args, kw, #name, fmt);                                         \
+    }
+
 /* Accepted byte formats of an argument (besides float32 / bfloat16 via csa_array). */
 #define G_E4M3 16   /* uint8 codes, ml_dtypes float8_e4m3fn, torch float8_e4m3fn */
 #define G_E8M0 32   /* uint8 codes, ml_dtypes / torch float8_e8m0fnu */
@@ -137,17 +145,39 @@ static PyArrayObject *g_arr(PyObject *obj, const char *fn, const char *name, int
     return NULL;
 }
 
-/* a C-contiguous copy of a when its rows cannot be folded with a unit last stride. */
-static PyArrayObject *g_rows(PyArrayObject *a, csa_idx *rows, csa_idx *rs)
+/* a itself (a new reference) when its leading dimensions fold into *rows rows of stride
+ * *rs (and, with unit_last, its last stride is 1), else a C-contiguous copy of it. */
+static PyArrayObject *g_rows(PyArrayObject *a, int unit_last, csa_idx *rows, csa_idx *rs)
 {
     const int nd = PyArray_NDIM(a);
-    if ((PyArray_DIM(a, nd - 1) <= 1 || csa_stride(a, nd - 1) == 1) && !csa_fold_rows(a, rows, rs)) {
+    if ((!unit_last || PyArray_DIM(a, nd - 1) <= 1 || csa_stride(a, nd - 1) == 1) &&
+        !csa_fold_rows(a, rows, rs)) {
         Py_INCREF(a);
         return a;
     }
     PyArrayObject *c = (PyArrayObject *)PyArray_NewCopy(a, NPY_CORDER);
     if (c) csa_fold_rows(c, rows, rs);
     return c;
+}
+
+/* The kernel's status raised, or the tuple (r0, r1[, r2]) of new arrays (r2 may be NULL). */
+static PyObject *g_results(int st, const char *fn, PyArrayObject *r0, PyArrayObject *r1,
+                           PyArrayObject *r2)
+{
+    if (st) {
+        csa_raise_status(st, fn);
+        return NULL;
+    }
+    return r2 ? PyTuple_Pack(3, (PyObject *)r0, (PyObject *)r1, (PyObject *)r2)
+              : PyTuple_Pack(2, (PyObject *)r0, (PyObject *)r1);
+}
+
+/* shape = a.shape[:-1] + (last,) */
+static void g_shape(PyArrayObject *a, npy_intp last, npy_intp *shape)
+{
+    const int nd = PyArray_NDIM(a);
+    for (int i = 0; i < nd - 1; i++) shape[i] = PyArray_DIM(a, i);
+    shape[nd - 1] = last;
 }
 
 /* The bfloat16 dtype (ml_dtypes), new reference. */
@@ -231,8 +261,7 @@ static PyObject *g_gemm(PyObject *args, PyObject *kw, const char *fn, int wfmt)
         goto done;
     }
     npy_intp shape[NPY_MAXDIMS];
-    for (int i = 0; i < nd - 1; i++) shape[i] = PyArray_DIM(a, i);
-    shape[nd - 1] = N;
+    g_shape(a, N, shape);
     int bf16;
     if (oo == Py_None) {
         bf16 = odt != 0;
@@ -263,14 +292,8 @@ static PyObject *g_gemm(PyObject *args, PyObject *kw, const char *fn, int wfmt)
             }
     }
     csa_idx rows, sa_row, sas_row, so_row;
-    if (!(ac = g_rows(a, &rows, &sa_row))) goto done;
-    if (csa_fold_rows(as, &rows, &sas_row)) {
-        if (!(asc = (PyArrayObject *)PyArray_NewCopy(as, NPY_CORDER))) goto done;
-        csa_fold_rows(asc, &rows, &sas_row);
-    } else {
-        Py_INCREF(as);
-        asc = as;
-    }
+    if (!(ac = g_rows(a, 1, &rows, &sa_row))) goto done;
+    if (!(asc = g_rows(as, 0, &rows, &sas_row))) goto done;
     PyArrayObject *dst = out;
     if (csa_fold_rows(out, &rows, &so_row) || (N > 1 && csa_stride(out, nd - 1) != 1)) {
         if (!(tmp = csa_empty_like_dtype(out, nd, shape))) goto done;
@@ -317,10 +340,7 @@ PyDoc_STRVAR(fp8_gemm_doc,
 "The block sums have one fixed order (csrc/gemm.h), so the bits are the same at every\n"
 "ISA level and thread count.  Returns out (new when None).");
 
-static PyObject *py_fp8_gemm(PyObject *self, PyObject *args, PyObject *kw)
-{
-    return g_gemm(args, kw, "fp8_gemm", CSA_W_E4M3);
-}
+G_ENTRY(fp8_gemm, g_gemm, CSA_W_E4M3)
 
 PyDoc_STRVAR(fp4_gemm_doc,
 "fp4_gemm(a, a_s, b, b_s, *, out_dtype=None, out=None)\n--\n\n"
@@ -330,10 +350,7 @@ PyDoc_STRVAR(fp4_gemm_doc,
 "scale per 32 along K; the partial sums are per 32-block, each scaled by\n"
 "a_s[m, k // 128] * b_s[n, k // 32].  Returns out (bfloat16 by default).");
 
-static PyObject *py_fp4_gemm(PyObject *self, PyObject *args, PyObject *kw)
-{
-    return g_gemm(args, kw, "fp4_gemm", CSA_W_E2M1);
-}
+G_ENTRY(fp4_gemm, g_gemm, CSA_W_E2M1)
 
 /* ------------------------------------------------------------ fp8_quant / fp4_quant */
 
@@ -397,16 +414,9 @@ static PyObject *g_quant(PyObject *args, PyObject *kw, const char *fn, int fmt)
         goto done;
     }
     csa_idx rows, sx_row;
-    if (csa_fold_rows(x, &rows, &sx_row)) {
-        if (!(xc = (PyArrayObject *)PyArray_NewCopy(x, NPY_CORDER))) goto done;
-        csa_fold_rows(xc, &rows, &sx_row);
-    } else {
-        Py_INCREF(x);
-        xc = x;
-    }
+    if (!(xc = g_rows(x, 0, &rows, &sx_row))) goto done;
     npy_intp shape[NPY_MAXDIMS];
-    for (int i = 0; i < nd - 1; i++) shape[i] = PyArray_DIM(x, i);
-    shape[nd - 1] = fp8 ? d : d / 2;
+    g_shape(x, fp8 ? d : d / 2, shape);
     if (!(q = (PyArrayObject *)PyArray_EMPTY(nd, shape, NPY_UINT8, 0))) goto done;
     shape[nd - 1] = d / block;
     if (!(s = (PyArrayObject *)PyArray_EMPTY(nd, shape, s_bytes ? NPY_UINT8 : NPY_FLOAT32, 0)))
@@ -418,11 +428,7 @@ static PyObject *g_quant(PyObject *args, PyObject *kw, const char *fn, int fmt)
     st = csa_quant_pack(PyArray_DATA(xc), bf16, rows, d, sx_row, d > 1 ? sx_col : 1, block, fmt,
                         scale, PyArray_DATA(q), qrow, PyArray_DATA(s), s_bytes, srow, 1);
     Py_END_ALLOW_THREADS
-    if (st) {
-        csa_raise_status(st, fn);
-        goto done;
-    }
-    ret = PyTuple_Pack(2, (PyObject *)q, (PyObject *)s);
+    ret = g_results(st, fn, q, s, NULL);
 done:
     Py_XDECREF(x);
     Py_XDECREF(xc);
@@ -442,10 +448,7 @@ PyDoc_STRVAR(fp8_quant_doc,
 "float32, or uint8 e8m0 codes with scale_dtype='e8m0' (scale='ue8m0' only).\n"
 "decode(q) * s is bitwise fp8_round(x, block, scale=scale).");
 
-static PyObject *py_fp8_quant(PyObject *self, PyObject *args, PyObject *kw)
-{
-    return g_quant(args, kw, "fp8_quant", CSA_Q_E4M3);
-}
+G_ENTRY(fp8_quant, g_quant, CSA_Q_E4M3)
 
 PyDoc_STRVAR(fp4_quant_doc,
 "fp4_quant(x, block=32, *, scale='ue8m0', scale_dtype=None)\n--\n\n"
@@ -455,10 +458,7 @@ PyDoc_STRVAR(fp4_quant_doc,
 "float4_e2m1fn_x2), s [..., D/block] as uint8 e8m0 codes (scale='ue8m0', the default)\n"
 "or e4m3 codes (scale='e4m3', V4.1), or float32 with scale_dtype='float32'.");
 
-static PyObject *py_fp4_quant(PyObject *self, PyObject *args, PyObject *kw)
-{
-    return g_quant(args, kw, "fp4_quant", CSA_Q_E2M1);
-}
+G_ENTRY(fp4_quant, g_quant, CSA_Q_E2M1)
 
 /* ------------------------------------------------------------ hc_split_sinkhorn */
 
@@ -498,7 +498,7 @@ static PyObject *py_hc_split_sinkhorn(PyObject *self, PyObject *args, PyObject *
     if (csa_check_dim(s, fn, "hc_scale", 0, 3, "three scales")) goto done;
     if (csa_check_dim(b, fn, "hc_base", 0, W, "(2 + hc_mult) * hc_mult")) goto done;
     csa_idx rows, mrow;
-    if (!(mc = g_rows(m, &rows, &mrow))) goto done;
+    if (!(mc = g_rows(m, 1, &rows, &mrow))) goto done;
     if (!(sc = (PyArrayObject *)PyArray_FROMANY((PyObject *)s, NPY_FLOAT32, 1, 1,
                                                 NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED)))
         goto done;
@@ -506,8 +506,7 @@ static PyObject *py_hc_split_sinkhorn(PyObject *self, PyObject *args, PyObject *
                                                 NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED)))
         goto done;
     npy_intp shape[NPY_MAXDIMS];
-    for (int i = 0; i < nd - 1; i++) shape[i] = PyArray_DIM(m, i);
-    shape[nd - 1] = h;
+    g_shape(m, h, shape);
     shape[nd] = h;
     if (!(pre = (PyArrayObject *)PyArray_EMPTY(nd, shape, NPY_FLOAT32, 0))) goto done;
     if (!(post = (PyArrayObject *)PyArray_EMPTY(nd, shape, NPY_FLOAT32, 0))) goto done;
@@ -518,11 +517,7 @@ static PyObject *py_hc_split_sinkhorn(PyObject *self, PyObject *args, PyObject *
                          (int)iters, (float)eps, PyArray_DATA(pre), PyArray_DATA(post),
                          PyArray_DATA(comb));
     Py_END_ALLOW_THREADS
-    if (st) {
-        csa_raise_status(st, fn);
-        goto done;
-    }
-    ret = PyTuple_Pack(3, (PyObject *)pre, (PyObject *)post, (PyObject *)comb);
+    ret = g_results(st, fn, pre, post, comb);
 done:
     Py_XDECREF(m);
     Py_XDECREF(mc);

@@ -30,6 +30,7 @@
  * "N passed, N failed"; the exit status is 1 when anything failed. */
 #include "attn.h"
 #include "csa.h"
+#include "gemm.h"
 #include "index.h"
 #include "norm.h"
 #include "pool.h"
@@ -737,6 +738,58 @@ static int run_attn(const tcase *c, void *out)
 }
 static const kernel K_ATTN = {"sparse_attn", init_attn, run_attn, NULL};
 
+/* ------------------------------------------------------------------ fp8_gemm / fp4_gemm
+ * p: M, N, K, weight format (CSA_W_E4M3 / CSA_W_E2M1), activation scales e8m0 (1) or
+ * float32 (0).  a rows padded (stride K + 5), b rows padded by 3 bytes, weight scales
+ * e8m0; F_BF16: bfloat16 output; F_NAN: NaN codes planted in a and b. */
+static uint8_t gemm_code(int nan)
+{
+    uint8_t u = (uint8_t)rng_int(0, 255);
+    if (!nan && (u & 0x7f) == 0x7f) u ^= 1;
+    return u;
+}
+static int init_gemm(tcase *c)
+{
+    const long M = c->p[0], N = c->p[1], K = c->p[2], fp8 = c->p[3] == CSA_W_E4M3;
+    const long KB = (K + 127) / 128, bw = fp8 ? K : K / 2;
+    const long sr = fp8 ? KB : (K + 31) / 32, sn = fp8 ? (N + 127) / 128 : N;
+    uint8_t *a = tc_alloc(c, (size_t)M * (K + 5));                 /* buf[0] */
+    for (long i = 0; i < M * (K + 5); i++) a[i] = gemm_code(0);
+    uint8_t *as8 = tc_alloc(c, (size_t)M * KB);                    /* buf[1] */
+    float *asf = tc_alloc(c, (size_t)M * KB * 4);                  /* buf[2] */
+    for (long i = 0; i < M * KB; i++) {
+        as8[i] = (uint8_t)rng_int(118, 130);
+        asf[i] = (float)ldexp(0.5 + 0.5 * (rng_unit() * 0.5 + 0.5), (int)rng_int(-9, 3));
+    }
+    uint8_t *b = tc_alloc(c, (size_t)N * (bw + 3));                /* buf[3] */
+    for (long i = 0; i < N * (bw + 3); i++) b[i] = fp8 ? gemm_code(0) : (uint8_t)rng_int(0, 255);
+    uint8_t *bs = tc_alloc(c, (size_t)sn * sr);                    /* buf[4] */
+    for (long i = 0; i < sn * sr; i++) bs[i] = (uint8_t)rng_int(118, 130);
+    if (c->flags & F_NAN) {
+        a[(M / 2) * (K + 5) + K / 3] = 0xff;
+        if (fp8) b[(N - 1) * (bw + 3) + K - 1] = 0x7f;
+    }
+    c->out_n = (size_t)M * N;
+    c->out_type = (c->flags & F_BF16) ? T_BF16 : T_F32;
+    return 0;
+}
+static int run_gemm(const tcase *c, void *out)
+{
+    const long M = c->p[0], N = c->p[1], K = c->p[2], fp8 = c->p[3] == CSA_W_E4M3;
+    const long KB = (K + 127) / 128, bw = fp8 ? K : K / 2, sr = fp8 ? KB : (K + 31) / 32;
+    const int e8 = c->p[4] != 0;
+    const struct csa_gemm_args g = {
+        .a = c->buf[0], .M = M, .K = K, .sa_row = K + 5,
+        .as = e8 ? c->buf[1] : c->buf[2], .as_fmt = e8 ? CSA_S_E8M0 : CSA_S_F32,
+        .sas_row = KB, .sas_col = 1,
+        .b = c->buf[3], .b_fmt = (int)c->p[3], .N = N, .sb_row = bw + 3,
+        .bs = c->buf[4], .bs_fmt = CSA_S_E8M0, .sbs_row = sr, .sbs_col = 1,
+        .out = out, .out_bf16 = (c->flags & F_BF16) != 0, .so_row = N,
+    };
+    return csa_gemm(&g);
+}
+static const kernel K_GEMM = {"gemm", init_gemm, run_gemm, NULL};
+
 /* ------------------------------------------------------------------ the table */
 
 #define BF F_BF16
@@ -812,6 +865,14 @@ static tcase cases[] = {
     {&K_ATTN, {1, 7, 16, 64, 90, 40}, BF, 1e-5, 1e-5, "bf16"},
     {&K_ATTN, {1, 4, 16, 64, 90, 40}, BF | F_NAN, 1e-5, 1e-5, "bf16 NaN"},
     {&K_ATTN, {1, 4, 8, 32, 20, 9}, F_BADIDX, 0, 0, "index out of range"},
+    /* gemm: M, N, K, weight format, activation scales e8m0 */
+    {&K_GEMM, {1, 301, 1024, CSA_W_E4M3, 1}, 0, 0, 0, "fp8 decode M=1"},
+    {&K_GEMM, {1, 130, 160, CSA_W_E4M3, 0}, F_NAN, 0, 0, "fp8 M=1 NaN codes"},
+    {&K_GEMM, {7, 67, 400, CSA_W_E4M3, 1}, F_BF16, 0, 0, "fp8 M=7 bf16 out"},
+    {&K_GEMM, {70, 129, 264, CSA_W_E4M3, 0}, 0, 0, 0, "fp8 prefill odd"},
+    {&K_GEMM, {1, 257, 4096, CSA_W_E2M1, 1}, 0, 0, 0, "fp4 decode M=1"},
+    {&K_GEMM, {1, 9, 96, CSA_W_E2M1, 0}, F_NAN, 0, 0, "fp4 M=1 K=96 NaN act"},
+    {&K_GEMM, {33, 65, 640, CSA_W_E2M1, 1}, F_BF16, 0, 0, "fp4 M=33 bf16 out"},
 };
 
 int main(int argc, char **argv)
