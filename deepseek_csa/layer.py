@@ -313,11 +313,15 @@ class CSALayer:
                 norm_weight=W["compressor.norm.weight"], eps=eps, rope=rope,
                 quant=_entry_quant(cfg, self.qat))
             if r == 4:
+                # with FP4 keys the epilogue writes the cache's packed rows itself: the
+                # rounded float keys never exist
+                iquant = _index_key_quant(cfg, self.qat)
                 self._icomp = _dc.Compressor(
                     self.batch, r, cfg.index_head_dim, overlap=True,
                     ape=W["indexer.compressor.ape"],
                     norm_weight=W["indexer.compressor.norm.weight"], eps=eps, rope=rope,
-                    quant=_index_key_quant(cfg, self.qat))
+                    quant=iquant,
+                    packed=self.index_fp4 and iquant in ("fp4", "hadamard_fp4"))
         elif self.kv_source:
             self._comp = _dc.Compressor(self.batch, r, cfg.head_dim,
                                         norm_weight=W["compressor.norm.weight"], eps=eps)
@@ -330,9 +334,12 @@ class CSALayer:
         return {"kv": kv, "index_keys": ik, "total": kv + ik}
 
     def _store_index_keys(self, rows, B, first):
-        """Index keys [B, n, Di] (QAT-rounded when index_fp4) into the cache from `first`."""
+        """Index keys into the cache from `first`: float32 [B, n, Di] (QAT-rounded when
+        index_fp4) or, from a packed Compressor, FP4 rows uint8 [B, n, Di//2 + Di//32]."""
         dst = self._ik[:B, first:first + rows.shape[1]]
-        if self.index_fp4:
+        if rows.dtype == np.uint8:
+            dst[...] = rows
+        elif self.index_fp4:
             _dc.fp4_pack(rows, out=dst)   # already on the grid: packing is exact
         else:
             dst[...] = rows
