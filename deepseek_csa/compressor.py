@@ -204,9 +204,9 @@ class Compressor:
                             f"{type(packed).__name__}")
         packed = bool(packed)
         if packed and qcode not in (_QUANT_CODES["fp4"], _QUANT_CODES["hadamard_fp4"]):
+            got = _QUANT_NAMES[qcode - 1] if qcode else quant
             raise ValueError("Compressor(): 'packed' needs quant='fp4' or 'hadamard_fp4' "
-                             "(FP4 codes with ue8m0 scales), got "
-                             f"quant={_QUANT_NAMES[qcode - 1] if qcode else quant!r}")
+                             f"(FP4 codes with ue8m0 scales), got quant={got!r}")
         self.batch, self.ratio, self.head_dim, self.overlap = batch, ratio, head_dim, overlap
         self.model_dtype, self.eps, self.packed = model_dtype, eps, packed
         self._quant = quant
