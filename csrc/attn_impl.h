@@ -235,6 +235,48 @@ static void CSA_V(attn_softmax)(float *L, csa_idx kb, csa_idx hcp, float scale, 
         _mm512_storeu_ps(m + h, mn);
         _mm512_storeu_ps(alpha + h, al);
     }
+#elif defined(__AVX2__) && defined(__FMA__)
+    /* The same per-head chains on 8 lanes, two vectors of heads at a time (hcp is a
+     * multiple of 16): vector exp instead of expf, whose calls cost about a third of
+     * the logits tile's time per block at this level. */
+    const __m256 sc = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY);
+    for (csa_idx h = 0; h < hcp; h += 16) {
+        const __m256 mold0 = _mm256_loadu_ps(m + h), mold1 = _mm256_loadu_ps(m + h + 8);
+        __m256 mn0 = mold0, mn1 = mold1;
+        for (csa_idx i = 0; i < kb; i++) {
+            float *li = L + i * hcp + h;
+            const __m256 l0 = _mm256_mul_ps(_mm256_loadu_ps(li), sc);
+            const __m256 l1 = _mm256_mul_ps(_mm256_loadu_ps(li + 8), sc);
+            _mm256_storeu_ps(li, l0);
+            _mm256_storeu_ps(li + 8, l1);
+            mn0 = _mm256_max_ps(l0, mn0); /* a NaN logit never becomes the max */
+            mn1 = _mm256_max_ps(l1, mn1);
+        }
+        const __m256 one = _mm256_set1_ps(1.0f);
+        const __m256 al0 = _mm256_blendv_ps(CSA_V(exp256_neg)(_mm256_sub_ps(mold0, mn0)), one,
+                                            _mm256_cmp_ps(mold0, mn0, _CMP_EQ_OQ));
+        const __m256 al1 = _mm256_blendv_ps(CSA_V(exp256_neg)(_mm256_sub_ps(mold1, mn1)), one,
+                                            _mm256_cmp_ps(mold1, mn1, _CMP_EQ_OQ));
+        __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+        for (csa_idx i = 0; i < kb; i++) {
+            float *li = L + i * hcp + h;
+            const __m256 l0 = _mm256_loadu_ps(li), l1 = _mm256_loadu_ps(li + 8);
+            const __m256 p0 = _mm256_and_ps(CSA_V(exp256_neg)(_mm256_sub_ps(l0, mn0)),
+                                            _mm256_cmp_ps(l0, ninf, _CMP_NEQ_UQ));
+            const __m256 p1 = _mm256_and_ps(CSA_V(exp256_neg)(_mm256_sub_ps(l1, mn1)),
+                                            _mm256_cmp_ps(l1, ninf, _CMP_NEQ_UQ));
+            _mm256_storeu_ps(li, p0);
+            _mm256_storeu_ps(li + 8, p1);
+            s0 = _mm256_add_ps(s0, p0);
+            s1 = _mm256_add_ps(s1, p1);
+        }
+        _mm256_storeu_ps(sum + h, _mm256_fmadd_ps(_mm256_loadu_ps(sum + h), al0, s0));
+        _mm256_storeu_ps(sum + h + 8, _mm256_fmadd_ps(_mm256_loadu_ps(sum + h + 8), al1, s1));
+        _mm256_storeu_ps(m + h, mn0);
+        _mm256_storeu_ps(m + h + 8, mn1);
+        _mm256_storeu_ps(alpha + h, al0);
+        _mm256_storeu_ps(alpha + h + 8, al1);
+    }
 #else
     for (csa_idx h = 0; h < hcp; h++) {
         const float mold = m[h];
@@ -313,6 +355,48 @@ static void CSA_V(attn_pv)(const float *const *R, csa_idx kb, const float *P, cs
 #endif
 }
 
+/* x[i] = x[i] rounded to bfloat16 (csa_f32_to_bf16) and widened back, i < n.  AVX2:
+ * the rounding in integer lanes, 8 at a time (the scalar form, with its NaN branch,
+ * does not vectorize). */
+static void CSA_V(attn_round_bf16)(float *x, csa_idx n)
+{
+    csa_idx i = 0;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+    const __m256i bias = _mm256_set1_epi32(0x7fff), lsb = _mm256_set1_epi32(0x10000),
+                  hi = _mm256_set1_epi32((int)0xffff0000u), quiet = _mm256_set1_epi32(0x400000);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        const __m256i u = _mm256_castps_si256(v);
+        /* nearest-even: u + 0x7fff + bit 16 of u, truncated to the top half */
+        const __m256i odd = _mm256_srli_epi32(_mm256_and_si256(u, lsb), 16);
+        const __m256i r = _mm256_and_si256(_mm256_add_epi32(u, _mm256_add_epi32(bias, odd)), hi);
+        /* a NaN keeps its sign and top payload with the quiet bit set */
+        const __m256i nanv = _mm256_and_si256(_mm256_or_si256(u, quiet), hi);
+        const __m256 y = _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(nanv),
+                                          _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        _mm256_storeu_ps(x + i, y);
+    }
+#endif
+    for (; i < n; i++) x[i] = csa_bf16_to_f32(csa_f32_to_bf16(x[i]));
+}
+
+/* t[d] = src[d] widened to float32, d < D (exact: a 16-bit shift; AVX2 in registers). */
+static void CSA_V(attn_widen_bf16)(const csa_bf16 *CSA_RESTRICT src, csa_idx D,
+                                   float *CSA_RESTRICT t)
+{
+    csa_idx d = 0;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+    for (; d + 16 <= D; d += 16) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(src + d));
+        const __m256i lo = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(h)), 16);
+        const __m256i up = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(h, 1)), 16);
+        _mm256_storeu_ps(t + d, _mm256_castsi256_ps(lo));
+        _mm256_storeu_ps(t + d + 8, _mm256_castsi256_ps(up));
+    }
+#endif
+    for (; d < D; d++) t[d] = csa_bf16_to_f32(src[d]);
+}
+
 /* out[h, d] = OT[d, h] / sum_h for h < hc, d < D, in the output dtype (rows so_h apart),
  * through 16 x 16 blocks so that both sides are read and written in whole lines. */
 static void CSA_V(attn_store)(const float *OT, csa_idx hcp, const float *sum, csa_idx hc,
@@ -343,7 +427,20 @@ static void CSA_V(attn_store)(const float *OT, csa_idx hcp, const float *sum, cs
                 const float den = sum[h0 + j];
                 if (bf16) {
                     csa_bf16 *CSA_RESTRICT o = (csa_bf16 *)out + (h0 + j) * so_h + d0;
-                    for (csa_idx i = 0; i < nd; i++) o[i] = csa_f32_to_bf16(t[j][i] / den);
+                    csa_idx i = 0;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+                    const __m256 dv = _mm256_set1_ps(den);
+                    for (; i + 8 <= nd; i += 8) {
+                        /* rounded as csa_f32_to_bf16, then the top halves packed */
+                        __m256 y = _mm256_div_ps(_mm256_loadu_ps(&t[j][i]), dv);
+                        CSA_V(attn_round_bf16)((float *)&y, 8);
+                        const __m256i u = _mm256_srli_epi32(_mm256_castps_si256(y), 16);
+                        const __m128i pk = _mm_packus_epi32(_mm256_castsi256_si128(u),
+                                                            _mm256_extracti128_si256(u, 1));
+                        _mm_storeu_si128((__m128i *)(o + i), pk);
+                    }
+#endif
+                    for (; i < nd; i++) o[i] = csa_f32_to_bf16(t[j][i] / den);
                 } else {
                     float *CSA_RESTRICT o = (float *)out + (h0 + j) * so_h + d0;
 #pragma omp simd
@@ -437,9 +534,7 @@ static void CSA_V(attn_item)(const struct csa_attn_problem *a, csa_idx b, csa_id
                 blk[i] = valid[k0 + i];
             } else {
                 if (i < kb && bf16) {
-                    const csa_bf16 *CSA_RESTRICT src = (const csa_bf16 *)valid[k0 + i];
-#pragma omp simd
-                    for (csa_idx d = 0; d < D; d++) t[d] = csa_bf16_to_f32(src[d]);
+                    CSA_V(attn_widen_bf16)((const csa_bf16 *)valid[k0 + i], D, t);
                 } else if (i < kb)
                     memcpy(t, valid[k0 + i], (size_t)D * sizeof(float));
                 else
@@ -450,7 +545,7 @@ static void CSA_V(attn_item)(const struct csa_attn_problem *a, csa_idx b, csa_id
         CSA_V(attn_logits)(blk, kbp, QT, hcp, D, L);
         CSA_V(attn_softmax)(L, kb, hcp, a->scale, m, sum, alpha);
         if (bf16)  /* the weights meet the bf16 rows as bf16 (sum keeps them unrounded) */
-            for (csa_idx i = 0; i < kb * hcp; i++) L[i] = csa_bf16_to_f32(csa_f32_to_bf16(L[i]));
+            CSA_V(attn_round_bf16)(L, kb * hcp);
         CSA_V(attn_pv)(blk, kb, L, hcp, alpha, OT, D, k0 == 0);
     }
 

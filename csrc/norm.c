@@ -1,6 +1,9 @@
 #include "norm.h"
 
 #include <math.h>
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
 
 int csa_rms_norm_ref(const float *x, csa_idx rows, csa_idx d, csa_idx sx_row, csa_idx sx_col,
                      const float *w, csa_idx sw, float eps,

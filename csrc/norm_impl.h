@@ -2,6 +2,86 @@
  * Unit inner strides; one row per loop iteration so a row's sum never depends on
  * the thread count. */
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+/* AVX2 rows: the sum of squares in four 8-lane chains (element i goes to lane i % 32;
+ * the chains, then the lanes, are added in a fixed order, so a row's bits depend on d
+ * alone), and bfloat16 widened / narrowed in integer lanes, 16 at a time.  Measured
+ * on AMD EPYC (Zen 3), 1 thread: the generic loop's bf16 rows ran at 40% of its
+ * float32 GB/s, its csa_f32_to_bf16 NaN branch kept scalar. */
+static inline float CSA_V(norm_hsum4)(__m256 a0, __m256 a1, __m256 a2, __m256 a3)
+{
+    const __m256 a = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+    __m128 v = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    v = _mm_add_ss(v, _mm_movehdup_ps(v));
+    return _mm_cvtss_f32(v);
+}
+
+static inline __m256 CSA_V(norm_widen8)(const csa_bf16 *p)
+{
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* 8 floats -> 8 bfloat16 in the low half of each 32-bit lane, rounded as
+ * csa_f32_to_bf16 (the NaN blend only when the vector holds a NaN). */
+static inline __m256i CSA_V(norm_round8)(__m256 v)
+{
+    const __m256i u = _mm256_castps_si256(v), hi = _mm256_srli_epi32(u, 16);
+    const __m256i odd = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+    const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+    if (__builtin_expect(_mm256_movemask_ps(nan) != 0, 0))
+        r = _mm256_castps_si256(_mm256_blendv_ps(
+            _mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_or_si256(hi, _mm256_set1_epi32(0x40))), nan));
+    return r;
+}
+
+/* 16 floats (a, b) -> 16 bfloat16 at p. */
+static inline void CSA_V(norm_narrow16)(__m256 a, __m256 b, csa_bf16 *p)
+{
+    const __m256i pk = _mm256_packus_epi32(CSA_V(norm_round8)(a), CSA_V(norm_round8)(b));
+    _mm256_storeu_si256((__m256i *)p, _mm256_permute4x64_epi64(pk, 0xd8));
+}
+
+static float CSA_V(norm_ss_f32)(const float *xr, csa_idx d)
+{
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    csa_idx i = 0;
+    for (; i + 32 <= d; i += 32) {
+        const __m256 x0 = _mm256_loadu_ps(xr + i), x1 = _mm256_loadu_ps(xr + i + 8);
+        const __m256 x2 = _mm256_loadu_ps(xr + i + 16), x3 = _mm256_loadu_ps(xr + i + 24);
+        a0 = _mm256_fmadd_ps(x0, x0, a0);
+        a1 = _mm256_fmadd_ps(x1, x1, a1);
+        a2 = _mm256_fmadd_ps(x2, x2, a2);
+        a3 = _mm256_fmadd_ps(x3, x3, a3);
+    }
+    float ss = CSA_V(norm_hsum4)(a0, a1, a2, a3);
+    for (; i < d; i++) ss += xr[i] * xr[i];
+    return ss;
+}
+
+static float CSA_V(norm_ss_bf16)(const csa_bf16 *xr, csa_idx d)
+{
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    csa_idx i = 0;
+    for (; i + 32 <= d; i += 32) {
+        const __m256 x0 = CSA_V(norm_widen8)(xr + i), x1 = CSA_V(norm_widen8)(xr + i + 8);
+        const __m256 x2 = CSA_V(norm_widen8)(xr + i + 16), x3 = CSA_V(norm_widen8)(xr + i + 24);
+        a0 = _mm256_fmadd_ps(x0, x0, a0);
+        a1 = _mm256_fmadd_ps(x1, x1, a1);
+        a2 = _mm256_fmadd_ps(x2, x2, a2);
+        a3 = _mm256_fmadd_ps(x3, x3, a3);
+    }
+    float ss = CSA_V(norm_hsum4)(a0, a1, a2, a3);
+    for (; i < d; i++) {
+        const float v = csa_bf16_to_f32(xr[i]);
+        ss += v * v;
+    }
+    return ss;
+}
+#endif
+
 static int CSA_V(rms_norm_tuned)(const float *x, csa_idx rows, csa_idx d, csa_idx sx_row,
                                  const float *w, float eps, float *out, csa_idx so_row)
 {
@@ -10,9 +90,13 @@ static int CSA_V(rms_norm_tuned)(const float *x, csa_idx rows, csa_idx d, csa_id
     for (csa_idx r = 0; r < rows; r++) {
         const float *CSA_RESTRICT xr = x + r * sx_row;
         float *CSA_RESTRICT yr = out + r * so_row;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+        const float ss = CSA_V(norm_ss_f32)(xr, d);
+#else
         float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
         for (csa_idx i = 0; i < d; i++) ss += xr[i] * xr[i];
+#endif
         const float inv = 1.0f / sqrtf(ss / (float)d + eps);
         if (w) {
 #pragma omp simd
@@ -34,6 +118,25 @@ static int CSA_V(rms_norm_bf16_tuned)(const csa_bf16 *x, csa_idx rows, csa_idx d
     for (csa_idx r = 0; r < rows; r++) {
         const csa_bf16 *CSA_RESTRICT xr = x + r * sx_row;
         csa_bf16 *CSA_RESTRICT yr = out + r * so_row;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+        const float ss = CSA_V(norm_ss_bf16)(xr, d);
+        const float inv = 1.0f / sqrtf(ss / (float)d + eps);
+        const __m256 iv = _mm256_set1_ps(inv);
+        csa_idx i0 = 0;
+        for (; i0 + 16 <= d; i0 += 16) {
+            __m256 y0 = _mm256_mul_ps(CSA_V(norm_widen8)(xr + i0), iv);
+            __m256 y1 = _mm256_mul_ps(CSA_V(norm_widen8)(xr + i0 + 8), iv);
+            if (w) {
+                y0 = _mm256_mul_ps(y0, _mm256_loadu_ps(w + i0));
+                y1 = _mm256_mul_ps(y1, _mm256_loadu_ps(w + i0 + 8));
+            }
+            CSA_V(norm_narrow16)(y0, y1, yr + i0);
+        }
+        for (csa_idx i = i0; i < d; i++) {
+            const float y = csa_bf16_to_f32(xr[i]) * inv;
+            yr[i] = csa_f32_to_bf16(w ? y * w[i] : y);
+        }
+#else
         float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
         for (csa_idx i = 0; i < d; i++) {
@@ -46,6 +149,7 @@ static int CSA_V(rms_norm_bf16_tuned)(const csa_bf16 *x, csa_idx rows, csa_idx d
             const float y = csa_bf16_to_f32(xr[i]) * inv;
             yr[i] = csa_f32_to_bf16(w ? y * w[i] : y);
         }
+#endif
     }
     return CSA_OK;
 }

@@ -1,6 +1,9 @@
 #include "rope.h"
 
 #include <math.h>
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
 
 int csa_rope_table(float *cos_out, float *sin_out, csa_idx seqlen, csa_idx rope_dim,
                    double base, csa_idx original_seq_len, double factor,

@@ -6,8 +6,23 @@
 static inline void CSA_V(rotate_pairs)(float *CSA_RESTRICT v, const float *CSA_RESTRICT c,
                                        const float *CSA_RESTRICT sn, csa_idx half)
 {
-#pragma omp simd
-    for (csa_idx i = 0; i < half; i++) {
+    csa_idx i0 = 0;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+    /* AVX2: 4 pairs a vector, rotated in place: v * (c c) + swap(v) * (-s s), the
+     * pairs' two halves swapped in lanes instead of GCC's gathers of the strided
+     * re / im (as re*c - im*s and re*s + im*c: one product rounded, then an fma) */
+    const __m256 neg = _mm256_castsi256_ps(_mm256_set_epi32(0, (int)0x80000000u, 0, (int)0x80000000u,
+                                                            0, (int)0x80000000u, 0, (int)0x80000000u));
+    for (; i0 + 4 <= half; i0 += 4) {
+        const __m128 c4 = _mm_loadu_ps(c + i0), s4 = _mm_loadu_ps(sn + i0);
+        const __m256 cc = _mm256_set_m128(_mm_unpackhi_ps(c4, c4), _mm_unpacklo_ps(c4, c4));
+        const __m256 ss = _mm256_xor_ps(_mm256_set_m128(_mm_unpackhi_ps(s4, s4), _mm_unpacklo_ps(s4, s4)), neg);
+        const __m256 x = _mm256_loadu_ps(v + 2 * i0);
+        const __m256 sw = _mm256_permute_ps(x, 0xb1);
+        _mm256_storeu_ps(v + 2 * i0, _mm256_fmadd_ps(x, cc, _mm256_mul_ps(sw, ss)));
+    }
+#endif
+    for (csa_idx i = i0; i < half; i++) {
         const float re = v[2 * i], im = v[2 * i + 1];
         v[2 * i] = re * c[i] - im * sn[i];
         v[2 * i + 1] = re * sn[i] + im * c[i];
