@@ -21,6 +21,7 @@
  * bitwise identical at any thread count. */
 
 #include "vexp_impl.h"
+#include "bf16_impl.h"
 
 #ifdef __AVX512F__
 
@@ -362,19 +363,9 @@ static void CSA_V(attn_round_bf16)(float *x, csa_idx n)
 {
     csa_idx i = 0;
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-    const __m256i bias = _mm256_set1_epi32(0x7fff), lsb = _mm256_set1_epi32(0x10000),
-                  hi = _mm256_set1_epi32((int)0xffff0000u), quiet = _mm256_set1_epi32(0x400000);
     for (; i + 8 <= n; i += 8) {
-        const __m256 v = _mm256_loadu_ps(x + i);
-        const __m256i u = _mm256_castps_si256(v);
-        /* nearest-even: u + 0x7fff + bit 16 of u, truncated to the top half */
-        const __m256i odd = _mm256_srli_epi32(_mm256_and_si256(u, lsb), 16);
-        const __m256i r = _mm256_and_si256(_mm256_add_epi32(u, _mm256_add_epi32(bias, odd)), hi);
-        /* a NaN keeps its sign and top payload with the quiet bit set */
-        const __m256i nanv = _mm256_and_si256(_mm256_or_si256(u, quiet), hi);
-        const __m256 y = _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(nanv),
-                                          _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-        _mm256_storeu_ps(x + i, y);
+        const __m256i r = CSA_V(bf16_round8)(_mm256_loadu_ps(x + i));
+        _mm256_storeu_ps(x + i, _mm256_castsi256_ps(_mm256_slli_epi32(r, 16)));
     }
 #endif
     for (; i < n; i++) x[i] = csa_bf16_to_f32(csa_f32_to_bf16(x[i]));
@@ -388,10 +379,8 @@ static void CSA_V(attn_widen_bf16)(const csa_bf16 *CSA_RESTRICT src, csa_idx D,
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
     for (; d + 16 <= D; d += 16) {
         const __m256i h = _mm256_loadu_si256((const __m256i *)(src + d));
-        const __m256i lo = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(h)), 16);
-        const __m256i up = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(h, 1)), 16);
-        _mm256_storeu_ps(t + d, _mm256_castsi256_ps(lo));
-        _mm256_storeu_ps(t + d + 8, _mm256_castsi256_ps(up));
+        _mm256_storeu_ps(t + d, CSA_V(bf16_widen8)(_mm256_castsi256_si128(h)));
+        _mm256_storeu_ps(t + d + 8, CSA_V(bf16_widen8)(_mm256_extracti128_si256(h, 1)));
     }
 #endif
     for (; d < D; d++) t[d] = csa_bf16_to_f32(src[d]);
@@ -432,12 +421,8 @@ static void CSA_V(attn_store)(const float *OT, csa_idx hcp, const float *sum, cs
                     const __m256 dv = _mm256_set1_ps(den);
                     for (; i + 8 <= nd; i += 8) {
                         /* rounded as csa_f32_to_bf16, then the top halves packed */
-                        __m256 y = _mm256_div_ps(_mm256_loadu_ps(&t[j][i]), dv);
-                        CSA_V(attn_round_bf16)((float *)&y, 8);
-                        const __m256i u = _mm256_srli_epi32(_mm256_castps_si256(y), 16);
-                        const __m128i pk = _mm_packus_epi32(_mm256_castsi256_si128(u),
-                                                            _mm256_extracti128_si256(u, 1));
-                        _mm_storeu_si128((__m128i *)(o + i), pk);
+                        const __m256 y = _mm256_div_ps(_mm256_loadu_ps(&t[j][i]), dv);
+                        _mm_storeu_si128((__m128i *)(o + i), CSA_V(bf16_pack8)(CSA_V(bf16_round8)(y)));
                     }
 #endif
                     for (; i < nd; i++) o[i] = csa_f32_to_bf16(t[j][i] / den);

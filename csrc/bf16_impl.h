@@ -30,4 +30,34 @@ static inline __attribute__((always_inline)) __m256 CSA_V(bf16_widen8)(__m128i h
 {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
+
+/* 8 floats -> their bfloat16 bits in the low half of each 32-bit lane, rounded as
+ * csa_f32_to_bf16 (nearest-even: u + 0x7fff + bit 16 of u; a NaN keeps its sign and top
+ * payload with the quiet bit set).  The NaN blend runs only when the vector holds a NaN. */
+static inline __attribute__((always_inline)) __m256i CSA_V(bf16_round8)(__m256 v)
+{
+    const __m256i u = _mm256_castps_si256(v), hi = _mm256_srli_epi32(u, 16);
+    const __m256i odd = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+    const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+    if (__builtin_expect(_mm256_movemask_ps(nan) != 0, 0))
+        r = _mm256_castps_si256(_mm256_blendv_ps(
+            _mm256_castsi256_ps(r),
+            _mm256_castsi256_ps(_mm256_or_si256(hi, _mm256_set1_epi32(0x40))), nan));
+    return r;
+}
+
+/* 8 bfloat16 bits in the low halves of 32-bit lanes -> 8 packed bfloat16. */
+static inline __attribute__((always_inline)) __m128i CSA_V(bf16_pack8)(__m256i r)
+{
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+/* 16 floats (a: elements 0..7, b: 8..15) -> 16 bfloat16, as csa_f32_to_bf16. */
+static inline __attribute__((always_inline)) __m256i CSA_V(bf16_narrow8x2)(__m256 a, __m256 b)
+{
+    const __m256i pk = _mm256_packus_epi32(CSA_V(bf16_round8)(a), CSA_V(bf16_round8)(b));
+    return _mm256_permute4x64_epi64(pk, 0xd8);
+}
 #endif

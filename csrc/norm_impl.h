@@ -2,6 +2,8 @@
  * Unit inner strides; one row per loop iteration so a row's sum never depends on
  * the thread count. */
 
+#include "bf16_impl.h"
+
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 /* AVX2 rows: the sum of squares in four 8-lane chains (element i goes to lane i % 32;
  * the chains, then the lanes, are added in a fixed order, so a row's bits depend on d
@@ -19,29 +21,13 @@ static inline float CSA_V(norm_hsum4)(__m256 a0, __m256 a1, __m256 a2, __m256 a3
 
 static inline __m256 CSA_V(norm_widen8)(const csa_bf16 *p)
 {
-    return _mm256_castsi256_ps(
-        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-
-/* 8 floats -> 8 bfloat16 in the low half of each 32-bit lane, rounded as
- * csa_f32_to_bf16 (the NaN blend only when the vector holds a NaN). */
-static inline __m256i CSA_V(norm_round8)(__m256 v)
-{
-    const __m256i u = _mm256_castps_si256(v), hi = _mm256_srli_epi32(u, 16);
-    const __m256i odd = _mm256_and_si256(hi, _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
-    const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-    if (__builtin_expect(_mm256_movemask_ps(nan) != 0, 0))
-        r = _mm256_castps_si256(_mm256_blendv_ps(
-            _mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_or_si256(hi, _mm256_set1_epi32(0x40))), nan));
-    return r;
+    return CSA_V(bf16_widen8)(_mm_loadu_si128((const __m128i *)p));
 }
 
 /* 16 floats (a, b) -> 16 bfloat16 at p. */
 static inline void CSA_V(norm_narrow16)(__m256 a, __m256 b, csa_bf16 *p)
 {
-    const __m256i pk = _mm256_packus_epi32(CSA_V(norm_round8)(a), CSA_V(norm_round8)(b));
-    _mm256_storeu_si256((__m256i *)p, _mm256_permute4x64_epi64(pk, 0xd8));
+    _mm256_storeu_si256((__m256i *)p, CSA_V(bf16_narrow8x2)(a, b));
 }
 
 static float CSA_V(norm_ss_f32)(const float *xr, csa_idx d)
