@@ -73,6 +73,8 @@ static int parse_qkw(const char *fn, PyObject *qo, PyObject *ko, PyObject *wo, l
     /* FP4 rows (docs/kernels.md, section 4): a uint8 k (and optionally a uint8 q) of
      * Di / 2 + Di / 32 bytes a row. */
     PyArrayObject *k8 = csa_index_u8_view(ko), *q8 = csa_index_u8_view(qo);
+    npy_intp Di;
+    int qbf, k_fp4 = 0, q_fp4 = 0;
     if (q8 && !k8) {
         Py_DECREF(q8);
         PyErr_Format(PyExc_TypeError,
@@ -97,7 +99,7 @@ static int parse_qkw(const char *fn, PyObject *qo, PyObject *ko, PyObject *wo, l
             goto fail;
         }
         const npy_intp qd = PyArray_DIM(a->q, 3);
-        const npy_intp Di = q8 ? (qd % 17 == 0 ? qd / 17 * 32 : -1) : qd;
+        Di = q8 ? (qd % 17 == 0 ? qd / 17 * 32 : -1) : qd;
         /* a uint8 k is FP4 rows only at that width: anything else is a wrong dtype */
         if (Di < 0 || Di % 32 || PyArray_DIM(a->k, 2) != Di / 2 + Di / 32) {
             PyErr_Format(PyExc_TypeError,
@@ -109,6 +111,27 @@ static int parse_qkw(const char *fn, PyObject *qo, PyObject *ko, PyObject *wo, l
         }
         if (csa_check_dim(a->k, fn, "k", 0, PyArray_DIM(a->q, 0), "batch, q.shape[0]")) goto fail;
         if (!(a->w = csa_array(wo, fn, "weights", CSA_F32 | CSA_BF16, 3, 3, 0))) goto fail;
+        qbf = !q8 && csa_is_bf16(a->q);
+        k_fp4 = 1;
+        q_fp4 = q8 != NULL;
+    } else {
+        if (!(a->q = csa_array(qo, fn, "q", CSA_F32 | CSA_BF16, 4, 4, 0))) goto fail;
+        if (!(a->k = csa_array(ko, fn, "k", CSA_F32 | CSA_BF16, 3, 3, 0))) goto fail;
+        if (!(a->w = csa_array(wo, fn, "weights", CSA_F32 | CSA_BF16, 3, 3, 0))) goto fail;
+        /* q . k runs in one dtype, as the reference's einsum insists: no silent promotion
+         * (a float32 copy of a bf16 cache is what this path exists to avoid). */
+        qbf = csa_is_bf16(a->q);
+        if (csa_is_bf16(a->k) != qbf) {
+            PyErr_Format(PyExc_TypeError,
+                         "%s(): 'k' must have the dtype of 'q' (%s), got %s; convert one of them",
+                         fn, qbf ? "bfloat16" : "float32", qbf ? "float32" : "bfloat16");
+            goto fail;
+        }
+        Di = PyArray_DIM(a->q, 3);
+        if (csa_check_dim(a->k, fn, "k", 0, PyArray_DIM(a->q, 0), "batch, q.shape[0]")) goto fail;
+        if (csa_check_dim(a->k, fn, "k", 2, Di, "index head dim Di, q.shape[3]")) goto fail;
+    }
+    {
         const npy_intp B = PyArray_DIM(a->q, 0), S = PyArray_DIM(a->q, 1),
                        Hi = PyArray_DIM(a->q, 2), Tc = PyArray_DIM(a->k, 1);
         if (PyArray_DIM(a->w, 0) != B || PyArray_DIM(a->w, 1) != S || PyArray_DIM(a->w, 2) != Hi) {
@@ -130,57 +153,14 @@ static int parse_qkw(const char *fn, PyObject *qo, PyObject *ko, PyObject *wo, l
         if (to_unit_inner(&a->q) || to_unit_inner(&a->k)) goto fail;
         *p = (struct csa_index_problem){
             .q = PyArray_DATA(a->q), .k = PyArray_DATA(a->k), .w = PyArray_DATA(a->w),
-            .qk_bf16 = !q8 && csa_is_bf16(a->q), .w_bf16 = csa_is_bf16(a->w),
+            .qk_bf16 = qbf, .w_bf16 = csa_is_bf16(a->w),
             .B = B, .S = S, .Hi = Hi, .Di = Di, .Tc = Tc,
             .sqb = csa_stride(a->q, 0), .sqs = csa_stride(a->q, 1), .sqh = csa_stride(a->q, 2),
             .skb = csa_stride(a->k, 0), .skt = csa_stride(a->k, 1),
             .swb = csa_stride(a->w, 0), .sws = csa_stride(a->w, 1), .swh = csa_stride(a->w, 2),
-            .ratio = ratio, .start_pos = start_pos, .k_fp4 = 1, .q_fp4 = q8 != NULL,
+            .ratio = ratio, .start_pos = start_pos, .k_fp4 = k_fp4, .q_fp4 = q_fp4,
         };
-        return 0;
     }
-    if (!(a->q = csa_array(qo, fn, "q", CSA_F32 | CSA_BF16, 4, 4, 0))) goto fail;
-    if (!(a->k = csa_array(ko, fn, "k", CSA_F32 | CSA_BF16, 3, 3, 0))) goto fail;
-    if (!(a->w = csa_array(wo, fn, "weights", CSA_F32 | CSA_BF16, 3, 3, 0))) goto fail;
-    /* q . k runs in one dtype, as the reference's einsum insists: no silent promotion
-     * (a float32 copy of a bf16 cache is what this path exists to avoid). */
-    const int qbf = csa_is_bf16(a->q);
-    if (csa_is_bf16(a->k) != qbf) {
-        PyErr_Format(PyExc_TypeError,
-                     "%s(): 'k' must have the dtype of 'q' (%s), got %s; convert one of them",
-                     fn, qbf ? "bfloat16" : "float32", qbf ? "float32" : "bfloat16");
-        goto fail;
-    }
-    const npy_intp B = PyArray_DIM(a->q, 0), S = PyArray_DIM(a->q, 1), Hi = PyArray_DIM(a->q, 2),
-                   Di = PyArray_DIM(a->q, 3), Tc = PyArray_DIM(a->k, 1);
-    if (csa_check_dim(a->k, fn, "k", 0, B, "batch, q.shape[0]")) goto fail;
-    if (csa_check_dim(a->k, fn, "k", 2, Di, "index head dim Di, q.shape[3]")) goto fail;
-    if (PyArray_DIM(a->w, 0) != B || PyArray_DIM(a->w, 1) != S || PyArray_DIM(a->w, 2) != Hi) {
-        PyErr_Format(PyExc_ValueError,
-                     "%s(): 'weights' must have shape [B, S, Hi] = [%lld, %lld, %lld] "
-                     "(from q of shape %s), got %s",
-                     fn, (long long)B, (long long)S, (long long)Hi,
-                     csa_shape_str(a->q, b1, sizeof b1), csa_shape_str(a->w, b2, sizeof b2));
-        goto fail;
-    }
-    const long long need = (start_pos + (long long)S) / ratio;
-    if ((long long)Tc < need) {
-        PyErr_Format(PyExc_ValueError,
-                     "%s(): 'k' must hold at least (start_pos + S) // ratio = (%lld + %lld) // "
-                     "%lld = %lld compressed entries, got shape %s",
-                     fn, start_pos, (long long)S, ratio, need, csa_shape_str(a->k, b1, sizeof b1));
-        goto fail;
-    }
-    if (to_unit_inner(&a->q) || to_unit_inner(&a->k)) goto fail;
-    *p = (struct csa_index_problem){
-        .q = PyArray_DATA(a->q), .k = PyArray_DATA(a->k), .w = PyArray_DATA(a->w),
-        .qk_bf16 = qbf, .w_bf16 = csa_is_bf16(a->w),
-        .B = B, .S = S, .Hi = Hi, .Di = Di, .Tc = Tc,
-        .sqb = csa_stride(a->q, 0), .sqs = csa_stride(a->q, 1), .sqh = csa_stride(a->q, 2),
-        .skb = csa_stride(a->k, 0), .skt = csa_stride(a->k, 1),
-        .swb = csa_stride(a->w, 0), .sws = csa_stride(a->w, 1), .swh = csa_stride(a->w, 2),
-        .ratio = ratio, .start_pos = start_pos,
-    };
     return 0;
 fail:
     qkw_clear(a);
