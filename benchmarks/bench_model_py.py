@@ -20,7 +20,6 @@ import importlib.util
 import json
 import os
 import sys
-import types
 from pathlib import Path
 
 import numpy as np
@@ -42,108 +41,10 @@ PROMPT = 16
 
 
 # ----------------------------------------------------------------------------- stand-ins
-def _e8m0(u):
-    u = u.view(torch.uint8).to(torch.int32)
-    f = (u << 23).view(torch.float32)
-    f = torch.where(u == 0, torch.full_like(f, 2.0 ** -127), f)
-    return torch.where(u == 255, torch.full_like(f, float("nan")), f)
-
-
-def _scale_f32(s):
-    return _e8m0(s) if s.dtype == torch.float8_e8m0fnu else s.float()
-
-
-_E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
-
-
-def _pow2_at_least(v):
-    mant, expo = torch.frexp(v)
-    return torch.ldexp(torch.ones_like(v), expo - (mant == 0.5).to(expo.dtype))
-
-
-def _sa_act_quant(x, block_size=128, scale_fmt=None, scale_dtype=None, inplace=False):
-    pow2 = scale_fmt is not None or scale_dtype == torch.float8_e8m0fnu
-    xb = x.float().unflatten(-1, (-1, block_size))
-    s = xb.abs().amax(-1, keepdim=True).clamp_min(1e-4) / 448.0
-    s = _pow2_at_least(s) if pow2 else s
-    q = (xb / s).clamp(-448, 448).to(torch.float8_e4m3fn)
-    if inplace:
-        x.copy_((q.float() * s).flatten(-2))
-        return x
-    return q.flatten(-2), s.squeeze(-1)
-
-
-def _sa_fp4_act_quant(x, block_size=32, inplace=True, scale_dtype=None):
-    xb = x.float().unflatten(-1, (-1, block_size))
-    s = _pow2_at_least(xb.abs().amax(-1, keepdim=True).clamp_min(6 * 2.0 ** -126) / 6.0)
-    y = (xb / s).clamp(-6, 6)
-    a = y.abs()
-    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
-    x.copy_((torch.copysign(torch.round(a / step) * step, y) * s).flatten(-2))
-    return x
-
-
-def _deq_a(a, a_s):
-    return a.float() * _scale_f32(a_s).repeat_interleave(128, -1)[..., :a.shape[-1]]
-
-
-def _sa_fp8_gemm(a, a_s, b, b_s, scale_dtype=None):
-    n, k = b.shape
-    B = b.float() * _scale_f32(b_s).repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
-    return (_deq_a(a, a_s) @ B.T).to(torch.get_default_dtype())
-
-
-def _sa_fp4_gemm(a, a_s, b, b_s, scale_dtype=None):
-    u = b.view(torch.uint8).long()
-    B = torch.stack([_E2M1[u & 15], _E2M1[u >> 4]], -1).flatten(-2)
-    B = B * _scale_f32(b_s).repeat_interleave(32, 1)
-    return (_deq_a(a, a_s) @ B.T).to(torch.get_default_dtype())
-
-
-def _sa_sparse_attn(q, kv, attn_sink, topk_idxs, softmax_scale):
-    b, s, h, d = q.shape
-    idx = topk_idxs.long()
-    kvg = kv.float()[torch.arange(b)[:, None, None], idx.clamp_min(0)]      # [b, s, k, d]
-    sc = torch.einsum("bshd,bskd->bshk", q.float(), kvg) * softmax_scale
-    sc = sc.masked_fill((idx < 0)[:, :, None, :], float("-inf"))
-    m = torch.maximum(sc.amax(-1, keepdim=True), attn_sink.view(1, 1, h, 1))
-    p = torch.exp(sc - m)
-    den = p.sum(-1, keepdim=True) + torch.exp(attn_sink.view(1, 1, h, 1) - m)
-    return (torch.einsum("bshk,bskd->bshd", p, kvg) / den).to(q.dtype)
-
-
-def _sa_hc_split_sinkhorn(mixes, hc_scale, hc_base, hc_mult=4, sinkhorn_iters=20, eps=1e-6):
-    h = hc_mult
-    pre = torch.sigmoid(mixes[..., :h] * hc_scale[0] + hc_base[:h]) + eps
-    post = 2 * torch.sigmoid(mixes[..., h:2 * h] * hc_scale[1] + hc_base[h:2 * h])
-    c = mixes[..., 2 * h:].unflatten(-1, (h, h)) * hc_scale[2] + hc_base[2 * h:].view(h, h)
-    c = torch.softmax(c, -1) + eps
-    c = c / (c.sum(-2, keepdim=True) + eps)
-    for _ in range(sinkhorn_iters - 1):
-        c = c / (c.sum(-1, keepdim=True) + eps)
-        c = c / (c.sum(-2, keepdim=True) + eps)
-    return pre, post, c
-
-
-def _sa_hadamard(x, scale=1.0):
-    n = x.shape[-1]
-    y = x.float().reshape(-1, n)
-    h = 1
-    while h < n:
-        y = y.view(-1, n // (2 * h), 2, h)
-        y = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), 2).reshape(-1, n)
-        h *= 2
-    return (y * scale).reshape(x.shape).to(x.dtype)
-
-
 def standin_modules():
-    k = types.ModuleType("kernel", "float32 torch stand-ins (benchmarks/bench_model_py.py)")
-    k.act_quant, k.fp4_act_quant = _sa_act_quant, _sa_fp4_act_quant
-    k.fp8_gemm, k.fp4_gemm = _sa_fp8_gemm, _sa_fp4_gemm
-    k.sparse_attn, k.hc_split_sinkhorn = _sa_sparse_attn, _sa_hc_split_sinkhorn
-    f = types.ModuleType("fast_hadamard_transform")
-    f.hadamard_transform = _sa_hadamard
-    return {"kernel": k, "fast_hadamard_transform": f}
+    """The float32 torch stand-ins of the kernel module (the tests' replay oracle)."""
+    from deepseek_csa.reference import kernel_module
+    return kernel_module.standin_modules()
 
 
 def load_with(mods, name):

@@ -11,7 +11,6 @@ Sinkhorn within 1e-5, attention within bf16 rounding.
 """
 import contextlib
 import os
-import shutil
 import sys
 
 import numpy as np
@@ -22,6 +21,7 @@ import ref_layer as R
 
 import deepseek_csa.torch as dct
 from deepseek_csa import _kernel_module as K
+from deepseek_csa.reference import kernel_module as KM
 
 TINY = os.path.join(os.path.dirname(__file__), "tiny_model")
 
@@ -36,15 +36,7 @@ def bf16_default():
         torch.set_default_dtype(prev)
 
 
-def _e8m0_bits(s):
-    return ((s.float().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
-
-
-def _e8m0_float(u):
-    u = u.view(torch.uint8).to(torch.int32)
-    f = (u << 23).view(torch.float32)
-    f = torch.where(u == 0, torch.full_like(f, 2.0 ** -127), f)
-    return torch.where(u == 255, torch.full_like(f, float("nan")), f)
+_e8m0_bits = KM.e8m0_bits
 
 
 def fill(model, seed=0):
@@ -207,73 +199,8 @@ def test_swap_keeps_working_on_fp8_model(tiny):
 
 
 # ----------------------------------------------------------------------------- replay
-def _pow2(s):
-    return R._pow2_at_least(s)
-
-
-def ref_act_quant(x, block_size=128, scale_fmt=None, scale_dtype=None, inplace=False):
-    e8 = scale_dtype == torch.float8_e8m0fnu
-    xb = x.float().unflatten(-1, (-1, block_size))
-    s = xb.abs().amax(-1, keepdim=True).clamp_min(1e-4) * np.float32(1 / 448)
-    if scale_fmt is not None or e8:
-        s = _pow2(s)
-    q = (xb / s).clamp(-448, 448).to(torch.float8_e4m3fn)
-    if inplace:
-        x.copy_((q.float() * s).flatten(-2))
-        return x
-    s = s.squeeze(-1)
-    return q.flatten(-2), (_e8m0_bits(s).view(torch.float8_e8m0fnu) if e8 else s)
-
-
-def ref_fp4_act_quant(x, block_size=32, inplace=True):
-    assert inplace
-    x.copy_(R.fp4_qat(x.float(), block_size))
-    return x
-
-
-def _deq_a(a, a_s):
-    k = a.shape[-1]
-    s = _e8m0_float(a_s) if a_s.dtype == torch.float8_e8m0fnu else a_s.float()
-    return a.float() * s.repeat_interleave(128, -1)[..., :k]
-
-
-def ref_fp8_gemm(a, a_s, b, b_s, scale_dtype=None):
-    n, k = b.shape
-    s = _e8m0_float(b_s) if b_s.dtype == torch.float8_e8m0fnu else b_s.float()
-    B = b.float() * s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
-    return (_deq_a(a, a_s) @ B.T).to(torch.get_default_dtype())
-
-
-_E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
-
-
-def ref_fp4_gemm(a, a_s, b, b_s, scale_dtype=None):
-    u = b.view(torch.uint8).long()
-    vals = torch.stack([_E2M1[u & 15], _E2M1[u >> 4]], -1).flatten(-2)
-    B = vals * _e8m0_float(b_s).repeat_interleave(32, 1)
-    return (_deq_a(a, a_s) @ B.T).to(torch.get_default_dtype())
-
-
-def ref_hc_split_sinkhorn(mixes, hc_scale, hc_base, hc_mult=4, sinkhorn_iters=20, eps=1e-6):
-    h = hc_mult
-    pre = torch.sigmoid(mixes[..., :h] * hc_scale[0] + hc_base[:h]) + eps
-    post = 2 * torch.sigmoid(mixes[..., h:2 * h] * hc_scale[1] + hc_base[h:2 * h])
-    c = mixes[..., 2 * h:].unflatten(-1, (h, h)) * hc_scale[2] + hc_base[2 * h:].view(h, h)
-    c = torch.softmax(c, -1) + eps
-    c = c / (c.sum(-2, keepdim=True) + eps)
-    for _ in range(sinkhorn_iters - 1):
-        c = c / (c.sum(-1, keepdim=True) + eps)
-        c = c / (c.sum(-2, keepdim=True) + eps)
-    return pre, post, c
-
-
-def ref_hadamard_transform(x, scale=1.0):
-    return (R.hadamard(x) * (scale * x.shape[-1] ** 0.5)).to(x.dtype)
-
-
-REFS = {"act_quant": ref_act_quant, "fp4_act_quant": ref_fp4_act_quant,
-        "fp8_gemm": ref_fp8_gemm, "fp4_gemm": ref_fp4_gemm, "sparse_attn": R.sparse_attn,
-        "hc_split_sinkhorn": ref_hc_split_sinkhorn, "hadamard_transform": ref_hadamard_transform}
+# the float32 oracle of the replay: deepseek_csa.reference.kernel_module
+REFS = KM.REFS
 
 
 def snap(v):
@@ -307,7 +234,7 @@ def test_replay_every_kernel_call(tiny):
     saved = {n: G[n] for n in REFS if n in G}
     fht = sys.modules["fast_hadamard_transform"]
     rec_fht = K.hadamard_module()
-    rec_fht.hadamard_transform = recorder("hadamard_transform", ref_hadamard_transform, log)
+    rec_fht.hadamard_transform = recorder("hadamard_transform", KM.hadamard_transform, log)
     try:
         for n in saved:
             G[n] = recorder(n, REFS[n], log)
