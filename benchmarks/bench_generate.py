@@ -88,26 +88,6 @@ def build_state(cfg, seed=0):
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def shard(state, rank, world, n_experts):
-    """convert.py's split (see tests/test_generate.py)."""
-    n_local = n_experts // world
-    out = {}
-    for k, v in state.items():
-        parts = k.split(".")
-        if "experts" in parts and "shared_experts" not in parts:
-            if int(parts[parts.index("experts") + 1]) // n_local == rank:
-                out[k] = v
-            continue
-        dim = 0 if (k in ("embed.weight", "head") or ".wq_b." in k or k.endswith("attn_sink")) \
-            else 1 if ".wo." in k else None
-        if dim is None or world == 1:
-            out[k] = v
-        else:
-            n = v.shape[dim] // world
-            out[k] = v.narrow(dim, rank * n, n).contiguous()
-    return out
-
-
 def write_ckpt(cfg, root, worlds):
     """In a child process, so that this one stays small (a child inherits ru_maxrss,
     and the host's memory is shared)."""
@@ -117,7 +97,12 @@ def write_ckpt(cfg, root, worlds):
 
 
 def _write_ckpt(cfg, root, worlds):
+    import importlib.util
     from safetensors.torch import save_file
+    spec = importlib.util.spec_from_file_location("tiny_model_shard", TINY / "shard.py")
+    layout = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(layout)
+    shard = layout.shard          # convert.py's split, as the tests write it
     state = build_state(cfg)
     root.mkdir(parents=True, exist_ok=True)
     for w in worlds:

@@ -25,6 +25,7 @@ from deepseek_csa import _kernel_module as K
 from deepseek_csa import generate as G
 
 from test_kernel_module import TINY, bf16_default, fill
+from tiny_model.shard import shard as shard_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = dict(vocab_size=96, dim=256, n_layers=2, n_heads=4, head_dim=128, rope_head_dim=64,
@@ -59,28 +60,7 @@ def decisive_state(mod, seed=0):
 
 
 def shard(state, rank, world):
-    """convert.py's split: column-parallel rows, row-parallel columns, vocab rows, heads'
-    sinks, whole experts per rank (others dropped)."""
-    n_local = CFG["n_routed_experts"] // world
-    out = {}
-    for k, v in state.items():
-        parts = k.split(".")
-        if "experts" in parts and "shared_experts" not in parts:
-            e = int(parts[parts.index("experts") + 1])
-            if e // n_local == rank:
-                out[k] = v
-            continue
-        dim = None
-        if k in ("embed.weight", "head") or ".wq_b." in k or k.endswith("attn_sink"):
-            dim = 0
-        elif ".wo." in k:
-            dim = 1
-        if dim is None or world == 1:
-            out[k] = v
-        else:
-            n = v.shape[dim] // world
-            out[k] = v.narrow(dim, rank * n, n).contiguous()
-    return out
+    return shard_state(state, rank, world, CFG["n_routed_experts"])
 
 
 def save(tensors, path):
