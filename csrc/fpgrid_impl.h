@@ -4,6 +4,7 @@
 #ifndef CSA_FPGRID_IMPL_H
 #define CSA_FPGRID_IMPL_H
 
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -19,6 +20,20 @@ static inline float q_float(uint32_t u)
     float f;
     memcpy(&f, &u, sizeof f);
     return f;
+}
+
+/* The block's amax as a float: the largest magnitude by its bits, so a NaN (whose bits
+ * exceed +inf's) wins and propagates to the scale, as the released amax does.  An
+ * unsigned max is order-free, so the vectorized reduction gives the same bits. */
+static inline __attribute__((always_inline)) float q_block_amax(const float *xb, ptrdiff_t block)
+{
+    uint32_t m = 0;
+#pragma omp simd reduction(max : m)
+    for (ptrdiff_t i = 0; i < block; i++) {
+        const uint32_t u = q_bits(xb[i]) & 0x7fffffffu;
+        m = u > m ? u : m;
+    }
+    return q_float(m);
 }
 
 /* Rounds v (|v| at most the grid's max, or NaN) to nearest-even on a float grid with

@@ -16,13 +16,7 @@ static inline __attribute__((always_inline)) void CSA_V(quant_block)(
     const float qmax = fmt == CSA_Q_E4M3 ? 448.0f : 6.0f;
     const uint32_t emin = fmt == CSA_Q_E4M3 ? Q_E4M3_EMIN : Q_E2M1_EMIN;
     const uint32_t cshift = fmt == CSA_Q_E4M3 ? Q_E4M3_CSHIFT : Q_E2M1_CSHIFT;
-    uint32_t m = 0;
-#pragma omp simd reduction(max : m)
-    for (csa_idx i = 0; i < block; i++) {
-        const uint32_t u = q_bits(xb[i]) & 0x7fffffffu;
-        m = u > m ? u : m;
-    }
-    const float s = q_scale(q_float(m), fmt, scale);
+    const float s = q_scale(q_block_amax(xb, block), fmt, scale);
     if (scale == CSA_QS_UE8M0) {
         /* s = 2^k with |k| <= 126, or inf/NaN: x * (1/s) is x / s bit for bit. */
         const float inv = 1.0f / s;
