@@ -8,7 +8,9 @@
 
 /* Code of an e4m3 grid value (|v| <= 448 or NaN): |v| * 2^-120 puts the e4m3 exponent
  * and mantissa in the float32 fields' top 7 bits (the e4m3 subnormals become float32
- * subnormals m * 2^20 ulps: exact), so the code is those bits. */
+ * subnormals m * 2^20 ulps: exact), so the code is those bits.  (Vectorized, the
+ * subnormal products cost little here: the integer form of p_code_e2m1 measured
+ * 1.3x slower for e4m3.) */
 static inline uint32_t p_code_e4m3(float v)
 {
     const uint32_t b = q_bits(v), sign = (b >> 24) & 0x80u;
@@ -16,13 +18,14 @@ static inline uint32_t p_code_e4m3(float v)
     return sign | (q_bits(q_float(b & 0x7fffffffu) * 0x1p-120f) >> 20);
 }
 
-/* Code of an e2m1 grid value (|v| <= 6): |v| * 2^-126 likewise (0.5 -> subnormal 2^22
- * ulps -> 1); NaN -> 0 with the sign. */
+/* Code of an e2m1 grid value (|v| <= 6): from 1 on, exponent and mantissa bit rebased
+ * (code 2 is 1.0); 0.5 -> 1, 0 -> 0; NaN -> 0 with the sign.  Integer selects only,
+ * so that the pair loop of the tuned body vectorizes. */
 static inline uint32_t p_code_e2m1(float v)
 {
-    const uint32_t b = q_bits(v), sign = (b >> 28) & 0x8u;
-    if ((b & 0x7fffffffu) > 0x7f800000u) return sign;
-    return sign | (q_bits(q_float(b & 0x7fffffffu) * 0x1p-126f) >> 22);
+    const uint32_t b = q_bits(v), sign = (b >> 28) & 0x8u, a = b & 0x7fffffffu;
+    const uint32_t normal = ((a - 0x3f800000u) >> 22) + 2u, half = a == 0x3f000000u ? 1u : 0u;
+    return sign | (a > 0x7f800000u ? 0u : a >= 0x3f800000u ? normal : half);
 }
 
 static int p_args_ok(csa_idx d, csa_idx block, int fmt, int scale, int s_bytes)

@@ -22,14 +22,20 @@ static inline __attribute__((always_inline)) void CSA_V(p_block)(
             qb[i] = (uint8_t)p_code_e4m3(q_round_grid(v, emin, cshift));
         }
     } else {
+        /* Round first, then code the pairs: one loop over both made gcc give up
+         * vectorizing (scalar, ~11 ns a value against 0.6 for the rounding alone). */
+        float r[256] __attribute__((aligned(64)));
+        for (csa_idx c0 = 0; c0 < block; c0 += 256) {
+            const csa_idx n = block - c0 < 256 ? block - c0 : 256;
 #pragma omp simd
-        for (csa_idx i = 0; i < block; i += 2) {
-            float v0 = pow2 ? xb[i] * inv : xb[i] / s;
-            float v1 = pow2 ? xb[i + 1] * inv : xb[i + 1] / s;
-            v0 = v0 > qmax ? qmax : (v0 < -qmax ? -qmax : v0);
-            v1 = v1 > qmax ? qmax : (v1 < -qmax ? -qmax : v1);
-            qb[i / 2] = (uint8_t)(p_code_e2m1(q_round_grid(v0, emin, cshift)) |
-                                  (p_code_e2m1(q_round_grid(v1, emin, cshift)) << 4));
+            for (csa_idx i = 0; i < n; i++) {
+                float v = pow2 ? xb[c0 + i] * inv : xb[c0 + i] / s;
+                v = v > qmax ? qmax : (v < -qmax ? -qmax : v);
+                r[i] = q_round_grid(v, emin, cshift);
+            }
+#pragma omp simd
+            for (csa_idx i = 0; i < n / 2; i++)
+                qb[c0 / 2 + i] = (uint8_t)(p_code_e2m1(r[2 * i]) | (p_code_e2m1(r[2 * i + 1]) << 4));
         }
     }
 }
