@@ -177,6 +177,30 @@ static void select_row(const float *sc, csa_idx sst, csa_idx nvis, const uint8_t
                 pos[m++] = (int32_t)t;
             }
         }
+    } else if (nvis > K && K > 0) {
+        /* One pass keys the row and counts the top 11 key bits; a second keeps, in
+         * position order, the entries of the bins that hold the K best (all others are
+         * strictly below every one of them), so the radix select runs on a few
+         * hundred entries instead of nvis: index_topk decode at Tc = 65536, K = 512
+         * spent 0.5-0.9 ms here before, 0.2 after (AMD EPYC Zen 3). */
+        uint32_t hist[2048] = {0};
+        for (csa_idx t = 0; t < nvis; t++) {
+            const uint32_t u = score_key(sc[t * sst]);
+            key[t] = u;
+            hist[u >> 21]++;
+        }
+        uint32_t bin = 2047;
+        csa_idx above = 0;
+        for (; bin > 0; bin--) {
+            if (above + (csa_idx)hist[bin] >= K) break;
+            above += hist[bin];
+        }
+        for (csa_idx t = 0; t < nvis; t++) { /* in place: m <= t */
+            const uint32_t u = key[t];
+            key[m] = u;
+            pos[m] = (int32_t)t;
+            m += (u >> 21) >= bin;
+        }
     } else if (sst == 1) {
         for (csa_idx t = 0; t < nvis; t++) {
             key[t] = score_key(sc[t]);

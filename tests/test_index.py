@@ -213,6 +213,24 @@ def test_topk_indices_large_rows_radix_paths(rng):
         np.testing.assert_array_equal(got, ref.exact_topk(sc, 9000, 1, 19997, 0, order))
 
 
+def test_topk_indices_long_rows_bin_prefilter(rng):
+    """Rows longer than the top-k keep only the 11-bit key bins holding the k best before
+    the radix select: the k-th key inside a crowded bin (values 1 + tiny steps share
+    one), NaNs filling the top bin past k, ties straddling the k-th, -0.0 / +0.0."""
+    Tc, K = 70000, 512
+    sc = rng.standard_normal((1, 4, Tc)).astype(np.float32)
+    sc[0, 1] = 1.0 + rng.integers(0, 64, Tc).astype(np.float32) * 2.0 ** -20
+    sc[0, 2, ::50] = np.nan                       # 1400 NaNs: more than k in the top bin
+    sc[0, 3] = np.where(rng.random(Tc) < 0.5, np.float32(0.0), np.float32(-0.0))
+    sc[0, 3, 1000:1600] = 2.0                     # 600 ties above the zeros
+    for order in ("score", "position"):
+        for K_ in (K, 1, Tc - 1):
+            with unchanged(sc):
+                got = dc.topk_indices(sc, K_, ratio=1, start_pos=Tc - 4, order=order)
+            np.testing.assert_array_equal(got, ref.exact_topk(sc, K_, 1, Tc - 4, 0, order),
+                                          err_msg=f"K={K_} {order}")
+
+
 def test_topk_indices_strided_scores_and_out(rng):
     base = rng.standard_normal((2, 10, 64)).astype(np.float32)
     sc = base[:, ::2, ::2]
