@@ -84,22 +84,26 @@ static inline void CSA_V(g_dec32_e2m1)(const uint8_t *p, float *dst)
 
 /* e4m3 codes -> float32 by shift and mask alone: ((b & 0x80) << 24) | ((b & 0x7f) << 20)
  * is 2^-120 times the value, exactly, e4m3 subnormals (m * 2^-9) included (they land on
- * the float32 subnormals m * 2^-129).  The byte is put at the top of its 32-bit lane by
- * a byte shuffle of 16 codes broadcast to both halves (ctl picks codes 0-7 or 8-15 of
- * them, in order), then shifted right arithmetically by 4 (the sign copied into bits
- * 27-31) and masked back to sign + the 7 bits.  NaN codes come out finite: the callers
- * note them apart.  Three instructions for eight codes, no conversion unit. */
-static inline __attribute__((always_inline)) __m256 CSA_V(g_w8)(__m256i bb, __m256i ctl)
+ * the float32 subnormals m * 2^-129).  16 codes (broadcast to both halves) a call: one
+ * byte shuffle puts code j at the top of lane j and code 8 + j at the top of its low
+ * 16-bit half, one 16-bit arithmetic shift by 4 copies the sign into bits 27-31 (and
+ * 11-15) of both; the lanes masked to sign + the 7 bits are codes 0-7, the low halves
+ * shifted up and masked codes 8-15.  Five instructions for 16 codes (the 32-bit
+ * version, one shuffle, shift and mask per 8 codes, took six), no conversion unit.
+ * NaN codes come out finite: the callers note them apart. */
+static inline __attribute__((always_inline)) void CSA_V(g_w16)(__m256i bb, __m256i ctlp,
+                                                              __m256 w[2])
 {
-    const __m256i v = _mm256_shuffle_epi8(bb, ctl);
-    return _mm256_castsi256_ps(
-        _mm256_and_si256(_mm256_srai_epi32(v, 4), _mm256_set1_epi32((int)0x87f00000u)));
+    const __m256i m = _mm256_set1_epi32((int)0x87f00000u);
+    const __m256i x = _mm256_srai_epi16(_mm256_shuffle_epi8(bb, ctlp), 4);
+    w[0] = _mm256_castsi256_ps(_mm256_and_si256(x, m));
+    w[1] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(x, 16), m));
 }
 
 /* One activation row against 4 rows of e4m3 weights (rows past nr repeat the last one,
  * their results dropped), decoding straight into registers as the bytes stream in: no
  * buffer, each weight byte read once.  af holds the activation times 2^112 (exact), so
- * af * g_w8(b) = a * b / 256 exactly: the very products of the oracle, summed in its
+ * af * g_w16(b) = a * b / 256 exactly: the very products of the oracle, summed in its
  * order (lanes = k mod 8 within a block, the tree), then one FMA per block into the
  * float32 accumulators. */
 static void CSA_V(g_row1)(const struct csa_gemm_args *g, const float *af, const float *as,
@@ -109,11 +113,10 @@ static void CSA_V(g_row1)(const struct csa_gemm_args *g, const float *af, const 
     const uint8_t *rp[4];
     for (int r = 0; r < 4; r++) rp[r] = g->b + (n0 + (r < nr ? r : nr - 1)) * g->sb_row;
     __m128 c = _mm_setzero_ps();
-    const __m256i ctl0 = _mm256_setr_epi8(-128, -128, -128, 0, -128, -128, -128, 1, -128,
-                                          -128, -128, 2, -128, -128, -128, 3, -128, -128,
-                                          -128, 4, -128, -128, -128, 5, -128, -128, -128, 6,
-                                          -128, -128, -128, 7);
-    const __m256i ctl1 = _mm256_add_epi32(ctl0, _mm256_set1_epi32(8 << 24));
+    /* code j at the top of lane j, code 8 + j at the top of its low half (g_w16) */
+    const __m256i ctlp = _mm256_setr_epi8(-128, 8, -128, 0, -128, 9, -128, 1, -128, 10, -128, 2,
+                                          -128, 11, -128, 3, -128, 12, -128, 4, -128, 13, -128,
+                                          5, -128, 14, -128, 6, -128, 15, -128, 7);
     const __m256i s7 = _mm256_set1_epi8(0x7f);
     const csa_idx pfd = G_PF * g->sb_row;
     for (csa_idx k0 = 0, j = 0; k0 < K; k0 += 128, j++) {
@@ -136,10 +139,13 @@ static void CSA_V(g_row1)(const struct csa_gemm_args *g, const float *af, const 
                 const __m256i b1 =
                     _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p + 16)));
                 __m256 a = acc[r];
-                a = _mm256_fmadd_ps(x0, CSA_V(g_w8)(b0, ctl0), a);
-                a = _mm256_fmadd_ps(x1, CSA_V(g_w8)(b0, ctl1), a);
-                a = _mm256_fmadd_ps(x2, CSA_V(g_w8)(b1, ctl0), a);
-                a = _mm256_fmadd_ps(x3, CSA_V(g_w8)(b1, ctl1), a);
+                __m256 w[4];
+                CSA_V(g_w16)(b0, ctlp, w);
+                CSA_V(g_w16)(b1, ctlp, w + 2);
+                a = _mm256_fmadd_ps(x0, w[0], a);
+                a = _mm256_fmadd_ps(x1, w[1], a);
+                a = _mm256_fmadd_ps(x2, w[2], a);
+                a = _mm256_fmadd_ps(x3, w[3], a);
                 acc[r] = a;
             }
         }
@@ -442,7 +448,7 @@ static int CSA_V(gemm_tuned)(const struct csa_gemm_args *g)
 #if G_SIMD
     /* One activation row, K a multiple of 32 (e4m3: 16): the fused path. */
     if (M == 1 && K % 32 == 0) {
-        /* the exact power of two that meets the weight decoder's: e4m3 2^112 (g_w8:
+        /* the exact power of two that meets the weight decoder's: e4m3 2^112 (g_w16:
          * 2^-120 times the value, products a * b / 256), e2m1 2^118 (g_row8_e2m1: 2^-126,
          * products a * b * 2^-8) */
         const float pre = g->b_fmt == CSA_W_E4M3 ? 0x1p112f : 0x1p118f;
