@@ -7,9 +7,12 @@
  * panel of NC rows of b and, G_KC columns at a time, decodes that slice into a
  * thread-private float buffer (16 KiB for decode shapes, L1; 64 KiB for prefill, L2)
  * which every activation row then reuses, so the weight bytes stream from memory
- * once.  The microkernel multiplies 1 or 2 activation rows by 4 weight rows, eight k
- * a vector (8 accumulators, FMA on AVX2), reduces each block's lanes by the fixed
- * tree and adds partial * scale into the float32 output tile.
+ * once.  Small M (<= 16, and every M at the base level): the microkernel multiplies 1
+ * or 2 activation rows by 4 weight rows, eight k a vector (8 accumulators, FMA on
+ * AVX2), reduces each block's lanes by the fixed tree and adds partial * scale into
+ * the float32 output tile.  Prefill (M > 16, AVX2 and up): the panel is decoded
+ * transposed, 16 columns a strip, and g_pk multiplies 6 broadcast activation rows by
+ * 2 vectors of 8 columns, one residue of the block at a time (g_panel_t).
  *
  * One activation row (decode) takes a path of its own, g_row1 (e4m3: 4 weight rows
  * at a time) or g_row8_e2m1 (8 rows, one a vector lane): weights decoded straight into
@@ -378,7 +381,7 @@ static void CSA_V(g_panel)(const struct csa_gemm_args *g, const float *Af, const
                            csa_idx KB128, csa_idx n0, csa_idx nr, csa_idx NC, csa_idx KC,
                            float *Bf, float *BS, float *C)
 {
-    const csa_idx M = g->M, K = g->K;
+    const csa_idx M = g->M, K = g->K, LDA = G_LDA(K);
     const int fp8 = g->b_fmt == CSA_W_E4M3;
     const csa_idx bk = fp8 ? 128 : 32;
     const csa_idx nq = (nr + 3) / 4 * 4;    /* rows rounded up to whole quads */
@@ -408,13 +411,13 @@ static void CSA_V(g_panel)(const struct csa_gemm_args *g, const float *Af, const
                     csa_idx m = ms;
                     for (; m + 2 <= me; m += 2) {
                         const csa_idx ga = m0 + m;
-                        CSA_V(g_micro2)(Af + ga * K + kc, Af + (ga + 1) * K + kc, bq, KC, kl, bk,
+                        CSA_V(g_micro2)(Af + ga * LDA + kc, Af + (ga + 1) * LDA + kc, bq, KC, kl, bk,
                                         BS, BS + q, NC, AS + ga * KB128 + kc / 128,
                                         AS + (ga + 1) * KB128 + kc / 128, C + m * NC + q, NC);
                     }
                     if (m < me) {
                         const csa_idx ga = m0 + m;
-                        CSA_V(g_micro1)(Af + ga * K + kc, bq, KC, kl, bk, BS, BS + q, NC,
+                        CSA_V(g_micro1)(Af + ga * LDA + kc, bq, KC, kl, bk, BS, BS + q, NC,
                                         AS + ga * KB128 + kc / 128, C + m * NC + q);
                     }
                 }
@@ -425,11 +428,183 @@ static void CSA_V(g_panel)(const struct csa_gemm_args *g, const float *Af, const
     }
 }
 
+#if G_SIMD
+/* Prefill microkernel: MR (<= 6) activation rows times 16 weight columns over one
+ * K block (len, a multiple of 8), FMA on broadcast activations and vectors of 8
+ * columns.  The contract's block sum is per (row, column): lane j of the oracle (its
+ * elements j, j + 8, ... in increasing k) is here one accumulator per (row, 8
+ * columns) fed k = j, j + 8, ... in turn, residue after residue, and the tree
+ * ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) is built as the residues finish
+ * (its partial sums in S, L1); then c = fma(P, sa * sb, c) as the oracle's.
+ * a[i]: row i's floats at the block's first k; b: the transposed weight panel (row
+ * stride ldb floats) at the block's first k and the 16 columns; sa[i]: row i's
+ * activation scale; sb0 / sb1: the 16 columns' weight scales; c: the output tile
+ * (row stride ldc). */
+/* Residue j of one block for g_pk: the MR x 2 lane sums in named registers (an array
+ * of accumulators was kept in memory by GCC), stored to out once. */
+static inline __attribute__((always_inline)) void CSA_V(g_pkj)(
+    const int MR, const float *const *a, const float *b, csa_idx ldb, csa_idx len, csa_idx j,
+    __m256 *out)
+{
+    const __m256 z = _mm256_setzero_ps();
+    __m256 c0 = z, c1 = z, c2 = z, c3 = z, c4 = z, c5 = z, c6 = z, c7 = z, c8 = z, c9 = z,
+           c10 = z, c11 = z;
+    const float *a0 = a[0], *a1 = a[MR > 1 ? 1 : 0], *a2 = a[MR > 2 ? 2 : 0];
+    const float *a3 = a[MR > 3 ? 3 : 0], *a4 = a[MR > 4 ? 4 : 0], *a5 = a[MR > 5 ? 5 : 0];
+    for (csa_idx k = j; k < len; k += 8) {
+        const __m256 b0 = _mm256_loadu_ps(b + k * ldb), b1 = _mm256_loadu_ps(b + k * ldb + 8);
+        __m256 x = _mm256_broadcast_ss(a0 + k);
+        c0 = _mm256_fmadd_ps(x, b0, c0);
+        c1 = _mm256_fmadd_ps(x, b1, c1);
+        if (MR > 1) {
+            x = _mm256_broadcast_ss(a1 + k);
+            c2 = _mm256_fmadd_ps(x, b0, c2);
+            c3 = _mm256_fmadd_ps(x, b1, c3);
+        }
+        if (MR > 2) {
+            x = _mm256_broadcast_ss(a2 + k);
+            c4 = _mm256_fmadd_ps(x, b0, c4);
+            c5 = _mm256_fmadd_ps(x, b1, c5);
+        }
+        if (MR > 3) {
+            x = _mm256_broadcast_ss(a3 + k);
+            c6 = _mm256_fmadd_ps(x, b0, c6);
+            c7 = _mm256_fmadd_ps(x, b1, c7);
+        }
+        if (MR > 4) {
+            x = _mm256_broadcast_ss(a4 + k);
+            c8 = _mm256_fmadd_ps(x, b0, c8);
+            c9 = _mm256_fmadd_ps(x, b1, c9);
+        }
+        if (MR > 5) {
+            x = _mm256_broadcast_ss(a5 + k);
+            c10 = _mm256_fmadd_ps(x, b0, c10);
+            c11 = _mm256_fmadd_ps(x, b1, c11);
+        }
+    }
+    out[0] = c0, out[1] = c1;
+    if (MR > 1) out[2] = c2, out[3] = c3;
+    if (MR > 2) out[4] = c4, out[5] = c5;
+    if (MR > 3) out[6] = c6, out[7] = c7;
+    if (MR > 4) out[8] = c8, out[9] = c9;
+    if (MR > 5) out[10] = c10, out[11] = c11;
+}
+
+static inline __attribute__((always_inline)) void CSA_V(g_pk)(
+    const int MR, const float *const *a, const float *b, csa_idx ldb, csa_idx len,
+    const float *sa, __m256 sb0, __m256 sb1, float *c, csa_idx ldc)
+{
+    __m256 S[4][12];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+        __m256 acc[12];
+        CSA_V(g_pkj)(MR, a, b, ldb, len, j, acc);
+        for (int i = 0; i < 2 * MR; i++) {
+            const __m256 v = acc[i];
+            switch (j) {
+            case 0: S[0][i] = v; break;
+            case 1: S[0][i] = _mm256_add_ps(S[0][i], v); break;
+            case 2: S[1][i] = v; break;
+            case 3: S[0][i] = _mm256_add_ps(S[0][i], _mm256_add_ps(S[1][i], v)); break;
+            case 4: S[2][i] = v; break;
+            case 5: S[2][i] = _mm256_add_ps(S[2][i], v); break;
+            case 6: S[3][i] = v; break;
+            default: S[0][i] = _mm256_add_ps(S[0][i], _mm256_add_ps(S[2][i], _mm256_add_ps(S[3][i], v)));
+            }
+        }
+    }
+    for (int i = 0; i < MR; i++) {
+        const __m256 x = _mm256_set1_ps(sa[i]);
+        float *ci = c + i * ldc;
+        _mm256_storeu_ps(ci, _mm256_fmadd_ps(S[0][2 * i], _mm256_mul_ps(x, sb0), _mm256_loadu_ps(ci)));
+        _mm256_storeu_ps(ci + 8, _mm256_fmadd_ps(S[0][2 * i + 1], _mm256_mul_ps(x, sb1),
+                                                 _mm256_loadu_ps(ci + 8)));
+    }
+}
+
+#define G_PK(R)                                                                            \
+    static __attribute__((noinline)) void CSA_V(g_pk##R)(                                  \
+        const float *const *a, const float *b, csa_idx ldb, csa_idx len, const float *sa,  \
+        __m256 sb0, __m256 sb1, float *c, csa_idx ldc)                                     \
+    {                                                                                      \
+        CSA_V(g_pk)(R, a, b, ldb, len, sa, sb0, sb1, c, ldc);                              \
+    }
+G_PK(1) G_PK(2) G_PK(3) G_PK(4) G_PK(5) G_PK(6)
+#undef G_PK
+
+/* One prefill panel: weight rows [n0, n0 + nr) (nr <= NC, NC a multiple of 16) against
+ * every activation row, G_KC columns of the panel decoded at a time into Bt transposed
+ * in strips of 16 columns ([strip][k][16], padding columns zero: their results are
+ * dropped; a strip's rows 64 bytes apart, not NC * 4: at 256 bytes a 128-row block
+ * filled 16 of L1's 64 sets and evicted itself), each strip then swept by all the rows
+ * of an output tile of G_MB rows, 6 at a time (the strip, 16 KiB, stays in L1).  The blocks reach each output element in increasing k,
+ * as in the oracle. */
+static void CSA_V(g_panel_t)(const struct csa_gemm_args *g, const float *Af, const float *AS,
+                             csa_idx KB128, csa_idx n0, csa_idx nr, csa_idx NC, float *Bt,
+                             float *BS, float *C)
+{
+    const csa_idx M = g->M, K = g->K, KC = G_KC, LDA = G_LDA(K);
+    const int fp8 = g->b_fmt == CSA_W_E4M3;
+    const csa_idx bk = fp8 ? 128 : 32;
+    float row[G_KC];
+    for (csa_idx m0 = 0; m0 < M; m0 += G_MB) {
+        const csa_idx mb = M - m0 < G_MB ? M - m0 : G_MB;
+        memset(C, 0, (size_t)(mb * NC) * sizeof *C);
+        for (csa_idx kc = 0; kc < K; kc += KC) {
+            const csa_idx kl = K - kc < KC ? K - kc : KC;
+            const csa_idx nblk = (kl + bk - 1) / bk;
+            for (csa_idx r = 0; r < NC; r++) {
+                float *bt = Bt + (r / 16) * (KC * 16) + r % 16;
+                if (r < nr) {
+                    CSA_V(g_dec_b)(g, n0 + r, kc, kl, row);
+                    for (csa_idx k = 0; k < kl; k++) bt[k * 16] = row[k];
+                } else {
+                    for (csa_idx k = 0; k < kl; k++) bt[k * 16] = 0.0f;
+                }
+            }
+            for (csa_idx j = 0; j < nblk; j++)
+                for (csa_idx r = 0; r < NC; r++)
+                    BS[j * NC + r] = r < nr ? g_bscale(g, n0 + r, (fp8 ? kc / 128 : kc / 32) + j) : 0.0f;
+            for (csa_idx q = 0; q < NC; q += 16) {
+                if (q >= nr) break;
+                for (csa_idx m = 0; m < mb; m += 6) {
+                    const int mr = mb - m < 6 ? (int)(mb - m) : 6;
+                    for (csa_idx j = 0; j < nblk; j++) {
+                        const csa_idx k0 = j * bk, len = kl - k0 < bk ? kl - k0 : bk;
+                        const csa_idx kb128 = (kc + k0) / 128;
+                        const float *ar[6];
+                        float sa[6];
+                        for (int i = 0; i < mr; i++) {
+                            ar[i] = Af + (m0 + m + i) * LDA + kc + k0;
+                            sa[i] = AS[(m0 + m + i) * KB128 + kb128];
+                        }
+                        const __m256 sb0 = _mm256_loadu_ps(BS + j * NC + q);
+                        const __m256 sb1 = _mm256_loadu_ps(BS + j * NC + q + 8);
+                        const float *bq = Bt + q * KC + k0 * 16;
+                        float *cq = C + m * NC + q;
+                        switch (mr) {
+                        case 6: CSA_V(g_pk6)(ar, bq, 16, len, sa, sb0, sb1, cq, NC); break;
+                        case 5: CSA_V(g_pk5)(ar, bq, 16, len, sa, sb0, sb1, cq, NC); break;
+                        case 4: CSA_V(g_pk4)(ar, bq, 16, len, sa, sb0, sb1, cq, NC); break;
+                        case 3: CSA_V(g_pk3)(ar, bq, 16, len, sa, sb0, sb1, cq, NC); break;
+                        case 2: CSA_V(g_pk2)(ar, bq, 16, len, sa, sb0, sb1, cq, NC); break;
+                        default: CSA_V(g_pk1)(ar, bq, 16, len, sa, sb0, sb1, cq, NC);
+                        }
+                    }
+                }
+            }
+        }
+        for (csa_idx m = 0; m < mb; m++)
+            for (csa_idx r = 0; r < nr; r++) g_store(g, m0 + m, n0 + r, C[m * NC + r]);
+    }
+}
+#endif
+
 static int CSA_V(gemm_tuned)(const struct csa_gemm_args *g)
 {
-    const csa_idx M = g->M, N = g->N, K = g->K;
+    const csa_idx M = g->M, N = g->N, K = g->K, LDA = G_LDA(K);
     const csa_idx KB128 = (K + 127) / 128;
-    float *Af = malloc((size_t)(M * K) * sizeof *Af);
+    float *Af = malloc((size_t)(M * LDA) * sizeof *Af);
     float *AS = malloc((size_t)(M * KB128) * sizeof *AS);
     if (!Af || !AS) {
         free(Af);
@@ -440,7 +615,7 @@ static int CSA_V(gemm_tuned)(const struct csa_gemm_args *g)
         const int nt = csa_threads(M, 1 + 65536 / K);
 #pragma omp parallel for num_threads(nt) schedule(static)
         for (csa_idx m = 0; m < M; m++) {
-            CSA_V(g_dec_a)(g->a + m * g->sa_row, Af + m * K, K);
+            CSA_V(g_dec_a)(g->a + m * g->sa_row, Af + m * LDA, K);
             for (csa_idx j = 0; j < KB128; j++)
                 AS[m * KB128 + j] = g_scale(g->as, g->as_fmt, m * g->sas_row + j * g->sas_col);
         }
@@ -515,7 +690,14 @@ static int CSA_V(gemm_tuned)(const struct csa_gemm_args *g)
         for (csa_idx p = 0; p < npan; p++) {
             if (!ok) continue;
             const csa_idx n0 = p * NC;
-            CSA_V(g_panel)(g, Af, AS, KB128, n0, N - n0 < NC ? N - n0 : NC, NC, KC, Bf, BS, C);
+            const csa_idx nr = N - n0 < NC ? N - n0 : NC;
+#if G_SIMD
+            if (!small) {
+                CSA_V(g_panel_t)(g, Af, AS, KB128, n0, nr, NC, Bf, BS, C);
+                continue;
+            }
+#endif
+            CSA_V(g_panel)(g, Af, AS, KB128, n0, nr, NC, KC, Bf, BS, C);
         }
         free(Bf);
         free(BS);
