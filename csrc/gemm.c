@@ -109,6 +109,10 @@ int csa_gemm_ref(const struct csa_gemm_args *g)
 #define G_NC_LARGE 64
 #define G_MB 192     /* activation rows per output tile (float accumulators in L2) */
 #define G_MS 32      /* activation rows swept per weight quad (their slice in L1/L2) */
+/* Row stride of the decoded activations, in floats: K plus one cache line, so that the
+ * rows a prefill microkernel reads together (K = 1024: 4 KiB apart) do not all fall
+ * in the same L1 set. */
+#define G_LDA(K) ((K) + 16)
 
 #define CSA_IMPL "gemm_impl.h"
 #include "csa_isa_variants.h"

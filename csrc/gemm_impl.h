@@ -7,14 +7,18 @@
  * panel of NC rows of b and, G_KC columns at a time, decodes that slice into a
  * thread-private float buffer (16 KiB for decode shapes, L1; 64 KiB for prefill, L2)
  * which every activation row then reuses, so the weight bytes stream from memory
- * once.  The microkernel multiplies 1 or 2 activation rows by 4 weight rows, eight k
- * a vector (8 accumulators, FMA on AVX2), reduces each block's lanes by the fixed
- * tree and adds partial * scale into the float32 output tile.
+ * once.  Small M (<= 16, and every M at the base level): the microkernel multiplies 1
+ * or 2 activation rows by 4 weight rows, eight k a vector (8 accumulators, FMA on
+ * AVX2), reduces each block's lanes by the fixed tree and adds partial * scale into
+ * the float32 output tile.  Prefill (M > 16, AVX2 and up): the panel is decoded
+ * transposed, 16 columns a strip, and g_pk multiplies 6 broadcast activation rows by
+ * 2 vectors of 8 columns, one residue of the block at a time (g_panel_t).
  *
- * One activation row (decode) takes a path of its own, g_row1: 4 weight rows at a
- * time decoded straight into registers by shifts, masks and byte shuffles (no
- * conversion instructions, no buffer), each weight byte read once, the quads handed
- * out dynamically so a descheduled thread on a shared host does not hold the others. */
+ * One activation row (decode) takes a path of its own, g_row1 (e4m3: 4 weight rows
+ * at a time) or g_row8_e2m1 (8 rows, one a vector lane): weights decoded straight into
+ * registers by shifts, masks and byte shuffles (no conversion instructions, no
+ * buffer), each weight byte read once, the row groups handed out dynamically so a
+ * descheduled thread on a shared host does not hold the others. */
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define G_SIMD 1
@@ -83,22 +87,26 @@ static inline void CSA_V(g_dec32_e2m1)(const uint8_t *p, float *dst)
 
 /* e4m3 codes -> float32 by shift and mask alone: ((b & 0x80) << 24) | ((b & 0x7f) << 20)
  * is 2^-120 times the value, exactly, e4m3 subnormals (m * 2^-9) included (they land on
- * the float32 subnormals m * 2^-129).  The byte is put at the top of its 32-bit lane by
- * a byte shuffle of 16 codes broadcast to both halves (ctl picks codes 0-7 or 8-15 of
- * them, in order), then shifted right arithmetically by 4 (the sign copied into bits
- * 27-31) and masked back to sign + the 7 bits.  NaN codes come out finite: the callers
- * note them apart.  Three instructions for eight codes, no conversion unit. */
-static inline __attribute__((always_inline)) __m256 CSA_V(g_w8)(__m256i bb, __m256i ctl)
+ * the float32 subnormals m * 2^-129).  16 codes (broadcast to both halves) a call: one
+ * byte shuffle puts code j at the top of lane j and code 8 + j at the top of its low
+ * 16-bit half, one 16-bit arithmetic shift by 4 copies the sign into bits 27-31 (and
+ * 11-15) of both; the lanes masked to sign + the 7 bits are codes 0-7, the low halves
+ * shifted up and masked codes 8-15.  Five instructions for 16 codes (the 32-bit
+ * version, one shuffle, shift and mask per 8 codes, took six), no conversion unit.
+ * NaN codes come out finite: the callers note them apart. */
+static inline __attribute__((always_inline)) void CSA_V(g_w16)(__m256i bb, __m256i ctlp,
+                                                              __m256 w[2])
 {
-    const __m256i v = _mm256_shuffle_epi8(bb, ctl);
-    return _mm256_castsi256_ps(
-        _mm256_and_si256(_mm256_srai_epi32(v, 4), _mm256_set1_epi32((int)0x87f00000u)));
+    const __m256i m = _mm256_set1_epi32((int)0x87f00000u);
+    const __m256i x = _mm256_srai_epi16(_mm256_shuffle_epi8(bb, ctlp), 4);
+    w[0] = _mm256_castsi256_ps(_mm256_and_si256(x, m));
+    w[1] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(x, 16), m));
 }
 
-/* One activation row against 4 weight rows (rows past nr repeat the last one, their
- * results dropped), decoding straight into registers as the bytes stream in: no
+/* One activation row against 4 rows of e4m3 weights (rows past nr repeat the last one,
+ * their results dropped), decoding straight into registers as the bytes stream in: no
  * buffer, each weight byte read once.  af holds the activation times 2^112 (exact), so
- * af * g_w8(b) = a * b / 256 exactly: the very products of the oracle, summed in its
+ * af * g_w16(b) = a * b / 256 exactly: the very products of the oracle, summed in its
  * order (lanes = k mod 8 within a block, the tree), then one FMA per block into the
  * float32 accumulators. */
 static void CSA_V(g_row1)(const struct csa_gemm_args *g, const float *af, const float *as,
@@ -108,130 +116,154 @@ static void CSA_V(g_row1)(const struct csa_gemm_args *g, const float *af, const 
     const uint8_t *rp[4];
     for (int r = 0; r < 4; r++) rp[r] = g->b + (n0 + (r < nr ? r : nr - 1)) * g->sb_row;
     __m128 c = _mm_setzero_ps();
-    if (g->b_fmt == CSA_W_E4M3) {
-        const __m256i ctl0 = _mm256_setr_epi8(-128, -128, -128, 0, -128, -128, -128, 1, -128,
-                                              -128, -128, 2, -128, -128, -128, 3, -128, -128,
-                                              -128, 4, -128, -128, -128, 5, -128, -128, -128, 6,
-                                              -128, -128, -128, 7);
-        const __m256i ctl1 = _mm256_add_epi32(ctl0, _mm256_set1_epi32(8 << 24));
-        const __m256i s7 = _mm256_set1_epi8(0x7f);
-        const csa_idx pfd = G_PF * g->sb_row;
-        for (csa_idx k0 = 0, j = 0; k0 < K; k0 += 128, j++) {
-            const csa_idx k1 = K - k0 < 128 ? K : k0 + 128;
-            __m256 acc[4];
-            __m256i mx = _mm256_setzero_si256();
-            for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
-            /* 32 codes of a row a step.  NaN codes (b & 0x7f == 0x7f, the largest
-             * magnitude) are only noted here, by a running byte maximum: a block that has
-             * one is redone by the scalar path. */
-            for (csa_idx k = k0; k < k1; k += 32) {
-                const __m256 x0 = _mm256_loadu_ps(af + k), x1 = _mm256_loadu_ps(af + k + 8);
-                const __m256 x2 = _mm256_loadu_ps(af + k + 16), x3 = _mm256_loadu_ps(af + k + 24);
-                for (int r = 0; r < 4; r++) {
-                    const uint8_t *p = rp[r] + k;
-                    if (!(k & 32)) _mm_prefetch((const char *)(p + pfd), _MM_HINT_T0);
-                    mx = _mm256_max_epu8(mx, _mm256_and_si256(
-                                                 _mm256_loadu_si256((const __m256i *)p), s7));
-                    const __m256i b0 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
-                    const __m256i b1 =
-                        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p + 16)));
-                    __m256 a = acc[r];
-                    a = _mm256_fmadd_ps(x0, CSA_V(g_w8)(b0, ctl0), a);
-                    a = _mm256_fmadd_ps(x1, CSA_V(g_w8)(b0, ctl1), a);
-                    a = _mm256_fmadd_ps(x2, CSA_V(g_w8)(b1, ctl0), a);
-                    a = _mm256_fmadd_ps(x3, CSA_V(g_w8)(b1, ctl1), a);
-                    acc[r] = a;
-                }
-            }
-            __m128 p;
-            if (__builtin_expect(_mm256_movemask_epi8(_mm256_cmpeq_epi8(mx, s7)) != 0, 0)) {
-                float pr[4];
-                for (int r = 0; r < 4; r++) {
-                    float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-                    for (csa_idx k = k0; k < k1; k++)
-                        l[(k - k0) & 7] +=
-                            (af[k] * 0x1p-112f) * (g_e4m3(rp[r][k]) * (1.0f / 256.0f));
-                    pr[r] = g_tree(l);
-                }
-                p = _mm_loadu_ps(pr);
-            } else {
-                const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]),
-                                                _mm256_hadd_ps(acc[2], acc[3]));
-                p = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
-            }
-            c = _mm_fmadd_ps(p, _mm_set1_ps(as[j] * g_bscale(g, n0, j)), c);
-        }
-    } else {
-        /* e2m1 codes straight to float32 bits by byte shuffles, no conversion: a table
-         * maps each code to sign << 7 | 2 |value| (2 |value| = 0, 1, 2, 3, 4, 6, 8, 12),
-         * a second shuffle puts that byte at bits 16-23 and 24-31 of the code's lane, and
-         * the mask 0x807f0000 keeps the sign and the 7 low bits: the float32 subnormal
-         * |value| * 2^-132 with the code's sign.  af holds a * 2^118, so every product is
-         * a * value * 2^-14 exactly (normal: |a * value| >= 2^-10) and every partial sum
-         * the oracle's times 2^-14 (all stay normal); one multiply by 2^14 a block takes
-         * it back.  Single thread, N = 512, K = 4096 (L2/L3-resident): 272 -> 238 us
-         * against the fp16 table + F16C conversion this replaces. */
-        const __m128i tbl = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, (char)0x80, (char)0x81,
-                                          (char)0x82, (char)0x83, (char)0x84, (char)0x86,
-                                          (char)0x88, (char)0x8c);
-        /* lane i of a 128-bit half: the code's table byte (from u = tl[0..7] | th[0..7])
-         * twice at the top; element 2i is tl[i], 2i + 1 is th[i] */
-        const __m256i pl0 = _mm256_setr_epi8(-128, -128, 0, 0, -128, -128, 8, 8, -128, -128, 1, 1,
-                                             -128, -128, 9, 9, -128, -128, 2, 2, -128, -128, 10,
-                                             10, -128, -128, 3, 3, -128, -128, 11, 11);
-        const __m256i pl1 = _mm256_add_epi32(pl0, _mm256_set1_epi32(0x04040000));
-        const __m256i keep = _mm256_set1_epi32((int)0x807f0000u);
-        const __m256i m4 = _mm256_set1_epi8(0x0f), tb2 = _mm256_broadcastsi128_si256(tbl);
-        const csa_idx nl = n0 + nr - 1;
-        /* two 32-blocks (32 bytes of a row) a step: one split into nibbles and one table
-         * lookup for both; their lanes are reduced and scaled block by block */
-        for (csa_idx k0 = 0, j = 0; k0 < K; k0 += 64, j += 2) {
-            const int two = K - k0 >= 64;
-            __m256 acc[8];
+    /* code j at the top of lane j, code 8 + j at the top of its low half (g_w16) */
+    const __m256i ctlp = _mm256_setr_epi8(-128, 8, -128, 0, -128, 9, -128, 1, -128, 10, -128, 2,
+                                          -128, 11, -128, 3, -128, 12, -128, 4, -128, 13, -128,
+                                          5, -128, 14, -128, 6, -128, 15, -128, 7);
+    const __m256i s7 = _mm256_set1_epi8(0x7f);
+    const csa_idx pfd = G_PF * g->sb_row;
+    for (csa_idx k0 = 0, j = 0; k0 < K; k0 += 128, j++) {
+        const csa_idx k1 = K - k0 < 128 ? K : k0 + 128;
+        __m256 acc[4];
+        __m256i mx = _mm256_setzero_si256();
+        for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
+        /* 32 codes of a row a step.  NaN codes (b & 0x7f == 0x7f, the largest
+         * magnitude) are only noted here, by a running byte maximum: a block that has
+         * one is redone by the scalar path. */
+        for (csa_idx k = k0; k < k1; k += 32) {
+            const __m256 x0 = _mm256_loadu_ps(af + k), x1 = _mm256_loadu_ps(af + k + 8);
+            const __m256 x2 = _mm256_loadu_ps(af + k + 16), x3 = _mm256_loadu_ps(af + k + 24);
             for (int r = 0; r < 4; r++) {
-                const uint8_t *p = rp[r] + k0 / 2;
-                const __m256i x = two ? _mm256_loadu_si256((const __m256i *)p)
-                                      : _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p));
-                const __m256i tl = _mm256_shuffle_epi8(tb2, _mm256_and_si256(x, m4));
-                const __m256i th = _mm256_shuffle_epi8(tb2, _mm256_and_si256(_mm256_srli_epi16(x, 4), m4));
-                const __m256i lo = _mm256_unpacklo_epi64(tl, th), hi = _mm256_unpackhi_epi64(tl, th);
-                for (int h = 0; h < 2; h++) {
-                    const __m256i u0 = _mm256_permute2x128_si256(lo, lo, h ? 0x11 : 0x00);
-                    const __m256i u1 = _mm256_permute2x128_si256(hi, hi, h ? 0x11 : 0x00);
-                    const float *ap = af + k0 + 32 * h;
-                    __m256 a = _mm256_fmadd_ps(
-                        _mm256_loadu_ps(ap),
-                        _mm256_castsi256_ps(_mm256_and_si256(_mm256_shuffle_epi8(u0, pl0), keep)),
-                        _mm256_setzero_ps());
-                    a = _mm256_fmadd_ps(
-                        _mm256_loadu_ps(ap + 8),
-                        _mm256_castsi256_ps(_mm256_and_si256(_mm256_shuffle_epi8(u0, pl1), keep)), a);
-                    a = _mm256_fmadd_ps(
-                        _mm256_loadu_ps(ap + 16),
-                        _mm256_castsi256_ps(_mm256_and_si256(_mm256_shuffle_epi8(u1, pl0), keep)), a);
-                    a = _mm256_fmadd_ps(
-                        _mm256_loadu_ps(ap + 24),
-                        _mm256_castsi256_ps(_mm256_and_si256(_mm256_shuffle_epi8(u1, pl1), keep)), a);
-                    acc[4 * h + r] = a;
-                    if (!two) break;
-                }
-            }
-            for (int h = 0; h < 1 + two; h++) {
-                const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(acc[4 * h], acc[4 * h + 1]),
-                                                _mm256_hadd_ps(acc[4 * h + 2], acc[4 * h + 3]));
-                const __m128 p = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
-                const csa_idx jb = j + h;
-                const __m128 sb = _mm_setr_ps(g_bscale(g, n0, jb), g_bscale(g, nr > 1 ? n0 + 1 : nl, jb),
-                                              g_bscale(g, nr > 2 ? n0 + 2 : nl, jb),
-                                              g_bscale(g, nr > 3 ? n0 + 3 : nl, jb));
-                /* p * 2^14 is the oracle's partial sum again (exact), so the scale and
-                 * the FMA are its own too, whatever the scales' range */
-                c = _mm_fmadd_ps(_mm_mul_ps(p, _mm_set1_ps(0x1p14f)),
-                                 _mm_mul_ps(_mm_set1_ps(as[jb / 4]), sb), c);
+                const uint8_t *p = rp[r] + k;
+                if (!(k & 32)) _mm_prefetch((const char *)(p + pfd), _MM_HINT_T0);
+                mx = _mm256_max_epu8(mx, _mm256_and_si256(
+                                             _mm256_loadu_si256((const __m256i *)p), s7));
+                const __m256i b0 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+                const __m256i b1 =
+                    _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p + 16)));
+                __m256 a = acc[r];
+                __m256 w[4];
+                CSA_V(g_w16)(b0, ctlp, w);
+                CSA_V(g_w16)(b1, ctlp, w + 2);
+                a = _mm256_fmadd_ps(x0, w[0], a);
+                a = _mm256_fmadd_ps(x1, w[1], a);
+                a = _mm256_fmadd_ps(x2, w[2], a);
+                a = _mm256_fmadd_ps(x3, w[3], a);
+                acc[r] = a;
             }
         }
+        __m128 p;
+        if (__builtin_expect(_mm256_movemask_epi8(_mm256_cmpeq_epi8(mx, s7)) != 0, 0)) {
+            float pr[4];
+            for (int r = 0; r < 4; r++) {
+                float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                for (csa_idx k = k0; k < k1; k++)
+                    l[(k - k0) & 7] +=
+                        (af[k] * 0x1p-112f) * (g_e4m3(rp[r][k]) * (1.0f / 256.0f));
+                pr[r] = g_tree(l);
+            }
+            p = _mm_loadu_ps(pr);
+        } else {
+            const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]),
+                                            _mm256_hadd_ps(acc[2], acc[3]));
+            p = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+        }
+        c = _mm_fmadd_ps(p, _mm_set1_ps(as[j] * g_bscale(g, n0, j)), c);
     }
     _mm_storeu_ps(res, c);
+}
+#endif
+
+#if G_SIMD
+/* One activation row against 8 rows of packed e2m1 weights (rows past nr repeat the
+ * last one, their results dropped), one vector lane per weight row: the 16 bytes of a
+ * 32-block of each row are loaded and transposed (4 x 4 dwords per 128-bit half), so
+ * that dword t of lane r holds the block's elements 8t .. 8t + 7 of row r, element
+ * 8t + e in bits 4e .. 4e + 3.  The code of element e, shifted to the top of the lane
+ * (sign at bit 31), shifted right arithmetically by 6 and masked to 0x81c00000 is the
+ * float32 of value * 2^-126 (e2m1's exponent and mantissa bits land on float32's
+ * lowest exponent bits and top mantissa bit; 0.5 on the subnormal 2^-127): shifts
+ * and masks only, no table, no conversion.  af holds a * 2^118, so each
+ * product is the oracle's a * value times 2^-8 exactly (the least nonzero, 2^-18, is
+ * normal) and so is every lane sum; lane sums over t in increasing k and the tree
+ * over e are vertical adds, in the oracle's order, and one multiply by 2^8 a block
+ * gives its partial sum back.  Against the 4-row fp16-table path this replaces, one
+ * thread, N = 512, K = 4096 (weights in L2/L3, the decode cost alone; CPU time, 2-core
+ * AMD EPYC Zen 3, AVX2): 0.245 -> 0.181 ms.  sbt: scratch for the 8 rows' scales,
+ * [K / 32][8]. */
+static void CSA_V(g_row8_e2m1)(const struct csa_gemm_args *g, const float *af, const float *as,
+                               csa_idx n0, csa_idx nr, float *sbt, float *res)
+{
+    const csa_idx nb = g->K / 32;
+    const uint8_t *rp[8];
+    for (int r = 0; r < 8; r++) rp[r] = g->b + (n0 + (r < nr ? r : nr - 1)) * g->sb_row;
+    /* the scales, transposed to [block][row]: e8m0 as bytes, decoded 8 at a time in the
+     * loop (the scalar decode of each was a fifth of the time), float32 as they are */
+    const int e8 = g->bs_fmt == CSA_S_E8M0;
+    uint8_t *sb8 = (uint8_t *)sbt;
+    for (int r = 0; r < 8; r++) {
+        const csa_idx n = n0 + (r < nr ? r : nr - 1);
+        if (e8) {
+            const uint8_t *q = (const uint8_t *)g->bs + n * g->sbs_row;
+            for (csa_idx j = 0; j < nb; j++) sb8[8 * j + r] = q[j * g->sbs_col];
+        } else {
+            for (csa_idx j = 0; j < nb; j++) sbt[8 * j + r] = g_bscale(g, n, j);
+        }
+    }
+    const __m256i z = _mm256_setzero_si256(), ff = _mm256_set1_epi32(0xff);
+    const __m256i qbit = _mm256_set1_epi32(0x00400000);
+    const __m256i keep = _mm256_set1_epi32((int)0x81c00000u);
+    __m256 c = _mm256_setzero_ps();
+    for (csa_idx j = 0; j < nb; j++) {
+        const csa_idx o = 16 * j;
+        const __m256i y0 = _mm256_loadu2_m128i((const __m128i *)(rp[4] + o), (const __m128i *)(rp[0] + o));
+        const __m256i y1 = _mm256_loadu2_m128i((const __m128i *)(rp[5] + o), (const __m128i *)(rp[1] + o));
+        const __m256i y2 = _mm256_loadu2_m128i((const __m128i *)(rp[6] + o), (const __m128i *)(rp[2] + o));
+        const __m256i y3 = _mm256_loadu2_m128i((const __m128i *)(rp[7] + o), (const __m128i *)(rp[3] + o));
+        const __m256i t0 = _mm256_unpacklo_epi32(y0, y1), t1 = _mm256_unpackhi_epi32(y0, y1);
+        const __m256i t2 = _mm256_unpacklo_epi32(y2, y3), t3 = _mm256_unpackhi_epi32(y2, y3);
+        const __m256i v[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                              _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+        const float *ap = af + 32 * j;
+        /* residues e and e + 4 at once: 16-bit shifts move nibble e of the low half and
+         * nibble e + 4 of the high half of every dword to the top of their halves, an
+         * arithmetic 16-bit shift by 6 puts sign and eem in place in both; the high half
+         * masked is the weight of residue e + 4, the low half shifted up and masked that
+         * of e (5 instructions for 16 weights instead of 6).  The first product of each
+         * lane is an FMA onto zero, not a multiply: Zen 3 multiplies a subnormal (the
+         * weight 0.5) slowly, its FMA unit does not (one thread, N = 512, K = 4096:
+         * 0.39 -> 0.21 ms). */
+        __m256 l[8];
+        for (int e = 0; e < 4; e++) {
+            __m256 lo = _mm256_setzero_ps(), hi = lo;
+            for (int t = 0; t < 4; t++) {
+                const __m256i x = _mm256_srai_epi16(
+                    e == 3 ? v[t] : _mm256_slli_epi16(v[t], 12 - 4 * e), 6);
+                hi = _mm256_fmadd_ps(_mm256_set1_ps(ap[8 * t + 4 + e]),
+                                     _mm256_castsi256_ps(_mm256_and_si256(x, keep)), hi);
+                lo = _mm256_fmadd_ps(_mm256_set1_ps(ap[8 * t + e]),
+                                     _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(x, 16), keep)), lo);
+            }
+            l[e] = lo;
+            l[4 + e] = hi;
+        }
+        const __m256 p = _mm256_add_ps(
+            _mm256_add_ps(_mm256_add_ps(l[0], l[1]), _mm256_add_ps(l[2], l[3])),
+            _mm256_add_ps(_mm256_add_ps(l[4], l[5]), _mm256_add_ps(l[6], l[7])));
+        __m256 sb;
+        if (e8) {
+            /* e8m0: v << 23, and 0x00400000 added for 0 (2^-127) and 0xff (NaN) */
+            const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sb8 + 8 * j)));
+            const __m256i fix = _mm256_and_si256(
+                _mm256_or_si256(_mm256_cmpeq_epi32(x, z), _mm256_cmpeq_epi32(x, ff)), qbit);
+            sb = _mm256_castsi256_ps(_mm256_or_si256(_mm256_slli_epi32(x, 23), fix));
+        } else {
+            sb = _mm256_loadu_ps(sbt + 8 * j);
+        }
+        c = _mm256_fmadd_ps(_mm256_mul_ps(p, _mm256_set1_ps(0x1p8f)),
+                            _mm256_mul_ps(_mm256_set1_ps(as[j / 4]), sb), c);
+    }
+    _mm256_storeu_ps(res, c);
 }
 #endif
 
@@ -349,7 +381,7 @@ static void CSA_V(g_panel)(const struct csa_gemm_args *g, const float *Af, const
                            csa_idx KB128, csa_idx n0, csa_idx nr, csa_idx NC, csa_idx KC,
                            float *Bf, float *BS, float *C)
 {
-    const csa_idx M = g->M, K = g->K;
+    const csa_idx M = g->M, K = g->K, LDA = G_LDA(K);
     const int fp8 = g->b_fmt == CSA_W_E4M3;
     const csa_idx bk = fp8 ? 128 : 32;
     const csa_idx nq = (nr + 3) / 4 * 4;    /* rows rounded up to whole quads */
@@ -379,13 +411,13 @@ static void CSA_V(g_panel)(const struct csa_gemm_args *g, const float *Af, const
                     csa_idx m = ms;
                     for (; m + 2 <= me; m += 2) {
                         const csa_idx ga = m0 + m;
-                        CSA_V(g_micro2)(Af + ga * K + kc, Af + (ga + 1) * K + kc, bq, KC, kl, bk,
+                        CSA_V(g_micro2)(Af + ga * LDA + kc, Af + (ga + 1) * LDA + kc, bq, KC, kl, bk,
                                         BS, BS + q, NC, AS + ga * KB128 + kc / 128,
                                         AS + (ga + 1) * KB128 + kc / 128, C + m * NC + q, NC);
                     }
                     if (m < me) {
                         const csa_idx ga = m0 + m;
-                        CSA_V(g_micro1)(Af + ga * K + kc, bq, KC, kl, bk, BS, BS + q, NC,
+                        CSA_V(g_micro1)(Af + ga * LDA + kc, bq, KC, kl, bk, BS, BS + q, NC,
                                         AS + ga * KB128 + kc / 128, C + m * NC + q);
                     }
                 }
@@ -396,11 +428,183 @@ static void CSA_V(g_panel)(const struct csa_gemm_args *g, const float *Af, const
     }
 }
 
+#if G_SIMD
+/* Prefill microkernel: MR (<= 6) activation rows times 16 weight columns over one
+ * K block (len, a multiple of 8), FMA on broadcast activations and vectors of 8
+ * columns.  The contract's block sum is per (row, column): lane j of the oracle (its
+ * elements j, j + 8, ... in increasing k) is here one accumulator per (row, 8
+ * columns) fed k = j, j + 8, ... in turn, residue after residue, and the tree
+ * ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) is built as the residues finish
+ * (its partial sums in S, L1); then c = fma(P, sa * sb, c) as the oracle's.
+ * a[i]: row i's floats at the block's first k; b: the transposed weight panel (row
+ * stride ldb floats) at the block's first k and the 16 columns; sa[i]: row i's
+ * activation scale; sb0 / sb1: the 16 columns' weight scales; c: the output tile
+ * (row stride ldc). */
+/* Residue j of one block for g_pk: the MR x 2 lane sums in named registers (an array
+ * of accumulators was kept in memory by GCC), stored to out once. */
+static inline __attribute__((always_inline)) void CSA_V(g_pkj)(
+    const int MR, const float *const *a, const float *b, csa_idx ldb, csa_idx len, csa_idx j,
+    __m256 *out)
+{
+    const __m256 z = _mm256_setzero_ps();
+    __m256 c0 = z, c1 = z, c2 = z, c3 = z, c4 = z, c5 = z, c6 = z, c7 = z, c8 = z, c9 = z,
+           c10 = z, c11 = z;
+    const float *a0 = a[0], *a1 = a[MR > 1 ? 1 : 0], *a2 = a[MR > 2 ? 2 : 0];
+    const float *a3 = a[MR > 3 ? 3 : 0], *a4 = a[MR > 4 ? 4 : 0], *a5 = a[MR > 5 ? 5 : 0];
+    for (csa_idx k = j; k < len; k += 8) {
+        const __m256 b0 = _mm256_loadu_ps(b + k * ldb), b1 = _mm256_loadu_ps(b + k * ldb + 8);
+        __m256 x = _mm256_broadcast_ss(a0 + k);
+        c0 = _mm256_fmadd_ps(x, b0, c0);
+        c1 = _mm256_fmadd_ps(x, b1, c1);
+        if (MR > 1) {
+            x = _mm256_broadcast_ss(a1 + k);
+            c2 = _mm256_fmadd_ps(x, b0, c2);
+            c3 = _mm256_fmadd_ps(x, b1, c3);
+        }
+        if (MR > 2) {
+            x = _mm256_broadcast_ss(a2 + k);
+            c4 = _mm256_fmadd_ps(x, b0, c4);
+            c5 = _mm256_fmadd_ps(x, b1, c5);
+        }
+        if (MR > 3) {
+            x = _mm256_broadcast_ss(a3 + k);
+            c6 = _mm256_fmadd_ps(x, b0, c6);
+            c7 = _mm256_fmadd_ps(x, b1, c7);
+        }
+        if (MR > 4) {
+            x = _mm256_broadcast_ss(a4 + k);
+            c8 = _mm256_fmadd_ps(x, b0, c8);
+            c9 = _mm256_fmadd_ps(x, b1, c9);
+        }
+        if (MR > 5) {
+            x = _mm256_broadcast_ss(a5 + k);
+            c10 = _mm256_fmadd_ps(x, b0, c10);
+            c11 = _mm256_fmadd_ps(x, b1, c11);
+        }
+    }
+    out[0] = c0, out[1] = c1;
+    if (MR > 1) out[2] = c2, out[3] = c3;
+    if (MR > 2) out[4] = c4, out[5] = c5;
+    if (MR > 3) out[6] = c6, out[7] = c7;
+    if (MR > 4) out[8] = c8, out[9] = c9;
+    if (MR > 5) out[10] = c10, out[11] = c11;
+}
+
+static inline __attribute__((always_inline)) void CSA_V(g_pk)(
+    const int MR, const float *const *a, const float *b, csa_idx ldb, csa_idx len,
+    const float *sa, __m256 sb0, __m256 sb1, float *c, csa_idx ldc)
+{
+    __m256 S[4][12];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+        __m256 acc[12];
+        CSA_V(g_pkj)(MR, a, b, ldb, len, j, acc);
+        for (int i = 0; i < 2 * MR; i++) {
+            const __m256 v = acc[i];
+            switch (j) {
+            case 0: S[0][i] = v; break;
+            case 1: S[0][i] = _mm256_add_ps(S[0][i], v); break;
+            case 2: S[1][i] = v; break;
+            case 3: S[0][i] = _mm256_add_ps(S[0][i], _mm256_add_ps(S[1][i], v)); break;
+            case 4: S[2][i] = v; break;
+            case 5: S[2][i] = _mm256_add_ps(S[2][i], v); break;
+            case 6: S[3][i] = v; break;
+            default: S[0][i] = _mm256_add_ps(S[0][i], _mm256_add_ps(S[2][i], _mm256_add_ps(S[3][i], v)));
+            }
+        }
+    }
+    for (int i = 0; i < MR; i++) {
+        const __m256 x = _mm256_set1_ps(sa[i]);
+        float *ci = c + i * ldc;
+        _mm256_storeu_ps(ci, _mm256_fmadd_ps(S[0][2 * i], _mm256_mul_ps(x, sb0), _mm256_loadu_ps(ci)));
+        _mm256_storeu_ps(ci + 8, _mm256_fmadd_ps(S[0][2 * i + 1], _mm256_mul_ps(x, sb1),
+                                                 _mm256_loadu_ps(ci + 8)));
+    }
+}
+
+#define G_PK(R)                                                                            \
+    static __attribute__((noinline)) void CSA_V(g_pk##R)(                                  \
+        const float *const *a, const float *b, csa_idx ldb, csa_idx len, const float *sa,  \
+        __m256 sb0, __m256 sb1, float *c, csa_idx ldc)                                     \
+    {                                                                                      \
+        CSA_V(g_pk)(R, a, b, ldb, len, sa, sb0, sb1, c, ldc);                              \
+    }
+G_PK(1) G_PK(2) G_PK(3) G_PK(4) G_PK(5) G_PK(6)
+#undef G_PK
+
+/* One prefill panel: weight rows [n0, n0 + nr) (nr <= NC, NC a multiple of 16) against
+ * every activation row, G_KC columns of the panel decoded at a time into Bt transposed
+ * in strips of 16 columns ([strip][k][16], padding columns zero: their results are
+ * dropped; a strip's rows 64 bytes apart, not NC * 4: at 256 bytes a 128-row block
+ * filled 16 of L1's 64 sets and evicted itself), each strip then swept by all the rows
+ * of an output tile of G_MB rows, 6 at a time (the strip, 16 KiB, stays in L1).  The blocks reach each output element in increasing k,
+ * as in the oracle. */
+static void CSA_V(g_panel_t)(const struct csa_gemm_args *g, const float *Af, const float *AS,
+                             csa_idx KB128, csa_idx n0, csa_idx nr, csa_idx NC, float *Bt,
+                             float *BS, float *C)
+{
+    const csa_idx M = g->M, K = g->K, KC = G_KC, LDA = G_LDA(K);
+    const int fp8 = g->b_fmt == CSA_W_E4M3;
+    const csa_idx bk = fp8 ? 128 : 32;
+    float row[G_KC];
+    for (csa_idx m0 = 0; m0 < M; m0 += G_MB) {
+        const csa_idx mb = M - m0 < G_MB ? M - m0 : G_MB;
+        memset(C, 0, (size_t)(mb * NC) * sizeof *C);
+        for (csa_idx kc = 0; kc < K; kc += KC) {
+            const csa_idx kl = K - kc < KC ? K - kc : KC;
+            const csa_idx nblk = (kl + bk - 1) / bk;
+            for (csa_idx r = 0; r < NC; r++) {
+                float *bt = Bt + (r / 16) * (KC * 16) + r % 16;
+                if (r < nr) {
+                    CSA_V(g_dec_b)(g, n0 + r, kc, kl, row);
+                    for (csa_idx k = 0; k < kl; k++) bt[k * 16] = row[k];
+                } else {
+                    for (csa_idx k = 0; k < kl; k++) bt[k * 16] = 0.0f;
+                }
+            }
+            for (csa_idx j = 0; j < nblk; j++)
+                for (csa_idx r = 0; r < NC; r++)
+                    BS[j * NC + r] = r < nr ? g_bscale(g, n0 + r, (fp8 ? kc / 128 : kc / 32) + j) : 0.0f;
+            for (csa_idx q = 0; q < NC; q += 16) {
+                if (q >= nr) break;
+                for (csa_idx m = 0; m < mb; m += 6) {
+                    const int mr = mb - m < 6 ? (int)(mb - m) : 6;
+                    for (csa_idx j = 0; j < nblk; j++) {
+                        const csa_idx k0 = j * bk, len = kl - k0 < bk ? kl - k0 : bk;
+                        const csa_idx kb128 = (kc + k0) / 128;
+                        const float *ar[6];
+                        float sa[6];
+                        for (int i = 0; i < mr; i++) {
+                            ar[i] = Af + (m0 + m + i) * LDA + kc + k0;
+                            sa[i] = AS[(m0 + m + i) * KB128 + kb128];
+                        }
+                        const __m256 sb0 = _mm256_loadu_ps(BS + j * NC + q);
+                        const __m256 sb1 = _mm256_loadu_ps(BS + j * NC + q + 8);
+                        const float *bq = Bt + q * KC + k0 * 16;
+                        float *cq = C + m * NC + q;
+                        switch (mr) {
+                        case 6: CSA_V(g_pk6)(ar, bq, 16, len, sa, sb0, sb1, cq, NC); break;
+                        case 5: CSA_V(g_pk5)(ar, bq, 16, len, sa, sb0, sb1, cq, NC); break;
+                        case 4: CSA_V(g_pk4)(ar, bq, 16, len, sa, sb0, sb1, cq, NC); break;
+                        case 3: CSA_V(g_pk3)(ar, bq, 16, len, sa, sb0, sb1, cq, NC); break;
+                        case 2: CSA_V(g_pk2)(ar, bq, 16, len, sa, sb0, sb1, cq, NC); break;
+                        default: CSA_V(g_pk1)(ar, bq, 16, len, sa, sb0, sb1, cq, NC);
+                        }
+                    }
+                }
+            }
+        }
+        for (csa_idx m = 0; m < mb; m++)
+            for (csa_idx r = 0; r < nr; r++) g_store(g, m0 + m, n0 + r, C[m * NC + r]);
+    }
+}
+#endif
+
 static int CSA_V(gemm_tuned)(const struct csa_gemm_args *g)
 {
-    const csa_idx M = g->M, N = g->N, K = g->K;
+    const csa_idx M = g->M, N = g->N, K = g->K, LDA = G_LDA(K);
     const csa_idx KB128 = (K + 127) / 128;
-    float *Af = malloc((size_t)(M * K) * sizeof *Af);
+    float *Af = malloc((size_t)(M * LDA) * sizeof *Af);
     float *AS = malloc((size_t)(M * KB128) * sizeof *AS);
     if (!Af || !AS) {
         free(Af);
@@ -411,7 +615,7 @@ static int CSA_V(gemm_tuned)(const struct csa_gemm_args *g)
         const int nt = csa_threads(M, 1 + 65536 / K);
 #pragma omp parallel for num_threads(nt) schedule(static)
         for (csa_idx m = 0; m < M; m++) {
-            CSA_V(g_dec_a)(g->a + m * g->sa_row, Af + m * K, K);
+            CSA_V(g_dec_a)(g->a + m * g->sa_row, Af + m * LDA, K);
             for (csa_idx j = 0; j < KB128; j++)
                 AS[m * KB128 + j] = g_scale(g->as, g->as_fmt, m * g->sas_row + j * g->sas_col);
         }
@@ -419,10 +623,36 @@ static int CSA_V(gemm_tuned)(const struct csa_gemm_args *g)
 #if G_SIMD
     /* One activation row, K a multiple of 32 (e4m3: 16): the fused path. */
     if (M == 1 && K % 32 == 0) {
-        /* e4m3: the 2^112 that meets g_w8's 2^-120; e2m1: the 1/2 that meets the
-         * doubled table (both exact) */
+        /* the exact power of two that meets the weight decoder's: e4m3 2^112 (g_w16:
+         * 2^-120 times the value, products a * b / 256), e2m1 2^118 (g_row8_e2m1: 2^-126,
+         * products a * b * 2^-8) */
         const float pre = g->b_fmt == CSA_W_E4M3 ? 0x1p112f : 0x1p118f;
         for (csa_idx k = 0; k < K; k++) Af[k] *= pre;
+        if (g->b_fmt == CSA_W_E2M1) {
+            const csa_idx no = (N + 7) / 8;
+            const int nt8 = csa_threads(no, 32);
+            int fail8 = 0;
+#pragma omp parallel num_threads(nt8)
+            {
+                float *sbt = malloc((size_t)(K / 32 * 8) * sizeof *sbt);
+                if (!sbt) {
+#pragma omp atomic write
+                    fail8 = 1;
+                }
+#pragma omp for schedule(dynamic, 8)
+                for (csa_idx q = 0; q < no; q++) {
+                    if (!sbt) continue;
+                    float res[8];
+                    const csa_idx n0 = 8 * q, nr = N - n0 < 8 ? N - n0 : 8;
+                    CSA_V(g_row8_e2m1)(g, Af, AS, n0, nr, sbt, res);
+                    for (csa_idx r = 0; r < nr; r++) g_store(g, 0, n0 + r, res[r]);
+                }
+                free(sbt);
+            }
+            free(Af);
+            free(AS);
+            return fail8 ? CSA_ENOMEM : CSA_OK;
+        }
         const csa_idx nq = (N + 3) / 4;
         const int nt1 = csa_threads(nq, 64);
 #pragma omp parallel for num_threads(nt1) schedule(dynamic, 16)
@@ -460,7 +690,14 @@ static int CSA_V(gemm_tuned)(const struct csa_gemm_args *g)
         for (csa_idx p = 0; p < npan; p++) {
             if (!ok) continue;
             const csa_idx n0 = p * NC;
-            CSA_V(g_panel)(g, Af, AS, KB128, n0, N - n0 < NC ? N - n0 : NC, NC, KC, Bf, BS, C);
+            const csa_idx nr = N - n0 < NC ? N - n0 : NC;
+#if G_SIMD
+            if (!small) {
+                CSA_V(g_panel_t)(g, Af, AS, KB128, n0, nr, NC, Bf, BS, C);
+                continue;
+            }
+#endif
+            CSA_V(g_panel)(g, Af, AS, KB128, n0, nr, NC, KC, Bf, BS, C);
         }
         free(Bf);
         free(BS);

@@ -154,6 +154,38 @@ def test_gemm_nan_codes_and_strided_views(isa, rng):
     np.testing.assert_array_equal(np.asarray(r).view(np.uint32), got.view(np.uint32))
 
 
+@pytest.mark.parametrize("N,K", [(13, 96), (8, 4096), (70, 160), (1, 32)])
+def test_fp4_gemm_one_row_scale_codes_and_strides(isa, rng, N, K):
+    """The one-row fp4 path (8 weight rows a vector, scales decoded in-register): N not a
+    multiple of 8, an odd number of 32-blocks, e8m0 scale codes 0 (2^-127) and 0xff
+    (NaN), float32 scales through a strided view, padded weight rows."""
+    a = rand_e4m3(rng, (1, K))
+    a_s = rand_scales(rng, (1, -(-K // 128)), True)
+    bb = rng.integers(0, 256, (N, K // 2 + 7)).astype(np.uint8)
+    b = bb[:, 3:3 + K // 2]
+    b_s = rand_scales(rng, (N, K // 32), True)
+    b_s[0] = 0          # every block of row 0 at 2^-127: a tiny but nonzero result
+    if N > 2:
+        b_s[2, 0] = 0xFF
+    got = dc.fp4_gemm(a, a_s, b, b_s, out_dtype="float32")
+    ref = at_ref(dc.fp4_gemm, a, a_s, b, b_s, out_dtype="float32")
+    np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
+    nan = np.zeros(N, bool)
+    nan[2:3] = True
+    np.testing.assert_array_equal(np.isnan(got[0]), nan)
+    assert got[0, 0] != 0
+    want, mag = want_fp4(a, a_s, b, b_s)
+    fin = np.isfinite(want)
+    check_close(got[fin], want[fin], mag[fin], (N, K))
+    sf = np.zeros((N, 2 * (K // 32)), np.float32)
+    sf[:, ::2] = rand_scales(rng, (N, K // 32), False)
+    got = dc.fp4_gemm(a, a_s, b, sf[:, ::2], out_dtype="float32")
+    ref = at_ref(dc.fp4_gemm, a, a_s, b, sf[:, ::2], out_dtype="float32")
+    np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
+    want, mag = want_fp4(a, a_s, b, sf[:, ::2])
+    check_close(got, want, mag, (N, K, "f32 scales"))
+
+
 def test_gemm_torch_dtypes(rng):
     a, b = rand_e4m3(rng, (3, 256)), rand_e4m3(rng, (130, 256))
     a_s, b_s = rand_scales(rng, (3, 2), True), rand_scales(rng, (2, 2), True)

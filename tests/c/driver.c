@@ -873,6 +873,9 @@ static tcase cases[] = {
     {&K_GEMM, {1, 257, 4096, CSA_W_E2M1, 1}, 0, 0, 0, "fp4 decode M=1"},
     {&K_GEMM, {1, 9, 96, CSA_W_E2M1, 0}, F_NAN, 0, 0, "fp4 M=1 K=96 NaN act"},
     {&K_GEMM, {33, 65, 640, CSA_W_E2M1, 1}, F_BF16, 0, 0, "fp4 M=33 bf16 out"},
+    {&K_GEMM, {200, 70, 272, CSA_W_E4M3, 1}, 0, 0, 0, "fp8 prefill 2 row tiles, K slices"},
+    {&K_GEMM, {197, 40, 288, CSA_W_E2M1, 0}, F_BF16, 0, 0, "fp4 prefill 2 row tiles, K slices"},
+    {&K_GEMM, {1, 13, 96, CSA_W_E2M1, 0}, 0, 0, 0, "fp4 decode N % 8, odd blocks"},
 };
 
 int main(int argc, char **argv)
