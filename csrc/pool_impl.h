@@ -325,6 +325,80 @@ static inline __attribute__((always_inline)) void CSA_V(pool_blk16)(
     }
 }
 
+/* An entry of exactly two candidates a feature (ratio 2 without overlap), in one
+ * pass.  With finite logits l0, l1 the larger one's weight is exp(0) = 1 exactly and
+ * the other's is exp(-|l0 - l1|) (the same argument as l_small - max, negation being
+ * exact), so one exp a feature instead of two: the same bits as the two-pass path.
+ * A vector with a non-finite |l0 - l1| (an infinite or NaN logit, or an overflowing
+ * difference) takes the two exps of that path.  The sums are formed as there:
+ * s = (0 + e0) + e1, acc = fma(e1, kv1, fma(e0, kv0, 0)). */
+static inline __attribute__((always_inline)) void CSA_V(pool_two8)(
+    const pool_cands *c, int nc, csa_idx d, float *outf, csa_bf16 *outh, int obf,
+    const int kvbf, const int scbf)
+{
+    const void *sr[2] = {NULL, NULL}, *kr[2] = {NULL, NULL};
+    const float *ar[2] = {NULL, NULL};
+    int q = 0;
+    for (int k = 0; k < nc; k++)
+        for (csa_idx j = 0; j < c[k].n && q < 2; j++, q++) {
+            sr[q] = pool_off(c[k].sc, scbf, j * c[k].ssc);
+            kr[q] = pool_off(c[k].kv, kvbf, j * c[k].skv);
+            ar[q] = c[k].ape ? c[k].ape + j * c[k].sape : NULL;
+        }
+    const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
+    const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
+    for (csa_idx f = 0; f < d; f += 8) {
+        const csa_idx n = d - f < 8 ? d - f : 8;
+        __m256 l0, l1, k0, k1;
+        if (n == 8) {
+            l0 = CSA_V(pool_ld8f)(sr[0], f, scbf);
+            l1 = CSA_V(pool_ld8f)(sr[1], f, scbf);
+            if (ar[0]) l0 = _mm256_add_ps(l0, _mm256_loadu_ps(ar[0] + f));
+            if (ar[1]) l1 = _mm256_add_ps(l1, _mm256_loadu_ps(ar[1] + f));
+            k0 = CSA_V(pool_ld8f)(kr[0], f, kvbf);
+            k1 = CSA_V(pool_ld8f)(kr[1], f, kvbf);
+        } else {
+            l0 = CSA_V(pool_ld8n)(sr[0], f, n, scbf);
+            l1 = CSA_V(pool_ld8n)(sr[1], f, n, scbf);
+            if (ar[0]) l0 = _mm256_add_ps(l0, CSA_V(pool_ld8n)(ar[0], f, n, 0));
+            if (ar[1]) l1 = _mm256_add_ps(l1, CSA_V(pool_ld8n)(ar[1], f, n, 0));
+            k0 = CSA_V(pool_ld8n)(kr[0], f, n, kvbf);
+            k1 = CSA_V(pool_ld8n)(kr[1], f, n, kvbf);
+        }
+        const __m256 df = _mm256_sub_ps(l0, l1);
+        const __m256 a = _mm256_andnot_ps(sign, df);
+        __m256 e0, e1;
+        if (__builtin_expect(_mm256_movemask_ps(_mm256_cmp_ps(a, inf, _CMP_LT_OQ)) == 0xff, 1)) {
+            const __m256 es = CSA_V(exp256_neg)(_mm256_xor_ps(a, sign));
+            const __m256 ge = _mm256_cmp_ps(df, zero, _CMP_GE_OQ);   /* l0 is the max */
+            e0 = _mm256_blendv_ps(es, one, ge);
+            e1 = _mm256_blendv_ps(one, es, ge);
+        } else {
+            /* pass 1's max: max(l, m) returns m when l is NaN */
+            const __m256 m = _mm256_max_ps(l1, _mm256_max_ps(l0, _mm256_set1_ps(-INFINITY)));
+            e0 = CSA_V(exp256_neg)(_mm256_sub_ps(l0, m));
+            e1 = CSA_V(exp256_neg)(_mm256_sub_ps(l1, m));
+        }
+        const __m256 sm = _mm256_add_ps(_mm256_add_ps(zero, e0), e1);
+        const __m256 ac = _mm256_fmadd_ps(e1, k1, _mm256_fmadd_ps(e0, k0, zero));
+        const __m256 y = _mm256_div_ps(ac, sm);
+        if (n == 8) {
+            if (obf)
+                _mm_storeu_si128((__m128i *)(outh + f), CSA_V(bf16_pack8)(CSA_V(bf16_round8)(y)));
+            else
+                _mm256_storeu_ps(outf + f, y);
+        } else if (obf) {
+            csa_bf16 t[8] __attribute__((aligned(16)));
+            _mm_store_si128((__m128i *)t, CSA_V(bf16_pack8)(CSA_V(bf16_round8)(y)));
+            memcpy(outh + f, t, (size_t)n * sizeof(csa_bf16));
+        } else {
+            float t[8] __attribute__((aligned(32)));
+            _mm256_store_ps(t, y);
+            memcpy(outf + f, t, (size_t)n * sizeof(float));
+        }
+    }
+}
+
 /* Pass 2 of the chunk: the rows in groups (in candidate order), each over whole
  * blocks of 16 features, then the last (partial) block. */
 static inline __attribute__((always_inline)) void CSA_V(pool_sum8)(
@@ -428,6 +502,12 @@ static inline __attribute__((always_inline)) int CSA_V(pool_entry_body)(
     float *CSA_RESTRICT acc = buf + 2 * POOL_FC + 160;
     float *const outf = obf ? NULL : out;
     csa_bf16 *const outh = obf ? out : NULL;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+    if (c[0].n + (nc > 1 ? c[1].n : 0) == 2) {
+        CSA_V(pool_two8)(c, nc, d, outf, outh, obf, kvbf, scbf);
+        return CSA_OK;
+    }
+#endif
     for (csa_idx f0 = 0; f0 < d; f0 += chunk) {
         const csa_idx fc = d - f0 < chunk ? d - f0 : chunk;
 #ifdef __AVX512F__
