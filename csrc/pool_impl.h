@@ -24,6 +24,13 @@ _Static_assert(POOL_FC % 64 == 0, "POOL_FC must be whole 64-feature blocks");
 #ifndef POOL_LBUF
 #define POOL_LBUF 4096
 #endif
+/* AVX2: the floats of the logits buffer (16 KiB, as AVX-512's). */
+#ifndef POOL_LBUF_AVX2
+#define POOL_LBUF_AVX2 4096
+#endif
+#ifndef POOL_RG_AVX2
+#define POOL_RG_AVX2 8   /* candidate rows a group of pass 2 (AVX2) */
+#endif
 
 #include "vexp_impl.h"
 #include "bf16_impl.h"
@@ -35,26 +42,6 @@ static inline __attribute__((always_inline)) __m512 CSA_V(pool_ld16)(const void 
 {
     if (bf) return CSA_V(bf16_widen16)(_mm256_maskz_loadu_epi16(mk, (const csa_bf16 *)p + i));
     return _mm512_maskz_loadu_ps(mk, (const float *)p + i);
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-/* 8 floats from a float32 or bfloat16 row; the last vector (`part`) reads n < 8 lanes
- * and zeros the rest, as the float32 mask load does. */
-static inline __attribute__((always_inline)) __m256 CSA_V(pool_ld8)(const void *p, csa_idx i,
-                                                                    __m256i mk, int part,
-                                                                    csa_idx n, const int bf)
-{
-    if (bf) {
-        __m128i h;
-        if (part) {
-            csa_bf16 t[8] = {0};
-            memcpy(t, (const csa_bf16 *)p + i, (size_t)n * sizeof(csa_bf16));
-            h = _mm_loadu_si128((const __m128i *)t);
-        } else {
-            h = _mm_loadu_si128((const __m128i *)((const csa_bf16 *)p + i));
-        }
-        return CSA_V(bf16_widen8)(h);
-    }
-    return _mm256_maskload_ps((const float *)p + i, mk);
 }
 #endif
 
@@ -155,72 +142,299 @@ static inline __attribute__((always_inline)) void CSA_V(pool_sum16)(
     }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-/* Pass 1 of a chunk of fc features from f0: m = the running max of the logits; s and
- * acc start at zero. */
-static inline __attribute__((always_inline)) void CSA_V(pool_max8)(
-    const pool_cands *c, int nc, csa_idx f0, csa_idx fc, float *CSA_RESTRICT m,
-    float *CSA_RESTRICT s, float *CSA_RESTRICT acc, __m256i tail, __m256i full,
-    csa_idx nrem, csa_idx fv, const int scbf)
+/* AVX2 has 16 ymm registers of 8 lanes and no mask registers, so it has its own
+ * body rather than the AVX-512 one at half width: full vectors use plain loads and
+ * stores (vmaskmovps stores are slow on AMD cores; only the last vector of a row is
+ * masked, and the last block of the output goes through a buffer), and pass 2 holds
+ * the max, the sum and the weighted sum of a block of 16 features in 6 registers
+ * while it walks a group of up to POOL_RG_AVX2 candidate rows (the exp's temporaries
+ * take most of the other 10); the sums go to memory only between groups.  Rows are
+ * whole chunks of POOL_FC features, read in order: a ratio-128 entry split into
+ * feature chunks small enough for L2 was slower (segments of rows defeat the
+ * prefetchers; 4.5 vs 6.5 ms for [1, 8192, 512], 1 thread, measured). */
+
+/* n <= 8 floats from a float32 or bfloat16 row at element i, the other lanes 0. */
+static inline __attribute__((always_inline)) __m256 CSA_V(pool_ld8n)(const void *p, csa_idx i,
+                                                                     csa_idx n, const int bf)
 {
-    for (csa_idx f = 0; f < fc; f += 8) {
-        _mm256_store_ps(m + f, _mm256_set1_ps(-INFINITY));
-        _mm256_store_ps(s + f, _mm256_setzero_ps());
-        _mm256_store_ps(acc + f, _mm256_setzero_ps());
+    static const int32_t lanes[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+    if (bf) {
+        csa_bf16 t[8] = {0};
+        memcpy(t, (const csa_bf16 *)p + i, (size_t)n * sizeof(csa_bf16));
+        return CSA_V(bf16_widen8)(_mm_loadu_si128((const __m128i *)t));
     }
-    for (int k = 0; k < nc; k++)
-        for (csa_idx j = 0; j < c[k].n; j++) {
-            const void *sc = pool_off(c[k].sc, scbf, j * c[k].ssc + f0);
-            const float *ap = c[k].ape ? c[k].ape + j * c[k].sape + f0 : NULL;
-            for (csa_idx f = 0; f < fc; f += 8) {
-                const int part = f == fv;
-                const __m256i mk = part ? tail : full;
-                __m256 l = CSA_V(pool_ld8)(sc, f, mk, part, nrem, scbf);
-                if (ap) l = _mm256_add_ps(l, _mm256_maskload_ps(ap + f, mk));
-                _mm256_store_ps(m + f, _mm256_max_ps(l, _mm256_load_ps(m + f)));
-            }
-        }
+    return _mm256_maskload_ps((const float *)p + i,
+                              _mm256_loadu_si256((const __m256i *)(lanes + 8 - n)));
 }
 
-/* Pass 2: e = exp(l - m) into s += e and acc += e * kv. */
-static inline __attribute__((always_inline)) void CSA_V(pool_sum8)(
-    const pool_cands *c, int nc, csa_idx f0, csa_idx fc, const float *CSA_RESTRICT m,
-    float *CSA_RESTRICT s, float *CSA_RESTRICT acc, __m256i tail, __m256i full,
-    csa_idx nrem, csa_idx fv, const int kvbf, const int scbf)
+/* 8 floats from a float32 or bfloat16 row at element i (all in bounds). */
+static inline __attribute__((always_inline)) __m256 CSA_V(pool_ld8f)(const void *p, csa_idx i,
+                                                                     const int bf)
 {
+    if (bf) return CSA_V(bf16_widen8)(_mm_loadu_si128((const __m128i *)((const csa_bf16 *)p + i)));
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
+/* Pass 1 of a chunk of fc features from f0: m = the running max of the logits
+ * (padded with zeros to whole 16-feature blocks: pass 2 reads whole blocks), the
+ * logits kept in lb (row stride fcp) when `keep`.  Pass 1 is the one that streams the
+ * rows from memory: it prefetches the kv rows pass 2 reads and, with overlap, the
+ * sibling half rows the next entry needs. */
+static inline __attribute__((always_inline)) void CSA_V(pool_max8)(
+    const pool_cands *c, int nc, csa_idx f0, csa_idx fc, float *CSA_RESTRICT m,
+    float *CSA_RESTRICT lb, csa_idx fcp, csa_idx nrem, csa_idx fv, const int kvbf,
+    const int scbf, const int keep)
+{
+    for (csa_idx f = 0; f < fc; f += 8) _mm256_store_ps(m + f, _mm256_set1_ps(-INFINITY));
+    for (csa_idx f = (fc + 7) / 8 * 8; f % 16; f += 8) _mm256_store_ps(m + f, _mm256_setzero_ps());
+    csa_idx q = 0;
     for (int k = 0; k < nc; k++)
-        for (csa_idx j = 0; j < c[k].n; j++) {
+        for (csa_idx j = 0; j < c[k].n; j++, q++) {
             const void *sc = pool_off(c[k].sc, scbf, j * c[k].ssc + f0);
             const void *kv = pool_off(c[k].kv, kvbf, j * c[k].skv + f0);
             const float *ap = c[k].ape ? c[k].ape + j * c[k].sape + f0 : NULL;
-            for (csa_idx f = 0; f < fc; f += 8) {
-                const int part = f == fv;
-                const __m256i mk = part ? tail : full;
-                __m256 l = CSA_V(pool_ld8)(sc, f, mk, part, nrem, scbf);
-                if (ap) l = _mm256_add_ps(l, _mm256_maskload_ps(ap + f, mk));
-                const __m256 e = CSA_V(exp256_neg)(_mm256_sub_ps(l, _mm256_load_ps(m + f)));
-                _mm256_store_ps(s + f, _mm256_add_ps(_mm256_load_ps(s + f), e));
-                _mm256_store_ps(acc + f,
-                                _mm256_fmadd_ps(e, CSA_V(pool_ld8)(kv, f, mk, part, nrem, kvbf),
-                                                _mm256_load_ps(acc + f)));
+            const csa_idx pf = c[k].pf;
+            float *lq = lb + q * fcp;
+            csa_idx f = 0;
+            for (; f < fv; f += 8) {
+                if (!(f & 15)) {   /* one line of float32, half a line of bfloat16 */
+                    _mm_prefetch((const char *)pool_off(kv, kvbf, f), _MM_HINT_T1);
+                    if (pf) {
+                        _mm_prefetch((const char *)pool_off(sc, scbf, pf + f), _MM_HINT_T1);
+                        _mm_prefetch((const char *)pool_off(kv, kvbf, pf + f), _MM_HINT_T1);
+                    }
+                }
+                __m256 l = CSA_V(pool_ld8f)(sc, f, scbf);
+                if (ap) l = _mm256_add_ps(l, _mm256_loadu_ps(ap + f));
+                if (keep) _mm256_store_ps(lq + f, l);
+                /* max(l, m) returns m when l is NaN: the NaN shows in its exp */
+                _mm256_store_ps(m + f, _mm256_max_ps(l, _mm256_load_ps(m + f)));
             }
+            __m256 l = CSA_V(pool_ld8n)(sc, f, nrem, scbf);
+            if (ap) l = _mm256_add_ps(l, CSA_V(pool_ld8n)(ap, f, nrem, 0));
+            if (keep) _mm256_store_ps(lq + f, l);
+            _mm256_store_ps(m + f, _mm256_max_ps(l, _mm256_load_ps(m + f)));
         }
 }
 
-/* The quotients acc / s into out (rounded to bfloat16 when obf; m is scratch then). */
-static inline __attribute__((always_inline)) void CSA_V(pool_store8)(
-    csa_idx f0, csa_idx fc, float *CSA_RESTRICT m, const float *CSA_RESTRICT s,
-    const float *CSA_RESTRICT acc, __m256i tail, __m256i full, csa_idx fv, float *outf,
-    csa_bf16 *outh, int obf)
+/* A group of up to POOL_RG_AVX2 consecutive candidate rows of a chunk, at the chunk's
+ * first feature: pass 2 walks the rows group by group, so a block of 16 features
+ * touches at most 2 * POOL_RG_AVX2 lines at once (ratio 128 entries would otherwise
+ * walk 256 rows 2 or 4 KiB apart per block: a few L1 sets, every load from L2). */
+typedef struct {
+    const void *sc[POOL_RG_AVX2], *kv[POOL_RG_AVX2];
+    const float *ap[POOL_RG_AVX2];
+    csa_idx nsc[POOL_RG_AVX2], nkv[POOL_RG_AVX2];   /* to the next entry's row; 0: none */
+    int nr;
+} CSA_V(pool_rows8);
+
+/* Pass 2 of one block of 16 features at fb over one group of rows (q0: the flat
+ * index of its first row, for lb; n0, n1 <= 8: the lanes of the block's two vectors;
+ * `part`: the chunk's last block, whose loads are bounded by n0, n1).  e = exp(l - m),
+ * the sum of e and of e * kv over the rows in order; the sums start at 0 (`first`)
+ * or where the previous group left them in sb, ab; after the last group out = the
+ * quotient (rounded to bfloat16 when obf), else the sums go back to sb, ab. */
+static inline __attribute__((always_inline)) void CSA_V(pool_blk16)(
+    const CSA_V(pool_rows8) *rw, csa_idx q0, csa_idx f0, csa_idx fb,
+    const float *CSA_RESTRICT m, float *CSA_RESTRICT sb, float *CSA_RESTRICT ab,
+    const float *lb, csa_idx fcp, csa_idx n0, csa_idx n1, float *outf, csa_bf16 *outh,
+    int obf, int first, int last, const int kvbf, const int scbf, const int keep,
+    const int part)
 {
-    if (obf) {
-        for (csa_idx f = 0; f < fc; f += 8)   /* m is free again: the quotients */
-            _mm256_store_ps(m + f, _mm256_div_ps(_mm256_load_ps(acc + f),
-                                                 _mm256_load_ps(s + f)));
-        for (csa_idx f = 0; f < fc; f++) outh[f0 + f] = csa_f32_to_bf16(m[f]);
+    const __m256 m0 = _mm256_load_ps(m + fb), m1 = _mm256_load_ps(m + fb + 8);
+    __m256 s0, s1, a0, a1;
+    if (first) {
+        s0 = s1 = a0 = a1 = _mm256_setzero_ps();
     } else {
-        for (csa_idx f = 0; f < fc; f += 8)
-            _mm256_maskstore_ps(outf + f0 + f, f == fv ? tail : full,
-                                _mm256_div_ps(_mm256_load_ps(acc + f), _mm256_load_ps(s + f)));
+        s0 = _mm256_load_ps(sb + fb);
+        s1 = _mm256_load_ps(sb + fb + 8);
+        a0 = _mm256_load_ps(ab + fb);
+        a1 = _mm256_load_ps(ab + fb + 8);
+    }
+    /* bfloat16 rows: 16 features are half a line, so every other block prefetches */
+    const int pfb = !(kvbf && scbf) || !(fb & 31);
+    for (int r = 0; r < rw->nr; r++) {
+        const void *sc = pool_off(rw->sc[r], scbf, fb);
+        const void *kv = pool_off(rw->kv[r], kvbf, fb);
+        if (rw->nsc[r] && pfb) {
+            /* the memory-bound pass 1 of the next entry would otherwise wait for its
+             * rows after this compute-bound pass: fetch them now */
+            _mm_prefetch((const char *)pool_off(sc, scbf, rw->nsc[r]), _MM_HINT_T1);
+            _mm_prefetch((const char *)pool_off(kv, kvbf, rw->nkv[r]), _MM_HINT_T1);
+        }
+        __m256 l0, l1, k0, k1;
+        if (keep) {
+            const float *lq = lb + (q0 + r) * fcp + fb;
+            l0 = _mm256_load_ps(lq);
+            l1 = part && !n1 ? _mm256_setzero_ps() : _mm256_load_ps(lq + 8);
+        } else if (part) {
+            l0 = CSA_V(pool_ld8n)(sc, 0, n0, scbf);
+            l1 = CSA_V(pool_ld8n)(sc, 8, n1, scbf);
+            if (rw->ap[r]) {
+                l0 = _mm256_add_ps(l0, CSA_V(pool_ld8n)(rw->ap[r] + fb, 0, n0, 0));
+                l1 = _mm256_add_ps(l1, CSA_V(pool_ld8n)(rw->ap[r] + fb, 8, n1, 0));
+            }
+        } else {
+            l0 = CSA_V(pool_ld8f)(sc, 0, scbf);
+            l1 = CSA_V(pool_ld8f)(sc, 8, scbf);
+            if (rw->ap[r]) {
+                l0 = _mm256_add_ps(l0, _mm256_loadu_ps(rw->ap[r] + fb));
+                l1 = _mm256_add_ps(l1, _mm256_loadu_ps(rw->ap[r] + fb + 8));
+            }
+        }
+        if (part) {
+            k0 = CSA_V(pool_ld8n)(kv, 0, n0, kvbf);
+            k1 = CSA_V(pool_ld8n)(kv, 8, n1, kvbf);
+        } else {
+            k0 = CSA_V(pool_ld8f)(kv, 0, kvbf);
+            k1 = CSA_V(pool_ld8f)(kv, 8, kvbf);
+        }
+        const __m256 e0 = CSA_V(exp256_neg)(_mm256_sub_ps(l0, m0));
+        const __m256 e1 = CSA_V(exp256_neg)(_mm256_sub_ps(l1, m1));
+        s0 = _mm256_add_ps(s0, e0);
+        s1 = _mm256_add_ps(s1, e1);
+        a0 = _mm256_fmadd_ps(e0, k0, a0);
+        a1 = _mm256_fmadd_ps(e1, k1, a1);
+    }
+    if (!last) {
+        _mm256_store_ps(sb + fb, s0);
+        _mm256_store_ps(sb + fb + 8, s1);
+        _mm256_store_ps(ab + fb, a0);
+        _mm256_store_ps(ab + fb + 8, a1);
+        return;
+    }
+    const __m256 y0 = _mm256_div_ps(a0, s0), y1 = _mm256_div_ps(a1, s1);
+    if (!part) {
+        if (obf) {
+            _mm256_storeu_si256((__m256i *)(outh + f0 + fb), CSA_V(bf16_narrow8x2)(y0, y1));
+        } else {
+            _mm256_storeu_ps(outf + f0 + fb, y0);
+            _mm256_storeu_ps(outf + f0 + fb + 8, y1);
+        }
+        return;
+    }
+    if (obf) {
+        csa_bf16 t[16] __attribute__((aligned(32)));
+        _mm256_store_si256((__m256i *)t, CSA_V(bf16_narrow8x2)(y0, y1));
+        memcpy(outh + f0 + fb, t, (size_t)(n0 + n1) * sizeof(csa_bf16));
+    } else {
+        float t[16] __attribute__((aligned(32)));
+        _mm256_store_ps(t, y0);
+        _mm256_store_ps(t + 8, y1);
+        memcpy(outf + f0 + fb, t, (size_t)(n0 + n1) * sizeof(float));
+    }
+}
+
+/* An entry of exactly two candidates a feature (ratio 2 without overlap), in one
+ * pass.  With finite logits l0, l1 the larger one's weight is exp(0) = 1 exactly and
+ * the other's is exp(-|l0 - l1|) (the same argument as l_small - max, negation being
+ * exact), so one exp a feature instead of two: the same bits as the two-pass path.
+ * A vector with a non-finite |l0 - l1| (an infinite or NaN logit, or an overflowing
+ * difference) takes the two exps of that path.  The sums are formed as there:
+ * s = (0 + e0) + e1, acc = fma(e1, kv1, fma(e0, kv0, 0)). */
+static inline __attribute__((always_inline)) void CSA_V(pool_two8)(
+    const pool_cands *c, int nc, csa_idx d, float *outf, csa_bf16 *outh, int obf,
+    const int kvbf, const int scbf)
+{
+    const void *sr[2] = {NULL, NULL}, *kr[2] = {NULL, NULL};
+    const float *ar[2] = {NULL, NULL};
+    int q = 0;
+    for (int k = 0; k < nc; k++)
+        for (csa_idx j = 0; j < c[k].n && q < 2; j++, q++) {
+            sr[q] = pool_off(c[k].sc, scbf, j * c[k].ssc);
+            kr[q] = pool_off(c[k].kv, kvbf, j * c[k].skv);
+            ar[q] = c[k].ape ? c[k].ape + j * c[k].sape : NULL;
+        }
+    const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
+    const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
+    for (csa_idx f = 0; f < d; f += 8) {
+        const csa_idx n = d - f < 8 ? d - f : 8;
+        __m256 l0, l1, k0, k1;
+        if (n == 8) {
+            l0 = CSA_V(pool_ld8f)(sr[0], f, scbf);
+            l1 = CSA_V(pool_ld8f)(sr[1], f, scbf);
+            if (ar[0]) l0 = _mm256_add_ps(l0, _mm256_loadu_ps(ar[0] + f));
+            if (ar[1]) l1 = _mm256_add_ps(l1, _mm256_loadu_ps(ar[1] + f));
+            k0 = CSA_V(pool_ld8f)(kr[0], f, kvbf);
+            k1 = CSA_V(pool_ld8f)(kr[1], f, kvbf);
+        } else {
+            l0 = CSA_V(pool_ld8n)(sr[0], f, n, scbf);
+            l1 = CSA_V(pool_ld8n)(sr[1], f, n, scbf);
+            if (ar[0]) l0 = _mm256_add_ps(l0, CSA_V(pool_ld8n)(ar[0], f, n, 0));
+            if (ar[1]) l1 = _mm256_add_ps(l1, CSA_V(pool_ld8n)(ar[1], f, n, 0));
+            k0 = CSA_V(pool_ld8n)(kr[0], f, n, kvbf);
+            k1 = CSA_V(pool_ld8n)(kr[1], f, n, kvbf);
+        }
+        const __m256 df = _mm256_sub_ps(l0, l1);
+        const __m256 a = _mm256_andnot_ps(sign, df);
+        __m256 e0, e1;
+        if (__builtin_expect(_mm256_movemask_ps(_mm256_cmp_ps(a, inf, _CMP_LT_OQ)) == 0xff, 1)) {
+            const __m256 es = CSA_V(exp256_neg)(_mm256_xor_ps(a, sign));
+            const __m256 ge = _mm256_cmp_ps(df, zero, _CMP_GE_OQ);   /* l0 is the max */
+            e0 = _mm256_blendv_ps(es, one, ge);
+            e1 = _mm256_blendv_ps(one, es, ge);
+        } else {
+            /* pass 1's max: max(l, m) returns m when l is NaN */
+            const __m256 m = _mm256_max_ps(l1, _mm256_max_ps(l0, _mm256_set1_ps(-INFINITY)));
+            e0 = CSA_V(exp256_neg)(_mm256_sub_ps(l0, m));
+            e1 = CSA_V(exp256_neg)(_mm256_sub_ps(l1, m));
+        }
+        const __m256 sm = _mm256_add_ps(_mm256_add_ps(zero, e0), e1);
+        const __m256 ac = _mm256_fmadd_ps(e1, k1, _mm256_fmadd_ps(e0, k0, zero));
+        const __m256 y = _mm256_div_ps(ac, sm);
+        if (n == 8) {
+            if (obf)
+                _mm_storeu_si128((__m128i *)(outh + f), CSA_V(bf16_pack8)(CSA_V(bf16_round8)(y)));
+            else
+                _mm256_storeu_ps(outf + f, y);
+        } else if (obf) {
+            csa_bf16 t[8] __attribute__((aligned(16)));
+            _mm_store_si128((__m128i *)t, CSA_V(bf16_pack8)(CSA_V(bf16_round8)(y)));
+            memcpy(outh + f, t, (size_t)n * sizeof(csa_bf16));
+        } else {
+            float t[8] __attribute__((aligned(32)));
+            _mm256_store_ps(t, y);
+            memcpy(outf + f, t, (size_t)n * sizeof(float));
+        }
+    }
+}
+
+/* Pass 2 of the chunk: the rows in groups (in candidate order), each over whole
+ * blocks of 16 features, then the last (partial) block. */
+static inline __attribute__((always_inline)) void CSA_V(pool_sum8)(
+    const pool_cands *c, int nc, csa_idx f0, csa_idx fc, const float *CSA_RESTRICT m,
+    float *CSA_RESTRICT sb, float *CSA_RESTRICT ab, const float *lb, csa_idx fcp,
+    float *outf, csa_bf16 *outh, int obf, const int kvbf, const int scbf, const int keep)
+{
+    const csa_idx nfull = (fc - 1) / 16 * 16;   /* the last block always takes the tail */
+    const csa_idx rest = fc - nfull, n0 = rest < 8 ? rest : 8, n1 = rest > 8 ? rest - 8 : 0;
+    csa_idx ntot = 0;
+    for (int k = 0; k < nc; k++) ntot += c[k].n;
+    int k = 0;
+    csa_idx j = 0, q0 = 0;
+    while (q0 < ntot) {
+        CSA_V(pool_rows8) rw;
+        rw.nr = 0;
+        while (rw.nr < POOL_RG_AVX2 && q0 + rw.nr < ntot) {
+            while (j >= c[k].n) {
+                k++;
+                j = 0;
+            }
+            const int r = rw.nr++;
+            rw.sc[r] = pool_off(c[k].sc, scbf, j * c[k].ssc + f0);
+            rw.kv[r] = pool_off(c[k].kv, kvbf, j * c[k].skv + f0);
+            rw.ap[r] = c[k].ape ? c[k].ape + j * c[k].sape + f0 : NULL;
+            rw.nsc[r] = c[k].next ? c[k].n * c[k].ssc : 0;
+            rw.nkv[r] = c[k].n * c[k].skv;
+            j++;
+        }
+        const int first = q0 == 0, last = q0 + rw.nr == ntot;
+        for (csa_idx fb = 0; fb < nfull; fb += 16)
+            CSA_V(pool_blk16)(&rw, q0, f0, fb, m, sb, ab, lb, fcp, 8, 8, outf, outh, obf, first,
+                              last, kvbf, scbf, keep, 0);
+        CSA_V(pool_blk16)(&rw, q0, f0, nfull, m, sb, ab, lb, fcp, n0, n1, outf, outh, obf, first,
+                          last, kvbf, scbf, keep, 1);
+        q0 += rw.nr;
     }
 }
 #else
@@ -278,7 +492,7 @@ static inline __attribute__((always_inline)) void CSA_V(pool_sum1)(
  * logits), pass 2 (exp, sums, quotient). */
 static inline __attribute__((always_inline)) int CSA_V(pool_entry_body)(
     const pool_cands *c, int nc, csa_idx d, void *out, int obf, const int kvbf, const int scbf,
-    const int keep)
+    const int keep, const csa_idx chunk)
 {
     /* m, s, acc in one buffer, staggered by 80 floats so that their addresses never
      * share the low 12 bits: 4 KiB apart, a store to one stalls the loads of the
@@ -288,8 +502,14 @@ static inline __attribute__((always_inline)) int CSA_V(pool_entry_body)(
     float *CSA_RESTRICT acc = buf + 2 * POOL_FC + 160;
     float *const outf = obf ? NULL : out;
     csa_bf16 *const outh = obf ? out : NULL;
-    for (csa_idx f0 = 0; f0 < d; f0 += POOL_FC) {
-        const csa_idx fc = d - f0 < POOL_FC ? d - f0 : POOL_FC;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+    if (c[0].n + (nc > 1 ? c[1].n : 0) == 2) {
+        CSA_V(pool_two8)(c, nc, d, outf, outh, obf, kvbf, scbf);
+        return CSA_OK;
+    }
+#endif
+    for (csa_idx f0 = 0; f0 < d; f0 += chunk) {
+        const csa_idx fc = d - f0 < chunk ? d - f0 : chunk;
 #ifdef __AVX512F__
         (void)s;
         (void)acc;
@@ -300,14 +520,12 @@ static inline __attribute__((always_inline)) int CSA_V(pool_entry_body)(
         CSA_V(pool_max16)(c, nc, f0, fc, m, lb, fcp, tail, fv, kvbf, scbf, keep);
         CSA_V(pool_sum16)(c, nc, f0, fc, m, lb, fcp, tail, fv, outf, outh, obf, kvbf, scbf, keep);
 #elif defined(__AVX2__) && defined(__FMA__)
-        static const int32_t lanes[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+        float lb[keep ? POOL_LBUF_AVX2 : 1] __attribute__((aligned(64)));
+        const csa_idx fcp = (fc + 15) / 16 * 16;
         const csa_idx nrem = fc % 8 ? fc % 8 : 8;
-        const __m256i tail = _mm256_loadu_si256((const __m256i *)(lanes + 8 - nrem));
-        const __m256i full = _mm256_set1_epi32(-1);
-        const csa_idx fv = fc - nrem;
-        CSA_V(pool_max8)(c, nc, f0, fc, m, s, acc, tail, full, nrem, fv, scbf);
-        CSA_V(pool_sum8)(c, nc, f0, fc, m, s, acc, tail, full, nrem, fv, kvbf, scbf);
-        CSA_V(pool_store8)(f0, fc, m, s, acc, tail, full, fv, outf, outh, obf);
+        const csa_idx fv = fc - nrem;   /* start of the last vector */
+        CSA_V(pool_max8)(c, nc, f0, fc, m, lb, fcp, nrem, fv, kvbf, scbf, keep);
+        CSA_V(pool_sum8)(c, nc, f0, fc, m, s, acc, lb, fcp, outf, outh, obf, kvbf, scbf, keep);
 #else
         CSA_V(pool_max1)(c, nc, f0, fc, m, s, acc, scbf);
         CSA_V(pool_sum1)(c, nc, f0, fc, m, s, acc, outf, outh, obf, kvbf, scbf);
@@ -322,14 +540,19 @@ static int CSA_V(pool_entry_tuned)(const pool_cands *c, int nc, csa_idx d, void 
 {
     const int kvbf = c[0].kvbf, scbf = c[0].scbf;
     int keep = 0;
+    csa_idx chunk = POOL_FC;
 #ifdef __AVX512F__
     csa_idx ntot = 0;
     for (int k = 0; k < nc; k++) ntot += c[k].n;
     keep = ntot * (((d < POOL_FC ? d : POOL_FC) + 63) / 64 * 64) <= POOL_LBUF;
+#elif defined(__AVX2__) && defined(__FMA__)
+    csa_idx ntot = 0;
+    for (int k = 0; k < nc; k++) ntot += c[k].n;
+    keep = ntot * (((d < POOL_FC ? d : POOL_FC) + 15) / 16 * 16) <= POOL_LBUF_AVX2;
 #endif
 #define POOL_BODY(kb, sb)                                                       \
-    (keep ? CSA_V(pool_entry_body)(c, nc, d, out, obf, kb, sb, 1)              \
-          : CSA_V(pool_entry_body)(c, nc, d, out, obf, kb, sb, 0))
+    (keep ? CSA_V(pool_entry_body)(c, nc, d, out, obf, kb, sb, 1, chunk)       \
+          : CSA_V(pool_entry_body)(c, nc, d, out, obf, kb, sb, 0, chunk))
     if (kvbf && scbf) return POOL_BODY(1, 1);
     if (kvbf) return POOL_BODY(1, 0);
     if (scbf) return POOL_BODY(0, 1);

@@ -3,6 +3,10 @@
  * bits.  bfloat16 rows are widened into a float32 scratch row, rotated by the same
  * code, and rounded back. */
 
+#ifndef ROPE_PD
+#define ROPE_PD 4   /* heads ahead of the one being rotated that are prefetched */
+#endif
+
 static inline void CSA_V(rotate_pairs)(float *CSA_RESTRICT v, const float *CSA_RESTRICT c,
                                        const float *CSA_RESTRICT sn, csa_idx half)
 {
@@ -50,9 +54,17 @@ static int CSA_V(apply_rope_tuned)(void *x, int bf16, csa_idx n0, csa_idx n1, cs
             if (!bf16) {
                 float *v = (float *)x + off;
                 /* Rows sit a head stride apart, too far for the hardware prefetcher to
-                 * follow: ask for the tail a few heads ahead. */
-                if (h + 4 < n2)
-                    for (csa_idx k = 0; k < 2 * half; k += 16) __builtin_prefetch(v + 4 * s2 + k, 1);
+                 * follow: ask for the tail ROPE_PD heads ahead, into the next row's
+                 * first heads at the end of a row (without that, every row started
+                 * with ROPE_PD misses: 64 heads a row in the released shapes). */
+                const float *pv = NULL;
+                if (h + ROPE_PD < n2)
+                    pv = v + ROPE_PD * s2;
+                else if (r + 1 < rows && h + ROPE_PD - n2 < n2)
+                    pv = (const float *)x + ((r + 1) / n1) * s0 + ((r + 1) % n1) * s1 +
+                         (h + ROPE_PD - n2) * s2;
+                if (pv)
+                    for (csa_idx k = 0; k < 2 * half; k += 16) __builtin_prefetch(pv + k, 1);
                 CSA_V(rotate_pairs)(v, c, sn, half);
             } else {
                 csa_bf16 *CSA_RESTRICT v = (csa_bf16 *)x + off;

@@ -28,6 +28,32 @@ def test_rms_norm_matches_reference(isa, rng, shape):
     assert_close(got_nw, ref.rms_norm(T(x)).numpy(), rtol=2e-6, atol=1e-6, what="rms_norm no w")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rms_norm_large_output_is_bitwise_the_row_blocks(isa, rng, dtype):
+    """An output of 32 MiB or more is stored past the caches (docs/kernels.md, RMSNorm):
+    bitwise the same rows normed 256 at a time (ordinary stores), at an odd width, into
+    output rows that start at every offset from a 64-byte line; nothing else of the
+    output buffer is written."""
+    import ml_dtypes
+    rows, d = (8200, 1031) if dtype == "float32" else (16400, 1031)
+    x = rng.standard_normal((rows, d), dtype=np.float32) * 3
+    if dtype == "bfloat16":
+        x = x.astype(ml_dtypes.bfloat16)
+    w = rng.standard_normal(d, dtype=np.float32)
+    buf = np.full((rows, d + 3), 7, x.dtype)
+    out = buf[:, 1:d + 1]
+    assert out.nbytes >= 32 << 20
+    with unchanged(x, w):
+        assert dc.rms_norm(x, w, out=out) is out
+        nw = dc.rms_norm(x)
+    want = np.concatenate([dc.rms_norm(x[i:i + 256], w) for i in range(0, rows, 256)])
+    want_nw = np.concatenate([dc.rms_norm(x[i:i + 256]) for i in range(0, rows, 256)])
+    u = np.uint16 if dtype == "bfloat16" else np.uint32
+    assert np.array_equal(np.ascontiguousarray(out).view(u), want.view(u))
+    assert np.array_equal(nw.view(u), want_nw.view(u))
+    assert (buf[:, 0] == 7).all() and (buf[:, d + 1:] == 7).all()
+
+
 def test_rms_norm_bf16_tolerance(rng):
     """Same inputs through the reference in bfloat16: agreement at bf16 tolerance."""
     x = bf16_round(rng.standard_normal((64, 512), dtype=np.float32))

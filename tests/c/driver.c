@@ -824,6 +824,15 @@ static tcase cases[] = {
     {&K_POOL, {2, 17, 19, 4}, F_OVERLAP | F_NOW, 2e-6, 2e-6, "f32 overlap no ape"},
     {&K_POOL, {2, 43, 67, 4}, F_OVERLAP | BF, 2e-6, 2e-6, "bf16 overlap"},
     {&K_POOL, {1, 259, 64, 128}, BF | F_SC_F32, 2e-6, 2e-6, "bf16 kv f32 score r128"},
+    /* the AVX2 body's paths: two feature chunks (d > 1024) with a tail; row groups of
+     * 8 + 2 and 8 + 4 candidates; logits not kept (r128 x d > the buffer) with a tail */
+    {&K_POOL, {1, 9, 1100, 2}, 0, 2e-6, 2e-6, "f32 r2 d 1100 (two chunks)"},
+    {&K_POOL, {2, 41, 45, 5}, F_OVERLAP | BF, 2e-6, 2e-6, "bf16 overlap r5 (10 rows)"},
+    {&K_POOL, {1, 61, 23, 12}, BF | F_SC_F32, 2e-6, 2e-6, "bf16 kv f32 score r12"},
+    {&K_POOL, {1, 260, 41, 128}, F_NOW, 2e-6, 2e-6, "f32 r128 d 41 no ape"},
+    /* two candidates a feature: the AVX2 one-exp path */
+    {&K_POOL, {2, 37, 29, 2}, BF, 2e-6, 2e-6, "bf16 r2 odd"},
+    {&K_POOL, {1, 9, 13, 1}, F_OVERLAP, 2e-6, 2e-6, "f32 overlap r1 (2 candidates)"},
     /* pool_stream: B, T, d, ratio, half */
     {&K_POOL_STREAM, {2, 23, 64, 4, 8}, F_OVERLAP | F_EPI, 2e-6, 2e-6, "f32 overlap r4 norm+rope"},
     {&K_POOL_STREAM, {2, 261, 32, 128, 8}, F_EPI, 2e-6, 2e-6, "f32 r128 norm+rope"},
