@@ -429,17 +429,6 @@ static void CSA_V(g_panel)(const struct csa_gemm_args *g, const float *Af, const
 }
 
 #if G_SIMD
-/* Prefill microkernel: MR (<= 6) activation rows times 16 weight columns over one
- * K block (len, a multiple of 8), FMA on broadcast activations and vectors of 8
- * columns.  The contract's block sum is per (row, column): lane j of the oracle (its
- * elements j, j + 8, ... in increasing k) is here one accumulator per (row, 8
- * columns) fed k = j, j + 8, ... in turn, residue after residue, and the tree
- * ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) is built as the residues finish
- * (its partial sums in S, L1); then c = fma(P, sa * sb, c) as the oracle's.
- * a[i]: row i's floats at the block's first k; b: the transposed weight panel (row
- * stride ldb floats) at the block's first k and the 16 columns; sa[i]: row i's
- * activation scale; sb0 / sb1: the 16 columns' weight scales; c: the output tile
- * (row stride ldc). */
 /* Residue j of one block for g_pk: the MR x 2 lane sums in named registers (an array
  * of accumulators was kept in memory by GCC), stored to out once. */
 static inline __attribute__((always_inline)) void CSA_V(g_pkj)(
@@ -490,6 +479,17 @@ static inline __attribute__((always_inline)) void CSA_V(g_pkj)(
     if (MR > 5) out[10] = c10, out[11] = c11;
 }
 
+/* Prefill microkernel: MR (<= 6) activation rows times 16 weight columns over one
+ * K block (len, a multiple of 8), FMA on broadcast activations and vectors of 8
+ * columns.  The contract's block sum is per (row, column): lane j of the oracle (its
+ * elements j, j + 8, ... in increasing k) is here one accumulator per (row, 8
+ * columns) fed k = j, j + 8, ... in turn, residue after residue, and the tree
+ * ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) is built as the residues finish
+ * (its partial sums in S, L1); then c = fma(P, sa * sb, c) as the oracle's.
+ * a[i]: row i's floats at the block's first k; b: the transposed weight panel (row
+ * stride ldb floats) at the block's first k and the 16 columns; sa[i]: row i's
+ * activation scale; sb0 / sb1: the 16 columns' weight scales; c: the output tile
+ * (row stride ldc). */
 static inline __attribute__((always_inline)) void CSA_V(g_pk)(
     const int MR, const float *const *a, const float *b, csa_idx ldb, csa_idx len,
     const float *sa, __m256 sb0, __m256 sb1, float *c, csa_idx ldc)

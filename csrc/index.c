@@ -158,6 +158,17 @@ static inline const uint8_t *cand_row(const struct csa_index_cand *c, csa_idx b,
     return (c && c->mask) ? c->mask + b * c->scb + s * c->scs : NULL;
 }
 
+/* Whether a tile of keys [t, t + nk) lies wholly in unkept candidate blocks of size bs
+ * (cm: the row's block mask, stride scn; NULL keeps everything): such tiles are skipped. */
+static inline int cand_tile_skipped(const uint8_t *cm, csa_idx scn, csa_idx bs, csa_idx t,
+                                    csa_idx nk)
+{
+    if (!cm) return 0;
+    for (csa_idx j = t / bs; j <= (t + nk - 1) / bs; j++)
+        if (cm[j * scn]) return 0;
+    return 1;
+}
+
 /* Selects the top-K of the first nvis entries of one row of scores (stride sst) that
  * lie in kept blocks, writes K indices to out. */
 static void select_row(const float *sc, csa_idx sst, csa_idx nvis, const uint8_t *cm,

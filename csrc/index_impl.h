@@ -103,11 +103,7 @@ static void CSA_V(ix_score_row)(const float *buf, csa_idx HP, csa_idx Di, const 
     const csa_idx nvec = HP / IX_VL;
     for (csa_idx t = t0; t < t1; t += IX_NK) {
         const csa_idx nk = imin(IX_NK, t1 - t);
-        if (cm) {
-            int any = 0;
-            for (csa_idx j = t / bs; j <= (t + nk - 1) / bs; j++) any |= cm[j * scn] != 0;
-            if (!any) continue;
-        }
+        if (cand_tile_skipped(cm, scn, bs, t, nk)) continue;
         const float *kr[IX_NK];
         for (int j = 0; j < IX_NK; j++) kr[j] = kb + (imin(t + j, t1 - 1) - kt0) * skt;
         vf part[IX_NK];
@@ -366,11 +362,7 @@ IX_AMX_FN void CSA_V(ix_amx_score_row)(const struct csa_index_problem *p, csa_id
     __asm__ volatile("" ::: "memory"); /* the tile loads read the packed row */
     for (csa_idx t = t0; t < t1; t += 16) {
         const csa_idx nk = imin(16, t1 - t);
-        if (cm) {
-            int any = 0;
-            for (csa_idx j = t / bs; j <= (t + nk - 1) / bs; j++) any |= cm[j * scn] != 0;
-            if (!any) continue;
-        }
+        if (cand_tile_skipped(cm, scn, bs, t, nk)) continue;
         const csa_bf16 *ka;
         long kstride;
         if (inplace && t + 16 <= Tc) {
@@ -613,11 +605,7 @@ static void CSA_V(ix_fp4_score_row)(const struct csa_index_problem *p, const uin
     const vi *lm = (const vi *)((const float *)wv + HP);
     for (csa_idx t = t0; t < t1; t += IX_FK) {
         const csa_idx nk = imin(IX_FK, t1 - t);
-        if (cm) {
-            int any = 0;
-            for (csa_idx j = t / bs; j <= (t + nk - 1) / bs; j++) any |= cm[j * scn] != 0;
-            if (!any) continue;
-        }
+        if (cand_tile_skipped(cm, scn, bs, t, nk)) continue;
         const uint8_t *kd[IX_FK];
         for (int n = 0; n < IX_FK; n++) kd[n] = kc + (imin(t + n, t1 - 1) - kt0) * KS;
         csa_idx g = 0;
