@@ -103,19 +103,22 @@ static inline __attribute__((always_inline)) void CSA_V(g_w16)(__m256i bb, __m25
     w[1] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(x, 16), m));
 }
 
-/* One activation row against 4 rows of e4m3 weights (rows past nr repeat the last one,
- * their results dropped), decoding straight into registers as the bytes stream in: no
- * buffer, each weight byte read once.  af holds the activation times 2^112 (exact), so
- * af * g_w16(b) = a * b / 256 exactly: the very products of the oracle, summed in its
+/* One activation row against G_R1 rows of e4m3 weights (rows past nr repeat the last
+ * one, their results dropped), decoding straight into registers as the bytes stream in:
+ * no buffer, each weight byte read once.  af holds the activation times 2^112 (exact),
+ * so af * g_w16(b) = a * b / 256 exactly: the very products of the oracle, summed in its
  * order (lanes = k mod 8 within a block, the tree), then one FMA per block into the
- * float32 accumulators. */
+ * float32 accumulators.  Eight rows, not four: each row's block is one chain of 16
+ * dependent FMAs, and eight chains keep both FMA pipes fed where four left them
+ * waiting (register-only loop, one thread, AMD EPYC Zen 3: 4 -> 8 rows 1.05-1.10x). */
+#define G_R1 8
 static void CSA_V(g_row1)(const struct csa_gemm_args *g, const float *af, const float *as,
                           csa_idx n0, csa_idx nr, float *res)
 {
     const csa_idx K = g->K;
-    const uint8_t *rp[4];
-    for (int r = 0; r < 4; r++) rp[r] = g->b + (n0 + (r < nr ? r : nr - 1)) * g->sb_row;
-    __m128 c = _mm_setzero_ps();
+    const uint8_t *rp[G_R1];
+    for (int r = 0; r < G_R1; r++) rp[r] = g->b + (n0 + (r < nr ? r : nr - 1)) * g->sb_row;
+    __m128 c0 = _mm_setzero_ps(), c1 = _mm_setzero_ps();
     /* code j at the top of lane j, code 8 + j at the top of its low half (g_w16) */
     const __m256i ctlp = _mm256_setr_epi8(-128, 8, -128, 0, -128, 9, -128, 1, -128, 10, -128, 2,
                                           -128, 11, -128, 3, -128, 12, -128, 4, -128, 13, -128,
@@ -124,16 +127,16 @@ static void CSA_V(g_row1)(const struct csa_gemm_args *g, const float *af, const 
     const csa_idx pfd = G_PF * g->sb_row;
     for (csa_idx k0 = 0, j = 0; k0 < K; k0 += 128, j++) {
         const csa_idx k1 = K - k0 < 128 ? K : k0 + 128;
-        __m256 acc[4];
+        __m256 acc[G_R1];
         __m256i mx = _mm256_setzero_si256();
-        for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
+        for (int r = 0; r < G_R1; r++) acc[r] = _mm256_setzero_ps();
         /* 32 codes of a row a step.  NaN codes (b & 0x7f == 0x7f, the largest
          * magnitude) are only noted here, by a running byte maximum: a block that has
          * one is redone by the scalar path. */
         for (csa_idx k = k0; k < k1; k += 32) {
             const __m256 x0 = _mm256_loadu_ps(af + k), x1 = _mm256_loadu_ps(af + k + 8);
             const __m256 x2 = _mm256_loadu_ps(af + k + 16), x3 = _mm256_loadu_ps(af + k + 24);
-            for (int r = 0; r < 4; r++) {
+            for (int r = 0; r < G_R1; r++) {
                 const uint8_t *p = rp[r] + k;
                 if (!(k & 32)) _mm_prefetch((const char *)(p + pfd), _MM_HINT_T0);
                 mx = _mm256_max_epu8(mx, _mm256_and_si256(
@@ -152,25 +155,35 @@ static void CSA_V(g_row1)(const struct csa_gemm_args *g, const float *af, const 
                 acc[r] = a;
             }
         }
-        __m128 p;
+        __m128 p0, p1;
         if (__builtin_expect(_mm256_movemask_epi8(_mm256_cmpeq_epi8(mx, s7)) != 0, 0)) {
-            float pr[4];
-            for (int r = 0; r < 4; r++) {
+            float pr[G_R1];
+            for (int r = 0; r < G_R1; r++) {
                 float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
                 for (csa_idx k = k0; k < k1; k++)
                     l[(k - k0) & 7] +=
                         (af[k] * 0x1p-112f) * (g_e4m3(rp[r][k]) * (1.0f / 256.0f));
                 pr[r] = g_tree(l);
             }
-            p = _mm_loadu_ps(pr);
+            p0 = _mm_loadu_ps(pr);
+            p1 = _mm_loadu_ps(pr + 4);
         } else {
-            const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]),
-                                            _mm256_hadd_ps(acc[2], acc[3]));
-            p = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+            /* lanes of 4 rows at a time: ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)),
+             * g_tree's order */
+            const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]),
+                                             _mm256_hadd_ps(acc[2], acc[3]));
+            const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]),
+                                             _mm256_hadd_ps(acc[6], acc[7]));
+            p0 = _mm_add_ps(_mm256_castps256_ps128(u0), _mm256_extractf128_ps(u0, 1));
+            p1 = _mm_add_ps(_mm256_castps256_ps128(u1), _mm256_extractf128_ps(u1, 1));
         }
-        c = _mm_fmadd_ps(p, _mm_set1_ps(as[j] * g_bscale(g, n0, j)), c);
+        /* one weight scale per 128 rows: n0 is a multiple of G_R1, which divides 128 */
+        const __m128 s = _mm_set1_ps(as[j] * g_bscale(g, n0, j));
+        c0 = _mm_fmadd_ps(p0, s, c0);
+        c1 = _mm_fmadd_ps(p1, s, c1);
     }
-    _mm_storeu_ps(res, c);
+    _mm_storeu_ps(res, c0);
+    _mm_storeu_ps(res + 4, c1);
 }
 #endif
 
@@ -214,8 +227,13 @@ static void CSA_V(g_row8_e2m1)(const struct csa_gemm_args *g, const float *af, c
     const __m256i qbit = _mm256_set1_epi32(0x00400000);
     const __m256i keep = _mm256_set1_epi32((int)0x81c00000u);
     __m256 c = _mm256_setzero_ps();
+    /* the same bytes of the next 8 rows (the next task of this thread, mostly), a cache
+     * line a row every 4 blocks: the rows of a task are otherwise cold when it starts */
+    const csa_idx pfd = 8 * g->sb_row;
     for (csa_idx j = 0; j < nb; j++) {
         const csa_idx o = 16 * j;
+        if (!(j & 3))
+            for (int r = 0; r < 8; r++) _mm_prefetch((const char *)(rp[r] + o + pfd), _MM_HINT_T0);
         const __m256i y0 = _mm256_loadu2_m128i((const __m128i *)(rp[4] + o), (const __m128i *)(rp[0] + o));
         const __m256i y1 = _mm256_loadu2_m128i((const __m128i *)(rp[5] + o), (const __m128i *)(rp[1] + o));
         const __m256i y2 = _mm256_loadu2_m128i((const __m128i *)(rp[6] + o), (const __m128i *)(rp[2] + o));
@@ -653,12 +671,12 @@ static int CSA_V(gemm_tuned)(const struct csa_gemm_args *g)
             free(AS);
             return fail8 ? CSA_ENOMEM : CSA_OK;
         }
-        const csa_idx nq = (N + 3) / 4;
-        const int nt1 = csa_threads(nq, 64);
-#pragma omp parallel for num_threads(nt1) schedule(dynamic, 16)
+        const csa_idx nq = (N + G_R1 - 1) / G_R1;
+        const int nt1 = csa_threads(nq, 256 / G_R1);
+#pragma omp parallel for num_threads(nt1) schedule(dynamic, 64 / G_R1)
         for (csa_idx q = 0; q < nq; q++) {
-            float res[4];
-            const csa_idx n0 = 4 * q, nr = N - n0 < 4 ? N - n0 : 4;
+            float res[G_R1];
+            const csa_idx n0 = G_R1 * q, nr = N - n0 < G_R1 ? N - n0 : G_R1;
             CSA_V(g_row1)(g, Af, AS, n0, nr, res);
             for (csa_idx r = 0; r < nr; r++) g_store(g, 0, n0 + r, res[r]);
         }
@@ -708,4 +726,5 @@ static int CSA_V(gemm_tuned)(const struct csa_gemm_args *g)
     return fail ? CSA_ENOMEM : CSA_OK;
 }
 
+#undef G_R1
 #undef G_SIMD
