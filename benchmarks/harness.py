@@ -47,10 +47,28 @@ class Case:
     reps: int = 0          # 0: as many as fit in ~1.5 s, at least 3
 
 
+_WAKE = None
+
+
+def wake_threads():
+    """One tiny parallel region on the OpenMP pool (the package and torch share one
+    runtime), untimed, before each timed call: a side must not start by waking threads
+    that went to sleep during the previous, slower side.  On the 2-vCPU test VM that
+    wake-up alone cost 1-3 ms (docs/runner.md, Threads), more than a whole decode call;
+    an application calling kernels back to back never pays it."""
+    global _WAKE
+    import torch
+    from deepseek_csa import _core
+    if _WAKE is None:
+        _WAKE = [np.zeros(64, np.float32) for _ in range(3)]
+    _core._stream_triad(*_WAKE, torch.get_num_threads())
+
+
 def interleaved_times(sides: dict, reps=0, budget=1.5) -> dict:
     """Times every side (name -> zero-argument callable) in rounds, one call of each side
     per round, in alternating order, so that a machine whose speed drifts (other
     tenants, frequency) slows every side alike; returns name -> list of seconds.
+    Every timed call starts with the threads awake (wake_threads).
     Rounds: `reps`, or as many as fit in about `budget` seconds per side (3..200)."""
     for fn in sides.values():
         fn()  # warm up (first touch, caches, lazy init)
@@ -64,6 +82,7 @@ def interleaved_times(sides: dict, reps=0, budget=1.5) -> dict:
     order = list(sides)
     for r in range(n):
         for name in (order if r % 2 == 0 else order[::-1]):
+            wake_threads()
             t0 = time.perf_counter()
             sides[name]()
             times[name].append(time.perf_counter() - t0)
