@@ -458,37 +458,23 @@ static inline __attribute__((always_inline)) void CSA_V(g_pkj)(
            c10 = z, c11 = z;
     const float *a0 = a[0], *a1 = a[MR > 1 ? 1 : 0], *a2 = a[MR > 2 ? 2 : 0];
     const float *a3 = a[MR > 3 ? 3 : 0], *a4 = a[MR > 4 ? 4 : 0], *a5 = a[MR > 5 ? 5 : 0];
+    /* row i of the tile: its activation broadcast against the 16 columns */
+#define G_PKROW(i, ai, ca, cb)                                                             \
+    if (MR > i) {                                                                          \
+        const __m256 x = _mm256_broadcast_ss(ai + k);                                      \
+        ca = _mm256_fmadd_ps(x, b0, ca);                                                   \
+        cb = _mm256_fmadd_ps(x, b1, cb);                                                   \
+    }
     for (csa_idx k = j; k < len; k += 8) {
         const __m256 b0 = _mm256_loadu_ps(b + k * ldb), b1 = _mm256_loadu_ps(b + k * ldb + 8);
-        __m256 x = _mm256_broadcast_ss(a0 + k);
-        c0 = _mm256_fmadd_ps(x, b0, c0);
-        c1 = _mm256_fmadd_ps(x, b1, c1);
-        if (MR > 1) {
-            x = _mm256_broadcast_ss(a1 + k);
-            c2 = _mm256_fmadd_ps(x, b0, c2);
-            c3 = _mm256_fmadd_ps(x, b1, c3);
-        }
-        if (MR > 2) {
-            x = _mm256_broadcast_ss(a2 + k);
-            c4 = _mm256_fmadd_ps(x, b0, c4);
-            c5 = _mm256_fmadd_ps(x, b1, c5);
-        }
-        if (MR > 3) {
-            x = _mm256_broadcast_ss(a3 + k);
-            c6 = _mm256_fmadd_ps(x, b0, c6);
-            c7 = _mm256_fmadd_ps(x, b1, c7);
-        }
-        if (MR > 4) {
-            x = _mm256_broadcast_ss(a4 + k);
-            c8 = _mm256_fmadd_ps(x, b0, c8);
-            c9 = _mm256_fmadd_ps(x, b1, c9);
-        }
-        if (MR > 5) {
-            x = _mm256_broadcast_ss(a5 + k);
-            c10 = _mm256_fmadd_ps(x, b0, c10);
-            c11 = _mm256_fmadd_ps(x, b1, c11);
-        }
+        G_PKROW(0, a0, c0, c1)
+        G_PKROW(1, a1, c2, c3)
+        G_PKROW(2, a2, c4, c5)
+        G_PKROW(3, a3, c6, c7)
+        G_PKROW(4, a4, c8, c9)
+        G_PKROW(5, a5, c10, c11)
     }
+#undef G_PKROW
     out[0] = c0, out[1] = c1;
     if (MR > 1) out[2] = c2, out[3] = c3;
     if (MR > 2) out[4] = c4, out[5] = c5;
