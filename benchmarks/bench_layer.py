@@ -101,7 +101,6 @@ def _prefill_case(ratio, S, rng):
     T = torch.from_numpy
     fc = R.precompute_freqs_cis(64, S, cfg.original_seq_len, cfg.compress_rope_theta,
                                 cfg.yarn_factor, cfg.beta_fast, cfg.beta_slow)
-    z = torch.zeros(1)
     args = (T(inp["q"]), T(inp["kv"]), T(inp["ckv"]), T(inp["cscore"]),
             T(inp.get("iq", np.zeros((1, S, 1, 1), np.float32))),
             T(inp.get("iw", np.zeros((1, S, 1), np.float32))),

@@ -49,19 +49,13 @@ def standin_modules():
 
 def load_with(mods, name):
     """Imports MODEL_PY under `name` with `mods` in sys.modules."""
-    saved = {n: sys.modules.get(n) for n in mods}
-    sys.modules.update(mods)
-    try:
+    from deepseek_csa._kernel_module import preserved_modules
+    with preserved_modules(mods):
+        sys.modules.update(mods)
         spec = importlib.util.spec_from_file_location(name, MODEL_PY)
         m = importlib.util.module_from_spec(spec)
         sys.modules[name] = m
         spec.loader.exec_module(m)
-    finally:
-        for n, v in saved.items():
-            if v is None:
-                sys.modules.pop(n, None)
-            else:
-                sys.modules[n] = v
     return m
 
 

@@ -25,13 +25,13 @@ copies, no float32 copy of a weight, ever); activations bf16 or float32.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
 import sys
 import types
 
-import numpy as np
 
 import deepseek_csa as _dc
 
@@ -197,6 +197,26 @@ def hadamard_module(name="fast_hadamard_transform"):
 
 
 # ----------------------------------------------------------------------------- install
+def _restore_modules(saved):
+    """Puts back sys.modules entries saved as {name: module or None} (None: absent)."""
+    for n, m in saved.items():
+        if m is None:
+            sys.modules.pop(n, None)
+        else:
+            sys.modules[n] = m
+
+
+@contextlib.contextmanager
+def preserved_modules(names):
+    """Within the block sys.modules may change freely under ``names``; on exit each of
+    them is back to what it was (removed where it was absent)."""
+    saved = {n: sys.modules.get(n) for n in names}
+    try:
+        yield
+    finally:
+        _restore_modules(saved)
+
+
 class _Installed:
     """Handle of ``install_kernels``: the modules are in sys.modules from the call on;
     ``uninstall()`` (or leaving a ``with`` block) puts back what was there before."""
@@ -214,11 +234,7 @@ class _Installed:
                 sys.modules[n] = self.kernel
 
     def uninstall(self):
-        for n, m in self._saved.items():
-            if m is None:
-                sys.modules.pop(n, None)
-            else:
-                sys.modules[n] = m
+        _restore_modules(self._saved)
         self._saved = {}
 
     def __enter__(self):

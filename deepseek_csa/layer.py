@@ -306,7 +306,7 @@ class CSALayer:
         self._comp = self._icomp = None
         if not r:
             return
-        Dr, eps, rope = cfg.rope_dim, cfg.norm_eps, (self._cos, self._sin)
+        eps, rope = cfg.norm_eps, (self._cos, self._sin)
         if self.version == "v4":
             self._comp = _dc.Compressor(
                 self.batch, r, cfg.head_dim, overlap=r == 4, ape=W["compressor.ape"],
@@ -526,7 +526,7 @@ class CSALayer:
         return self._compressed_v41(p, start_pos, offset, B, S)
 
     def _compressed_v4(self, p, start_pos, offset, B, S):
-        cfg, W, r = self.cfg, self.w, self.ratio
+        cfg, r = self.cfg, self.ratio
         Dr, win = cfg.rope_dim, cfg.window
         n = (start_pos + S) // r
         t = time.perf_counter()

@@ -48,12 +48,38 @@ def threads(n):
         yield
 
 
+def _raw_bytes(a):
+    """The bytes of every element of an array, whatever its dtype and strides."""
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
+def same_bits_at_thread_counts(call, counts=(1, 2, 3)):
+    """Runs call() under each OpenMP thread count in counts and asserts that what it
+    returns (an array, or a tuple / list of arrays) has the same bytes every time:
+    bitwise, so -0 against +0 and NaN payloads count, which np.array_equal would
+    miss.  Returns the result at counts[0]."""
+    def flat(r):
+        return list(r) if isinstance(r, (tuple, list)) else [r]
+
+    results = []
+    for n in counts:
+        with threads(n):
+            results.append(flat(call()))
+    first = results[0]
+    for n, r in zip(counts[1:], results[1:]):
+        assert len(r) == len(first)
+        for i, (got, want) in enumerate(zip(r, first)):
+            got, want = np.asarray(got), np.asarray(want)
+            assert got.shape == want.shape and got.dtype == want.dtype, (n, i)
+            assert np.array_equal(_raw_bytes(got), _raw_bytes(want)), \
+                f"output {i} at {n} threads differs from {counts[0]} thread(s)"
+    return first if len(first) > 1 else first[0]
+
+
 @contextlib.contextmanager
 def unchanged(*arrays):
     """Asserts that the arrays hold the same bits after the block (raising or not)."""
-    def raw(a):   # the bytes of every element, whatever the strides
-        return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-
+    raw = _raw_bytes
     snaps = [raw(np.array(a, copy=True)) for a in arrays]
     try:
         yield

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Optional, Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import deepseek_csa as dc
-from conftest import assert_close, bf16_round, threads, unchanged
+from conftest import assert_close, bf16_round, same_bits_at_thread_counts, unchanged
 import ref_attn as ref
 
 T = torch.from_numpy
@@ -312,12 +312,7 @@ def test_bf16_bitwise_identical_at_any_thread_count(isa_bf16, rng, shape):
         q, kv, sink = inputs(rng, 1, 1, 64, 512, 900)
         idx = decode_indices(1, 500, 900 - WINDOW, rng)
     qb, kvb = q.astype(BF16), kv.astype(BF16)
-    outs = []
-    for n in (1, 2, 3):
-        with threads(n):
-            outs.append(dc.sparse_attn(qb, kvb, sink, idx, 0.07).view(np.uint16))
-    for o in outs[1:]:
-        assert np.array_equal(o, outs[0])
+    same_bits_at_thread_counts(lambda: dc.sparse_attn(qb, kvb, sink, idx, 0.07))
 
 
 def test_bf16_torch_views_out_and_dtype_rules(rng):
@@ -357,12 +352,7 @@ def test_bitwise_identical_at_any_thread_count(rng, shape):
     else:
         q, kv, sink = inputs(rng, 2, 3, 21, 40, 30)
         idx = rng.integers(-1, 30, (2, 3, 77)).astype(np.int32)
-    outs = []
-    for n in (1, 2, 3):
-        with threads(n):
-            outs.append(dc.sparse_attn(q, kv, sink, idx, 0.07))
-    for o in outs[1:]:
-        assert np.array_equal(o.view(np.uint32), outs[0].view(np.uint32))
+    same_bits_at_thread_counts(lambda: dc.sparse_attn(q, kv, sink, idx, 0.07))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, BF16])

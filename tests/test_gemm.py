@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import deepseek_csa as dc
-from conftest import ISA_LEVELS, threads
+from conftest import same_bits_at_thread_counts
 
 E4M3, E8M0, FP4 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e8m0fnu, ml_dtypes.float4_e2m1fn
 
@@ -116,16 +116,11 @@ def test_gemm_threads_bitwise(rng):
     a_s, b_s = rand_scales(rng, (37, 4), True), rand_scales(rng, (3, 4), True)
     b4 = rng.integers(0, 256, (300, 256)).astype(np.uint8)
     b4s = rand_scales(rng, (300, 16), True)
-    outs = []
-    for n in (1, 2, 3):
-        with threads(n):
-            outs.append((dc.fp8_gemm(a, a_s, b, b_s, out_dtype="float32"),
-                         dc.fp8_gemm(a[:1], a_s[:1], b, b_s, out_dtype="float32"),
-                         dc.fp4_gemm(a, a_s, b4, b4s, out_dtype="float32"),
-                         dc.fp4_gemm(a[:3], a_s[:3], b4, b4s, out_dtype="float32")))
-    for o in outs[1:]:
-        for g, w in zip(o, outs[0]):
-            np.testing.assert_array_equal(g.view(np.uint32), w.view(np.uint32))
+    same_bits_at_thread_counts(lambda: (
+        dc.fp8_gemm(a, a_s, b, b_s, out_dtype="float32"),
+        dc.fp8_gemm(a[:1], a_s[:1], b, b_s, out_dtype="float32"),
+        dc.fp4_gemm(a, a_s, b4, b4s, out_dtype="float32"),
+        dc.fp4_gemm(a[:3], a_s[:3], b4, b4s, out_dtype="float32")))
 
 
 def test_gemm_nan_codes_and_strided_views(isa, rng):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import deepseek_csa as dc
-from conftest import assert_close, bf16_round, threads, unchanged
+from conftest import assert_close, bf16_round, same_bits_at_thread_counts, threads, unchanged
 import ref_index as ref
 
 T = torch.from_numpy
@@ -285,15 +285,10 @@ def test_index_topk_with_candidates(isa, rng, order):
                                      (20, 600, 2380)])
 def test_bitwise_identical_at_1_2_3_threads(rng, S, Tc, p):
     q, k, w = _inputs(rng, 1, S, 64, 128, Tc)
-    outs = []
-    for n in (1, 2, 3):
-        with threads(n):
-            outs.append((dc.index_scores(q, k, w, ratio=4, start_pos=p),
-                         dc.index_topk(q, k, w, 100, ratio=4, start_pos=p),
-                         dc.index_topk(q, k, w, 100, ratio=4, start_pos=p, order="position")))
-    for o in outs[1:]:
-        for a, b in zip(o, outs[0]):
-            assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    same_bits_at_thread_counts(lambda: (
+        dc.index_scores(q, k, w, ratio=4, start_pos=p),
+        dc.index_topk(q, k, w, 100, ratio=4, start_pos=p),
+        dc.index_topk(q, k, w, 100, ratio=4, start_pos=p, order="position")))
 
 
 def test_rows_score_the_same_alone_or_in_a_batch(rng):
@@ -646,20 +641,15 @@ def test_bf16_bitwise_identical_at_1_2_3_threads(rng, S, Tc, p):
     dc.set_isa(ISA_LEVELS_BF16[-1])
     try:
         q, k, w = _bf16_inputs(rng, 1, S, 64, 128, Tc)
-        outs = []
-        for n in (1, 2, 3):
-            with threads(n):
-                outs.append((dc.index_scores(q, k, w, ratio=4, start_pos=p),
-                             dc.index_topk(q, k, w, 100, ratio=4, start_pos=p),
-                             dc.index_topk(q, k, w, 100, ratio=4, start_pos=p, order="position")))
-        for o in outs[1:]:
-            for a, b in zip(o, outs[0]):
-                assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+        first = same_bits_at_thread_counts(lambda: (
+            dc.index_scores(q, k, w, ratio=4, start_pos=p),
+            dc.index_topk(q, k, w, 100, ratio=4, start_pos=p),
+            dc.index_topk(q, k, w, 100, ratio=4, start_pos=p, order="position")))
         # a row scores the same alone (decode split) as inside the prefill call
         if S > 1:
             for s in (0, S // 2, S - 1):
                 one = dc.index_scores(q[:, s:s + 1], k, w[:, s:s + 1], ratio=4, start_pos=p + s)
-                assert np.array_equal(one[0, 0].view(np.uint32), outs[0][0][0, s].view(np.uint32))
+                assert np.array_equal(one[0, 0].view(np.uint32), first[0][0, s].view(np.uint32))
     finally:
         dc.set_isa(before)
 

@@ -162,22 +162,17 @@ def test_package_relative_kernel_imports(tmp_path, how):
 
 
 def test_install_kernels_context_manager(tmp_path):
-    saved = {n: sys.modules.get(n) for n in ("kernel", "fast_hadamard_transform")}
     sentinel = object()
-    sys.modules["kernel"] = sentinel
-    try:
+    with K.preserved_modules(("kernel", "fast_hadamard_transform")):
+        sys.modules["kernel"] = sentinel
+        sys.modules.pop("fast_hadamard_transform", None)
         with dct.install_kernels() as h:
             import kernel
             assert kernel is h.kernel and kernel.fp8_gemm is K.fp8_gemm
             from fast_hadamard_transform import hadamard_transform
             assert hadamard_transform is K.hadamard_transform
         assert sys.modules["kernel"] is sentinel
-    finally:
-        for n, m in saved.items():
-            if m is None:
-                sys.modules.pop(n, None)
-            else:
-                sys.modules[n] = m
+        assert "fast_hadamard_transform" not in sys.modules
 
 
 def test_load_model_py_missing_file(tmp_path):

@@ -25,7 +25,7 @@ import pytest
 
 from conftest import threads
 from hardening_cases import cases
-from hardening_registry import ENTRIES, NO
+from hardening_registry import ENTRIES
 
 CALLS = int(os.environ.get("CSA_LEAK_CALLS", "10000"))
 PAGE = os.sysconf("SC_PAGE_SIZE")

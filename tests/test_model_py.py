@@ -22,9 +22,7 @@ import copy
 import dataclasses
 import os
 import re
-import sys
 
-import numpy as np
 import pytest
 import torch
 
@@ -62,17 +60,10 @@ def model_py():
     if missing:
         pytest.skip(f"{MODEL_PY} imports {missing} from its kernel module; deepseek_csa's "
                     "kernel module does not provide them")
-    saved = {n: sys.modules.get(n) for n in ("kernel", "fast_hadamard_transform")}
-    try:
+    with K.preserved_modules(("kernel", "fast_hadamard_transform")):
         mod = dct.load_model_py(MODEL_PY)
         mod._released_rotate_activation = mod.rotate_activation
         yield mod
-    finally:
-        for n, m in saved.items():
-            if m is None:
-                sys.modules.pop(n, None)
-            else:
-                sys.modules[n] = m
 
 
 def _build(mod, seed=0, bf16=False):

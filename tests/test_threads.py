@@ -10,7 +10,6 @@
   Python raises KeyboardInterrupt.  A child process looping over long calls is sent
   SIGINT and must exit with KeyboardInterrupt promptly.
 """
-import hashlib
 import json
 import os
 import signal
@@ -23,7 +22,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import threads
+from conftest import same_bits_at_thread_counts, threads
 from hardening_registry import ENTRIES, default_sizes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -269,3 +268,16 @@ def test_ctrl_c_interrupts_a_loop_of_long_calls():
           f"after SIGINT")
     # the interrupt is seen once the running call returns: at most one call late
     assert latency < call_s + 3.0
+
+
+def test_same_bits_helper_fails_on_a_difference():
+    """Control for conftest.same_bits_at_thread_counts, which the per-kernel
+    determinism tests use: a result that changes between calls, or only in the sign
+    of a zero (equal under ==), must fail it."""
+    calls = iter(range(10))
+    with pytest.raises(AssertionError):
+        same_bits_at_thread_counts(lambda: np.array([next(calls)], np.float32))
+    signs = iter([0.0, -0.0, 0.0])
+    with pytest.raises(AssertionError):
+        same_bits_at_thread_counts(lambda: (np.ones(3), np.array([next(signs)])))
+    assert same_bits_at_thread_counts(lambda: np.arange(4)).tolist() == [0, 1, 2, 3]

@@ -318,7 +318,7 @@ class Compressor(nn.Module):
 
     def _pool(self, kv, score):
         """kv, score [B, G, r, cD] (score includes ape) -> [B, G, D] float32."""
-        r, d = self.compress_ratio, self.head_dim
+        d = self.head_dim
         if self.overlap:
             prev_kv = torch.cat((torch.zeros_like(kv[:, :1, :, :d]), kv[:, :-1, :, :d]), 1)
             prev_sc = torch.cat((torch.full_like(score[:, :1, :, :d], float("-inf")),
