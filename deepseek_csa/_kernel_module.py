@@ -119,15 +119,17 @@ def fp4_act_quant_e4m3(x, block_size=16, inplace=True):
 
 
 def _gemm(fn, a, a_s, b, b_s):
+    # the GEMMs read tensors that require grad (the model's nn.Parameters) detached
+    # themselves, without copies
     torch = _torch()
     dt = torch.get_default_dtype()
     shape = tuple(a.shape[:-1]) + (b.shape[0],)
     if dt in (torch.bfloat16, torch.float32):
         out = torch.empty(shape, dtype=dt)
-        fn(a.detach(), a_s.detach(), b.detach(), b_s.detach(), out=out)
+        fn(a, a_s, b, b_s, out=out)
         return out
     out = torch.empty(shape, dtype=torch.float32)
-    fn(a.detach(), a_s.detach(), b.detach(), b_s.detach(), out=out)
+    fn(a, a_s, b, b_s, out=out)
     return out.to(dt)
 
 

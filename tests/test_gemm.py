@@ -206,6 +206,24 @@ def test_gemm_torch_dtypes(rng):
     np.testing.assert_array_equal(g4, w4)
 
 
+def test_gemm_takes_parameters_that_require_grad(rng):
+    """A released model's weights and scales are nn.Parameters (requires_grad=True, FP8
+    ones included): the GEMMs read them in place, detached, as plain tensors; a 1-byte
+    dtype the argument does not take is still refused by name."""
+    a, b = rand_e4m3(rng, (2, 256)), rand_e4m3(rng, (130, 256))
+    a_s, b_s = rand_scales(rng, (2, 2), False), rand_scales(rng, (2, 2), False)
+    T, P = torch.from_numpy, torch.nn.Parameter
+    want = dc.fp8_gemm(a, a_s, b, b_s, out_dtype="float32")
+    w, ws = P(T(b).view(torch.float8_e4m3fn)), P(T(b_s))
+    assert w.requires_grad and ws.requires_grad
+    got = dc.fp8_gemm(T(a).view(torch.float8_e4m3fn), T(a_s), w, ws, out_dtype="float32")
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    with pytest.raises(TypeError, match="'b'.*bool"):
+        dc.fp8_gemm(a, a_s, T(b).bool(), b_s)
+    with pytest.raises(TypeError, match="'a_s'.*bool"):
+        dc.fp8_gemm(a, T(a_s).bool(), b, b_s)
+
+
 @pytest.mark.parametrize("fn", ["fp8_gemm", "fp4_gemm"])
 def test_gemm_bad_inputs_name_the_argument(rng, fn):
     f = getattr(dc, fn)

@@ -42,42 +42,67 @@ PyArrayObject *csa_empty_like_dtype(PyArrayObject *proto, int ndim, const npy_in
                                                  NULL, NULL, 0, NULL);
 }
 
-/* A CPU torch tensor as an ndarray sharing its memory, or NULL (no exception) when obj
- * is not a tensor or NumPy cannot view it (GPU, requires grad: the generic path then
- * raises).  Tensor.numpy() is several times cheaper than the __array__ protocol, which
- * matters for one-token decode calls; bfloat16 tensors (when `bf16` allows them) are
- * viewed as int16 and then as ml_dtypes.bfloat16.  *failed says obj was a tensor
- * that could not be viewed. */
-static PyObject *torch_view(PyObject *obj, int bf16, int *failed)
+/* The one place torch tensors become ndarrays (glue.h).  Tensor.numpy() is several
+ * times cheaper than the __array__ protocol, which matters for one-token decode
+ * calls; bfloat16 tensors are viewed as int16 and then as ml_dtypes.bfloat16, 1-byte
+ * ones as uint8. */
+PyObject *csa_torch_view(PyObject *obj, int flags, int *status, char *dtname, size_t n)
 {
-    *failed = 0;
+    *status = CSA_TV_NOT_TENSOR;
+    if (dtname && n) dtname[0] = 0;
     PyObject *mods = PySys_GetObject("modules");
     PyObject *tm = mods ? PyDict_GetItemString(mods, "torch") : NULL;
-    if (!tm) return NULL;
+    if (!tm || PyArray_Check(obj)) return NULL;
     PyObject *tensor = PyObject_GetAttrString(tm, "Tensor");
-    int is = tensor ? PyObject_IsInstance(obj, tensor) : 0;
+    const int is = tensor ? PyObject_IsInstance(obj, tensor) : 0;
     Py_XDECREF(tensor);
     if (is != 1) {
         PyErr_Clear();
         return NULL;
     }
     PyObject *dt = PyObject_GetAttrString(obj, "dtype");
+    if (dtname && n && dt) {
+        PyObject *ds = PyObject_Str(dt);
+        const char *nm = ds ? PyUnicode_AsUTF8(ds) : NULL;
+        if (nm) snprintf(dtname, n, "%s", nm);
+        Py_XDECREF(ds);
+    }
     PyObject *bf = PyObject_GetAttrString(tm, "bfloat16");
-    const int is_bf = dt && bf && dt == bf;
+    PyObject *u8 = PyObject_GetAttrString(tm, "uint8");
+    PyObject *isz = dt ? PyObject_GetAttrString(dt, "itemsize") : NULL;
+    const int is_bf = dt && bf && dt == bf, is_u8 = dt && u8 && dt == u8;
+    const int one_byte = isz && PyLong_Check(isz) && PyLong_AsLong(isz) == 1;
+    Py_XDECREF(isz);
     Py_XDECREF(dt);
     Py_XDECREF(bf);
+    PyErr_Clear();
     PyObject *res = NULL;
-    if (is_bf && !bf16) {
-        *failed = 2;
+    if (is_bf && !(flags & CSA_TV_BF16)) {
+        Py_XDECREF(u8);
+        *status = CSA_TV_REFUSED;
         return NULL;
     }
-    if (!is_bf) {
-        res = PyObject_CallMethod(obj, "numpy", NULL);
-    } else if (bf16) {
+    /* the base tensor: detached when asked and it requires grad (a view of the
+     * data: what the kernels read is never recorded by autograd anyway) */
+    PyObject *base = obj;
+    Py_INCREF(base);
+    if (flags & CSA_TV_DETACH) {
+        PyObject *rg = PyObject_GetAttrString(obj, "requires_grad");
+        const int needs = rg == Py_True;
+        Py_XDECREF(rg);
+        PyErr_Clear();
+        if (needs) {
+            Py_DECREF(base);
+            base = PyObject_CallMethod(obj, "detach", NULL);
+        }
+    }
+    if (!base) {
+        res = NULL;
+    } else if (is_bf) {
         PyObject *mld = PyImport_ImportModule("ml_dtypes");
         PyObject *i16 = mld ? PyObject_GetAttrString(tm, "int16") : NULL;
         PyObject *bft = i16 ? PyObject_GetAttrString(mld, "bfloat16") : NULL;
-        PyObject *v = bft ? PyObject_CallMethod(obj, "view", "O", i16) : NULL;
+        PyObject *v = bft ? PyObject_CallMethod(base, "view", "O", i16) : NULL;
         PyObject *np = v ? PyObject_CallMethod(v, "numpy", NULL) : NULL;
         res = np ? PyObject_CallMethod(np, "view", "O", bft) : NULL;
         Py_XDECREF(mld);
@@ -85,14 +110,38 @@ static PyObject *torch_view(PyObject *obj, int bf16, int *failed)
         Py_XDECREF(bft);
         Py_XDECREF(v);
         Py_XDECREF(np);
+    } else if (one_byte && !is_u8 && (flags & CSA_TV_BYTES)) {
+        PyObject *v = u8 ? PyObject_CallMethod(base, "view", "O", u8) : NULL;
+        res = v ? PyObject_CallMethod(v, "numpy", NULL) : NULL;
+        Py_XDECREF(v);
+    } else {
+        res = PyObject_CallMethod(base, "numpy", NULL);
     }
+    Py_XDECREF(base);
+    Py_XDECREF(u8);
     if (!res || !PyArray_Check(res)) {
         Py_XDECREF(res);
-        *failed = 1;
+        *status = CSA_TV_NO_VIEW;
         PyErr_Clear();
         return NULL;
     }
+    *status = CSA_TV_OK;
     return res;
+}
+
+PyArrayObject *csa_u8_view(PyObject *obj)
+{
+    if (PyArray_Check(obj)) {
+        if (PyArray_TYPE((PyArrayObject *)obj) != NPY_UINT8) return NULL;
+        Py_INCREF(obj);
+        return (PyArrayObject *)obj;
+    }
+    char nm[64];
+    int st;
+    PyObject *a = csa_torch_view(obj, 0, &st, nm, sizeof nm);
+    if (a && PyArray_TYPE((PyArrayObject *)a) == NPY_UINT8) return (PyArrayObject *)a;
+    Py_XDECREF(a);
+    return NULL;
 }
 
 static int dtype_ok(PyArrayObject *a, int dtypes)
@@ -142,17 +191,18 @@ PyArrayObject *csa_array(PyObject *obj, const char *fn, const char *name, int dt
         return NULL;
     }
     PyArrayObject *a;
-    int tfail = 0;
+    int tfail = CSA_TV_NOT_TENSOR;
     if (PyArray_Check(obj)) {
         Py_INCREF(obj);
         a = (PyArrayObject *)obj;
-    } else if ((a = (PyArrayObject *)torch_view(obj, dtypes & CSA_BF16, &tfail)) != NULL) {
+    } else if ((a = (PyArrayObject *)csa_torch_view(obj, dtypes & CSA_BF16 ? CSA_TV_BF16 : 0,
+                                                    &tfail, NULL, 0)) != NULL) {
         /* a CPU torch tensor, viewed without a copy */
-    } else if (tfail == 2) {
+    } else if (tfail == CSA_TV_REFUSED) {
         PyErr_Format(PyExc_TypeError, "%s(): '%s' must be a %s array, got a torch bfloat16 tensor",
                      fn, name, dtypes_str(dtypes));
         return NULL;
-    } else if (tfail) {
+    } else if (tfail == CSA_TV_NO_VIEW) {
         PyObject *dt = PyObject_GetAttrString(obj, "dtype");
         PyErr_Clear();
         PyErr_Format(PyExc_TypeError,

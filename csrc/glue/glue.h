@@ -40,6 +40,23 @@ extern PyMethodDef csa_bench_methods[];
 PyArrayObject *csa_array(PyObject *obj, const char *fn, const char *name, int dtypes,
                          int min_ndim, int max_ndim, int writeable);
 
+/* A torch tensor as an ndarray over its memory, without a copy: the one way the glue
+ * views tensors.  bfloat16 tensors become ml_dtypes.bfloat16 arrays with CSA_TV_BF16
+ * (else *status = CSA_TV_REFUSED); 1-byte dtypes (float8_*, float4_e2m1fn_x2, ...)
+ * become uint8 with CSA_TV_BYTES; with CSA_TV_DETACH a tensor that requires grad is
+ * detached first (else NumPy refuses it); the others are Tensor.numpy().  Returns a
+ * new reference, or NULL without an exception and *status CSA_TV_NOT_TENSOR (obj is
+ * not a torch tensor, or torch is not imported) or CSA_TV_NO_VIEW (NumPy cannot view
+ * it: on a GPU, requiring grad, a dtype NumPy lacks).  dtname (n bytes, may be NULL)
+ * receives str(tensor.dtype), "" for a non-tensor. */
+enum { CSA_TV_BF16 = 1, CSA_TV_BYTES = 2, CSA_TV_DETACH = 4 };
+enum { CSA_TV_OK = 0, CSA_TV_NOT_TENSOR = 1, CSA_TV_NO_VIEW = 2, CSA_TV_REFUSED = 3 };
+PyObject *csa_torch_view(PyObject *obj, int flags, int *status, char *dtname, size_t n);
+
+/* A new reference to obj as a uint8 ndarray when it is a uint8 ndarray or torch
+ * tensor (FP4 rows, packed codes), else NULL without an exception. */
+PyArrayObject *csa_u8_view(PyObject *obj);
+
 /* 1 if a holds bfloat16 (ml_dtypes.bfloat16). */
 int csa_is_bf16(PyArrayObject *a);
 

@@ -46,7 +46,8 @@ static int g_byte_name_ok(const char *nm, int kinds)
 
 /* An ndarray over obj's memory: float32 (when CSA_F32 is in kinds, through csa_array)
  * or the bytes of a 1-byte format viewed as uint8 (*bytes = 1).  Torch tensors of
- * float8 / float4 dtypes are viewed as uint8 without a copy. */
+ * float8 / float4 dtypes are viewed as uint8 without a copy; GEMM operands are weights
+ * and their scales (nn.Parameters that may require grad), so tensors are detached. */
 static PyArrayObject *g_arr(PyObject *obj, const char *fn, const char *name, int kinds,
                             int min_nd, int max_nd, int *bytes)
 {
@@ -57,45 +58,32 @@ static PyArrayObject *g_arr(PyObject *obj, const char *fn, const char *name, int
         return NULL;
     }
     PyObject *src = NULL;   /* new reference: an ndarray candidate */
-    PyObject *mods = PySys_GetObject("modules");
-    PyObject *tm = mods ? PyDict_GetItemString(mods, "torch") : NULL;
-    if (!PyArray_Check(obj) && tm) {
-        PyObject *tensor = PyObject_GetAttrString(tm, "Tensor");
-        const int is = tensor ? PyObject_IsInstance(obj, tensor) : 0;
-        Py_XDECREF(tensor);
-        PyErr_Clear();
-        if (is == 1) {
-            PyObject *dt = PyObject_GetAttrString(obj, "dtype");
-            PyObject *ds = dt ? PyObject_Str(dt) : NULL;
-            const char *nm = ds ? PyUnicode_AsUTF8(ds) : NULL;
-            int ok = nm && g_byte_name_ok(nm, kinds);
-            if (nm && !ok && !(kinds & (CSA_F32 | CSA_BF16))) {
-                PyErr_Format(PyExc_TypeError, "%s(): '%s' must be a %s tensor, got dtype %s",
-                             fn, name, g_kinds_str(kinds), nm);
-                Py_XDECREF(dt);
-                Py_XDECREF(ds);
-                return NULL;
-            }
-            if (ok) {
-                PyObject *u8 = PyObject_GetAttrString(tm, "uint8");
-                PyObject *det = PyObject_CallMethod(obj, "detach", NULL);
-                PyObject *v = det && u8 ? PyObject_CallMethod(det, "view", "O", u8) : NULL;
-                src = v ? PyObject_CallMethod(v, "numpy", NULL) : NULL;
-                Py_XDECREF(u8);
-                Py_XDECREF(det);
-                Py_XDECREF(v);
-                if (!src) {
-                    PyErr_Clear();
-                    PyErr_Format(PyExc_TypeError,
-                                 "%s(): '%s' is a torch tensor NumPy cannot view (on a GPU?); "
-                                 "pass t.cpu()", fn, name);
-                }
-            }
-            Py_XDECREF(dt);
-            Py_XDECREF(ds);
-            if (ok && !src) return NULL;
+    char nm[64];
+    int st;
+    PyObject *t = csa_torch_view(obj, CSA_TV_BYTES | CSA_TV_DETACH, &st, nm, sizeof nm);
+    if (st != CSA_TV_NOT_TENSOR) {
+        const int ok = g_byte_name_ok(nm, kinds);
+        if (!ok && !(kinds & (CSA_F32 | CSA_BF16))) {
+            Py_XDECREF(t);
+            PyErr_Format(PyExc_TypeError, "%s(): '%s' must be a %s tensor, got dtype %s", fn,
+                         name, g_kinds_str(kinds), nm);
+            return NULL;
+        }
+        if (ok && !t) {
+            PyErr_Format(PyExc_TypeError,
+                         "%s(): '%s' is a torch tensor NumPy cannot view (on a GPU?); "
+                         "pass t.cpu()", fn, name);
+            return NULL;
+        }
+        if (ok) {
+            src = t;   /* a byte format: its uint8 view */
+            t = NULL;
+        } else if (t && PyArray_ITEMSIZE((PyArrayObject *)t) == 1) {
+            Py_DECREF(t);   /* a 1-byte dtype not accepted here: csa_array names it */
+            t = NULL;
         }
     }
+    /* t: a float tensor's view (NULL if none), which csa_array takes instead of obj */
     if (!src && PyArray_Check(obj) && PyArray_ITEMSIZE((PyArrayObject *)obj) == 1 &&
         PyArray_TYPE((PyArrayObject *)obj) != NPY_BOOL &&
         PyArray_TYPE((PyArrayObject *)obj) != NPY_INT8) {
@@ -124,8 +112,9 @@ static PyArrayObject *g_arr(PyObject *obj, const char *fn, const char *name, int
         return v;
     }
     if (kinds & (CSA_F32 | CSA_BF16)) {
-        PyArrayObject *a = csa_array(obj, fn, name, kinds & (CSA_F32 | CSA_BF16), min_nd,
-                                     max_nd, 0);
+        PyArrayObject *a = csa_array(t ? t : obj, fn, name, kinds & (CSA_F32 | CSA_BF16),
+                                     min_nd, max_nd, 0);
+        Py_XDECREF(t);
         if (!a && PyErr_ExceptionMatches(PyExc_TypeError)) {
             PyObject *t, *v, *tb;
             PyErr_Fetch(&t, &v, &tb);
@@ -137,6 +126,7 @@ static PyArrayObject *g_arr(PyObject *obj, const char *fn, const char *name, int
         }
         return a;
     }
+    Py_XDECREF(t);
     PyObject *d = PyArray_Check(obj) ? PyObject_Str((PyObject *)PyArray_DESCR((PyArrayObject *)obj))
                                      : NULL;
     PyErr_Format(PyExc_TypeError, "%s(): '%s' must be a %s array, got %s", fn, name,

@@ -31,40 +31,6 @@ static int to_unit_inner(PyArrayObject **a)
     return c ? 0 : -1;
 }
 
-/* A new reference to obj viewed as a uint8 ndarray (numpy uint8 arrays, torch uint8
- * tensors: FP4 rows), or NULL without an exception when obj is not uint8. */
-PyArrayObject *csa_index_u8_view(PyObject *obj);
-PyArrayObject *csa_index_u8_view(PyObject *obj)
-{
-    if (PyArray_Check(obj)) {
-        if (PyArray_TYPE((PyArrayObject *)obj) != NPY_UINT8) return NULL;
-        Py_INCREF(obj);
-        return (PyArrayObject *)obj;
-    }
-    PyObject *dt = PyObject_GetAttrString(obj, "dtype");
-    if (!dt) {
-        PyErr_Clear();
-        return NULL;
-    }
-    PyObject *r = PyObject_Str(dt);
-    Py_DECREF(dt);
-    const char *u = r ? PyUnicode_AsUTF8(r) : NULL;
-    const int is_u8 = u && (strcmp(u, "torch.uint8") == 0 || strcmp(u, "uint8") == 0);
-    Py_XDECREF(r);
-    PyErr_Clear();
-    if (!is_u8) return NULL;
-    PyObject *a = PyArray_FromAny(obj, NULL, 0, 0, 0, NULL);
-    if (!a) {
-        PyErr_Clear();
-        return NULL;
-    }
-    if (PyArray_TYPE((PyArrayObject *)a) != NPY_UINT8) {
-        Py_DECREF(a);
-        return NULL;
-    }
-    return (PyArrayObject *)a;
-}
-
 static int parse_qkw(const char *fn, PyObject *qo, PyObject *ko, PyObject *wo, long long ratio,
                      long long start_pos, struct qkw *a, struct csa_index_problem *p)
 {
@@ -72,7 +38,7 @@ static int parse_qkw(const char *fn, PyObject *qo, PyObject *ko, PyObject *wo, l
     memset(a, 0, sizeof *a);
     /* FP4 rows (docs/kernels.md, section 4): a uint8 k (and optionally a uint8 q) of
      * Di / 2 + Di / 32 bytes a row. */
-    PyArrayObject *k8 = csa_index_u8_view(ko), *q8 = csa_index_u8_view(qo);
+    PyArrayObject *k8 = csa_u8_view(ko), *q8 = csa_u8_view(qo);
     npy_intp Di;
     int qbf, k_fp4 = 0, q_fp4 = 0;
     if (q8 && !k8) {

@@ -249,7 +249,6 @@ done:
 #include <stdlib.h>
 #include "../qpack.h"
 
-PyArrayObject *csa_index_u8_view(PyObject *obj); /* py_index.c */
 
 PyDoc_STRVAR(fp4_pack_doc,
 "fp4_pack(x, *, round=False, out=None)\n--\n\n"
@@ -293,7 +292,7 @@ static PyObject *py_fp4_pack(PyObject *self, PyObject *args, PyObject *kw)
     const npy_intp W = D / 2 + D / 32;
     shape[nd - 1] = W;
     if (oo != Py_None) {
-        if (!(out = csa_index_u8_view(oo))) {
+        if (!(out = csa_u8_view(oo))) {
             PyErr_Format(PyExc_TypeError, "%s(): 'out' must be a uint8 array, got %s", fn,
                          Py_TYPE(oo)->tp_name);
             goto done;
@@ -408,7 +407,7 @@ static PyObject *py_fp4_unpack(PyObject *self, PyObject *args, PyObject *kw)
     static char *kwlist[] = {"p", "out", NULL};
     PyObject *po, *oo = Py_None;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$O:fp4_unpack", kwlist, &po, &oo)) return NULL;
-    PyArrayObject *p = csa_index_u8_view(po), *pc = NULL, *out = NULL, *work = NULL;
+    PyArrayObject *p = csa_u8_view(po), *pc = NULL, *out = NULL, *work = NULL;
     PyObject *ret = NULL;
     char b1[256];
     if (!p) {
