@@ -151,7 +151,9 @@ static inline __attribute__((always_inline)) void CSA_V(pool_sum16)(
  * take most of the other 10); the sums go to memory only between groups.  Rows are
  * whole chunks of POOL_FC features, read in order: a ratio-128 entry split into
  * feature chunks small enough for L2 was slower (segments of rows defeat the
- * prefetchers; 4.5 vs 6.5 ms for [1, 8192, 512], 1 thread, measured). */
+ * prefetchers; 4.5 vs 6.5 ms for [1, 8192, 512], 1 thread, measured), and still was
+ * with pass 2 prefetching the next chunk's rows (128 or 256 KiB chunks: 0.85-0.94x,
+ * 1 and 2 threads, interleaved against whole rows). */
 
 /* n <= 8 floats from a float32 or bfloat16 row at element i, the other lanes 0. */
 static inline __attribute__((always_inline)) __m256 CSA_V(pool_ld8n)(const void *p, csa_idx i,
