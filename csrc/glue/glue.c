@@ -136,9 +136,8 @@ PyArrayObject *csa_u8_view(PyObject *obj)
         Py_INCREF(obj);
         return (PyArrayObject *)obj;
     }
-    char nm[64];
     int st;
-    PyObject *a = csa_torch_view(obj, 0, &st, nm, sizeof nm);
+    PyObject *a = csa_torch_view(obj, 0, &st, NULL, 0);
     if (a && PyArray_TYPE((PyArrayObject *)a) == NPY_UINT8) return (PyArrayObject *)a;
     Py_XDECREF(a);
     return NULL;
