@@ -79,13 +79,12 @@ def same_bits_at_thread_counts(call, counts=(1, 2, 3)):
 @contextlib.contextmanager
 def unchanged(*arrays):
     """Asserts that the arrays hold the same bits after the block (raising or not)."""
-    raw = _raw_bytes
-    snaps = [raw(np.array(a, copy=True)) for a in arrays]
+    snaps = [_raw_bytes(np.array(a, copy=True)) for a in arrays]
     try:
         yield
     finally:
         for i, (a, s) in enumerate(zip(arrays, snaps)):
-            assert np.array_equal(raw(a), s), f"input {i} was modified"
+            assert np.array_equal(_raw_bytes(a), s), f"input {i} was modified"
 
 
 def assert_close(got, want, *, rtol=1e-5, atol=1e-6, what=""):

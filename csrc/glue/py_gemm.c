@@ -60,30 +60,30 @@ static PyArrayObject *g_arr(PyObject *obj, const char *fn, const char *name, int
     PyObject *src = NULL;   /* new reference: an ndarray candidate */
     char nm[64];
     int st;
-    PyObject *t = csa_torch_view(obj, CSA_TV_BYTES | CSA_TV_DETACH, &st, nm, sizeof nm);
+    PyObject *tv = csa_torch_view(obj, CSA_TV_BYTES | CSA_TV_DETACH, &st, nm, sizeof nm);
     if (st != CSA_TV_NOT_TENSOR) {
         const int ok = g_byte_name_ok(nm, kinds);
         if (!ok && !(kinds & (CSA_F32 | CSA_BF16))) {
-            Py_XDECREF(t);
+            Py_XDECREF(tv);
             PyErr_Format(PyExc_TypeError, "%s(): '%s' must be a %s tensor, got dtype %s", fn,
                          name, g_kinds_str(kinds), nm);
             return NULL;
         }
-        if (ok && !t) {
+        if (ok && !tv) {
             PyErr_Format(PyExc_TypeError,
                          "%s(): '%s' is a torch tensor NumPy cannot view (on a GPU?); "
                          "pass t.cpu()", fn, name);
             return NULL;
         }
         if (ok) {
-            src = t;   /* a byte format: its uint8 view */
-            t = NULL;
-        } else if (t && PyArray_ITEMSIZE((PyArrayObject *)t) == 1) {
-            Py_DECREF(t);   /* a 1-byte dtype not accepted here: csa_array names it */
-            t = NULL;
+            src = tv;   /* a byte format: its uint8 view */
+            tv = NULL;
+        } else if (tv && PyArray_ITEMSIZE((PyArrayObject *)tv) == 1) {
+            Py_DECREF(tv);   /* a 1-byte dtype not accepted here: csa_array names it */
+            tv = NULL;
         }
     }
-    /* t: a float tensor's view (NULL if none), which csa_array takes instead of obj */
+    /* tv: a float tensor's view (NULL if none), which csa_array takes instead of obj */
     if (!src && PyArray_Check(obj) && PyArray_ITEMSIZE((PyArrayObject *)obj) == 1 &&
         PyArray_TYPE((PyArrayObject *)obj) != NPY_BOOL &&
         PyArray_TYPE((PyArrayObject *)obj) != NPY_INT8) {
@@ -112,9 +112,9 @@ static PyArrayObject *g_arr(PyObject *obj, const char *fn, const char *name, int
         return v;
     }
     if (kinds & (CSA_F32 | CSA_BF16)) {
-        PyArrayObject *a = csa_array(t ? t : obj, fn, name, kinds & (CSA_F32 | CSA_BF16),
+        PyArrayObject *a = csa_array(tv ? tv : obj, fn, name, kinds & (CSA_F32 | CSA_BF16),
                                      min_nd, max_nd, 0);
-        Py_XDECREF(t);
+        Py_XDECREF(tv);
         if (!a && PyErr_ExceptionMatches(PyExc_TypeError)) {
             PyObject *t, *v, *tb;
             PyErr_Fetch(&t, &v, &tb);
@@ -126,7 +126,7 @@ static PyArrayObject *g_arr(PyObject *obj, const char *fn, const char *name, int
         }
         return a;
     }
-    Py_XDECREF(t);
+    Py_XDECREF(tv);
     PyObject *d = PyArray_Check(obj) ? PyObject_Str((PyObject *)PyArray_DESCR((PyArrayObject *)obj))
                                      : NULL;
     PyErr_Format(PyExc_TypeError, "%s(): '%s' must be a %s array, got %s", fn, name,
