@@ -49,7 +49,7 @@ def standin_modules():
 
 def load_with(mods, name):
     """Imports MODEL_PY under `name` with `mods` in sys.modules."""
-    from deepseek_csa._kernel_module import preserved_modules
+    from deepseek_csa.torch.kernel_module import preserved_modules
     with preserved_modules(mods):
         sys.modules.update(mods)
         spec = importlib.util.spec_from_file_location(name, MODEL_PY)

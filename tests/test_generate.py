@@ -21,7 +21,7 @@ import torch
 
 import deepseek_csa as dc
 import deepseek_csa.torch as dct
-from deepseek_csa import _kernel_module as K
+from deepseek_csa.torch import kernel_module as K
 from deepseek_csa import generate as G
 
 from test_kernel_module import TINY, bf16_default, fill

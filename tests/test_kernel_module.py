@@ -20,7 +20,7 @@ import torch
 import ref_layer as R
 
 import deepseek_csa.torch as dct
-from deepseek_csa import _kernel_module as K
+from deepseek_csa.torch import kernel_module as K
 from deepseek_csa.reference import kernel_module as KM
 
 TINY = os.path.join(os.path.dirname(__file__), "tiny_model")

@@ -29,7 +29,7 @@ import torch
 import ref_layer as R
 
 import deepseek_csa.torch as dct
-from deepseek_csa import _kernel_module as K
+from deepseek_csa.torch import kernel_module as K
 
 MODEL_PY = os.environ.get("DEEPSEEK_MODEL_PY")
 pytestmark = pytest.mark.skipif(

@@ -35,12 +35,10 @@ import types
 
 import deepseek_csa as _dc
 
+from ._tensors import _f32, _torch
+from .dropins import sparse_attn as _sparse_attn
+
 __all__ = ["load_model_py", "install_kernels", "kernel_module", "hadamard_module"]
-
-
-def _torch():
-    import torch
-    return torch
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -149,20 +147,14 @@ def fp4_gemm(a, a_s, b, b_s, scale_dtype=None):
 def hc_split_sinkhorn(mixes, hc_scale, hc_base, hc_mult=4, sinkhorn_iters=20, eps=1e-6):
     """Released ``hc_split_sinkhorn`` -> (pre, post, comb), float32."""
     torch = _torch()
-
-    def f32(t):
-        t = t.detach()
-        return (t if t.dtype == torch.float32 and t.device.type == "cpu"
-                else t.to("cpu", torch.float32)).numpy()
-    pre, post, comb = _dc.hc_split_sinkhorn(f32(mixes), f32(hc_scale), f32(hc_base),
+    pre, post, comb = _dc.hc_split_sinkhorn(_f32(mixes), _f32(hc_scale), _f32(hc_base),
                                             int(hc_mult), int(sinkhorn_iters), float(eps))
     return torch.from_numpy(pre), torch.from_numpy(post), torch.from_numpy(comb)
 
 
 def sparse_attn(q, kv, attn_sink, topk_idxs, softmax_scale):
     """Released ``sparse_attn`` (deepseek_csa.sparse_attn, bf16 read in place)."""
-    from .torch import sparse_attn as f
-    return f(q, kv, attn_sink, topk_idxs, softmax_scale)
+    return _sparse_attn(q, kv, attn_sink, topk_idxs, softmax_scale)
 
 
 def hadamard_transform(x, scale=1.0):
