@@ -733,4 +733,27 @@ ENTRIES += [
           derive=_hc_derive, zero_ok=("B", "S"), huge_skip=("it",),
           medium=dict(B=1, S=4097, h=4, it=20)),
 ]
+
+
+# ---------------------------------------------------------------- gradients: sparse attention
+# sparse_attn_backward, sparse_attn_weights (and sparse_attn's return_lse).
+
+ENTRIES += [
+]
+
+
+# ---------------------------------------------------------------- gradients: norm / rope / pool
+# rms_norm_backward, gated_pool_backward.
+
+ENTRIES += [
+]
+
+
+# ---------------------------------------------------------------- gradients: the indexer
+# index_scores_backward, indexer_kl_loss (and its backward).
+
+ENTRIES += [
+]
+
+
 BY_NAME = {e.name: e for e in ENTRIES}

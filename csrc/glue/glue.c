@@ -345,6 +345,14 @@ PyArrayObject *csa_out_array(PyObject *out_arg, const char *fn, int ndim, const 
                              PyArrayObject *proto, int npy_type, PyArrayObject **inputs,
                              int n_in, int flags, int *inplace)
 {
+    return csa_out_array_named(out_arg, fn, "out", ndim, shape, proto, npy_type, inputs, n_in,
+                               flags, inplace);
+}
+
+PyArrayObject *csa_out_array_named(PyObject *out_arg, const char *fn, const char *name, int ndim,
+                                   const npy_intp *shape, PyArrayObject *proto, int npy_type,
+                                   PyArrayObject **inputs, int n_in, int flags, int *inplace)
+{
     const int bf16 = proto && csa_is_bf16(proto);
     if (proto) npy_type = NPY_FLOAT32;
     if (inplace) *inplace = 0;
@@ -352,7 +360,7 @@ PyArrayObject *csa_out_array(PyObject *out_arg, const char *fn, int ndim, const 
         if (bf16) return csa_empty_like_dtype(proto, ndim, shape);
         return (PyArrayObject *)PyArray_EMPTY(ndim, (npy_intp *)shape, npy_type, 0);
     }
-    PyArrayObject *o = csa_array(out_arg, fn, "out", bf16 ? CSA_BF16 : dtype_flag(npy_type), ndim,
+    PyArrayObject *o = csa_array(out_arg, fn, name, bf16 ? CSA_BF16 : dtype_flag(npy_type), ndim,
                                  ndim, 1);
     if (!o) return NULL;
     for (int i = 0; i < ndim; i++) {
@@ -364,7 +372,7 @@ PyArrayObject *csa_out_array(PyObject *out_arg, const char *fn, int ndim, const 
                 k += (size_t)snprintf(want + k, sizeof want - k, j ? ", %lld" : "%lld",
                                       (long long)shape[j]);
             if (k < sizeof want) snprintf(want + k, sizeof want - k, "]");
-            PyErr_Format(PyExc_ValueError, "%s(): 'out' must have shape %s, got %s", fn, want,
+            PyErr_Format(PyExc_ValueError, "%s(): '%s' must have shape %s, got %s", fn, name, want,
                          csa_shape_str(o, got, sizeof got));
             Py_DECREF(o);
             return NULL;
@@ -377,8 +385,8 @@ PyArrayObject *csa_out_array(PyObject *out_arg, const char *fn, int ndim, const 
     }
     for (int i = 0; i < n_in; i++) {
         if (inputs[i] && csa_may_overlap(o, inputs[i])) {
-            PyErr_Format(PyExc_ValueError, "%s(): 'out' overlaps an input; pass a separate array%s",
-                         fn, (flags & CSA_OUT_MAY_ALIAS) ? " or the input itself (in place)" : "");
+            PyErr_Format(PyExc_ValueError, "%s(): '%s' overlaps an input; pass a separate array%s",
+                         fn, name, (flags & CSA_OUT_MAY_ALIAS) ? " or the input itself (in place)" : "");
             Py_DECREF(o);
             return NULL;
         }

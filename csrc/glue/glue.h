@@ -24,6 +24,10 @@ extern PyMethodDef csa_index_methods[];
 extern PyMethodDef csa_attn_methods[];
 extern PyMethodDef csa_quant_methods[];
 extern PyMethodDef csa_bench_methods[];
+/* Backward kernels (docs/kernels.md, "Gradients"), one table per concern. */
+extern PyMethodDef csa_grad_attn_methods[];       /* py_grad_attn.c */
+extern PyMethodDef csa_grad_norm_pool_methods[];  /* py_grad_norm_pool.c */
+extern PyMethodDef csa_grad_index_methods[];      /* py_grad_index.c */
 
 /* Accepted dtypes of an argument (a bit set). */
 #define CSA_F32 1
@@ -89,6 +93,12 @@ enum { CSA_OUT_MAY_ALIAS = 1 };
 PyArrayObject *csa_out_array(PyObject *out_arg, const char *fn, int ndim, const npy_intp *shape,
                              PyArrayObject *proto, int npy_type, PyArrayObject **inputs,
                              int n_in, int flags, int *inplace);
+
+/* csa_out_array for a result whose argument is called `name` instead of 'out' (the
+ * several results of a backward call: grad_q=, grad_kv=, ...); errors name it. */
+PyArrayObject *csa_out_array_named(PyObject *out_arg, const char *fn, const char *name, int ndim,
+                                   const npy_intp *shape, PyArrayObject *proto, int npy_type,
+                                   PyArrayObject **inputs, int n_in, int flags, int *inplace);
 
 /* What a kernel writes for the result `out`: `out` itself when its layout suits the
  * kernel (CSA_WORK_UNIT_INNER: unit stride on the last axis; CSA_WORK_C_CONTIG:

@@ -96,7 +96,8 @@ PyMODINIT_FUNC PyInit__core(void)
     }
     PyMethodDef *tables[] = {csa_norm_rope_methods, csa_pool_methods, csa_index_methods,
                              csa_attn_methods, csa_quant_methods, csa_bench_methods,
-                             csa_gemm_methods};
+                             csa_gemm_methods, csa_grad_attn_methods,
+                             csa_grad_norm_pool_methods, csa_grad_index_methods};
     for (size_t i = 0; i < sizeof tables / sizeof tables[0]; i++)
         if (PyModule_AddFunctions(m, tables[i])) {
             Py_DECREF(m);

@@ -18,6 +18,17 @@ One convention for every op here:
 """
 from __future__ import annotations
 
-from ._tensors import _torch  # noqa: F401
+from .autograd_attn import *  # noqa: F401,F403  sparse attention and its weights
+from .autograd_norm_pool import *  # noqa: F401,F403  rms_norm, apply_rotary_emb, gated_pool
+from .autograd_index import *  # noqa: F401,F403  index_scores, indexer_kl_loss
+from . import autograd_attn as _a, autograd_norm_pool as _n, autograd_index as _i
 
-__all__ = []
+__all__ = _a.__all__ + _n.__all__ + _i.__all__
+
+
+def _records(*tensors):
+    """True when autograd would record a call on these tensors (grad enabled and one of
+    them requires grad): the public functions then go through their Function."""
+    import torch
+    return torch.is_grad_enabled() and any(
+        t is not None and getattr(t, "requires_grad", False) for t in tensors)
