@@ -212,3 +212,94 @@ static int CSA_V(rms_norm_bf16_tuned)(const csa_bf16 *x, csa_idx rows, csa_idx d
     }
     return CSA_OK;
 }
+
+/* ---------------------------------------------------------------- backward (tuned)
+ * csa_rms_norm_backward (norm.h): one parallel item per block of CSA_NORM_GRAD_ROWS
+ * rows (d(x) of its rows, and its partial of d(w) summed over its rows in order), then
+ * the partials summed in block order, parallel over feature chunks.  The blocks are
+ * fixed by the row count alone, so the bits do not depend on the thread count. */
+static inline __attribute__((always_inline)) void CSA_V(nb_rows)(
+    const void *dy, const int dybf, csa_idx sdy_row, const void *x, const int xbf,
+    csa_idx sx_row, csa_idx r0, csa_idx r1, csa_idx d, const float *CSA_RESTRICT w, float eps,
+    float *dx, csa_idx sdx_row, float *CSA_RESTRICT pr)
+{
+    if (pr)
+        for (csa_idx i = 0; i < d; i++) pr[i] = 0.0f;
+    for (csa_idx r = r0; r < r1; r++) {
+        const void *xr = norm_off(x, xbf, r * sx_row), *gr = norm_off(dy, dybf, r * sdy_row);
+        float *CSA_RESTRICT dr = dx + r * sdx_row;
+        float ss = 0.0f, dot = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (csa_idx i = 0; i < d; i++) {
+            const float v = norm_ld(xr, xbf, i);
+            ss += v * v;
+        }
+        const float inv = 1.0f / sqrtf(ss / (float)d + eps);
+        if (w) {
+#pragma omp simd reduction(+ : dot)
+            for (csa_idx i = 0; i < d; i++) dot += norm_ld(gr, dybf, i) * w[i] * norm_ld(xr, xbf, i);
+        } else {
+#pragma omp simd reduction(+ : dot)
+            for (csa_idx i = 0; i < d; i++) dot += norm_ld(gr, dybf, i) * norm_ld(xr, xbf, i);
+        }
+        const float k = inv * inv * inv * (dot / (float)d);
+        if (w) {
+#pragma omp simd
+            for (csa_idx i = 0; i < d; i++)
+                dr[i] = inv * (norm_ld(gr, dybf, i) * w[i]) - norm_ld(xr, xbf, i) * k;
+        } else {
+#pragma omp simd
+            for (csa_idx i = 0; i < d; i++) dr[i] = inv * norm_ld(gr, dybf, i) - norm_ld(xr, xbf, i) * k;
+        }
+        if (pr) {
+#pragma omp simd
+            for (csa_idx i = 0; i < d; i++)
+                pr[i] += norm_ld(gr, dybf, i) * (norm_ld(xr, xbf, i) * inv);
+        }
+    }
+}
+
+static int CSA_V(rms_norm_backward_tuned)(const void *dy, int dy_bf16, csa_idx sdy_row,
+                                          const void *x, int x_bf16, csa_idx sx_row,
+                                          csa_idx rows, csa_idx d, const float *w, float eps,
+                                          float *dx, csa_idx sdx_row, float *dw)
+{
+    const csa_idx nb = (rows + CSA_NORM_GRAD_ROWS - 1) / CSA_NORM_GRAD_ROWS;
+    float *part = NULL;
+    if (dw) {
+        part = malloc((size_t)(nb > 0 ? nb : 1) * (size_t)(d > 0 ? d : 1) * sizeof(float));
+        if (!part) return CSA_ENOMEM;
+    }
+    const int nt = csa_threads(nb, 1 + 16384 / (CSA_NORM_GRAD_ROWS * (d + 1)));
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (csa_idx bk = 0; bk < nb; bk++) {
+        const csa_idx r0 = bk * CSA_NORM_GRAD_ROWS;
+        const csa_idx r1 = rows - r0 < CSA_NORM_GRAD_ROWS ? rows : r0 + CSA_NORM_GRAD_ROWS;
+        float *pr = part ? part + bk * d : NULL;
+        if (x_bf16 && dy_bf16)
+            CSA_V(nb_rows)(dy, 1, sdy_row, x, 1, sx_row, r0, r1, d, w, eps, dx, sdx_row, pr);
+        else if (!x_bf16 && !dy_bf16)
+            CSA_V(nb_rows)(dy, 0, sdy_row, x, 0, sx_row, r0, r1, d, w, eps, dx, sdx_row, pr);
+        else
+            CSA_V(nb_rows)(dy, dy_bf16 != 0, sdy_row, x, x_bf16 != 0, sx_row, r0, r1, d, w, eps,
+                           dx, sdx_row, pr);
+    }
+    if (!dw) return CSA_OK;
+    const csa_idx nf = (d + 255) / 256;
+    const int ntf = csa_threads(nf, 1 + 16384 / (256 * (nb + 1)));
+#pragma omp parallel for num_threads(ntf) schedule(static)
+    for (csa_idx c = 0; c < nf; c++) {
+        const csa_idx f0 = c * 256, f1 = d - f0 < 256 ? d : f0 + 256;
+        for (csa_idx i = f0; i < f1; i++) dw[i] = 0.0f;
+        for (csa_idx bk = 0; bk < nb; bk++) {
+            const float *CSA_RESTRICT pr = part + bk * d;
+#pragma omp simd
+            for (csa_idx i = f0; i < f1; i++) dw[i] += pr[i];
+        }
+#ifdef CSA_MUTANT_RMS_GRAD_WEIGHT
+        for (csa_idx i = f0; i < f1; i++) dw[i] *= 1.0f + 1e-4f;   /* mutant: d(w) off 1e-4 */
+#endif
+    }
+    free(part);
+    return CSA_OK;
+}

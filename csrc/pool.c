@@ -154,6 +154,115 @@ int csa_gated_pool_ref(const struct csa_pool_problem *p)
     return CSA_OK;
 }
 
+
+/* ---------------------------------------------------------------- backward
+ * The candidate sources of entry g as token ranges: part k is tokens t0 .. t0+n-1
+ * read at features foff .. foff+d-1 (ape row j of the part at the same features). */
+typedef struct {
+    csa_idx t0, n, foff;
+} pool_part;
+
+static int grad_parts(pool_part *pt, csa_idx g, csa_idx r, csa_idx d, int overlap)
+{
+    if (!overlap) {
+        pt[0] = (pool_part){g * r, r, 0};
+        return 1;
+    }
+    pt[0] = (pool_part){g > 0 ? (g - 1) * r : 0, g > 0 ? r : 0, 0};
+    pt[1] = (pool_part){g * r, r, d};
+    return 2;
+}
+
+static int grad_check(const struct csa_pool_grad_problem *p)
+{
+    if (p->ratio <= 0 || p->B < 0 || p->T < 0 || p->d < 0 || !p->dkv) return CSA_EINVAL;
+    if ((p->ratio > 1 || p->overlap) && (!p->score || !p->dsc)) return CSA_EINVAL;
+    return CSA_OK;
+}
+
+/* Zeroes d(kv), d(score) where no entry reads (pool.h): tokens t >= G*r, and with
+ * overlap the first halves of group G-1 (all of them when G = 0).  Row i = b*T + t. */
+static void grad_zero_row(const struct csa_pool_grad_problem *p, csa_idx i)
+{
+    const csa_idx T = p->T, r = p->ratio, G = T / r, d = p->d;
+    const csa_idx cd = (p->overlap ? 2 : 1) * d, b = i / T, t = i % T;
+    csa_idx n = 0;
+    if (t >= G * r) n = cd;
+    else if (p->overlap && t >= (G - 1) * r) n = d;
+    if (!n) return;
+    float *k = p->dkv + b * p->sgkb + t * p->sgkt, *s = p->dsc ? p->dsc + b * p->sgsb + t * p->sgst : NULL;
+    for (csa_idx f = 0; f < n; f++) k[f] = 0.0f;
+    if (s)
+        for (csa_idx f = 0; f < n; f++) s[f] = 0.0f;
+}
+
+int csa_gated_pool_backward_ref(const struct csa_pool_grad_problem *p)
+{
+    int st = grad_check(p);
+    if (st != CSA_OK) return st;
+    const csa_idx B = p->B, T = p->T, d = p->d, r = p->ratio, G = T / r;
+    const csa_idx cd = (p->overlap ? 2 : 1) * d;
+    for (csa_idx i = 0; i < B * T; i++) grad_zero_row(p, i);
+    if (p->dape)
+        for (csa_idx j = 0; j < r; j++)
+            for (csa_idx f = 0; f < cd; f++) p->dape[j * p->sgar + f] = 0.0f;
+    if (r == 1 && !p->overlap) {   /* ungated: out = kv */
+        for (csa_idx b = 0; b < B; b++)
+            for (csa_idx t = 0; t < T; t++) {
+                float *k = p->dkv + b * p->sgkb + t * p->sgkt;
+                float *s = p->dsc ? p->dsc + b * p->sgsb + t * p->sgst : NULL;
+                for (csa_idx f = 0; f < d; f++) {
+                    k[f] = pool_ld(p->dy, p->dy_bf16, b * p->sdb + t * p->sdg + f);
+                    if (s) s[f] = 0.0f;
+                }
+            }
+        return CSA_OK;
+    }
+    for (csa_idx b = 0; b < B; b++)
+        for (csa_idx g = 0; g < G; g++) {
+            pool_part pt[2];
+            const int np = grad_parts(pt, g, r, d, p->overlap);
+            for (csa_idx f = 0; f < d; f++) {
+                const float dy = pool_ld(p->dy, p->dy_bf16, b * p->sdb + g * p->sdg + f);
+#define GP_L(k, j)                                                                          \
+    (pool_ld(p->score, p->sc_bf16, b * p->ssb + (pt[k].t0 + (j)) * p->sst + pt[k].foff + f) + \
+     (p->ape ? p->ape[(j) * p->sar + pt[k].foff + f] : 0.0f))
+#define GP_KV(k, j) pool_ld(p->kv, p->kv_bf16, b * p->skb + (pt[k].t0 + (j)) * p->skt + pt[k].foff + f)
+                float m = -INFINITY;
+                for (int k = 0; k < np; k++)
+                    for (csa_idx j = 0; j < pt[k].n; j++) {
+                        const float l = GP_L(k, j);
+                        m = l > m ? l : m;
+                    }
+                float s = 0.0f, acc = 0.0f;
+                for (int k = 0; k < np; k++)
+                    for (csa_idx j = 0; j < pt[k].n; j++) {
+                        const float e = expf(GP_L(k, j) - m);
+                        s += e;
+                        acc += e * GP_KV(k, j);
+                    }
+                const float y = acc / s;
+                for (int k = 0; k < np; k++)
+                    for (csa_idx j = 0; j < pt[k].n; j++) {
+                        const float w = expf(GP_L(k, j) - m) / s;
+                        const float dk = w * dy;
+                        const csa_idx t = pt[k].t0 + j, ff = pt[k].foff + f;
+                        p->dkv[b * p->sgkb + t * p->sgkt + ff] = dk;
+                        p->dsc[b * p->sgsb + t * p->sgst + ff] = dk * (GP_KV(k, j) - y);
+                    }
+#undef GP_L
+#undef GP_KV
+            }
+        }
+    if (p->dape)   /* every element: rows b, then groups g, in order */
+        for (csa_idx b = 0; b < B; b++)
+            for (csa_idx g = 0; g < G; g++)
+                for (csa_idx j = 0; j < r; j++)
+                    for (csa_idx f = 0; f < cd; f++)
+                        p->dape[j * p->sgar + f] += p->dsc[b * p->sgsb + (g * r + j) * p->sgst + f];
+    return CSA_OK;
+}
+
 /* Feature chunk of one decode entry per parallel item. */
 #define POOL_STEP_F 128
 
@@ -165,6 +274,16 @@ int csa_gated_pool(const struct csa_pool_problem *p)
     if (p->skf != 1 || (p->score && p->ssf != 1) || (p->ape && p->saf != 1) || p->sof != 1)
         return csa_gated_pool_ref(p);
     CSA_DISPATCH(gated_pool_tuned, (p), csa_gated_pool_ref(p));
+}
+
+
+int csa_gated_pool_backward(const struct csa_pool_grad_problem *p)
+{
+    int st = grad_check(p);
+    if (st != CSA_OK) return st;
+    /* the tuned body keeps every candidate's logits of a 16-feature chunk in its buffer */
+    if ((p->overlap ? 2 : 1) * p->ratio > POOL_GRAD_LB / 16) return csa_gated_pool_backward_ref(p);
+    CSA_DISPATCH(gated_pool_backward_tuned, (p), csa_gated_pool_backward_ref(p));
 }
 
 /* One entry at the current ISA level: the decode step pools with exactly the code

@@ -36,6 +36,45 @@ struct csa_pool_problem {
 int csa_gated_pool(const struct csa_pool_problem *p);
 int csa_gated_pool_ref(const struct csa_pool_problem *p);
 
+/* Backward of csa_gated_pool (docs/kernels.md, section 11.2).  Per entry and feature,
+ * with the candidates, logits l_j = score_j + ape_j and w = softmax(l) of the forward
+ * (recomputed: nothing is saved but the inputs) and y = sum_j w_j kv_j:
+ *   d(kv_j) = w_j dy,   d(score_j) = w_j dy (kv_j - y),
+ *   d(ape)[j, f] = the sum of d(score) over every complete group and row, in the
+ *   fixed order b = 0.., g = 0.. (a second pass parallel over ape's elements).
+ * Every (token, feature) of kv / score feeds at most one entry (with overlap, group g's
+ * first halves feed entry g+1, its second halves entry g), so d(kv) and d(score) have
+ * one writer each; what feeds no entry (the T % ratio trailing tokens, with overlap the
+ * last complete group's first halves) gets 0.  Ratio 1 without overlap: d(kv) = dy,
+ * d(score) = 0 (score may be NULL) and d(ape) = 0.
+ * dy: [B, T/ratio, d] (strides sdb, sdg); kv, score: [B, T, c*d]; ape [ratio, c*d] or
+ * NULL; dkv, dsc: [B, T, c*d] float32 (dsc may be NULL only at ratio 1 without
+ * overlap); dape [ratio, c*d] float32 or NULL (not wanted).  Every feature stride is 1.
+ * kv, score, dy: float32 or bfloat16 by their flags (widened exactly); arithmetic and
+ * results float32.  Bits do not depend on the thread count. */
+struct csa_pool_grad_problem {
+    const void *dy;
+    csa_idx sdb, sdg;
+    const void *kv;
+    csa_idx skb, skt;
+    const void *score;
+    csa_idx ssb, sst;
+    const float *ape;
+    csa_idx sar;
+    float *dkv;
+    csa_idx sgkb, sgkt;
+    float *dsc;
+    csa_idx sgsb, sgst;
+    float *dape;
+    csa_idx sgar;
+    csa_idx B, T, d, ratio;
+    int overlap;
+    int dy_bf16, kv_bf16, sc_bf16;
+};
+
+int csa_gated_pool_backward(const struct csa_pool_grad_problem *p);
+int csa_gated_pool_backward_ref(const struct csa_pool_grad_problem *p);
+
 /* Streaming state of `batch` sequences (all arrays C-contiguous, owned by the caller):
  *   kv, score:           [batch, ratio, c*d]  the open group: slot p % ratio holds the kv
  *                        of position p and its LOGIT (score + ape[p % ratio]);

@@ -597,3 +597,174 @@ static int CSA_V(gated_pool_tuned)(const struct csa_pool_problem *p)
     }
     return CSA_OK;
 }
+
+/* ---------------------------------------------------------------- backward (tuned)
+ * csa_gated_pool_backward (pool.h).  One parallel item per entry (b, g): its d(kv),
+ * d(score) elements are written by it alone.  Per chunk of features the logits of
+ * every candidate go to a buffer (POOL_GRAD_LB floats, rows of the chunk's padded
+ * width), then: the max, e = exp(l - m) in place, s and acc = sum e kv, y = acc / s,
+ * and per candidate w = e / s, d(kv) = w dy, d(score) = d(kv) (kv - y) -- the
+ * arithmetic of the `_ref` in its order, only exp differs (the vector exp of
+ * vexp_impl.h).  d(ape) is a second pass, parallel over its rows and feature chunks,
+ * each element summed over b, then g, in order.  Candidates are read row by row in
+ * chunks of up to POOL_GRAD_FC features. */
+#ifndef POOL_GRAD_LB
+#define POOL_GRAD_LB 8192
+#endif
+#ifndef POOL_GRAD_FC
+#define POOL_GRAD_FC 256
+#endif
+_Static_assert(POOL_GRAD_FC % 16 == 0 && POOL_GRAD_LB % POOL_GRAD_FC == 0, "grad chunk");
+
+/* x[i] = exp(x[i]) for the n (a multiple of 16) values of x, each <= 0 or NaN. */
+static inline __attribute__((always_inline)) void CSA_V(pg_exp)(float *CSA_RESTRICT x, csa_idx n)
+{
+#ifdef __AVX512F__
+    for (csa_idx i = 0; i < n; i += 16)
+        _mm512_store_ps(x + i, CSA_V(exp512_neg)(_mm512_load_ps(x + i)));
+#elif defined(__AVX2__) && defined(__FMA__)
+    for (csa_idx i = 0; i < n; i += 8)
+        _mm256_store_ps(x + i, CSA_V(exp256_neg)(_mm256_load_ps(x + i)));
+#else
+    for (csa_idx i = 0; i < n; i++) x[i] = expf(x[i]);
+#endif
+}
+
+static inline __attribute__((always_inline)) void CSA_V(pg_entry)(
+    const struct csa_pool_grad_problem *p, csa_idx b, csa_idx g, const int kvbf, const int scbf,
+    const int dybf)
+{
+    const csa_idx r = p->ratio, d = p->d;
+    pool_part pt[2];
+    const int np = grad_parts(pt, g, r, d, p->overlap);
+    const csa_idx nc = pt[0].n + (np > 1 ? pt[1].n : 0);
+    csa_idx fcm = POOL_GRAD_LB / (nc > 0 ? nc : 1) / 16 * 16;
+    if (fcm > POOL_GRAD_FC) fcm = POOL_GRAD_FC;
+    float lb[POOL_GRAD_LB] __attribute__((aligned(64)));
+    float m[POOL_GRAD_FC] __attribute__((aligned(64))), s[POOL_GRAD_FC] __attribute__((aligned(64)));
+    float acc[POOL_GRAD_FC] __attribute__((aligned(64))), y[POOL_GRAD_FC] __attribute__((aligned(64)));
+    float dyv[POOL_GRAD_FC] __attribute__((aligned(64)));
+    for (csa_idx f0 = 0; f0 < d; f0 += fcm) {
+        const csa_idx fc = d - f0 < fcm ? d - f0 : fcm, fcp = (fc + 15) / 16 * 16;
+        const void *dyr = pool_off(p->dy, dybf, b * p->sdb + g * p->sdg + f0);
+        for (csa_idx f = 0; f < fc; f++) {
+            dyv[f] = pool_ld(dyr, dybf, f);
+            m[f] = -INFINITY;
+            s[f] = 0.0f;
+            acc[f] = 0.0f;
+        }
+        csa_idx q = 0;
+        for (int k = 0; k < np; k++)
+            for (csa_idx j = 0; j < pt[k].n; j++, q++) {
+                const csa_idx t = pt[k].t0 + j, ff = pt[k].foff + f0;
+                const void *sc = pool_off(p->score, scbf, b * p->ssb + t * p->sst + ff);
+                const float *CSA_RESTRICT ap = p->ape ? p->ape + j * p->sar + ff : NULL;
+                float *CSA_RESTRICT l = lb + q * fcp;
+                if (ap) {
+#pragma omp simd
+                    for (csa_idx f = 0; f < fc; f++) l[f] = pool_ld(sc, scbf, f) + ap[f];
+                } else {
+#pragma omp simd
+                    for (csa_idx f = 0; f < fc; f++) l[f] = pool_ld(sc, scbf, f);
+                }
+                for (csa_idx f = 0; f < fc; f++) m[f] = l[f] > m[f] ? l[f] : m[f];
+            }
+        q = 0;
+        for (int k = 0; k < np; k++)
+            for (csa_idx j = 0; j < pt[k].n; j++, q++) {
+                const csa_idx t = pt[k].t0 + j, ff = pt[k].foff + f0;
+                const void *kv = pool_off(p->kv, kvbf, b * p->skb + t * p->skt + ff);
+                float *CSA_RESTRICT l = lb + q * fcp;
+#pragma omp simd
+                for (csa_idx f = 0; f < fc; f++) l[f] -= m[f];
+                for (csa_idx f = fc; f < fcp; f++) l[f] = 0.0f;
+                CSA_V(pg_exp)(l, fcp);
+#pragma omp simd
+                for (csa_idx f = 0; f < fc; f++) {
+                    s[f] += l[f];
+                    acc[f] += l[f] * pool_ld(kv, kvbf, f);
+                }
+            }
+#pragma omp simd
+        for (csa_idx f = 0; f < fc; f++) y[f] = acc[f] / s[f];
+        q = 0;
+        for (int k = 0; k < np; k++)
+            for (csa_idx j = 0; j < pt[k].n; j++, q++) {
+                const csa_idx t = pt[k].t0 + j, ff = pt[k].foff + f0;
+                const void *kv = pool_off(p->kv, kvbf, b * p->skb + t * p->skt + ff);
+                const float *CSA_RESTRICT l = lb + q * fcp;
+                float *CSA_RESTRICT gk = p->dkv + b * p->sgkb + t * p->sgkt + ff;
+                float *CSA_RESTRICT gs = p->dsc + b * p->sgsb + t * p->sgst + ff;
+#pragma omp simd
+                for (csa_idx f = 0; f < fc; f++) {
+                    const float dk = l[f] / s[f] * dyv[f];
+#ifdef CSA_MUTANT_POOL_GRAD_FIRST_GROUP
+                    /* mutant: entry 0 with overlap treated as if group -1 were there */
+                    const float dk2 = (p->overlap && g == 0) ? dk * 0.999f : dk;
+                    gk[f] = dk2;
+                    gs[f] = dk2 * (pool_ld(kv, kvbf, f) - y[f]);
+#else
+                    gk[f] = dk;
+                    gs[f] = dk * (pool_ld(kv, kvbf, f) - y[f]);
+#endif
+                }
+            }
+    }
+}
+
+static int CSA_V(gated_pool_backward_tuned)(const struct csa_pool_grad_problem *p)
+{
+    const csa_idx B = p->B, T = p->T, d = p->d, r = p->ratio, G = T / r;
+    const csa_idx cd = (p->overlap ? 2 : 1) * d;
+    const int kvbf = p->kv_bf16, scbf = p->sc_bf16, dybf = p->dy_bf16;
+    {
+        const int nt = csa_threads(B * T, 1 + 16384 / (cd + 1));
+#pragma omp parallel for num_threads(nt) schedule(static)
+        for (csa_idx i = 0; i < B * T; i++) grad_zero_row(p, i);
+    }
+    if (r == 1 && !p->overlap) {   /* ungated: out = kv */
+        const int nt = csa_threads(B * T, 1 + 16384 / (d + 1));
+#pragma omp parallel for num_threads(nt) schedule(static)
+        for (csa_idx i = 0; i < B * T; i++) {
+            const csa_idx b = i / T, t = i % T;
+            float *k = p->dkv + b * p->sgkb + t * p->sgkt;
+            const void *dy = pool_off(p->dy, dybf, b * p->sdb + t * p->sdg);
+            for (csa_idx f = 0; f < d; f++) k[f] = pool_ld(dy, dybf, f);
+            if (p->dsc) memset(p->dsc + b * p->sgsb + t * p->sgst, 0, (size_t)d * sizeof(float));
+        }
+        if (p->dape)
+            for (csa_idx f = 0; f < cd; f++) p->dape[f] = 0.0f;
+        return CSA_OK;
+    }
+    const csa_idx items = B * G;
+    const int nt = csa_threads(items, 1 + 65536 / ((p->overlap ? 2 : 1) * r * d + 1));
+#pragma omp parallel for num_threads(nt) schedule(dynamic, POOL_RUN)
+    for (csa_idx i = 0; i < items; i++) {
+        const csa_idx b = i / G, g = i % G;
+        if (kvbf && scbf && dybf) CSA_V(pg_entry)(p, b, g, 1, 1, 1);
+        else if (!kvbf && !scbf && !dybf) CSA_V(pg_entry)(p, b, g, 0, 0, 0);
+        else CSA_V(pg_entry)(p, b, g, kvbf != 0, scbf != 0, dybf != 0);
+    }
+    if (!p->dape) return CSA_OK;
+    /* d(ape): element (j, f) = sum over b, then g, of d(score)[b, g*r + j, f] */
+    const csa_idx nf = (cd + POOL_GRAD_FC - 1) / POOL_GRAD_FC, ai = r * nf;
+    const int nta = csa_threads(ai, 1 + 65536 / (B * G * POOL_GRAD_FC + 1));
+#pragma omp parallel for num_threads(nta) schedule(static)
+    for (csa_idx i = 0; i < ai; i++) {
+        const csa_idx j = i / nf, f0 = (i % nf) * POOL_GRAD_FC;
+        const csa_idx fc = cd - f0 < POOL_GRAD_FC ? cd - f0 : POOL_GRAD_FC;
+        float a[POOL_GRAD_FC] __attribute__((aligned(64)));
+        for (csa_idx f = 0; f < fc; f++) a[f] = 0.0f;
+        for (csa_idx b = 0; b < B; b++)
+            for (csa_idx g = 0; g < G; g++) {
+#ifdef CSA_MUTANT_POOL_GRAD_APE_DROP
+                if (b == 0 && g == G - 1 && G > 1) continue;   /* mutant: one group dropped */
+#endif
+                const float *CSA_RESTRICT sr = p->dsc + b * p->sgsb + (g * r + j) * p->sgst + f0;
+#pragma omp simd
+                for (csa_idx f = 0; f < fc; f++) a[f] += sr[f];
+            }
+        memcpy(p->dape + j * p->sgar + f0, a, (size_t)fc * sizeof(float));
+    }
+    return CSA_OK;
+}

@@ -15,7 +15,7 @@ import warnings as _warnings
 
 from . import _core
 from ._core import (ISA_LEVELS, apply_rope, best_isa, get_isa, max_threads, rms_norm,
-                    rope_table, set_isa)
+                    rms_norm_backward, rope_table, set_isa)
 from .configs import V4_FLASH, V4_PRO, V41_FLASH, CSAConfig
 from .compressor import *  # noqa: F401,F403  gated_pool, Compressor
 from .indexer import *  # noqa: F401,F403  index_scores, index_topk, ...
@@ -50,6 +50,6 @@ if _env_isa and _env_isa not in ISA_LEVELS:
                    RuntimeWarning, stacklevel=2)
 del _env_isa
 
-__all__ = (["apply_rope", "rms_norm", "rope_table", "get_isa", "set_isa", "best_isa",
+__all__ = (["apply_rope", "rms_norm", "rms_norm_backward", "rope_table", "get_isa", "set_isa", "best_isa",
             "max_threads", "build_info", "ISA_LEVELS", "V4_FLASH", "V4_PRO", "V41_FLASH",
             "CSAConfig"] + _c.__all__ + _i.__all__ + _a.__all__ + _q.__all__ + _g.__all__)

@@ -30,9 +30,9 @@ from typing import Callable, Optional, Sequence, Union
 import numpy as np
 
 from ._core import (_pool_prefill, _pool_state, _pool_step, _round_bf16, fp4_round, fp8_round,
-                    gated_pool, hadamard)
+                    gated_pool, gated_pool_backward, hadamard)
 
-__all__ = ["gated_pool", "Compressor"]
+__all__ = ["gated_pool", "gated_pool_backward", "Compressor"]
 
 
 def _quant_fn(name, rope_dim, bf16):

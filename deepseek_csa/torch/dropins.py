@@ -44,6 +44,9 @@ def apply_rotary_emb(x, freqs_cis, inverse=False):
     [B,S,H,n], n = 2 * freqs_cis.shape[-1], e.g. ``q[..., -64:]``) in place; returns x."""
     torch = _torch()
     cos, sin = _cos_sin(freqs_cis)
+    if torch.is_grad_enabled() and x.requires_grad:   # differentiable (autograd_norm_pool)
+        from .autograd_norm_pool import apply_rotary
+        return apply_rotary(x, cos, sin, bool(inverse))
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
         _dc.apply_rope(x.detach(), cos, sin, inverse=bool(inverse))   # in place, no copy
         return x
@@ -51,8 +54,11 @@ def apply_rotary_emb(x, freqs_cis, inverse=False):
 
 
 def rms_norm(x, weight=None, eps=1e-6):
-    """RMSNorm in float32, result in x's dtype."""
+    """RMSNorm in float32, result in x's dtype; differentiable in x and weight."""
     torch = _torch()
+    if torch.is_grad_enabled() and (x.requires_grad or getattr(weight, "requires_grad", False)):
+        from .autograd_norm_pool import rms_norm as _rms_norm_grad
+        return _rms_norm_grad(x, weight, eps)
     w = None if weight is None else _f32(weight)
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
