@@ -7,7 +7,7 @@ VPY := $(VENV)/bin/python
 PIP_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: all venv build demo test bench asan clean test-noomp test-c test-aarch64
+.PHONY: all venv build demo test bench asan clean test-noomp test-c test-aarch64 mutants
 
 all: build
 
@@ -29,6 +29,11 @@ demo: build
 
 test: build
 	$(VPY) -m pytest -q tests
+
+# Planted bugs (tests/mutants/m_*.py), each run against the tests that claim to cover
+# it; prints `mutants: K/N killed` and fails when one survives.  MUTANTS_ARGS="-k attn".
+mutants: build
+	$(VPY) tests/mutants/run.py $(MUTANTS_ARGS)
 
 bench: build
 	$(VPY) benchmarks/run.py

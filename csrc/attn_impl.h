@@ -504,6 +504,10 @@ static void CSA_V(attn_item)(const struct csa_attn_problem *a, csa_idx b, csa_id
     for (csa_idx h = 0; h < hcp; h++) {
         m[h] = h < hc ? a->sink[h0 + h] : 0.0f;
         sum[h] = 1.0f; /* e^(sink - m) with m = sink */
+#ifdef CSA_MUTANT_ATTN_SINK /* planted (make mutants): the sink ignored */
+        m[h] = -INFINITY;
+        sum[h] = 0.0f;
+#endif
     }
     /* float32 rows are read in place (by broadcasts only); bf16 rows, or float rows at a
      * misaligned address, are converted/copied one block at a time into the tile */
@@ -534,6 +538,9 @@ static void CSA_V(attn_item)(const struct csa_attn_problem *a, csa_idx b, csa_id
         CSA_V(attn_pv)(blk, kb, L, hcp, alpha, OT, D, k0 == 0);
     }
 
+#ifdef CSA_MUTANT_ATTN_OUT /* planted (make mutants): the output off by a relative 1e-4 */
+    for (csa_idx h = 0; h < hc; h++) sum[h] *= 1.0f / (1.0f + 1e-4f);
+#endif
     CSA_V(attn_store)(OT, hcp, sum, hc, D, out, a->so_h, bf16);
 }
 

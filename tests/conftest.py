@@ -9,6 +9,13 @@ import pytest
 
 import deepseek_csa as dc
 
+
+def pytest_configure(config):
+    """`make mutants`: with CSA_PY_MUTANT=<file stem>:<name> set, plants that Python-level
+    bug (tests/mutants/plugin.py) before any test module is imported."""
+    from mutants.plugin import apply_from_env
+    apply_from_env()
+
 ALL_LEVELS = dc.ISA_LEVELS
 # Every level this CPU has.  'amx' differs from 'avx512' only in the bfloat16 dot
 # products (AVX512_BF16 / AMX tiles), so float32-only tests skip it.
