@@ -7,7 +7,7 @@ VPY := $(VENV)/bin/python
 PIP_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: all venv build demo test bench asan clean test-noomp test-c test-aarch64 mutants
+.PHONY: all venv build demo test bench asan clean test-noomp test-c test-aarch64 mutants test-hf-versions
 
 all: build
 
@@ -37,6 +37,13 @@ mutants: build
 
 bench: build
 	$(VPY) benchmarks/run.py
+
+# The transformers bridge tests under every release in
+# deepseek_csa.transformers.SUPPORTED_VERSIONS (`make test` runs them on the venv's
+# pinned one): each other release is pip-installed once into build/hf-versions/<v> and
+# laid over the venv on PYTHONPATH (see tests/hf_versions.py).  About 30 s.
+test-hf-versions: build
+	$(VPY) tests/hf_versions.py
 
 # AddressSanitizer + UndefinedBehaviorSanitizer build, then the suite under it
 # (ASAN_TESTS=... for a subset).  Python is not instrumented, so the sanitizer

@@ -1,14 +1,17 @@
 """Hugging Face transformers bridge: run ``DeepseekV4Attention`` layers of a
-``DeepseekV4ForCausalLM`` / ``DeepseekV4Model`` (transformers 5.23.0) through deepseek_csa.
+``DeepseekV4ForCausalLM`` / ``DeepseekV4Model`` (transformers 5.23 / 5.24) through deepseek_csa.
 
     import deepseek_csa.transformers as dch
     with torch.no_grad(), dch.swapped(model):          # every attention layer
         out = model.generate(ids, max_new_tokens=64)
     dch.swap(model, layers=[1, 3]); ...; dch.unswap(model)
 
-torch and transformers are imported lazily; only transformers ``SUPPORTED_VERSIONS``
-(5.23.0) is accepted, other versions raise ``RuntimeError`` (the modeling code of this
-young model still changes between releases, and equivalence is only tested there).
+torch and transformers are imported lazily; only the transformers releases in
+``SUPPORTED_VERSIONS`` (5.23.0, 5.24.0) and patch releases of their series are accepted,
+other versions raise ``RuntimeError`` naming both (the modeling code of this young model
+still changes between releases, and equivalence is only tested there; ``make
+test-hf-versions`` runs the bridge tests under each).  5.24 names the cache argument
+``cache`` (``past_key_values`` is its deprecated alias): both are accepted.
 
 How a layer is swapped: the chosen ``DeepseekV4Attention`` modules get an instance
 ``forward`` with the module's signature that keeps the module's own projections
@@ -71,7 +74,11 @@ import deepseek_csa as _dc
 __all__ = ["SUPPORTED_VERSIONS", "swap", "unswap", "swapped", "is_swapped",
            "CSACacheLayer", "HCACacheLayer"]
 
-SUPPORTED_VERSIONS = ("5.23.0",)
+# The transformers releases whose DeepseekV4 modeling code the bridge is tested against
+# (`make test-hf-versions` runs the bridge tests on each, in its own environment).  A
+# release in the same major.minor series as one of these (a patch release) is accepted
+# too.  The next release: add it here and to pyproject's range, run the target.
+SUPPORTED_VERSIONS = ("5.23.0", "5.24.0")
 
 _ATTR = "_deepseek_csa_swap"
 
@@ -79,6 +86,15 @@ _ATTR = "_deepseek_csa_swap"
 def _torch():
     import torch
     return torch
+
+
+def _supported(v):
+    """True for a tested release or a final patch release of a tested major.minor."""
+    if v in SUPPORTED_VERSIONS:
+        return True
+    parts = v.split(".")
+    return (len(parts) == 3 and parts[2].isdigit() and
+            any(parts[:2] == x.split(".")[:2] for x in SUPPORTED_VERSIONS))
 
 
 def _check_version():
@@ -89,10 +105,12 @@ def _check_version():
                           f"{' or '.join(SUPPORTED_VERSIONS)} (pip install "
                           "'deepseek_csa[hf]')") from e
     v = transformers.__version__
-    if v not in SUPPORTED_VERSIONS:
-        raise RuntimeError(f"deepseek_csa.transformers supports transformers "
-                           f"{', '.join(SUPPORTED_VERSIONS)} (its DeepseekV4 modeling code), "
-                           f"found {v}; install transformers=={SUPPORTED_VERSIONS[-1]}")
+    if not _supported(v):
+        series = ", ".join(".".join(x.split(".")[:2]) + ".x" for x in SUPPORTED_VERSIONS)
+        raise RuntimeError(f"deepseek_csa.transformers supports transformers {series} "
+                           f"(tested: {', '.join(SUPPORTED_VERSIONS)}; its DeepseekV4 modeling "
+                           f"code changes between releases), found {v}; install "
+                           f"transformers=={SUPPORTED_VERSIONS[-1]}")
     from transformers.models.deepseek_v4 import modeling_deepseek_v4 as mdl
     return mdl
 
@@ -402,6 +420,10 @@ def _make_forward(st, m):
 
     def forward(hidden_states, position_embeddings, position_ids, attention_mask,
                 past_key_values=None, **kwargs):
+        # transformers 5.24 names the cache `cache` (`past_key_values` stays an alias)
+        if "cache" in kwargs:
+            c = kwargs.pop("cache")
+            past_key_values = c if past_key_values is None else past_key_values
         reason = _layer_reason(st, m, hidden_states, position_ids, past_key_values, kwargs)
         if reason is not None:
             if st.mask_skipped:
@@ -523,7 +545,8 @@ def _make_model_forward(st, base):
                           "torch.inference_mode(), as generate() does)")
         skip = False
         if reason is None and st.all_layers:
-            pos, pkv = bound.get("position_ids"), bound.get("past_key_values")
+            pos = bound.get("position_ids")
+            pkv = bound.get("cache", bound.get("past_key_values"))
             x = bound.get("input_ids")
             x = x if x is not None else bound.get("inputs_embeds")
             S = x.shape[1]

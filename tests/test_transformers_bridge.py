@@ -8,8 +8,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-if transformers.__version__ != "5.23.0":
-    pytest.skip("deepseek_csa.transformers is tested against transformers 5.23.0",
+import deepseek_csa.transformers as _dch  # noqa: E402
+
+if not _dch._supported(transformers.__version__):
+    pytest.skip(f"deepseek_csa.transformers supports transformers "
+                f"{_dch.SUPPORTED_VERSIONS}, found {transformers.__version__}",
                 allow_module_level=True)
 
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM  # noqa: E402
@@ -366,9 +369,15 @@ def test_unswap_and_registry_untouched(model4):
 
 def test_refuses_other_versions(monkeypatch):
     import sys
-    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.22.0")
-    with pytest.raises(RuntimeError, match="5.23.0"):
-        dch.swap(make_model(layer_types=["sliding_attention"]))
+    m = make_model(layer_types=["sliding_attention"])
+    for bad in ("5.22.0", "5.25.0", "5.24.0rc1", "6.0.0"):
+        monkeypatch.setattr(sys.modules["transformers"], "__version__", bad)
+        with pytest.raises(RuntimeError, match=r"found %s.*transformers==%s" % (
+                bad.replace(".", r"\."), dch.SUPPORTED_VERSIONS[-1].replace(".", r"\."))):
+            dch.swap(m)
+    for ok in dch.SUPPORTED_VERSIONS + ("5.23.7", "5.24.3"):
+        monkeypatch.setattr(sys.modules["transformers"], "__version__", ok)
+        dch.unswap(dch.swap(m))
 
 
 def test_bf16_close_to_float32():
