@@ -315,3 +315,56 @@ def test_gradcheck_style(rng):
                - f(q64 - eps * vq, kv64 - eps * vkv, s64 - eps * vs)) / (2 * eps)
         ana = float((dq * vq).sum() + (dkv * vkv).sum() + (dsink * vs).sum())
         assert abs(num - ana) <= 1e-4 * (1 + abs(num)), (num, ana)
+
+
+def test_torch_dropin_differentiable(rng):
+    torch = pytest.importorskip("torch")
+    import deepseek_csa.torch as dct
+    q, kv, sink, idx, dout = make(rng, 1, 6, 4, 16, 10, 8, dead_rows=[(0, 0)])
+    tq, tkv, ts = (torch.tensor(a, requires_grad=True) for a in (q, kv, sink))
+    ti = torch.from_numpy(idx).long()                      # any integer dtype, like the drop-in
+    o = dct.sparse_attn(tq, tkv, ts, ti, 0.25)
+    assert o.requires_grad
+    np.testing.assert_array_equal(o.detach().numpy(), dc.sparse_attn(q, kv, sink, idx, 0.25))
+    (o * torch.from_numpy(dout)).sum().backward()
+    rq, rkv, rs = ref_backward(dout, q, kv, sink, idx, 0.25)
+    assert_close(tq.grad.numpy(), rq, **budget(rq), what="dq")
+    assert_close(tkv.grad.numpy(), rkv, **budget(rkv), what="dkv")
+    assert_close(ts.grad.numpy(), rs, **budget(rs), what="dsink")
+    # without grad: the plain forward (no graph)
+    with torch.no_grad():
+        assert not dct.sparse_attn(tq, tkv, ts, ti, 0.25).requires_grad
+
+
+def test_torch_bf16_and_weights(rng):
+    torch = pytest.importorskip("torch")
+    import deepseek_csa.torch as dct
+    q, kv, sink, idx, dout = make(rng, 1, 5, 4, 16, 10, 8)
+    tq = torch.tensor(q).bfloat16().requires_grad_()
+    tkv = torch.tensor(kv).bfloat16().requires_grad_()
+    ts = torch.tensor(sink, requires_grad=True)
+    o = dct.sparse_attn(tq, tkv, ts, torch.from_numpy(idx), 0.25)
+    assert o.dtype == torch.bfloat16
+    o.float().mul(torch.from_numpy(dout)).sum().backward()
+    assert tq.grad.dtype == tkv.grad.dtype == torch.bfloat16 and ts.grad.dtype == torch.float32
+    qf, kvf = tq.detach().float().numpy(), tkv.detach().float().numpy()
+    rq, rkv, rs = ref_backward(dout, qf, kvf, sink, idx, 0.25)
+    # bf16 budget: the forward's weights are rounded to bf16 (~4e-3 relative) and the
+    # gradients are returned in bf16
+    assert_close(tq.grad.float().numpy(), rq, rtol=3e-2, atol=3e-2 * np.abs(rq).max(), what="dq")
+    assert_close(tkv.grad.float().numpy(), rkv, rtol=3e-2, atol=3e-2 * np.abs(rkv).max(), what="dkv")
+    w = dct.sparse_attn_weights(tq, tkv, ts, torch.from_numpy(idx), 0.25)
+    assert w.dtype == torch.float32 and not w.requires_grad
+    assert_close(w.numpy(), ref_forward(qf, kvf, sink, idx, 0.25)[2], rtol=1e-4, atol=1e-5,
+                 what="weights")
+
+
+def test_torch_gradcheck(rng):
+    torch = pytest.importorskip("torch")
+    from deepseek_csa.torch.autograd_attn import _SparseAttnFn
+    q, kv, sink, idx, _ = make(rng, 1, 3, 2, 5, 6, 7, dead_rows=[(0, 1)])
+    args = [torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in (q, kv, sink)]
+    ti = torch.from_numpy(idx)
+    # the kernels run in float32: finite differences with eps 1e-3 carry ~1e-4 noise
+    assert torch.autograd.gradcheck(lambda a, b, c: _SparseAttnFn.apply(a, b, c, ti, 0.5), args,
+                                    eps=1e-3, atol=2e-3, rtol=2e-2)
