@@ -247,8 +247,8 @@ int csa_sparse_attn_weights(const struct csa_attn_problem *a)
     csa_idx b, s, k;
     if (!a->weights) return CSA_EINVAL;
     if (csa_attn_bad_index(a, &b, &s, &k)) return CSA_EINDEX;
-    if (a->B <= 0 || a->S <= 0 || a->H <= 0) return CSA_OK;
-    if (a->D <= 0 || a->K <= 0) return attn_ref(a);
+    if (a->B <= 0 || a->S <= 0) return CSA_OK;
+    if (a->H <= 0 || a->D <= 0 || a->K <= 0) return attn_ref(a); /* zeros, cheaply */
     CSA_DISPATCH(sparse_attn_weights_tuned, (a), attn_ref(a));
 }
 
