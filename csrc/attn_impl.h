@@ -502,6 +502,9 @@ static void CSA_V(attn_probs)(float *L, csa_idx n, csa_idx hcp, float scale, con
         }
         if (wsum) {
             float t = 0.0f;
+#ifdef CSA_MUTANT_ATTN_WEIGHTS_HEAD
+            hc -= hc > 1; /* the last head left out of the sum */
+#endif
             for (h = 0; h < hc; h++) t += li[h];
             wsum[i] = t;
         }
@@ -575,9 +578,6 @@ static void CSA_V(attn_item)(const struct csa_attn_problem *a, csa_idx b, csa_id
         if (!a->out) continue;
         if (bf16)  /* the weights meet the bf16 rows as bf16 (sum keeps them unrounded) */
             CSA_V(attn_round_bf16)(L, kb * hcp);
-#ifdef CSA_MUTANT_ATTN_PV_SKIP_LAST
-        if (k0 + ATTN_KB >= n && k0 > 0) continue;
-#endif
         CSA_V(attn_pv)(blk, kb, L, hcp, alpha, OT, D, k0 == 0);
     }
 

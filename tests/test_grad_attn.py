@@ -5,13 +5,12 @@ forward / backward of the gather form (duplicates counted per slot, -1 slots ski
 an all-invalid row giving the constant 0), and torch autograd on a float64 gather
 reference for gradcheck-style checks.
 
-Error budget (float32 kernels against the float64 reference): every gradient is a
-sum of at most K*H (dq: K) products of float32 values whose own rounding is ~1e-7
-relative, with exp() ~2 ulp, so the absolute error per element is bounded by ~K * H *
-eps * (sum of |terms|).  We state it per element as atol + rtol*|ref| with rtol =
-2e-4 and atol = 2e-4 * (scale of the gradient, its max |ref|): loose enough for the
-summation order of the tuned tiles at K ~ 100, tight enough that a relative 1e-3 error
-in any term (the mutants) fails.
+Error budget (float32 kernels against the float64 reference): each gradient element is
+a float32 sum of up to K*H products (dq: K), exp() is ~2 ulp, so the error is bounded
+norm-wise, not per element (sums that cancel have large relative errors).  Measured
+worst max|err| / max|ref| over every ISA level and these shapes, the released one
+included: 1.3e-6.  Budget: |err| <= 1e-5 * max|ref| + 1e-5 * |ref| per element (~8x
+headroom), which a relative 1e-4 error in any gradient (the mutants) exceeds.
 """
 import numpy as np
 import pytest
@@ -99,7 +98,7 @@ def run_bwd(q, kv, sink, idx, scale, dout):
 
 def budget(want):
     m = float(np.abs(want).max()) if want.size else 1.0
-    return dict(rtol=2e-4, atol=2e-4 * max(m, 1e-3))
+    return dict(rtol=1e-5, atol=1e-5 * max(m, 1e-3))
 
 
 SHAPES = [
