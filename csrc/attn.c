@@ -24,7 +24,8 @@ static float dot_ref(const void *a, const void *b, csa_idx n, int bf16)
     return s;
 }
 
-/* The oracle's body; the indices are already checked. */
+/* The oracle's body; the indices are already checked.  Writes out (if set), lse (if
+ * set) and weights (if set). */
 static int attn_ref(const struct csa_attn_problem *a)
 {
     const void *q = a->q, *kv = a->kv;
@@ -46,14 +47,16 @@ static int attn_ref(const struct csa_attn_problem *a)
             csa_idx valid = 0;
             for (csa_idx k = 0; k < K; k++) valid += ir[k] >= 0;
             if (!o && !(o = malloc((size_t)(D > 0 ? D : 1) * sizeof(float)))) return CSA_ENOMEM;
+            float *w = a->weights ? a->weights + b * a->sw_b + s * a->sw_s : NULL;
+            if (w)
+                for (csa_idx k = 0; k < K; k++) w[k] = 0.0f;
             for (csa_idx h = 0; h < H; h++) {
                 const void *qh = (const char *)q + (size_t)(b * sq_b + s * sq_s + h * sq_h) * es;
                 for (csa_idx d = 0; d < D; d++) o[d] = 0.0f;
-                float den = 1.0f;
+                float den = 1.0f, m = sink[h];
                 if (valid) {
                     /* pass 1: the maximum over the sink and the logits (a NaN logit never
                      * wins the comparison; it reaches the output through its exp) */
-                    float m = sink[h];
                     for (csa_idx k = 0; k < K; k++) {
                         if (ir[k] < 0) continue;
                         const float l = scale * dot_ref(qh, kvb + (size_t)(ir[k] * skv_n) * es, D, bf16);
@@ -71,6 +74,15 @@ static int attn_ref(const struct csa_attn_problem *a)
                         for (csa_idx d = 0; d < D; d++) o[d] += pw * ld(v, d, bf16);
                     }
                 }
+                const float lse = valid ? m + logf(den) : sink[h];
+                if (a->lse) a->lse[b * a->sl_b + s * a->sl_s + h] = lse;
+                if (w && valid) /* pass 3: the probabilities, summed over heads per slot */
+                    for (csa_idx k = 0; k < K; k++) {
+                        if (ir[k] < 0) continue;
+                        const void *v = kvb + (size_t)(ir[k] * skv_n) * es;
+                        w[k] += expf(scale * dot_ref(qh, v, D, bf16) - lse);
+                    }
+                if (!out) continue;
                 const csa_idx off = b * so_b + s * so_s + h * so_h;
                 for (csa_idx d = 0; d < D; d++) {
                     const float y = o[d] / den;
@@ -106,6 +118,66 @@ int csa_sparse_attn_ref(const struct csa_attn_problem *p)
     csa_idx b, s, k;
     if (csa_attn_bad_index(p, &b, &s, &k)) return CSA_EINDEX;
     return attn_ref(p);
+}
+
+int csa_sparse_attn_weights_ref(const struct csa_attn_problem *p)
+{
+    csa_idx b, s, k;
+    if (!p->weights) return CSA_EINVAL;
+    if (csa_attn_bad_index(p, &b, &s, &k)) return CSA_EINDEX;
+    return attn_ref(p);
+}
+
+/* The backward oracle: one (b, s, h) after another, every sum in loop order, in
+ * float32 (docs/kernels.md, section 11.1). */
+int csa_sparse_attn_backward_ref(const struct csa_attn_bwd_problem *g)
+{
+    const struct csa_attn_problem *a = &g->f;
+    csa_idx b, s, k;
+    if (a->bf16 || !a->out || !a->lse) return CSA_EINVAL;
+    if (csa_attn_bad_index(a, &b, &s, &k)) return CSA_EINDEX;
+    const float *q = a->q, *kv = a->kv, *o = a->out;
+    const csa_idx H = a->H, D = a->D, K = a->K;
+    const float scale = a->scale;
+    for (b = 0; b < a->B; b++)
+        for (csa_idx n = 0; n < a->N; n++)
+            for (csa_idx d = 0; d < D; d++) g->dkv[b * g->sdkv_b + n * g->sdkv_n + d] = 0.0f;
+    for (csa_idx h = 0; h < H; h++) g->dsink[h] = 0.0f;
+    for (b = 0; b < a->B; b++)
+        for (s = 0; s < a->S; s++) {
+            const int32_t *ir = a->idx + b * a->si_b + s * a->si_s;
+            for (csa_idx h = 0; h < H; h++) {
+                const float *qh = q + b * a->sq_b + s * a->sq_s + h * a->sq_h;
+                const float *oh = o + b * a->so_b + s * a->so_s + h * a->so_h;
+                const float *doh = g->dout + b * g->sdo_b + s * g->sdo_s + h * g->sdo_h;
+                float *dqh = g->dq + b * g->sdq_b + s * g->sdq_s + h * g->sdq_h;
+                for (csa_idx d = 0; d < D; d++) dqh[d] = 0.0f;
+                csa_idx valid = 0;
+                for (k = 0; k < K; k++) valid += ir[k] >= 0;
+                if (!valid) continue;  /* the output is the constant 0 */
+                const float lse = a->lse[b * a->sl_b + s * a->sl_s + h];
+                float Dr = 0.0f;
+                for (csa_idx d = 0; d < D; d++) Dr += doh[d] * oh[d];
+                g->dsink[h] -= expf(a->sink[h] - lse) * Dr;
+                for (k = 0; k < K; k++) {
+                    if (ir[k] < 0) continue;
+                    const float *v = kv + b * a->skv_b + ir[k] * a->skv_n;
+                    float *dv = g->dkv + b * g->sdkv_b + ir[k] * g->sdkv_n;
+                    float l = 0.0f, dp = 0.0f;
+                    for (csa_idx d = 0; d < D; d++) {
+                        l += qh[d] * v[d];
+                        dp += doh[d] * v[d];
+                    }
+                    const float p = expf(scale * l - lse);
+                    const float ds = scale * (p * (dp - Dr));
+                    for (csa_idx d = 0; d < D; d++) {
+                        dqh[d] += ds * v[d];
+                        dv[d] += p * doh[d] + ds * qh[d];
+                    }
+                }
+            }
+        }
+    return CSA_OK;
 }
 
 static int omp_tid(void)
@@ -165,6 +237,28 @@ int csa_sparse_attn(const struct csa_attn_problem *a)
 {
     csa_idx b, s, k;
     if (csa_attn_bad_index(a, &b, &s, &k)) return CSA_EINDEX;
-    if (a->B <= 0 || a->S <= 0 || a->H <= 0 || a->D <= 0) return CSA_OK;
+    if (a->B <= 0 || a->S <= 0 || a->H <= 0) return CSA_OK;
+    if (a->D <= 0) return a->lse ? attn_ref(a) : CSA_OK;
     CSA_DISPATCH(sparse_attn_tuned, (a), attn_ref(a));
+}
+
+int csa_sparse_attn_weights(const struct csa_attn_problem *a)
+{
+    csa_idx b, s, k;
+    if (!a->weights) return CSA_EINVAL;
+    if (csa_attn_bad_index(a, &b, &s, &k)) return CSA_EINDEX;
+    if (a->B <= 0 || a->S <= 0) return CSA_OK;
+    if (a->H <= 0 || a->D <= 0 || a->K <= 0) return attn_ref(a); /* zeros, cheaply */
+    CSA_DISPATCH(sparse_attn_weights_tuned, (a), attn_ref(a));
+}
+
+int csa_sparse_attn_backward(const struct csa_attn_bwd_problem *g)
+{
+    const struct csa_attn_problem *a = &g->f;
+    csa_idx b, s, k;
+    if (a->bf16 || !a->out || !a->lse) return CSA_EINVAL;
+    if (csa_attn_bad_index(a, &b, &s, &k)) return CSA_EINDEX;
+    if (a->D <= 0 || a->K <= 0 || a->H <= 0 || a->B <= 0 || a->S <= 0)
+        return csa_sparse_attn_backward_ref(g);
+    CSA_DISPATCH(sparse_attn_backward_tuned, (g), csa_sparse_attn_backward_ref(g));
 }

@@ -45,6 +45,44 @@ struct csa_attn_problem {
     csa_idx B, S, H, D, N, K;
     float scale;
     int bf16;
+    /* Optional results of the same pass (NULL: not wanted).  lse: float32 [B, S, H],
+     * strides (sl_b, sl_s, 1), the row log-sum-exp of the full denominator,
+     * log(sum_j e^(l_j) + e^(sink[h])) (a query with no valid index: sink[h]).
+     * weights: float32 [B, S, K], strides (sw_b, sw_s, 1), per slot the probability
+     * e^(l_j - lse) summed over the heads (0 for a -1 slot; a duplicated index gives
+     * each of its slots the same value).  out may be NULL when only weights (and lse)
+     * are wanted; weights are computed at float32 precision from float32 logits. */
+    float *lse;
+    csa_idx sl_b, sl_s;
+    float *weights;
+    csa_idx sw_b, sw_s;
+};
+
+/* The backward of one sparse attention call (docs/kernels.md, section 11.1), float32
+ * only.  f holds the forward's inputs (f.out: the forward's output O, f.lse: its
+ * row log-sum-exp, both as the forward returned them; f.weights unused).  With
+ * p_j = e^(l_j - lse) and Dr = dO . O per (b, s, h):
+ *
+ *     dl_j            = p_j (dO . kv_j - Dr)
+ *     dq              = scale sum_j dl_j kv_j
+ *     dkv[b, idx_j]  += p_j dO + scale dl_j q      (summed over s, slots and heads)
+ *     dsink[h]        = -sum_{b,s} e^(sink[h] - lse) Dr
+ *
+ * -1 slots are skipped, a query with no valid index contributes nothing, a
+ * duplicated index contributes once per slot.  dkv rows no slot references get 0.
+ * Every dkv element is summed in the order (b, s, slot) whatever the thread count;
+ * dsink in the order (b, s).  All results are fully written (no accumulation into
+ * the caller's arrays).  dout/dq: [B, S, H, D] (unit inner stride), dkv: [B, N, D],
+ * dsink: [H] contiguous; none may overlap another array. */
+struct csa_attn_bwd_problem {
+    struct csa_attn_problem f;
+    const float *dout;
+    csa_idx sdo_b, sdo_s, sdo_h;
+    float *dq;
+    csa_idx sdq_b, sdq_s, sdq_h;
+    float *dkv;
+    csa_idx sdkv_b, sdkv_n;
+    float *dsink;
 };
 
 /* Returns CSA_EINDEX, before writing anything, if an index lies outside [-1, N);
@@ -55,6 +93,17 @@ int csa_sparse_attn(const struct csa_attn_problem *p);
 
 /* The scalar oracle: the formula above, two passes per (b, s, h), no scratch. */
 int csa_sparse_attn_ref(const struct csa_attn_problem *p);
+
+/* f.out (may be NULL), f.lse (may be NULL) and f.weights (must be set) in one pass
+ * (the ISA levels' non-AMX bodies, float32 arithmetic for bf16 inputs too). */
+int csa_sparse_attn_weights(const struct csa_attn_problem *p);
+int csa_sparse_attn_weights_ref(const struct csa_attn_problem *p);
+
+/* The backward above; CSA_EINDEX (nothing written) for an index outside [-1, N),
+ * CSA_EINVAL for bf16 (the glue refuses it first, naming the dtype).  _ref: the scalar oracle, one (b, s, h)
+ * after another. */
+int csa_sparse_attn_backward(const struct csa_attn_bwd_problem *g);
+int csa_sparse_attn_backward_ref(const struct csa_attn_bwd_problem *g);
 
 /* The first entry of p->idx outside [-1, N), in (b, s, k) order: returns 1 and sets
  * *b, *s, *k, or 0 if every entry is valid.  Both entries above run it (once) before

@@ -211,8 +211,11 @@ static void CSA_V(amx_item)(const struct csa_attn_problem *a, csa_idx b, csa_idx
 
     const csa_idx n = attn_sorted_valid(ir, a->K, keys, keys + a->K);
     for (csa_idx k = 0; k < n; k++) rows[k] = kvb + (csa_idx)keys[k] * a->skv_n;
+    float *lse = a->lse ? a->lse + b * a->sl_b + s * a->sl_s + h0 : NULL;
     if (n == 0) {
         for (csa_idx h = 0; h < hc; h++) memset(out + h * a->so_h, 0, (size_t)D * sizeof(csa_bf16));
+        if (lse)
+            for (csa_idx h = 0; h < hc; h++) lse[h] = a->sink[h0 + h];
         return;
     }
     CSA_V(amx_prefetch)(rows, n < AMX_KC ? n : AMX_KC, D);
@@ -240,6 +243,8 @@ static void CSA_V(amx_item)(const struct csa_attn_problem *a, csa_idx b, csa_idx
     }
     for (csa_idx h = 0; h < hc; h++)
         CSA_V(amx_store_bf16)(out + h * a->so_h, w->O + h * Dp, w->sum[h], D);
+    if (lse) /* the row's log-sum-exp (sum includes the sink's term) */
+        for (csa_idx h = 0; h < hc; h++) lse[h] = w->m[h] + logf(w->sum[h]);
 }
 
 static int CSA_V(sparse_attn_amx)(const struct csa_attn_problem *a)

@@ -472,11 +472,50 @@ static void CSA_V(attn_transpose_q)(const void *qv, int bf16, csa_idx sq_h, csa_
     }
 }
 
+/* In place: L[i, h] = e^(scale L[i, h] - lse[h]) for i < n, h < hcp (lse[h] = +inf
+ * for padding heads gives 0); wsum[i] = sum_{h < hc} of them in head order when wsum
+ * is not NULL. */
+static void CSA_V(attn_probs)(float *L, csa_idx n, csa_idx hcp, float scale, const float *lse,
+                              csa_idx hc, float *wsum)
+{
+    for (csa_idx i = 0; i < n; i++) {
+        float *li = L + i * hcp;
+        csa_idx h = 0;
+#ifdef __AVX512F__
+        const __m512 sc = _mm512_set1_ps(scale);
+        for (; h + 16 <= hcp; h += 16) {
+            const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(li + h), sc, _mm512_loadu_ps(lse + h));
+            /* x > 0 only by rounding (lse >= every logit): clamped into exp's domain;
+             * min(0, x) keeps a NaN x */
+            _mm512_storeu_ps(li + h, CSA_V(exp512_neg)(_mm512_min_ps(_mm512_setzero_ps(), x)));
+        }
+#elif defined(__AVX2__) && defined(__FMA__)
+        const __m256 sc = _mm256_set1_ps(scale);
+        for (; h + 8 <= hcp; h += 8) {
+            const __m256 x = _mm256_fmsub_ps(_mm256_loadu_ps(li + h), sc, _mm256_loadu_ps(lse + h));
+            _mm256_storeu_ps(li + h, CSA_V(exp256_neg)(_mm256_min_ps(_mm256_setzero_ps(), x)));
+        }
+#endif
+        for (; h < hcp; h++) {
+            const float x = li[h] * scale - lse[h];
+            li[h] = expf(x > 0.0f ? 0.0f : x); /* NaN stays NaN */
+        }
+        if (wsum) {
+            float t = 0.0f;
+#ifdef CSA_MUTANT_ATTN_WEIGHTS_HEAD
+            hc -= hc > 1; /* the last head left out of the sum */
+#endif
+            for (h = 0; h < hc; h++) t += li[h];
+            wsum[i] = t;
+        }
+    }
+}
+
 /* One work item: query (b, s), heads h0 .. h0+hc-1.  ws: per-thread floats,
  * rows: per-thread pointers (K + ATTN_KB + ATTN_MR), keys: 2K uint32 of scratch. */
 static void CSA_V(attn_item)(const struct csa_attn_problem *a, csa_idx b, csa_idx s, csa_idx h0,
                              csa_idx hc, csa_idx hcp, csa_idx dp, float *ws, const float **rows,
-                             uint32_t *keys)
+                             uint32_t *keys, float *LL)
 {
     const csa_idx D = a->D;
     const int bf16 = a->bf16;
@@ -484,15 +523,21 @@ static void CSA_V(attn_item)(const struct csa_attn_problem *a, csa_idx b, csa_id
     const int32_t *ir = a->idx + b * a->si_b + s * a->si_s;
     const char *kvb = (const char *)a->kv + (size_t)(b * a->skv_b) * es;
     const char *q = (const char *)a->q + (size_t)(b * a->sq_b + s * a->sq_s + h0 * a->sq_h) * es;
-    char *out = (char *)a->out + (size_t)(b * a->so_b + s * a->so_s + h0 * a->so_h) * es;
+    char *out = a->out ? (char *)a->out + (size_t)(b * a->so_b + s * a->so_s + h0 * a->so_h) * es
+                       : NULL;
 
     /* the valid rows, in address order (a -1 entry weighs exactly 0 in the formula) */
     const float **valid = rows;  /* bf16: they point at bfloat16 rows */
     const csa_idx n = attn_sorted_valid(ir, a->K, keys, keys + a->K);
     for (csa_idx k = 0; k < n; k++)
         valid[k] = (const float *)(kvb + (size_t)((csa_idx)keys[k] * a->skv_n) * es);
+    float *lse = a->lse ? a->lse + b * a->sl_b + s * a->sl_s + h0 : NULL;
     if (n == 0) {
-        for (csa_idx h = 0; h < hc; h++) memset(out + (size_t)(h * a->so_h) * es, 0, (size_t)D * es);
+        if (a->out)
+            for (csa_idx h = 0; h < hc; h++) memset(out + (size_t)(h * a->so_h) * es, 0, (size_t)D * es);
+        if (lse)
+            for (csa_idx h = 0; h < hc; h++) lse[h] = a->sink[h0 + h];
+        if (LL) memset(a->weights + b * a->sw_b + s * a->sw_s, 0, (size_t)a->K * sizeof(float));
         return;
     }
     const float **blk = rows + a->K;  /* one block's rows, padded to a multiple of ATTN_MR */
@@ -532,7 +577,9 @@ static void CSA_V(attn_item)(const struct csa_attn_problem *a, csa_idx b, csa_id
             }
         }
         CSA_V(attn_logits)(blk, kbp, QT, hcp, D, L);
+        if (LL) memcpy(LL + k0 * hcp, L, (size_t)(kb * hcp) * sizeof(float));
         CSA_V(attn_softmax)(L, kb, hcp, a->scale, m, sum, alpha);
+        if (!a->out) continue;
         if (bf16)  /* the weights meet the bf16 rows as bf16 (sum keeps them unrounded) */
             CSA_V(attn_round_bf16)(L, kb * hcp);
         CSA_V(attn_pv)(blk, kb, L, hcp, alpha, OT, D, k0 == 0);
@@ -541,29 +588,58 @@ static void CSA_V(attn_item)(const struct csa_attn_problem *a, csa_idx b, csa_id
 #ifdef CSA_MUTANT_ATTN_OUT /* planted (make mutants): the output off by a relative 1e-4 */
     for (csa_idx h = 0; h < hc; h++) sum[h] *= 1.0f / (1.0f + 1e-4f);
 #endif
-    CSA_V(attn_store)(OT, hcp, sum, hc, D, out, a->so_h, bf16);
+    if (a->out) CSA_V(attn_store)(OT, hcp, sum, hc, D, out, a->so_h, bf16);
+    /* the row's log-sum-exp: sum includes the sink's e^(sink - m) */
+    for (csa_idx h = 0; h < hcp; h++) alpha[h] = h < hc ? m[h] + logf(sum[h]) : INFINITY;
+#ifdef CSA_MUTANT_ATTN_LSE_NO_SINK
+    for (csa_idx h = 0; h < hc; h++) alpha[h] = m[h] + logf(sum[h] - expf(a->sink[h0 + h] - m[h]));
+#endif
+    if (lse) memcpy(lse, alpha, (size_t)hc * sizeof(float));
+    if (!LL) return;
+    /* weights (all H heads are in this item): per valid entry (address order) the
+     * probabilities e^(scale l - lse) summed over heads in head order, then copied to
+     * every slot that lists the entry (a binary search of the sorted keys) */
+    float *wv = LL + a->K * hcp;
+    CSA_V(attn_probs)(LL, n, hcp, a->scale, alpha, hc, wv);
+    float *w = a->weights + b * a->sw_b + s * a->sw_s;
+    for (csa_idx k = 0; k < a->K; k++) {
+        if (ir[k] < 0) {
+            w[k] = 0.0f;
+            continue;
+        }
+        csa_idx lo = 0, hi = n - 1;
+        const uint32_t key = (uint32_t)ir[k];
+        while (lo < hi) {
+            const csa_idx mid = (lo + hi) / 2;
+            if (keys[mid] < key) lo = mid + 1;
+            else hi = mid;
+        }
+        w[k] = wv[lo];
+    }
 }
 
 #if defined(__AVX512F__) && defined(CSA_HAVE_AMX)
 #include "attn_amx_impl.h"
 #endif
 
-static int CSA_V(sparse_attn_tuned)(const struct csa_attn_problem *a)
+/* The forward's work items over all threads; with_weights: one item per query with
+ * all heads (their sum over heads is the weights) and per-thread room for the row's
+ * logits. */
+static int CSA_V(sparse_attn_run)(const struct csa_attn_problem *a, int with_weights)
 {
-#if defined(__AVX512F__) && defined(CSA_HAVE_AMX)
-    if (a->bf16 && csa_isa_get() >= CSA_ISA_AMX) return CSA_V(sparse_attn_amx)(a);
-#endif
     const csa_idx nq = a->B * a->S, D = a->D, H = a->H;
     /* Chunks of heads per work item, chosen from the shape alone. */
     csa_idx hc_max = nq >= ATTN_FEW_QUERIES ? ATTN_HC : ATTN_HC_FEW;
-    if (hc_max > H) hc_max = H;
+    if (hc_max > H || with_weights) hc_max = H;
     const csa_idx nchunks = (H + hc_max - 1) / hc_max;
     const csa_idx items = nq * nchunks;
     const csa_idx hcp = ((hc_max + 15) / 16) * 16, dp = ((D + 15) / 16) * 16;
     const csa_idx kbp_max = ((ATTN_KB + ATTN_MR - 1) / ATTN_MR) * ATTN_MR;
     csa_idx per_thread = D * hcp + kbp_max * hcp + D * hcp + 3 * hcp + kbp_max * dp;
+    if (with_weights) per_thread += a->K * hcp + a->K; /* LL [K, hcp], then K sums */
     per_thread = ((per_thread + 15) / 16) * 16;
     const csa_idx per_rows = a->K + kbp_max + a->K; /* pointers, then 2K uint32 of sort keys */
+    const csa_idx ll_off = D * hcp + kbp_max * hcp + D * hcp + 3 * hcp + kbp_max * dp;
 
     const int nt = csa_threads(items, 1);
     float *ws = aligned_alloc(64, (size_t)(nt * per_thread) * sizeof(float));
@@ -582,10 +658,26 @@ static int CSA_V(sparse_attn_tuned)(const struct csa_attn_problem *a)
             const csa_idx qi = it / nchunks, c = it % nchunks;
             const csa_idx h0 = c * hc_max, hc = H - h0 < hc_max ? H - h0 : hc_max;
             CSA_V(attn_item)(a, qi / a->S, qi % a->S, h0, hc, hcp, dp, ws + t * per_thread,
-                             rows + t * per_rows, (uint32_t *)(rows + t * per_rows + a->K + kbp_max));
+                             rows + t * per_rows, (uint32_t *)(rows + t * per_rows + a->K + kbp_max),
+                             with_weights ? ws + t * per_thread + ll_off : NULL);
         }
     }
     free(ws);
     free(rows);
     return CSA_OK;
 }
+
+static int CSA_V(sparse_attn_tuned)(const struct csa_attn_problem *a)
+{
+#if defined(__AVX512F__) && defined(CSA_HAVE_AMX)
+    if (a->bf16 && csa_isa_get() >= CSA_ISA_AMX) return CSA_V(sparse_attn_amx)(a);
+#endif
+    return CSA_V(sparse_attn_run)(a, 0);
+}
+
+static int CSA_V(sparse_attn_weights_tuned)(const struct csa_attn_problem *a)
+{
+    return CSA_V(sparse_attn_run)(a, 1);
+}
+
+#include "attn_bwd_impl.h"

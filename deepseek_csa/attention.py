@@ -18,6 +18,6 @@ tensors, read in place): logits, softmax and the output accumulate in float32, t
 weights are rounded to bf16 before they multiply kv (a bf16 GEMM), the output is
 rounded once.  At ISA level 'amx' both products run on AMX-BF16 tiles.
 """
-from ._core import sparse_attn
+from ._core import sparse_attn, sparse_attn_backward, sparse_attn_weights
 
-__all__ = ["sparse_attn"]
+__all__ = ["sparse_attn", "sparse_attn_backward", "sparse_attn_weights"]

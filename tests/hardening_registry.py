@@ -738,7 +738,39 @@ ENTRIES += [
 # ---------------------------------------------------------------- gradients: sparse attention
 # sparse_attn_backward, sparse_attn_weights (and sparse_attn's return_lse).
 
+_ATTN_SIZES = dict(B=(1, 2), S=(1, 6), H=(1, 5), D=(1, 40), N=(1, 20), K=(0, 9))
+_ATTN_IDX = Arr(("B", "S", "K"), dtype=np.int32, index=lambda s: (-1, s["N"] - 1))
+
 ENTRIES += [
+    Entry("sparse_attn_lse", "sparse_attn",
+          dict(q=Arr(("B", "S", "H", "D")), kv=Arr(("B", "N", "D")), attn_sink=Arr(("H",)),
+               topk_idxs=_ATTN_IDX, softmax_scale=Real(lambda s: s["D"] ** -0.5),
+               out=Arr(("B", "S", "H", "D"), role="out"), return_lse=Flag(_C(True))),
+          positional=("q", "kv", "attn_sink", "topk_idxs", "softmax_scale"),
+          sizes=_ATTN_SIZES, zero_ok=("B", "S", "H", "K", "D"), loose=True,
+          huge_skip=("K",),
+          medium=dict(B=1, S=17, H=64, D=512, N=1200, K=640)),
+    Entry("sparse_attn_weights", "sparse_attn_weights",
+          dict(q=Arr(("B", "S", "H", "D")), kv=Arr(("B", "N", "D")), attn_sink=Arr(("H",)),
+               topk_idxs=_ATTN_IDX, softmax_scale=Real(lambda s: s["D"] ** -0.5),
+               out=Arr(("B", "S", "K"), role="out")),
+          positional=("q", "kv", "attn_sink", "topk_idxs", "softmax_scale"),
+          sizes=_ATTN_SIZES, zero_ok=("B", "S", "H", "K", "D"), loose=True,
+          huge_skip=("K",),
+          medium=dict(B=1, S=17, H=64, D=512, N=1200, K=640)),
+    Entry("sparse_attn_backward", "sparse_attn_backward",
+          dict(grad_out=Arr(("B", "S", "H", "D")), q=Arr(("B", "S", "H", "D")),
+               kv=Arr(("B", "N", "D")), attn_sink=Arr(("H",)), topk_idxs=_ATTN_IDX,
+               softmax_scale=Real(lambda s: s["D"] ** -0.5),
+               out=Arr(("B", "S", "H", "D")), lse=Arr(("B", "S", "H")),
+               grad_q=Arr(("B", "S", "H", "D"), role="out"),
+               grad_kv=Arr(("B", "N", "D"), role="out"),
+               grad_sink=Arr(("H",), role="out")),
+          positional=("grad_out", "q", "kv", "attn_sink", "topk_idxs", "softmax_scale", "out",
+                      "lse"),
+          sizes=_ATTN_SIZES, zero_ok=("B", "S", "H", "K", "D", "N"), loose=True,
+          huge_skip=("K",),
+          medium=dict(B=1, S=17, H=64, D=512, N=1200, K=640)),
 ]
 
 

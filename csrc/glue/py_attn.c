@@ -6,7 +6,7 @@
 #include "../attn.h"
 
 PyDoc_STRVAR(sparse_attn_doc,
-"sparse_attn(q, kv, attn_sink, topk_idxs, softmax_scale, *, out=None)\n--\n\n"
+"sparse_attn(q, kv, attn_sink, topk_idxs, softmax_scale, *, out=None, return_lse=False)\n--\n\n"
 "Top-k sparse multi-query attention with an attention sink (docs/kernels.md, section 5).\n\n"
 "For every (b, s, h), over the valid entries j of topk_idxs[b, s] (-1 = skip):\n"
 "l_j = softmax_scale * q[b,s,h] . kv[b, idx_j];\n"
@@ -19,7 +19,12 @@ PyDoc_STRVAR(sparse_attn_doc,
 "topk_idxs     : int32 [B, S, K], every entry in [-1, N) (else IndexError, nothing written).\n"
 "softmax_scale : finite float (D**-0.5 in the model).\n"
 "out           : [B, S, H, D] of q's dtype, or None; must not overlap an input.\n"
-"Returns out (a new array when out is None).  Bitwise identical at any thread count.\n\n"
+"return_lse    : also return lse, float32 [B, S, H], the row log-sum-exp of the full\n"
+"                denominator log(sum_j e^(l_j) + e^(attn_sink[h])) (attn_sink[h] for a\n"
+"                query with no valid index), from the same pass: what\n"
+"                sparse_attn_backward needs.\n"
+"Returns out (a new array when out is None), or (out, lse) with return_lse.  Bitwise\n"
+"identical at any thread count.\n\n"
 "bfloat16 (ml_dtypes.bfloat16 arrays, torch bf16 tensors viewed without a copy): float32\n"
 "logits, softmax and accumulation; the weights are rounded to bf16 before they\n"
 "multiply kv, as in a bf16 GEMM; the output is rounded once.  At ISA level 'amx' the\n"
@@ -27,7 +32,7 @@ PyDoc_STRVAR(sparse_attn_doc,
 
 /* IndexError naming the first entry of topk_idxs outside [-1, N) (after the kernel
  * refused the call with CSA_EINDEX, having written nothing). */
-static PyObject *raise_bad_index(const struct csa_attn_problem *p, const char *fn)
+PyObject *csa_attn_raise_bad_index(const struct csa_attn_problem *p, const char *fn)
 {
     csa_idx b = 0, s = 0, k = 0;
     if (!csa_attn_bad_index(p, &b, &s, &k)) return csa_raise_status(CSA_EINDEX, fn);
@@ -40,7 +45,7 @@ static PyObject *raise_bad_index(const struct csa_attn_problem *p, const char *f
 }
 
 /* topk_idxs as int32 [B, S, K], with the reference's advice on a wrong dtype. */
-static PyArrayObject *parse_idx(PyObject *io, const char *fn)
+PyArrayObject *csa_attn_parse_idx(PyObject *io, const char *fn)
 {
     PyArrayObject *idx = csa_array(io, fn, "topk_idxs", CSA_I32, 3, 3, 0);
     if (idx) return idx;
@@ -63,12 +68,14 @@ static PyArrayObject *parse_idx(PyObject *io, const char *fn)
 static PyObject *py_sparse_attn(PyObject *self, PyObject *args, PyObject *kw)
 {
     static const char *fn = "sparse_attn";
-    static char *kwlist[] = {"q", "kv", "attn_sink", "topk_idxs", "softmax_scale", "out", NULL};
+    static char *kwlist[] = {"q", "kv", "attn_sink", "topk_idxs", "softmax_scale", "out",
+                             "return_lse", NULL};
     PyObject *qo, *kvo, *so, *io, *sco, *oo = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO|$O:sparse_attn", kwlist, &qo, &kvo, &so,
-                                     &io, &sco, &oo))
+    int want_lse = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO|$Op:sparse_attn", kwlist, &qo, &kvo, &so,
+                                     &io, &sco, &oo, &want_lse))
         return NULL;
-    PyArrayObject *q = NULL, *kv = NULL, *sink = NULL, *idx = NULL, *out = NULL;
+    PyArrayObject *q = NULL, *kv = NULL, *sink = NULL, *idx = NULL, *out = NULL, *lse = NULL;
     PyArrayObject *qc = NULL, *kvc = NULL, *sc = NULL, *ic = NULL, *work = NULL;
     PyObject *ret = NULL;
 
@@ -83,7 +90,7 @@ static PyObject *py_sparse_attn(PyObject *self, PyObject *args, PyObject *kw)
         goto done;
     }
     if (!(sink = csa_array(so, fn, "attn_sink", CSA_F32, 1, 1, 0))) goto done;
-    if (!(idx = parse_idx(io, fn))) goto done;
+    if (!(idx = csa_attn_parse_idx(io, fn))) goto done;
     /* shapes */
     const npy_intp B = PyArray_DIM(q, 0), S = PyArray_DIM(q, 1), H = PyArray_DIM(q, 2),
                    D = PyArray_DIM(q, 3), N = PyArray_DIM(kv, 1), K = PyArray_DIM(idx, 2);
@@ -101,6 +108,8 @@ static PyObject *py_sparse_attn(PyObject *self, PyObject *args, PyObject *kw)
     const npy_intp shape[4] = {B, S, H, D};
     PyArrayObject *ins[4] = {q, kv, sink, idx};
     if (!(out = csa_out_array(oo, fn, 4, shape, q, 0, ins, 4, 0, NULL))) goto done;
+    if (want_lse && !(lse = (PyArrayObject *)PyArray_EMPTY(3, (npy_intp *)shape, NPY_FLOAT32, 0)))
+        goto done;
     if (!(qc = csa_unit_inner(q)) || !(kvc = csa_unit_inner(kv)) ||
         !(sc = csa_unit_inner(sink)) || !(ic = csa_unit_inner(idx)) ||
         !(work = csa_work_array(out, CSA_WORK_UNIT_INNER)))
@@ -115,14 +124,21 @@ static PyObject *py_sparse_attn(PyObject *self, PyObject *args, PyObject *kw)
         .out = PyArray_DATA(work), .so_b = csa_stride(work, 0), .so_s = csa_stride(work, 1),
         .so_h = csa_stride(work, 2),
         .B = B, .S = S, .H = H, .D = D, .N = N, .K = K, .scale = (float)scale, .bf16 = bf16,
+        .lse = lse ? PyArray_DATA(lse) : NULL, .sl_b = S * H, .sl_s = H,
     };
     int st;
     Py_BEGIN_ALLOW_THREADS
     st = csa_sparse_attn(&p);
     Py_END_ALLOW_THREADS
     /* finish */
-    ret = st == CSA_EINDEX ? raise_bad_index(&p, fn) : csa_finish(st, fn, oo, out, work);
+    ret = st == CSA_EINDEX ? csa_attn_raise_bad_index(&p, fn) : csa_finish(st, fn, oo, out, work);
+    if (ret && lse) {
+        PyObject *pair = PyTuple_Pack(2, ret, (PyObject *)lse);
+        Py_DECREF(ret);
+        ret = pair;
+    }
 done:
+    Py_XDECREF(lse);
     Py_XDECREF(q);
     Py_XDECREF(kv);
     Py_XDECREF(sink);

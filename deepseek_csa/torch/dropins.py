@@ -17,7 +17,12 @@ __all__ = ["sparse_attn", "apply_rotary_emb", "rms_norm", "rms_norm_forward", "a
 def sparse_attn(q, kv, attn_sink, topk_idxs, softmax_scale):
     """Released ``sparse_attn(q, kv, attn_sink, topk_idxs, softmax_scale)``: q [B,S,H,D],
     kv [B,N,D], attn_sink [H] float32, topk_idxs [B,S,K] (-1 = none) -> [B,S,H,D] in q's
-    dtype."""
+    dtype.  Differentiable in q, kv and attn_sink (autograd_attn._SparseAttnFn) when
+    autograd records."""
+    from .autograd import _records
+    if _records(q, kv, attn_sink):
+        from . import autograd_attn
+        return autograd_attn._SparseAttnFn.apply(q, kv, attn_sink, topk_idxs, softmax_scale)
     torch = _torch()
     idx = topk_idxs.detach()
     idx = idx.numpy() if idx.dtype == torch.int32 else idx.to(torch.int32).numpy()
