@@ -242,7 +242,11 @@ static inline __attribute__((always_inline)) void CSA_V(nb_rows)(
 #pragma omp simd reduction(+ : dot)
             for (csa_idx i = 0; i < d; i++) dot += norm_ld(gr, dybf, i) * norm_ld(xr, xbf, i);
         }
+#ifdef CSA_MUTANT_RMS_GRAD_MEAN
+        const float k = inv * inv * inv * (dot / (float)(d + 1));   /* mutant: mean over d+1 */
+#else
         const float k = inv * inv * inv * (dot / (float)d);
+#endif
         if (w) {
 #pragma omp simd
             for (csa_idx i = 0; i < d; i++)

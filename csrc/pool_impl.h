@@ -687,6 +687,9 @@ static inline __attribute__((always_inline)) void CSA_V(pg_entry)(
             }
 #pragma omp simd
         for (csa_idx f = 0; f < fc; f++) y[f] = acc[f] / s[f];
+#ifdef CSA_MUTANT_POOL_GRAD_Y
+        for (csa_idx f = 0; f < fc; f++) y[f] *= 1.0f + 1e-4f;   /* mutant: y off 1e-4 */
+#endif
         q = 0;
         for (int k = 0; k < np; k++)
             for (csa_idx j = 0; j < pt[k].n; j++, q++) {

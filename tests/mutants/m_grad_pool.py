@@ -1,0 +1,51 @@
+"""Planted bugs in the backward of RMSNorm, RoPE and gated pooling (C: `#ifdef
+CSA_MUTANT_*` in the tuned bodies of pool_impl.h / norm_impl.h; Python: the torch
+Functions of deepseek_csa/torch/autograd_norm_pool.py).  Format: tests/mutants/run.py."""
+
+T = "tests/test_grad_norm_rope_pool.py"
+
+
+def _rotary_forward_in_backward():
+    """_RotaryFn's backward rotates the gradient forward instead of back."""
+    import deepseek_csa.torch.autograd_norm_pool as m
+    Fn = m._rotary_fn()
+
+    def backward(ctx, grad):
+        import torch
+        import deepseek_csa as dc
+        g = grad.detach().to("cpu", torch.float32, copy=True).contiguous()
+        dc.apply_rope(g.numpy(), ctx.cos, ctx.sin, inverse=ctx.inverse)
+        return g, None, None, None
+    Fn.backward = staticmethod(backward)
+
+
+def _pool_ape_grad_dropped():
+    """The torch gated_pool returns no gradient for ape."""
+    import deepseek_csa.torch.autograd_norm_pool as m
+    Fn = m._gated_pool_fn()
+    orig = Fn.backward
+
+    def backward(ctx, grad):
+        gk, gs, ga, a, b = orig(ctx, grad)
+        return gk, gs, None, a, b
+    Fn.backward = staticmethod(backward)
+
+
+MUTANTS = [
+    dict(name="pool_grad_first_group", kind="c", define="CSA_MUTANT_POOL_GRAD_FIRST_GROUP",
+         targets=[T], what="gated_pool_backward: overlap's first entry (no group -1) gets "
+                           "gradients off by a relative 1e-3"),
+    dict(name="pool_grad_ape_drop", kind="c", define="CSA_MUTANT_POOL_GRAD_APE_DROP",
+         targets=[T], what="gated_pool_backward: d(ape) misses the last group of row 0"),
+    dict(name="pool_grad_y", kind="c", define="CSA_MUTANT_POOL_GRAD_Y",
+         targets=[T], what="gated_pool_backward: the recomputed entry y off by a relative "
+                           "1e-4 (d(score) = w dy (kv - y) slightly wrong)"),
+    dict(name="rms_grad_weight", kind="c", define="CSA_MUTANT_RMS_GRAD_WEIGHT",
+         targets=[T], what="rms_norm_backward: d(weight) off by a relative 1e-4"),
+    dict(name="rms_grad_mean", kind="c", define="CSA_MUTANT_RMS_GRAD_MEAN",
+         targets=[T], what="rms_norm_backward: d(x)'s mean term divides by D + 1"),
+    dict(name="rotary_backward_forward", kind="py", apply=_rotary_forward_in_backward,
+         targets=[T], what="apply_rotary_emb's backward rotates forward, not back"),
+    dict(name="pool_torch_ape_none", kind="py", apply=_pool_ape_grad_dropped,
+         targets=[T], what="torch gated_pool drops ape's gradient"),
+]

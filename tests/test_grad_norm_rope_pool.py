@@ -1,0 +1,523 @@
+"""Backward of RMSNorm, rotary embedding and gated pooling (docs/kernels.md, section 11.2).
+
+References are written here from the formulas (float64 NumPy, and float64 torch autograd
+on a float64 reference that torch.autograd.gradcheck validates first); none calls
+deepseek_csa.
+
+Error budget (float32 kernels against float64 references):
+- gated pooling: a logit l carries a rounding error of ~|l| * 2^-24 and exp adds ~1 ulp,
+  so each softmax weight w is good to a relative ~(|l|max + 2) * 6e-8 <= 1e-6 at our
+  scales (|l| <= ~10); d(kv) = w dy inherits it (bound: relative 2e-5).  d(score) =
+  w dy (kv - y) also carries y's absolute error, ~1e-6 * max|kv|, so each element's
+  bound is 2e-5 * |ref| + 4e-6 * |w dy| * max|kv| (element-wise, so a relative 1e-4
+  error in y is caught).  d(ape) sums B*G such terms: the sum of their bounds plus
+  1e-6 * B*G * sum|terms| for the float32 summation.
+- RMSNorm: inv to ~2 ulp, the dot product over D to ~D * 6e-8 relative to sum|g x|, so
+  d(x) is within 2e-5 relative plus 1e-6 * D^(1/2) * max|g| * inv absolute; d(weight)
+  sums R rows: absolute 1e-6 * R * max|dy x inv|.
+- RoPE: a 2x2 rotation per pair, two products and a sum: 3e-7 relative to |grad|.
+"""
+import numpy as np
+import pytest
+import torch
+
+import deepseek_csa as dc
+from conftest import assert_close, same_bits_at_thread_counts, unchanged
+
+T_ = torch.from_numpy
+
+
+# ---------------------------------------------------------------- references (float64)
+
+def _cands(g, r, d, overlap):
+    """(token, feature slice, ape row) of every candidate of entry g."""
+    if not overlap:
+        return [(g * r + j, slice(0, d), j) for j in range(r)]
+    prev = [((g - 1) * r + j, slice(0, d), j) for j in range(r)] if g > 0 else []
+    return prev + [(g * r + j, slice(d, 2 * d), j) for j in range(r)]
+
+
+def ref_pool_backward(dy, kv, sc, r, ape, overlap):
+    """d(kv), d(score), d(ape) in float64, straight from the softmax formulas."""
+    kv = np.asarray(kv, np.float64)
+    dy = np.asarray(dy, np.float64)
+    B, T, cd = kv.shape
+    d, G = cd // (2 if overlap else 1), T // r
+    gk, gs, ga = np.zeros_like(kv), np.zeros_like(kv), np.zeros((r, cd))
+    if r == 1 and not overlap:
+        gk[:, :G] = dy
+        return gk, gs, ga
+    sc = np.asarray(sc, np.float64)
+    a = np.zeros((r, cd)) if ape is None else np.asarray(ape, np.float64)
+    for g in range(G):
+        c = _cands(g, r, d, overlap)
+        L = np.stack([sc[:, t, fs] + a[j, fs] for t, fs, j in c])
+        K = np.stack([kv[:, t, fs] for t, fs, j in c])
+        E = np.exp(L - L.max(0))
+        W = E / E.sum(0)
+        y = (W * K).sum(0)
+        for q, (t, fs, j) in enumerate(c):
+            gk[:, t, fs] = W[q] * dy[:, g]
+            gs[:, t, fs] = W[q] * dy[:, g] * (K[q] - y)
+            ga[j, fs] += (W[q] * dy[:, g] * (K[q] - y)).sum(0)
+    return gk, gs, ga
+
+
+def torch_pool(kv, sc, r, ape, overlap):
+    """Gated pooling in torch (any dtype; differentiable), written from the formula."""
+    B, T, cd = kv.shape
+    d, G = cd // (2 if overlap else 1), T // r
+    if r == 1 and not overlap:
+        return kv[:, :G]
+    l = sc[:, :G * r]
+    if ape is not None:
+        l = l + ape.repeat(G, 1)
+    l, k = l.reshape(B, G, r, cd), kv[:, :G * r].reshape(B, G, r, cd)
+    if overlap:
+        pad_l = torch.full((B, 1, r, d), -float("inf"), dtype=l.dtype)
+        pad_k = torch.zeros((B, 1, r, d), dtype=k.dtype)
+        l = torch.cat([torch.cat([pad_l, l[:, :-1, :, :d]], 1), l[..., d:]], 2)
+        k = torch.cat([torch.cat([pad_k, k[:, :-1, :, :d]], 1), k[..., d:]], 2)
+    return (torch.softmax(l, 2) * k).sum(2)
+
+
+def ref_rms_backward(dy, x, w, eps):
+    x, dy = np.asarray(x, np.float64), np.asarray(dy, np.float64)
+    D = x.shape[-1]
+    if D == 0:
+        return np.zeros_like(x), np.zeros(0)
+    inv = 1.0 / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
+    g = dy * (1.0 if w is None else np.asarray(w, np.float64))
+    dx = inv * g - x * inv ** 3 * (g * x).sum(-1, keepdims=True) / D
+    dw = (dy * x * inv).reshape(-1, D).sum(0)
+    return dx, dw
+
+
+def torch_rms(x, w, eps):
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return y if w is None else y * w
+
+
+def torch_rope(x, cos, sin, inverse):
+    """Pairs (x[2i], x[2i+1]) rotated by angle a (-a when inverse), positions on axis 1."""
+    s = -sin if inverse else sin
+    shape = [1, cos.shape[0]] + [1] * (x.dim() - 3) + [cos.shape[1]]
+    c, s = cos.reshape(shape), s.reshape(shape)
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], -1).flatten(-2)
+
+
+def _inputs(rng, B, T, cd, r, ape=True, scale=2.0):
+    kv = rng.standard_normal((B, T, cd), dtype=np.float32)
+    sc = (rng.standard_normal((B, T, cd)) * scale).astype(np.float32)
+    ap = rng.standard_normal((r, cd), dtype=np.float32) if ape else None
+    dy = rng.standard_normal((B, T // r, cd // (1 + 0)), dtype=np.float32)
+    return kv, sc, ap, dy
+
+
+def _dy(rng, B, T, r, d):
+    return rng.standard_normal((B, T // r, d), dtype=np.float32)
+
+
+def _bounded(got, want, bound, what):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, what
+    err = np.abs(got - want)
+    bad = ~(err <= bound)
+    if bad.any():
+        i = np.unravel_index(np.argmax(np.where(bad, err - bound, -np.inf)), err.shape)
+        raise AssertionError(f"{what}: {int(bad.sum())} of {err.size} outside the budget; "
+                             f"worst at {i}: got {got[i]:.8g} want {want[i]:.8g} "
+                             f"bound {bound[i]:.3g}")
+
+
+def _check_pool(got, want, dy, kv, r, what):
+    """The module docstring's budget, element by element: d(kv) within 2e-5 relative;
+    d(score) within 2e-5 relative plus 4e-6 * |w dy| * max|kv| (y's error); d(ape) the
+    sum of its terms' bounds plus the summation's own rounding."""
+    gk, gs, ga = got
+    rk, rs, ra = want
+    kvmax = float(np.abs(kv).max(initial=1.0))
+    _bounded(gk, rk, 2e-5 * np.abs(rk) + 1e-30, f"{what} d(kv)")
+    bs = 2e-5 * np.abs(rs) + 4e-6 * np.abs(rk) * kvmax + 1e-30
+    _bounded(gs, rs, bs, f"{what} d(score)")
+    if ga is not None:
+        B, T, cd = kv.shape
+        G = T // r
+        n = max(B * G, 1)
+        grp = lambda a: a[:, :G * r].reshape(B * G, r, cd) if B * G else np.zeros((1, r, cd))
+        ba = grp(bs).sum(0) + 1e-6 * n * grp(np.abs(rs)).sum(0) + 1e-30
+        _bounded(ga, ra, ba, f"{what} d(ape)")
+
+
+# ---------------------------------------------------------------- the float64 references themselves
+
+def test_torch_references_pass_gradcheck():
+    g = torch.Generator().manual_seed(0)
+    for (B, T, d, r, ov) in [(2, 9, 3, 4, True), (1, 7, 2, 3, False), (2, 5, 2, 1, True)]:
+        cd = d * (2 if ov else 1)
+        kv = torch.randn(B, T, cd, dtype=torch.float64, generator=g, requires_grad=True)
+        sc = torch.randn(B, T, cd, dtype=torch.float64, generator=g, requires_grad=True)
+        ap = torch.randn(r, cd, dtype=torch.float64, generator=g, requires_grad=True)
+        assert torch.autograd.gradcheck(lambda a, b, c: torch_pool(a, b, r, c, ov), (kv, sc, ap))
+    x = torch.randn(3, 2, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(5, dtype=torch.float64, generator=g, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: torch_rms(a, b, 1e-6), (x, w))
+    cos, sin = torch.cos(torch.randn(4, 3, dtype=torch.float64)), None
+    ang = torch.randn(4, 3, dtype=torch.float64, generator=g)
+    cos, sin = torch.cos(ang), torch.sin(ang)
+    x = torch.randn(2, 4, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a: torch_rope(a, cos, sin, False), (x,))
+
+
+def test_numpy_pool_reference_is_torch_autograd():
+    """The float64 NumPy reference (used for the big shapes) equals float64 autograd."""
+    rng = np.random.default_rng(5)
+    for (B, T, d, r, ov) in [(2, 11, 3, 4, True), (2, 9, 4, 2, False), (1, 7, 2, 1, True)]:
+        cd = d * (2 if ov else 1)
+        kv, sc, ap, _ = _inputs(rng, B, T, cd, r)
+        dy = _dy(rng, B, T, r, d)
+        t = [T_(a.astype(np.float64)).requires_grad_() for a in (kv, sc, ap)]
+        torch_pool(*t[:2], r, t[2], ov).backward(T_(dy.astype(np.float64)))
+        for got, want in zip(ref_pool_backward(dy, kv, sc, r, ap, ov), t):
+            np.testing.assert_allclose(got, want.grad.numpy(), rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------- gated_pool_backward
+
+ODD = [  # B, T, D, ratio, overlap, ape
+    (3, 13, 17, 4, True, True),     # T % r = 1, overlap at the first group, batch 3
+    (2, 3, 8, 4, True, True),       # T < r: no entry, every gradient 0
+    (2, 4, 8, 4, True, False),      # one group: only the first (overlap) entry
+    (1, 11, 37, 5, False, True),
+    (2, 9, 33, 2, False, True),
+    (2, 7, 16, 1, True, True),      # ratio 1 with overlap (a gate of 2 candidates)
+    (2, 7, 5, 1, False, True),      # ratio 1 ungated: d(kv) = dy, d(score) = 0
+    (1, 300, 24, 128, False, True),  # T % 128 = 44
+    (2, 25, 1, 3, True, True),
+    (1, 5, 300, 2, True, False),     # D beyond the tuned chunk
+    (0, 8, 8, 2, False, True), (2, 0, 8, 4, True, True),
+]
+
+
+@pytest.mark.parametrize("B, T, D, r, ov, has_ape", ODD)
+def test_gated_pool_backward_odd_shapes(isa, rng, B, T, D, r, ov, has_ape):
+    cd = D * (2 if ov else 1)
+    kv, sc, ap, _ = _inputs(rng, B, T, cd, r, has_ape)
+    dy = _dy(rng, B, T, r, D)
+    with unchanged(dy, kv, sc, *([ap] if has_ape else [])):
+        got = dc.gated_pool_backward(dy, kv, sc, r, ape=ap, overlap=ov)
+    assert (got[2] is None) == (not has_ape)
+    want = ref_pool_backward(dy, kv, sc, r, ap, ov)
+    _check_pool(got, want, dy, kv, r, f"B{B} T{T} D{D} r{r} ov{ov}")
+    G = T // r
+    assert not got[0][:, G * r:].any() and not got[1][:, G * r:].any(), "trailing tokens"
+    if ov and G:
+        assert not got[0][:, (G - 1) * r:, :D].any(), "last group's first halves feed nothing"
+
+
+@pytest.mark.parametrize("kind, D, T", [
+    ((4, True, True), 512, 1027), ((4, True, True), 128, 1027),     # V4 CSA KV, indexer
+    ((128, False, True), 512, 1027), ((2, False, False), 512, 1027),  # V4 HCA, V4.1 pair
+    ((1, False, False), 512, 259)])                                   # V4.1 ungated
+def test_gated_pool_backward_released_shapes(rng, kind, D, T):
+    r, ov, has_ape = kind
+    cd = D * (2 if ov else 1)
+    kv, sc, ap, _ = _inputs(rng, 1, T, cd, r, has_ape)
+    dy = _dy(rng, 1, T, r, D)
+    got = dc.gated_pool_backward(dy, kv, sc, r, ape=ap, overlap=ov)
+    _check_pool(got, ref_pool_backward(dy, kv, sc, r, ap, ov), dy, kv, r, f"r{r}")
+
+
+def test_gated_pool_backward_ratio1_ungated_is_identity(rng):
+    kv = rng.standard_normal((2, 6, 9), dtype=np.float32)
+    dy = rng.standard_normal((2, 6, 9), dtype=np.float32)
+    gk, gs, ga = dc.gated_pool_backward(dy, kv, None, 1)
+    assert np.array_equal(gk, dy) and not gs.any() and ga is None
+
+
+def test_gated_pool_backward_bf16_inputs(rng):
+    """bfloat16 kv / score / grad_out are widened exactly: the float32 result on the
+    widened values, bitwise."""
+    import ml_dtypes
+    kv, sc, ap, _ = _inputs(rng, 2, 14, 32, 4)
+    dy = _dy(rng, 2, 14, 4, 16)
+    h = [a.astype(ml_dtypes.bfloat16) for a in (dy, kv, sc)]
+    w = [a.astype(np.float32) for a in h]
+    got = dc.gated_pool_backward(*h, 4, ape=ap, overlap=True)
+    want = dc.gated_pool_backward(*w, 4, ape=ap, overlap=True)
+    for a, b in zip(got, want):
+        assert a.dtype == np.float32 and np.array_equal(a, b)
+
+
+def test_gated_pool_backward_strided_and_out(rng):
+    kv, sc, ap, _ = _inputs(rng, 2, 18, 40, 4)
+    dy = _dy(rng, 2, 18, 4, 20)
+    want = dc.gated_pool_backward(dy, kv, sc, 4, ape=ap, overlap=True)
+    big = rng.standard_normal((2, 18, 80), dtype=np.float32)
+    big[..., ::2] = kv
+    outs = [np.full((2, 18, 40), 7.0, np.float32), np.full((2, 18, 40), 7.0, np.float32),
+            np.full((4, 40), 7.0, np.float32)]
+    sk = np.zeros((2, 18, 80), np.float32)[..., ::2]          # a strided grad_kv
+    r = dc.gated_pool_backward(dy, big[..., ::2], sc, 4, ape=ap, overlap=True, grad_kv=sk,
+                               grad_score=outs[1], grad_ape=outs[2])
+    assert r[0] is sk and r[1] is outs[1] and r[2] is outs[2]
+    for a, b in zip((sk, outs[1], outs[2]), want):
+        assert np.array_equal(a, b)
+
+
+def test_gated_pool_backward_bits_at_thread_counts(isa, rng):
+    for (B, T, D, r, ov) in [(2, 403, 96, 4, True), (2, 515, 64, 128, False),
+                             (3, 301, 80, 2, False), (2, 64, 200, 1, False)]:
+        cd = D * (2 if ov else 1)
+        kv, sc, ap, _ = _inputs(rng, B, T, cd, r)
+        dy = _dy(rng, B, T, r, D)
+        same_bits_at_thread_counts(lambda: dc.gated_pool_backward(dy, kv, sc, r, ape=ap,
+                                                                  overlap=ov))
+
+
+def test_gated_pool_backward_errors(rng):
+    kv, sc, ap, _ = _inputs(rng, 1, 8, 8, 4)
+    dy = _dy(rng, 1, 8, 4, 4)
+    with pytest.raises(ValueError, match="grad_out"):
+        dc.gated_pool_backward(dy[:, :1], kv, sc, 4, ape=ap, overlap=True)
+    with pytest.raises(ValueError, match="score"):
+        dc.gated_pool_backward(dy, kv, sc[:, :4], 4, ape=ap, overlap=True)
+    with pytest.raises(ValueError, match="grad_ape"):
+        dc.gated_pool_backward(dy, kv, sc, 4, overlap=True, grad_ape=np.zeros((4, 8), np.float32))
+    ro = np.zeros((1, 8, 8), np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="grad_kv"):
+        dc.gated_pool_backward(dy, kv, sc, 4, ape=ap, overlap=True, grad_kv=ro)
+
+
+# ---------------------------------------------------------------- streaming
+
+@pytest.mark.parametrize("r, ov, has_ape, T1, T2", [
+    (4, True, True, 10, 13), (4, True, True, 3, 9), (128, False, True, 130, 260),
+    (2, False, False, 5, 6), (1, False, False, 3, 4), (3, True, False, 0, 10)])
+def test_streaming_gradient_is_the_concatenations(isa, rng, r, ov, has_ape, T1, T2):
+    """A prefill of T1 tokens and T2 decode tokens (the Compressor's streaming: each
+    emitted decode entry pools the state's rows -- with overlap the previous group's
+    first halves and the open group) get the gradient of ONE gated_pool over the
+    concatenation: prefill's backward on its complete groups plus, per decode entry,
+    gated_pool_backward over the window of tokens the state held, scattered back to
+    their positions.  Every (token, feature) feeds one entry, so d(kv) and d(score) are
+    bitwise those of the one-shot call; d(ape) is the same sum in the same order."""
+    D = 6
+    cd = D * (2 if ov else 1)
+    T = T1 + T2
+    kv, sc, ap, _ = _inputs(rng, 1, T, cd, r, has_ape)
+    dy = _dy(rng, 1, T, r, D)
+    # the forward streaming law first: Compressor prefill + steps = one gated_pool
+    comp = dc.Compressor(1, r, D, overlap=ov, ape=ap)
+    ent = [comp.prefill(kv[:, :T1], sc[:, :T1])]
+    for p in range(T1, T):
+        e = comp.step(kv[:, p:p + 1], sc[:, p:p + 1], p)
+        if e is not None:
+            ent.append(e)
+    one = dc.gated_pool(kv, sc, r, ape=ap, overlap=ov)
+    assert np.array_equal(np.concatenate(ent, 1), one)
+    # the backward, piece by piece
+    G1 = T1 // r
+    gk, gs = np.zeros_like(kv), np.zeros_like(kv)
+    ga = np.zeros((r, cd), np.float32) if has_ape else None
+    pk, ps, pa = dc.gated_pool_backward(dy[:, :G1], kv[:, :T1], sc[:, :T1], r, ape=ap,
+                                        overlap=ov)
+    gk[:, :T1], gs[:, :T1] = pk, ps
+    if has_ape:
+        ga = pa
+    for g in range(G1, T // r):             # entries the decode steps emit
+        lo = (g - 1) * r if (ov and g > 0) else g * r
+        win = slice(lo, (g + 1) * r)
+        wdy = np.zeros((1, (win.stop - lo) // r, D), np.float32)
+        wdy[:, -1] = dy[:, g]
+        wk, ws, wa = dc.gated_pool_backward(wdy, kv[:, win], sc[:, win], r, ape=ap, overlap=ov)
+        if ov and g > 0:
+            gk[:, win.start:g * r, :D] = wk[:, :r, :D]      # the previous group's first halves
+            gs[:, win.start:g * r, :D] = ws[:, :r, :D]
+            gk[:, g * r:win.stop, D:] = wk[:, r:, D:]
+            gs[:, g * r:win.stop, D:] = ws[:, r:, D:]
+        else:
+            gk[:, win], gs[:, win] = wk, ws
+        if has_ape:
+            ga = ga + wa
+    want = dc.gated_pool_backward(dy, kv, sc, r, ape=ap, overlap=ov)
+    assert np.array_equal(gk, want[0]) and np.array_equal(gs, want[1])
+    if has_ape:
+        assert np.array_equal(ga, want[2])
+
+
+def test_streaming_torch_state_carries_the_gradient(rng):
+    """torch: a prefill keeps its open group (and, with overlap, its last complete group)
+    as tensors of the graph; each decode entry pools the state + the new token; the
+    gradient of a loss over every entry equals the one-shot gated_pool's."""
+    import deepseek_csa.torch as dct
+    r, D, T1, T = 4, 8, 10, 23
+    kv0, sc0, ap0, _ = _inputs(rng, 2, T, 2 * D, r)
+    wgt = T_(rng.standard_normal((2, T // r, D), dtype=np.float32))
+
+    def leaves():
+        return [T_(a.copy()).requires_grad_() for a in (kv0, sc0, ap0)]
+
+    kv, sc, ap = leaves()
+    whole = T1 // r * r
+    ent = [dct.gated_pool(kv[:, :T1], sc[:, :T1], r, ape=ap, overlap=True)]
+    state_kv, state_sc = kv[:, whole - r:T1], sc[:, whole - r:T1]   # prev group + open tail
+    for p in range(T1, T):
+        state_kv = torch.cat([state_kv, kv[:, p:p + 1]], 1)
+        state_sc = torch.cat([state_sc, sc[:, p:p + 1]], 1)
+        if (p + 1) % r == 0:
+            ent.append(dct.gated_pool(state_kv, state_sc, r, ape=ap, overlap=True)[:, -1:])
+            state_kv, state_sc = state_kv[:, -r:], state_sc[:, -r:]
+    (torch.cat(ent, 1) * wgt).sum().backward()
+    k1, s1, a1 = leaves()
+    (dct.gated_pool(k1, s1, r, ape=a1, overlap=True) * wgt).sum().backward()
+    assert torch.equal(kv.grad, k1.grad) and torch.equal(sc.grad, s1.grad)
+    assert_close(ap.grad.numpy(), a1.grad.numpy(), rtol=1e-6, atol=1e-6, what="d(ape)")
+
+
+# ---------------------------------------------------------------- rms_norm_backward
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 5, 7), (130, 64), (200, 33), (65, 1030), (0, 8),
+                                   (4, 0)])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_rms_norm_backward_odd_shapes(isa, rng, shape, weighted):
+    x = rng.standard_normal(shape, dtype=np.float32)
+    dy = rng.standard_normal(shape, dtype=np.float32)
+    w = rng.standard_normal(shape[-1], dtype=np.float32) if weighted else None
+    with unchanged(x, dy, *([w] if weighted else [])):
+        gx, gw = dc.rms_norm_backward(dy, x, w, 1e-6)
+    rx, rw = ref_rms_backward(dy, x, w, 1e-6)
+    D = max(shape[-1], 1)
+    inv = 1.0 / np.sqrt((x.astype(np.float64) ** 2).mean(-1) + 1e-6).max(initial=1.0) \
+        if x.size else 1.0
+    gmax = float(np.abs(dy).max(initial=1.0) * (np.abs(w).max(initial=1.0) if weighted else 1))
+    assert_close(gx, rx, rtol=2e-5, atol=1e-6 * np.sqrt(D) * gmax * max(inv, 1.0) * 4,
+                 what="d(x)")
+    if weighted:
+        rows = int(np.prod(shape[:-1]))
+        assert_close(gw, rw, rtol=2e-5, atol=1e-6 * max(rows, 1) * 4, what="d(weight)")
+    else:
+        assert gw is None
+
+
+def test_rms_norm_backward_released_shape(rng):
+    x = rng.standard_normal((1, 1024, 4096), dtype=np.float32)
+    dy = rng.standard_normal((1, 1024, 4096), dtype=np.float32)
+    w = rng.standard_normal(4096, dtype=np.float32)
+    gx, gw = dc.rms_norm_backward(dy, x, w, 1e-6)
+    rx, rw = ref_rms_backward(dy, x, w, 1e-6)
+    assert_close(gx, rx, rtol=2e-5, atol=1e-4, what="d(x)")
+    assert_close(gw, rw, rtol=2e-5, atol=4e-3, what="d(weight)")
+
+
+def test_rms_norm_backward_bits_at_thread_counts(isa, rng):
+    for shape in [(1000, 96), (129, 4096), (7, 3, 500)]:
+        x = rng.standard_normal(shape, dtype=np.float32)
+        dy = rng.standard_normal(shape, dtype=np.float32)
+        w = rng.standard_normal(shape[-1], dtype=np.float32)
+        same_bits_at_thread_counts(lambda: dc.rms_norm_backward(dy, x, w, 1e-6))
+
+
+def test_rms_norm_backward_bf16_and_strides(rng):
+    import ml_dtypes
+    x = rng.standard_normal((6, 40), dtype=np.float32)
+    dy = rng.standard_normal((6, 40), dtype=np.float32)
+    w = rng.standard_normal(40, dtype=np.float32)
+    xh, dh = x.astype(ml_dtypes.bfloat16), dy.astype(ml_dtypes.bfloat16)
+    a = dc.rms_norm_backward(dh, xh, w, 1e-6)
+    b = dc.rms_norm_backward(dh.astype(np.float32), xh.astype(np.float32), w, 1e-6)
+    # the same values widened (the vectorized sums may group differently per dtype)
+    assert a[0].dtype == np.float32 and a[1].dtype == np.float32
+    assert_close(a[0], b[0], rtol=1e-6, atol=1e-6, what="bf16 d(x)")
+    assert_close(a[1], b[1], rtol=1e-6, atol=1e-6, what="bf16 d(w)")
+    big = np.zeros((6, 80), np.float32)
+    big[:, 1::2] = x
+    gx = np.zeros((6, 80), np.float32)[:, ::2]
+    r = dc.rms_norm_backward(dy.T.copy().T, big[:, 1::2], w, 1e-6, grad_x=gx)
+    want = dc.rms_norm_backward(dy, x, w, 1e-6)
+    assert r[0] is gx and np.array_equal(gx, want[0]) and np.array_equal(r[1], want[1])
+
+
+# ---------------------------------------------------------------- torch
+
+@pytest.mark.parametrize("B, T, D, r, ov", [(2, 11, 5, 4, True), (2, 9, 3, 2, False),
+                                              (1, 260, 20, 128, False), (2, 5, 4, 1, True)])
+def test_torch_gated_pool_grads(rng, B, T, D, r, ov):
+    import deepseek_csa.torch as dct
+    cd = D * (2 if ov else 1)
+    kv, sc, ap, _ = _inputs(rng, B, T, cd, r)
+    dy = _dy(rng, B, T, r, D)
+    t = [T_(a.copy()).requires_grad_() for a in (kv, sc, ap)]
+    y = dct.gated_pool(t[0], t[1], r, ape=t[2], overlap=ov)
+    y.backward(T_(dy))
+    t64 = [T_(a.astype(np.float64)).requires_grad_() for a in (kv, sc, ap)]
+    y64 = torch_pool(t64[0], t64[1], r, t64[2], ov)
+    y64.backward(T_(dy.astype(np.float64)))
+    assert_close(y.detach().numpy(), y64.detach().numpy(), rtol=1e-5, atol=2e-6, what="out")
+    _check_pool([a.grad.numpy() for a in t], [a.grad.numpy() for a in t64], dy, kv, r, "torch")
+
+
+def test_torch_gated_pool_no_grad_and_bf16(rng):
+    import deepseek_csa.torch as dct
+    kv, sc, ap, _ = _inputs(rng, 1, 12, 16, 4)
+    y = dct.gated_pool(T_(kv), T_(sc), 4, ape=T_(ap), overlap=True)
+    assert not y.requires_grad and np.array_equal(
+        y.numpy(), dc.gated_pool(kv, sc, 4, ape=ap, overlap=True))
+    kb = T_(kv).bfloat16().requires_grad_()
+    sb = T_(sc).bfloat16().requires_grad_()
+    y = dct.gated_pool(kb, sb, 4, ape=T_(ap), overlap=True)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert kb.grad.dtype == torch.bfloat16 and sb.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_torch_rms_norm_dropin_grads(rng, weighted):
+    import deepseek_csa.torch as dct
+    x = rng.standard_normal((2, 7, 33), dtype=np.float32)
+    w = rng.standard_normal(33, dtype=np.float32)
+    dy = rng.standard_normal((2, 7, 33), dtype=np.float32)
+    xt, wt = T_(x.copy()).requires_grad_(), T_(w.copy()).requires_grad_()
+    y = dct.rms_norm(xt, wt if weighted else None, 1e-6)
+    y.backward(T_(dy))
+    x64, w64 = T_(x.astype(np.float64)).requires_grad_(), T_(w.astype(np.float64)).requires_grad_()
+    torch_rms(x64, w64 if weighted else None, 1e-6).backward(T_(dy.astype(np.float64)))
+    assert_close(xt.grad.numpy(), x64.grad.numpy(), rtol=2e-5, atol=2e-5, what="d(x)")
+    if weighted:
+        assert_close(wt.grad.numpy(), w64.grad.numpy(), rtol=2e-5, atol=2e-5, what="d(w)")
+
+    class Norm(torch.nn.Module):      # rms_norm_forward(self, x): the module's weight
+        def __init__(self):
+            super().__init__()
+            self.weight, self.eps = torch.nn.Parameter(T_(w.copy())), 1e-6
+
+    m = Norm()
+    xt.grad = None
+    dct.rms_norm_forward(m, xt).backward(T_(dy))
+    assert_close(m.weight.grad.numpy(), w64.grad.numpy() if weighted else
+                 ref_rms_backward(dy, x, w, 1e-6)[1], rtol=2e-5, atol=2e-5, what="module d(w)")
+
+
+@pytest.mark.parametrize("inverse", [False, True])
+def test_torch_apply_rotary_emb_grads(rng, inverse):
+    """The drop-in rotates in place (here a view of a larger tensor, as the model does
+    with q[..., -rd:]); the gradient is the inverse rotation."""
+    import deepseek_csa.torch as dct
+    B, S, H, D, rd = 2, 5, 3, 12, 8
+    q = rng.standard_normal((B, S, H, D), dtype=np.float32)
+    ang = rng.uniform(-5, 5, (S, rd // 2))
+    freqs = torch.polar(torch.ones(S, rd // 2), T_(ang).float())
+    dy = rng.standard_normal((B, S, H, D), dtype=np.float32)
+    qt = T_(q.copy()).requires_grad_()
+    z = qt * 1.0
+    out = dct.apply_rotary_emb(z[..., -rd:], freqs, inverse)
+    assert out.data_ptr() == z[..., -rd:].data_ptr()
+    z.backward(T_(dy))
+    q64 = T_(q.astype(np.float64)).requires_grad_()
+    c, s = torch.cos(T_(ang.astype(np.float32)).double()), torch.sin(T_(ang.astype(np.float32)).double())
+    z64 = torch.cat([q64[..., :-rd], torch_rope(q64[..., -rd:], c, s, inverse)], -1)
+    z64.backward(T_(dy.astype(np.float64)))
+    assert_close(z.detach().numpy(), z64.detach().numpy(), rtol=1e-5, atol=1e-5, what="out")
+    assert_close(qt.grad.numpy(), q64.grad.numpy(), rtol=1e-5, atol=1e-5, what="d(x)")
