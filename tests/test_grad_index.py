@@ -284,3 +284,65 @@ def test_bad_inputs_raise_clearly(rng):
     with pytest.raises(ValueError, match="grad_k"):
         dc.index_scores_backward(np.zeros((1, 8, Tc), np.float32), q, k, w, ratio=2,
                                  grad_k=np.zeros((1, Tc, 5), np.float32))
+
+
+# ---------------------------------------------------------------- torch autograd
+
+def test_torch_index_scores_autograd(rng):
+    import deepseek_csa.torch as dct
+    B, S, Hi, Di, ratio, sp = 2, 21, 5, 9, 2, 3
+    q, k, w, Tc = make(rng, B, S, Hi, Di, ratio, sp, 1)
+    g = rng.standard_normal((B, S, Tc)).astype(np.float32)
+    qt, kt, wt = (torch.tensor(x, requires_grad=True) for x in (q, k, w))
+    sc = dct.index_scores(qt, kt, wt, ratio=ratio, start_pos=sp)
+    assert sc.requires_grad and sc.dtype == torch.float32
+    np.testing.assert_array_equal(sc.detach().numpy(),
+                                  dc.index_scores(q, k, w, ratio=ratio, start_pos=sp))
+    gt = torch.tensor(g)
+    # the -inf entries: a finite gradient there must not reach q, k, w
+    (torch.where(torch.isfinite(sc), sc, torch.zeros_like(sc)) * gt).sum().backward()
+    q64, k64, w64 = _t(q), _t(k), _t(w)
+    I, mask = ref_scores(q64, k64, w64, ratio, sp)
+    want = ref_grads((I * torch.tensor(g, dtype=torch.float64) * mask).sum(), q64, k64, w64)
+    for t, ref, what in zip((qt, kt, wt), want, "qkw"):
+        close(t.grad.numpy(), ref, "torch grad " + what)
+    with torch.no_grad():
+        assert not dct.index_scores(qt, kt, wt, ratio=ratio, start_pos=sp).requires_grad
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_torch_indexer_kl_loss_autograd(rng, dense):
+    import deepseek_csa.torch as dct
+    B, S, Hi, Di, ratio, sp, K = 2, 19, 4, 10, 2, 1, 5
+    q, k, w, Tc = make(rng, B, S, Hi, Di, ratio, sp, 1)
+    idx = None if dense else make_idx(rng, B, S, K, ratio, sp)
+    tgt = kl_target(rng, (B, S, Tc if dense else K))
+    qt, kt = torch.tensor(q, requires_grad=True), torch.tensor(k, requires_grad=True)
+    wt = torch.tensor(w, dtype=torch.bfloat16, requires_grad=True)   # grads in its dtype
+    tidx = None if dense else torch.tensor(idx.astype(np.int64))
+    loss = dct.indexer_kl_loss(qt, kt, wt, tidx, torch.tensor(tgt), ratio=ratio, start_pos=sp)
+    assert loss.shape == () and loss.requires_grad
+    (2.0 * loss).backward()
+    wb = wt.detach().float().numpy()
+    q64, k64, w64 = _t(q), _t(k), _t(wb)
+    L = ref_kl(q64, k64, w64, idx, tgt, ratio, sp)
+    assert abs(loss.item() - L.item()) <= 1e-5 * abs(L.item()) + 1e-6
+    want = ref_grads(2.0 * L, q64, k64, w64)
+    close(qt.grad.numpy(), want[0], "grad q")
+    close(kt.grad.numpy(), want[1], "grad k")
+    assert wt.grad.dtype == torch.bfloat16
+    close(wt.grad.float().numpy(), want[2], "grad w", tol=1e-2)
+    with torch.no_grad():
+        l2 = dct.indexer_kl_loss(qt, kt, wt, tidx, torch.tensor(tgt), ratio=ratio, start_pos=sp)
+    assert l2.item() == loss.item() and not l2.requires_grad
+
+
+def test_torch_import_stays_lazy():
+    import subprocess
+    import sys
+    code = ("import sys, deepseek_csa.torch.autograd_index as m; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=__import__("os").path.dirname(__import__("os").path.dirname(
+                             __file__)))
+    assert out.stdout.strip() == "False", out.stderr
