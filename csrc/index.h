@@ -115,4 +115,48 @@ int csa_window_topk_idxs(int32_t *out, csa_idx window, csa_idx B, csa_idx S, csa
  * t + offset for every t. */
 int csa_compress_topk_idxs(int32_t *out, csa_idx ratio, csa_idx B, csa_idx S,
                            csa_idx start_pos, csa_idx offset);
+/* ------------------------------------------------------------------ gradients
+ * docs/kernels.md, section 11.3.  float32 q, k, w only (qk_bf16, w_bf16, k_fp4, q_fp4
+ * all 0, else CSA_EINVAL).  The results dq [B,S,Hi,Di], dk [B,Tc,Di] and dw [B,S,Hi]
+ * are C-contiguous float32 and every element is written.  With a[s,h,t] = q[s,h].k[t]
+ * and G[s,t] the gradient of the scores:
+ *   dw[s,h] = sum_t G[s,t] relu(a[s,h,t])
+ *   dq[s,h] = sum_t G[s,t] w[s,h] relu'(a) k[t],   dk[t] = sum_s sum_h (same) q[s,h]
+ * over the entries row s can see; relu'(a) = 0 where a <= 0, 1 elsewhere (NaN
+ * included, as torch's relu backward).  dk, which every row scatters into, is summed
+ * per fixed chunk of CSA_IXG_CHUNK consecutive query rows of one batch entry into a
+ * chunk partial, the partials then added in chunk order: the bits do not depend on
+ * the thread count. */
+#define CSA_IXG_CHUNK 32
+
+/* g: float32 scores gradient [B, S, Tc], strides (sgb, sgs, sgt); only the visible
+ * entries are read (the others are -inf in the forward and get no gradient). */
+int csa_index_scores_backward(const struct csa_index_problem *p, const float *g, csa_idx sgb,
+                              csa_idx sgs, csa_idx sgt, float *dq, float *dk, float *dw);
+int csa_index_scores_backward_ref(const struct csa_index_problem *p, const float *g,
+                                  csa_idx sgb, csa_idx sgs, csa_idx sgt, float *dq, float *dk,
+                                  float *dw);
+
+/* The indexer's KL objective.  idx: int32 [B, S, K] (strides sib, sis, sik), -1 = no
+ * entry, every other value a compressed entry row s can see (else CSA_EINDEX, checked
+ * before anything is written); idx NULL = the dense warm-up: the slots of row s are
+ * its visible entries t < (start_pos + s + 1) / ratio, with K = Tc.  target: float32
+ * [B, S, K] (strides stb, sts, stk), the slot's attention target (>= 0).
+ * Per row with valid slots j (idx >= 0) and Z = sum_j target_j != 0 (rows with no valid
+ * slot or Z == 0 take no part): p_j = target_j / Z, l_j = log_softmax_j(I), loss_row =
+ * sum_{p_j != 0} p_j (log p_j - l_j); *loss = mean of loss_row over the n_rows rows
+ * taking part (0 when none).  Duplicate slots count as often as they appear.  With dq
+ * (then dk and dw) non-NULL the gradients of *loss are written too:
+ * G_j = (softmax_j(I) - p_j) / n_rows, through the scores as above.  Row sums run in
+ * double; memory O(B*S + threads*K*Hi + chunks in flight*Tc*Di), never [S, Tc]. */
+struct csa_kl_target {
+    const int32_t *idx; /* NULL: dense warm-up */
+    csa_idx K, sib, sis, sik;
+    const float *t;
+    csa_idx stb, sts, stk;
+};
+int csa_indexer_kl(const struct csa_index_problem *p, const struct csa_kl_target *x,
+                   double *loss, float *dq, float *dk, float *dw);
+int csa_indexer_kl_ref(const struct csa_index_problem *p, const struct csa_kl_target *x,
+                       double *loss, float *dq, float *dk, float *dw);
 #endif

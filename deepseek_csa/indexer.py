@@ -32,6 +32,9 @@ FP4 per 32 features as the released indexer rounds its queries, or q packed too)
 """
 from ._core import (compress_topk_idxs, fp4_pack, fp4_unpack, index_scores, index_topk,
                     select_candidate_blocks, topk_indices, window_topk_idxs)
+# gradients (docs/kernels.md, section 11.3): float32 only, bits independent of threads
+from ._core import index_scores_backward, indexer_kl_loss
 
 __all__ = ["index_scores", "index_topk", "topk_indices", "select_candidate_blocks",
-           "window_topk_idxs", "compress_topk_idxs", "fp4_pack", "fp4_unpack"]
+           "window_topk_idxs", "compress_topk_idxs", "fp4_pack", "fp4_unpack",
+           "index_scores_backward", "indexer_kl_loss"]
