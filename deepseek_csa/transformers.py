@@ -650,6 +650,11 @@ def _indexer_select(st, m, layer, h, qr, cos, sin, rd, start, off, T):
                           start_pos=start, offset=off)
 
 
+def _indexer_inputs(h, qr):
+    """The indexer's inputs cut from the main graph (it learns only from its KL loss)."""
+    return h.detach(), qr.detach()
+
+
 def _indexer_capture(st, m, layer, h, qr, position_embeddings, start, off, T, grad_mode):
     """The indexer under capture_indexer: q / k / weights computed by the differentiable
     ops from the *detached* hidden states and query residual (the indexer learns only
@@ -660,7 +665,7 @@ def _indexer_capture(st, m, layer, h, qr, position_embeddings, start, off, T, gr
     ix = comp.indexer
     B, S, _ = h.shape
     with torch.set_grad_enabled(grad_mode):
-        hd, qrd = h.detach(), qr.detach()
+        hd, qrd = _indexer_inputs(h, qr)
         qfn = (lambda x, rd_: _qat_index(x)) if st.qat else None
         keys = _compress_grad(dct, ix, layer, "indexer", hd, True, qfn)
         if not T:
