@@ -43,11 +43,19 @@ up to such ties the selection is transformers'.
 
 Covered: float32 and bfloat16 CPU models, batch >= 1 with equal positions for all rows
 (no padding), prefill, chunked prefill, decode, greedy / sampling / beam search through
-``generate()``, sliding, CSA and HCA layers, any subset of layers.
+``generate()``, sliding, CSA and HCA layers, any subset of layers, and training:
+in ``model.train()`` with grad enabled a swapped layer autograd must record runs through
+the differentiable ops of ``deepseek_csa.torch`` (``rms_norm``, ``apply_rotary_emb``,
+``gated_pool``, ``sparse_attn``), so ``loss.backward()`` runs on our backward kernels
+(QAT roundings straight-through; the indexer's selection discrete, no gradient).
+``capture_indexer(model)`` hands back, per CSA layer, the indexer's q / k / weights
+(from inputs detached from the main graph), its selection and the attention target, for
+``deepseek_csa.torch.indexer_kl_loss`` (docs/layers.md, "Training through the
+transformers swap").
 Falls back to transformers' own forward (one warning per reason, never silently wrong):
 padding (a 2-D attention mask with zeros: transformers pools pad tokens into the
-compressed entries, which we do not reproduce), a prebuilt 4-D / dict mask, autograd
-(grad enabled with inputs or weights requiring grad) or ``model.training``,
+compressed entries, which we do not reproduce), a prebuilt 4-D / dict mask, attention
+dropout in training mode, autograd with a build lacking the differentiable ops,
 ``output_attentions``, position ids that are not one ``arange`` continuing the cache,
 tensors not on the CPU or not float32 / bfloat16.
 

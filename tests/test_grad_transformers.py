@@ -158,6 +158,21 @@ def test_backward_matches_eager(ops, monkeypatch):
     assert all(g is None for n, g in gs.items() if ".indexer." in n)
 
 
+def test_backward_partial_swap(ops):
+    """Layers 1 and 2 swapped, 0 and 3 eager (the dense mask is built for them)."""
+    m = make_model(seed=5).train()
+    ids = ids_for(2, 45, seed=28)
+    le, ge = lm_backward(m, ids, False)
+    m.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with dch.swapped(m, layers=[1, 2]):
+            out = m(ids, labels=ids)
+            out.loss.backward()
+    assert abs(float(out.loss.detach()) - le) <= TOL * abs(le)
+    assert_grads_close(grads(m), ge, float64_noise(m, ids))
+
+
 def test_backward_with_cache_continuation(ops):
     """A prefill under no_grad into a cache, then a chunk with grad continuing it (the
     previous call's buffered tokens and overlap group feed this chunk's entries)."""
