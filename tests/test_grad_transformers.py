@@ -26,14 +26,16 @@ import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-if transformers.__version__ != "5.23.0":
-    pytest.skip("deepseek_csa.transformers is tested against transformers 5.23.0",
-                allow_module_level=True)
+import deepseek_csa.transformers as dch  # noqa: E402
+
+_supported = getattr(dch, "_supported", lambda v: v in dch.SUPPORTED_VERSIONS)
+if not _supported(transformers.__version__):
+    pytest.skip(f"deepseek_csa.transformers supports transformers {dch.SUPPORTED_VERSIONS}, "
+                f"found {transformers.__version__}", allow_module_level=True)
 
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as mdl  # noqa: E402
 
 import deepseek_csa.torch as dct  # noqa: E402
-import deepseek_csa.transformers as dch  # noqa: E402
 
 from _grad_standin import NAMES, install, real_ops_available  # noqa: E402
 from test_transformers_bridge import ids_for, make_model  # noqa: E402
