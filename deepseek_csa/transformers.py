@@ -46,11 +46,19 @@ up to such ties the selection is transformers'.
 
 Covered: float32 and bfloat16 CPU models, batch >= 1 with equal positions for all rows
 (no padding), prefill, chunked prefill, decode, greedy / sampling / beam search through
-``generate()``, sliding, CSA and HCA layers, any subset of layers.
+``generate()``, sliding, CSA and HCA layers, any subset of layers, and training:
+in ``model.train()`` with grad enabled a swapped layer autograd must record runs through
+the differentiable ops of ``deepseek_csa.torch`` (``rms_norm``, ``apply_rotary_emb``,
+``gated_pool``, ``sparse_attn``), so ``loss.backward()`` runs on our backward kernels
+(QAT roundings straight-through; the indexer's selection discrete, no gradient).
+``capture_indexer(model)`` hands back, per CSA layer, the indexer's q / k / weights
+(from inputs detached from the main graph), its selection and the attention target, for
+``deepseek_csa.torch.indexer_kl_loss`` (docs/layers.md, "Training through the
+transformers swap").
 Falls back to transformers' own forward (one warning per reason, never silently wrong):
 padding (a 2-D attention mask with zeros: transformers pools pad tokens into the
-compressed entries, which we do not reproduce), a prebuilt 4-D / dict mask, autograd
-(grad enabled with inputs or weights requiring grad) or ``model.training``,
+compressed entries, which we do not reproduce), a prebuilt 4-D / dict mask, attention
+dropout in training mode, autograd with a build lacking the differentiable ops,
 ``output_attentions``, position ids that are not one ``arange`` continuing the cache,
 tensors not on the CPU or not float32 / bfloat16.
 
@@ -72,6 +80,7 @@ import numpy as np
 import deepseek_csa as _dc
 
 __all__ = ["SUPPORTED_VERSIONS", "swap", "unswap", "swapped", "is_swapped",
+           "capture_indexer", "IndexerCapture", "IndexerRecord",
            "CSACacheLayer", "HCACacheLayer"]
 
 # The transformers releases whose DeepseekV4 modeling code the bridge is tested against
@@ -375,6 +384,7 @@ class _Swap:
         self.call_reason = None      # set by the model wrapper for one call
         self.mask_skipped = False
         self.warned = set()
+        self.capture = None          # an IndexerCapture while capture_indexer is active
 
     def warn(self, reason):
         if reason not in self.warned:
@@ -390,12 +400,12 @@ def _layer_reason(st, m, h, position_ids, past_key_values, kw):
         return st.call_reason
     if kw.get("output_attentions"):
         return "output_attentions"
-    if m.training:
-        return "the module is in training mode"
-    if torch.is_grad_enabled() and (h.requires_grad or any(p.requires_grad
-                                                           for p in m.parameters())):
-        return ("autograd is enabled (run under torch.no_grad() or torch.inference_mode(), "
-                "as generate() does)")
+    if m.training and m.attention_dropout:
+        return f"attention dropout {m.attention_dropout} in training mode"
+    if _needs_grad(m, h):
+        missing = _missing_grad_ops()
+        if missing:
+            return _missing_reason(missing)
     if h.device.type != "cpu" or h.dtype not in (torch.float32, torch.bfloat16):
         return f"hidden states on {h.device} in {h.dtype} (CPU float32 / bfloat16 only)"
     S = h.shape[1]
@@ -432,16 +442,23 @@ def _make_forward(st, m):
             st.warn(reason)
             return orig(m, hidden_states, position_embeddings, position_ids, attention_mask,
                         past_key_values, **kwargs)
+        if _needs_grad(m, hidden_states):
+            return _attention_grad(st, m, hidden_states, position_embeddings, position_ids,
+                                   past_key_values), None
+        grad_mode = torch.is_grad_enabled()      # the capture's indexer tensors use it
         with torch.no_grad():
             return _attention(st, m, hidden_states, position_embeddings, position_ids,
-                              past_key_values), None
+                              past_key_values, grad_mode), None
 
     forward._deepseek_csa = True
     return forward
 
 
-def _attention(st, m, h, position_embeddings, position_ids, cache):
+def _attention(st, m, h, position_embeddings, position_ids, cache, grad_mode=False):
+    """The inference path: under torch.no_grad(), NumPy kernels writing in place.
+    ``grad_mode`` is the caller's grad mode (for the tensors an indexer capture keeps)."""
     torch = _torch()
+    rec = None
     B, S, _ = h.shape
     H, D = m.num_heads, m.head_dim
     start = int(position_ids.reshape(-1, S)[0, 0])
@@ -484,33 +501,418 @@ def _attention(st, m, h, position_embeddings, position_ids, cache):
         if T:
             kvbuf = torch.cat([rows, entries.to(rows.dtype)], dim=1)
         if hasattr(comp, "indexer"):
-            ix = comp.indexer
-            qfn = (lambda x, rd_: _qat_index(x)) if st.qat else None
-            keys = _compress(ix, layer, "indexer", h, True, qfn)
-            if T:
-                qi = ix.q_b_proj(qr).view(B, S, ix.num_heads, ix.head_dim)
-                _dc.apply_rope(qi[..., ix.head_dim - rd:], cos, sin)
-                if st.qat:
-                    _qat_index(qi)
-                w = ix.scorer.weights_proj(h).float() * (ix.scorer.weights_scaling
-                                                         * ix.scorer.softmax_scale)
-                keys = keys.to(qi.dtype)
-                sel = _dc.index_topk(qi, keys, w, ix.index_topk, ratio=comp.compress_rate,
-                                     start_pos=start, offset=off)
+            cap = st.capture
+            if cap is not None:
+                sel, rec = _indexer_capture(st, m, layer, h, qr, position_embeddings, start,
+                                            off, T, grad_mode)
+            else:
+                sel, rec = _indexer_select(st, m, layer, h, qr, cos, sin, rd, start, off, T), \
+                    None
+            if sel is not None:
                 idx.append(sel)
-                del qi, w       # [S, Hi, Di] is freed before the attention allocates
         elif T:
             a = _all_idx(S, start, comp.compress_rate, T, off)
             idx.append(np.broadcast_to(a, (B,) + a.shape))
     idx = np.ascontiguousarray(np.concatenate(idx, axis=-1)) if len(idx) > 1 else \
         np.ascontiguousarray(idx[0])
+    kvbuf = kvbuf.contiguous() if kvbuf.stride(-1) != 1 else kvbuf
+    if rec is not None:
+        _capture_target(st, m, rec, q, kvbuf, idx, start, off, T)
     o = torch.empty((B, S, H, D), dtype=q.dtype)
-    _dc.sparse_attn(q, kvbuf.contiguous() if kvbuf.stride(-1) != 1 else kvbuf,
-                    m.sinks.detach().float().contiguous(), idx, float(m.scaling), out=o)
+    _dc.sparse_attn(q, kvbuf, m.sinks.detach().float().contiguous(), idx, float(m.scaling),
+                    out=o)
     del q, qr, kvbuf    # peak memory: q [S, H, D] goes before the output projections
     _dc.apply_rope(o[..., D - rd:], cos, sin, inverse=True)
     grouped = m.o_a_proj(o.view(B, S, m.config.o_groups, -1)).flatten(2)
     return m.o_b_proj(grouped)
+
+
+# ----------------------------------------------------------------------------- training
+# The differentiable ops of deepseek_csa.torch (GRAD_API.md) this module uses, resolved
+# on the module at call time: sparse_attn, sparse_attn_weights, rms_norm,
+# apply_rotary_emb, gated_pool (the attention), indexer_kl_loss (the capture's loss).
+# sparse_attn / rms_norm / apply_rotary_emb exist forward-only in older builds; the names
+# the gradient work adds tell whether the build has them differentiable.
+_GRAD_MAIN = ("sparse_attn_weights", "gated_pool")
+_GRAD_ALL = ("sparse_attn_weights", "gated_pool", "index_scores", "indexer_kl_loss")
+
+
+def _dct():
+    import deepseek_csa.torch as dct
+    return dct
+
+
+def _missing_grad_ops(names=_GRAD_MAIN):
+    try:
+        dct = _dct()
+    except ImportError:   # pragma: no cover
+        return list(names)
+    return [n for n in names if not hasattr(dct, n)]
+
+
+def _missing_reason(missing):
+    return ("autograd is enabled and this build of deepseek_csa.torch has no "
+            f"differentiable ops ({', '.join(missing)} missing): run under torch.no_grad() "
+            "or update deepseek_csa")
+
+
+def _needs_grad(m, h):
+    """True when autograd must record this attention call: grad enabled and the input or
+    a parameter of the main path requires grad (the indexer's parameters do not count:
+    its selection is discrete, it learns only through capture_indexer's KL loss)."""
+    torch = _torch()
+    if not torch.is_grad_enabled():
+        return False
+    if h.requires_grad:
+        return True
+    comp = m.compressor
+    skip = {id(p) for p in comp.indexer.parameters()} if (
+        comp is not None and hasattr(comp, "indexer")) else set()
+    return any(p.requires_grad and id(p) not in skip for p in m.parameters())
+
+
+_STE = []
+
+
+def _ste(x, fn):
+    """A QAT rounding ``fn`` (in place on a copy) with the straight-through estimator:
+    forward the rounded values, backward the identity."""
+    torch = _torch()
+    if not _STE:
+        class _StraightThrough(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, fn):
+                r = x.detach().clone(memory_format=torch.contiguous_format)
+                fn(r)
+                return r
+
+            @staticmethod
+            def backward(ctx, g):
+                return g, None
+        _STE.append(_StraightThrough)
+    return _STE[0].apply(x, fn)
+
+
+def _freqs(cos_t, sin_t, n):
+    """The complex [n, rd/2] table apply_rotary_emb takes, from transformers' cos / sin
+    (one row of positions: every batch row shares them)."""
+    torch = _torch()
+    c = cos_t.detach().reshape(-1, n, cos_t.shape[-1])[0].float()
+    s = sin_t.detach().reshape(-1, n, sin_t.shape[-1])[0].float()
+    return torch.complex(c, s)
+
+
+def _rope_tail(dct, x, freqs, rd, inverse=False):
+    """RoPE on the last rd features of x, differentiable, out of place for the caller
+    (the rotation runs on a private copy of the tail: the op may rotate in place)."""
+    torch = _torch()
+    D = x.shape[-1]
+    tail = x[..., D - rd:].clone(memory_format=torch.contiguous_format)
+    tail = dct.apply_rotary_emb(tail, freqs, inverse=inverse)
+    if rd == D:
+        return tail
+    return torch.cat([x[..., :D - rd], tail], dim=-1)
+
+
+def _compress_grad(dct, mod, layer, name, h, overlap, qat_fn):
+    """``_compress`` through the differentiable ops: gated_pool (position_bias as its
+    ``ape``, or added in torch when the cache prepends the previous call's last group),
+    rms_norm with the compressor's weight, RoPE at ``g * ratio``, QAT straight-through."""
+    torch = _torch()
+    B = h.shape[0]
+    ratio, D = mod.compress_rate, mod.head_dim
+    kv = mod.kv_proj(h)
+    gate = mod.gate_proj(h)
+    if layer is None:
+        usable = (kv.shape[1] // ratio) * ratio
+        ckv, cgate, first = kv[:, :usable], gate[:, :usable], 0
+    else:
+        ckv, cgate, first = layer.store_compression_weights(name, kv, gate)
+    n = ckv.shape[1] // ratio
+    if n == 0:
+        new = kv.new_zeros((B, 0, D))
+    else:
+        c = ckv.shape[-1]
+        prior_kv = None
+        if overlap and layer is not None:
+            score = (cgate.reshape(B, n, ratio, c) + mod.position_bias).reshape(B, n * ratio, c)
+            prior_kv, prior_gate = layer.update_overlap_state(
+                name, ckv.reshape(B, n, ratio, c), score.reshape(B, n, ratio, c), D)
+        if prior_kv is None:
+            pooled = dct.gated_pool(ckv, cgate, ratio, ape=mod.position_bias, overlap=overlap)
+        else:
+            pkv = torch.cat([prior_kv.to(ckv.dtype), ckv.new_zeros((B, ratio, D))], dim=-1)
+            pg = torch.cat([prior_gate.to(score.dtype), score.new_zeros((B, ratio, D))],
+                           dim=-1)
+            pooled = dct.gated_pool(torch.cat([pkv, ckv], dim=1), torch.cat([pg, score], dim=1),
+                                    ratio, overlap=True)[:, 1:]
+        new = dct.rms_norm(pooled, mod.kv_norm.weight, mod.kv_norm.variance_epsilon)
+        pos = (torch.arange(n) * ratio + first).unsqueeze(0)
+        cos, sin = mod.rotary_emb(new, position_ids=pos, layer_type="compress")
+        rd = 2 * cos.shape[-1]
+        new = _rope_tail(dct, new, _freqs(cos, sin, n), rd)
+        if qat_fn is not None:
+            new = _ste(new, lambda x: qat_fn(x, rd))
+    if layer is None:
+        return new
+    return layer.update_compressor_states(name, new)
+
+
+def _indexer_select(st, m, layer, h, qr, cos, sin, rd, start, off, T):
+    """The indexer's selection on the NumPy kernels (no autograd; callers detach):
+    its compressor call (always: it keeps the cache state), then the top-k lists at
+    ``offset=off`` ([B, S, K] int32), None while there is no entry."""
+    comp = m.compressor
+    ix = comp.indexer
+    B, S, _ = h.shape
+    qfn = (lambda x, rd_: _qat_index(x)) if st.qat else None
+    keys = _compress(ix, layer, "indexer", h, True, qfn)
+    if not T:
+        return None
+    qi = ix.q_b_proj(qr).view(B, S, ix.num_heads, ix.head_dim)
+    _dc.apply_rope(qi[..., ix.head_dim - rd:], cos, sin)
+    if st.qat:
+        _qat_index(qi)
+    w = ix.scorer.weights_proj(h).float() * (ix.scorer.weights_scaling
+                                             * ix.scorer.softmax_scale)
+    keys = keys.to(qi.dtype)
+    return _dc.index_topk(qi, keys, w, ix.index_topk, ratio=comp.compress_rate,
+                          start_pos=start, offset=off)
+
+
+def _indexer_inputs(h, qr):
+    """The indexer's inputs cut from the main graph (it learns only from its KL loss)."""
+    return h.detach(), qr.detach()
+
+
+def _indexer_capture(st, m, layer, h, qr, position_embeddings, start, off, T, grad_mode):
+    """The indexer under capture_indexer: q / k / weights computed by the differentiable
+    ops from the *detached* hidden states and query residual (the indexer learns only
+    from its KL loss), the selection from their values, recorded for the layer."""
+    torch = _torch()
+    dct = _dct()
+    comp = m.compressor
+    ix = comp.indexer
+    B, S, _ = h.shape
+    with torch.set_grad_enabled(grad_mode):
+        hd, qrd = _indexer_inputs(h, qr)
+        qfn = (lambda x, rd_: _qat_index(x)) if st.qat else None
+        keys = _compress_grad(dct, ix, layer, "indexer", hd, True, qfn)
+        if not T:
+            return None, None
+        cos_t, sin_t = position_embeddings[m.rope_layer_type]
+        freqs = _freqs(cos_t, sin_t, S)
+        rd = 2 * freqs.shape[-1]
+        qi = ix.q_b_proj(qrd).view(B, S, ix.num_heads, ix.head_dim)
+        qi = _rope_tail(dct, qi, freqs, rd)
+        if st.qat:
+            qi = _ste(qi, _qat_index)
+        w = ix.scorer.weights_proj(hd).float() * (ix.scorer.weights_scaling
+                                                  * ix.scorer.softmax_scale)
+        keys = keys.to(qi.dtype)
+    with torch.no_grad():
+        sel = _dc.index_topk(qi.detach().contiguous(), keys.detach().contiguous(),
+                             w.detach().contiguous(), ix.index_topk,
+                             ratio=comp.compress_rate, start_pos=start, offset=off)
+    pos = torch.from_numpy(np.where(sel >= 0, sel - off, -1).astype(np.int32))
+    rec = IndexerRecord(m.layer_idx, qi, keys, w, pos, comp.compress_rate, start)
+    st.capture._layers[m.layer_idx] = rec
+    return sel, rec
+
+
+def _capture_target(st, m, rec, q, kvbuf, idx, start, off, T):
+    """The record's attention targets from the main attention's own inputs (no grad):
+    sparse_attn_weights over the layer's lists (window + selected entries; the selected
+    slots are the last K), and with ``dense=True`` over window + every visible entry."""
+    torch = _torch()
+    dct = _dct()
+    B, S = idx.shape[0], idx.shape[1]
+    K = rec.topk_idxs.shape[-1]
+    qd, kd = q.detach(), kvbuf.detach()
+    sink = m.sinks.detach().float().contiguous()
+    with torch.no_grad():
+        w = dct.sparse_attn_weights(qd, kd, sink, torch.from_numpy(idx), float(m.scaling))
+        rec.attn_target = w[..., idx.shape[-1] - K:].float().contiguous()
+        if st.capture.dense:
+            win = idx[..., :idx.shape[-1] - K]
+            a = _all_idx(S, start, rec.ratio, T, off)
+            full = np.ascontiguousarray(np.concatenate(
+                [win, np.broadcast_to(a, (B,) + a.shape)], axis=-1))
+            wd = dct.sparse_attn_weights(qd, kd, sink, torch.from_numpy(full),
+                                         float(m.scaling))[..., win.shape[-1]:]
+            dense = torch.zeros((B, S, T), dtype=torch.float32)
+            dense[..., :wd.shape[-1]] = wd
+            rec.dense_target = dense
+
+
+def _attention_grad(st, m, h, position_embeddings, position_ids, cache):
+    """The training path: the same layer as ``_attention`` through the differentiable
+    ops of deepseek_csa.torch (autograd records it; backward runs on our kernels).  The
+    indexer's selection is discrete and computed without autograd."""
+    torch = _torch()
+    dct = _dct()
+    B, S, _ = h.shape
+    H, D = m.num_heads, m.head_dim
+    start = int(position_ids.reshape(-1, S)[0, 0])
+    cos_t, sin_t = position_embeddings[m.rope_layer_type]
+    freqs = _freqs(cos_t, sin_t, S)
+    rd = 2 * freqs.shape[-1]
+
+    qr = dct.rms_norm(m.q_a_proj(h), m.q_a_norm.weight, m.q_a_norm.variance_epsilon)
+    q = dct.rms_norm(m.q_b_proj(qr).view(B, S, H, D), None, m.q_b_norm.eps)
+    q = _rope_tail(dct, q, freqs, rd)
+    kv = dct.rms_norm(m.kv_proj(h), m.kv_norm.weight, m.kv_norm.variance_epsilon)
+    kv = _rope_tail(dct, kv, freqs, rd)
+    qat_kv = _qat_kv if st.qat else None
+    if qat_kv is not None:
+        kv = _ste(kv, lambda x: _qat_kv(x, rd))
+
+    layer = None
+    if cache is not None:
+        if m.compressor is not None:
+            layer = _adopt_layer(cache, m.layer_idx)
+        rows = cache.update(kv.unsqueeze(1), kv.unsqueeze(1), m.layer_idx)[0][:, 0]
+    else:
+        rows = kv
+    L = rows.shape[1] - S
+    idx = [np.broadcast_to(_window_idx(S, L, m.sliding_window), (B, S, min(m.sliding_window,
+                                                                          L + S)))]
+    kvbuf = rows
+    rec = None
+    comp = m.compressor
+    if comp is not None:
+        entries = _compress_grad(dct, comp, layer, "compressor", h,
+                                 comp.__class__.__name__.endswith("CSACompressor"), qat_kv)
+        T = entries.shape[1]
+        off = L + S
+        if T:
+            kvbuf = torch.cat([rows, entries.to(rows.dtype)], dim=1)
+        if hasattr(comp, "indexer"):
+            if st.capture is not None:
+                sel, rec = _indexer_capture(st, m, layer, h, qr, position_embeddings, start,
+                                            off, T, True)
+            else:
+                cos = _f32np(cos_t.reshape(-1, S, cos_t.shape[-1])[0])
+                sin = _f32np(sin_t.reshape(-1, S, sin_t.shape[-1])[0])
+                with torch.no_grad():
+                    sel = _indexer_select(st, m, layer, h.detach(), qr.detach(), cos, sin,
+                                          rd, start, off, T)
+            if sel is not None:
+                idx.append(sel)
+        elif T:
+            a = _all_idx(S, start, comp.compress_rate, T, off)
+            idx.append(np.broadcast_to(a, (B,) + a.shape))
+    idx = np.ascontiguousarray(np.concatenate(idx, axis=-1)) if len(idx) > 1 else \
+        np.ascontiguousarray(idx[0])
+    kvbuf = kvbuf.contiguous()
+    if rec is not None:
+        _capture_target(st, m, rec, q, kvbuf, idx, start, off, T)
+    o = dct.sparse_attn(q, kvbuf, m.sinks, torch.from_numpy(idx), float(m.scaling))
+    o = _rope_tail(dct, o, freqs, rd, inverse=True)
+    grouped = m.o_a_proj(o.reshape(B, S, m.config.o_groups, -1)).flatten(2)
+    return m.o_b_proj(grouped)
+
+
+class IndexerRecord:
+    """What one CSA layer's last forward used, for the indexer's KL objective:
+
+    - ``q`` [B, S, Hi, Di], ``k`` [B, Tc, Di], ``weights`` [B, S, Hi] float32: the
+      indexer's queries (after RoPE), compressed keys (all Tc entries so far) and head
+      weights (scaled as the scorer does), computed from inputs detached from the main
+      graph: they carry gradient to the indexer's own parameters only;
+    - ``topk_idxs`` [B, S, K] int32: the selected entries (compressed positions, -1 =
+      none), no gradient;
+    - ``attn_target`` [B, S, K] float32: the main attention's probability at each
+      selected slot summed over heads (``sparse_attn_weights``), no gradient;
+    - ``dense_target`` [B, S, Tc] float32 (only under ``capture_indexer(dense=True)``):
+      the same over every visible entry, from the attention over window + all of them;
+    - ``ratio``, ``start_pos``, ``layer`` (the decoder layer index).
+    """
+
+    __slots__ = ("layer", "q", "k", "weights", "topk_idxs", "attn_target", "dense_target",
+                 "ratio", "start_pos")
+
+    def __init__(self, layer, q, k, weights, topk_idxs, ratio, start_pos):
+        self.layer, self.q, self.k, self.weights = layer, q, k, weights
+        self.topk_idxs, self.ratio, self.start_pos = topk_idxs, ratio, start_pos
+        self.attn_target = self.dense_target = None
+
+    def loss(self, dense=False):
+        """``deepseek_csa.torch.indexer_kl_loss`` of this layer: the sparse stage (the
+        selected set), or with ``dense=True`` the warm-up over every visible entry."""
+        dct = _dct()
+        if dense:
+            if self.dense_target is None:
+                raise RuntimeError("IndexerRecord.loss(dense=True) needs "
+                                   "capture_indexer(model, dense=True)")
+            return dct.indexer_kl_loss(self.q, self.k, self.weights, None, self.dense_target,
+                                       ratio=self.ratio, start_pos=self.start_pos)
+        return dct.indexer_kl_loss(self.q, self.k, self.weights, self.topk_idxs,
+                                   self.attn_target, ratio=self.ratio,
+                                   start_pos=self.start_pos)
+
+
+class IndexerCapture:
+    """Handed out by ``capture_indexer``: ``layers`` (one ``IndexerRecord`` per swapped
+    CSA layer that had compressed entries in the last forward, in layer order) and
+    ``loss()`` (the sum of their KL losses)."""
+
+    def __init__(self, dense=False):
+        self.dense = bool(dense)
+        self._layers = {}
+
+    @property
+    def layers(self):
+        return [self._layers[i] for i in sorted(self._layers)]
+
+    def loss(self, dense=None):
+        """Sum over the recorded layers of ``indexer_kl_loss`` (``dense`` defaults to the
+        capture's own setting)."""
+        dense = self.dense if dense is None else bool(dense)
+        recs = self.layers
+        if not recs:
+            raise RuntimeError("capture_indexer: no CSA layer with compressed entries ran "
+                               "in the captured forward")
+        total = recs[0].loss(dense)
+        for r in recs[1:]:
+            total = total + r.loss(dense)
+        return total
+
+    def clear(self):
+        self._layers = {}
+
+
+@contextlib.contextmanager
+def capture_indexer(model, *, dense: bool = False):
+    """``with capture_indexer(model) as cap: model(ids); loss = cap.loss()``.
+
+    Every swapped CSA layer records, per forward (the last one wins), its indexer's
+    q / k / weights -- computed through the differentiable ops from its inputs *detached*
+    from the main graph, so ``cap.loss().backward()`` reaches only the indexers'
+    parameters (as DeepSeek trains the indexer: it learns only from its KL loss, the
+    model only from the LM loss) -- the selected indices and their attention target
+    (``sparse_attn_weights``, no grad).  ``dense=True`` also records the warm-up target
+    over every visible entry (``cap.loss()`` then is the dense KL).  The model is swapped
+    for the block if it was not.  Grad mode is the caller's: freeze the rest of the model
+    (``requires_grad_(False)``) and the main path runs on the inference kernels."""
+    missing = _missing_grad_ops(_GRAD_ALL)
+    if missing:
+        raise RuntimeError(f"capture_indexer needs the differentiable ops of "
+                           f"deepseek_csa.torch ({', '.join(missing)} missing in this build)")
+    base = _base(model)
+    own = not is_swapped(model)
+    if own:
+        swap(model)
+    st = getattr(base, _ATTR)
+    if st.capture is not None:
+        raise RuntimeError("capture_indexer: this model is already being captured")
+    cap = st.capture = IndexerCapture(dense)
+    try:
+        yield cap
+    finally:
+        st.capture = None
+        if own:
+            unswap(model)
 
 
 # ----------------------------------------------------------------------------- model wrapper
@@ -535,14 +937,13 @@ def _make_model_forward(st, base):
         if reason is None and (bound.get("output_attentions") or
                                getattr(cfg, "output_attentions", False)):
             reason = "output_attentions"
-        if reason is None and base.training:
-            reason = "the model is in training mode"
-        if reason is None and torch.is_grad_enabled():
-            emb = bound.get("inputs_embeds")
-            if (emb.requires_grad if emb is not None else
-                    base.embed_tokens.weight.requires_grad):
-                reason = ("autograd is enabled (run under torch.no_grad() or "
-                          "torch.inference_mode(), as generate() does)")
+        if reason is None and base.training and getattr(cfg, "attention_dropout", 0.0):
+            reason = f"attention dropout {cfg.attention_dropout} in training mode"
+        if reason is None and torch.is_grad_enabled() and any(
+                p.requires_grad for p in base.parameters()):
+            missing = _missing_grad_ops()
+            if missing:
+                reason = _missing_reason(missing)
         skip = False
         if reason is None and st.all_layers:
             pos = bound.get("position_ids")
