@@ -229,7 +229,8 @@ def generate(model, prompts, max_new_tokens, eos_id=None, temperature=0.0, seed=
              max_seq_len=None, log=None):
     """Prefill of the common prompt prefix, then one token per call (rows whose prompt
     is longer keep their prompt tokens).  Returns (the new tokens of each prompt,
-    stats: prefill / decode seconds and token counts)."""
+    stats: prefill / decode seconds and token counts, 'prefill_logits' the prefill's
+    last-position logits)."""
     torch = _torch()
     bsz = len(prompts)
     lens = [len(p) for p in prompts]
@@ -251,6 +252,7 @@ def generate(model, prompts, max_new_tokens, eos_id=None, temperature=0.0, seed=
         logits = model.forward(tokens[:, prev:cur], prev)
         if prev == 0:
             stats["prefill_s"] = time.perf_counter() - t0
+            stats["prefill_logits"] = logits
             t1 = time.perf_counter()
             if log:
                 log(f"[generate] prefill {bsz} x {min(lens)} tokens: {stats['prefill_s']:.3f} s")
@@ -325,6 +327,9 @@ def _parser():
     p.add_argument("--eos-id", type=int, default=None,
                    help="stop token (default: the tokenizer's eos, none without one)")
     p.add_argument("--output-json", help="rank 0 writes tokens, timings and peak RSS here")
+    p.add_argument("--output-logits", action="store_true",
+                   help="--output-json also holds the prefill's last-position logits "
+                        "(float32, one list per prompt)")
     return p
 
 
@@ -450,7 +455,9 @@ def _report(args, st, outs, world_size, rank, dist, rss0, ckpt_bytes, t_load, lo
                        "prefill_s": st.get("prefill_s"), "decode_s": st["decode_s"],
                        "decode_steps": st["decode_steps"], "load_s": t_load,
                        "ranks": [{"rank": r, "peak_rss": pk, "rss_before_model": r0,
-                                  "shard_bytes": cb} for r, pk, r0, cb in rows]}, f)
+                                  "shard_bytes": cb} for r, pk, r0, cb in rows],
+                       **({"prefill_logits": st["prefill_logits"].float().tolist()}
+                          if args.output_logits else {})}, f)
 
 
 if __name__ == "__main__":

@@ -834,13 +834,43 @@ def norm_err(got, want):
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
-def qat_close(got, want, tol=1e-4, flip_tol=2e-3):
-    """Within tol of the largest |want|; or, when an FP8/FP4 QAT rounding flipped (a value
-    within an ulp of a rounding boundary rounds the other way: one e4m3/e2m1 step, which
-    every query attending that KV row sees), within flip_tol norm-wise.  A build with other
-    code generation (the sanitizer run) moves those boundaries; a wrong rounding (block,
-    scale, skipped) moves outputs by 1e-2 norm-wise and fails both."""
-    return rel_err(got, want) < tol or norm_err(got, want) < flip_tol
+# The error budget of a layer (ours, or a swapped one) against the float32 reference,
+# row by row (a row: one token's output vector; errors relative to the call's largest
+# |want|).  Float32 alone: measured 2e-7 .. 9e-7, so QAT_TOL = 1e-5 (x ~10-50).  With
+# the released QAT rounding, a value within an ulp of an FP8 / FP4 rounding boundary can
+# round the other way (the two sides' last bits differ: other BLAS, another summation
+# order, the sanitizer build's code generation); one step of an e4m3 / e2m1 grid moves
+# the rows that read it by ~1e-3 .. 5e-3.  Those rows are allowed, up to QAT_FLIP_TOL,
+# but only a few: QAT_MAX_FLIP_ROWS per call (measured: 0 in the -O3 build on these
+# tests).  A wrong rounding (block, scale, skipped) or an attention output off by a
+# relative 5e-4 moves every row, and fails.
+QAT_TOL = 1e-5
+QAT_FLIP_TOL = 1e-2
+QAT_MAX_FLIP_ROWS = 4
+
+
+def row_errs(got, want):
+    """Per row (last axis) the largest |got - want|, over the largest |want| of the call."""
+    import numpy as np
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    d = np.abs(got - want).reshape(-1, got.shape[-1] if got.ndim else 1)
+    return d.max(-1) / max(np.abs(want).max(), 1e-30)
+
+
+def qat_flips(got, want, tol=QAT_TOL):
+    """The rows of a call outside tol (rows a QAT rounding flip may explain)."""
+    import numpy as np
+    return int((np.nan_to_num(row_errs(got, want), nan=np.inf) > tol).sum())
+
+
+def qat_close(got, want, tol=QAT_TOL, flip_tol=QAT_FLIP_TOL, max_flips=QAT_MAX_FLIP_ROWS):
+    """Every row within tol of the call's largest |want|, except at most max_flips rows
+    (an FP8/FP4 QAT rounding that flipped: see QAT_TOL above), which stay within
+    flip_tol.  No norm-wise fallback: an error spread over every row fails."""
+    import numpy as np
+    e = np.nan_to_num(row_errs(got, want), nan=np.inf)
+    return int((e > tol).sum()) <= max_flips and bool((e <= flip_tol).all())
 
 
 def topk_overlap(got, want):
@@ -861,8 +891,11 @@ def swap_report(make_model, run, layers=None, ops=None):
     selection are discontinuous, so a 1e-7 change would otherwise flip roundings and
     selections downstream and hide what is being measured, the swapped layer itself.
     Returns one dict per swapped layer: 'layer', 'max_rel_err' (worst over every layer's
-    output and every call), 'per_layer' {layer: worst rel err}, 'topk_equal' (sorted
-    top-k sets identical everywhere)."""
+    output and every call), 'per_layer' {layer: worst rel err}, 'norm_err',
+    'flipped_rows' (rows of the swapped layer outside QAT_TOL), 'topk_equal' (sorted
+    top-k sets identical everywhere), 'topk_overlap', and 'ok': the swapped layer
+    ``qat_close`` on every call, every other layer within QAT_TOL, and the top-k sets
+    equal (or, after an FP4 flip in the indexer, 99% of them)."""
     import numpy as np
     import deepseek_csa.torch as dct
     base_out, base_tk = record(make_model(), run)
@@ -873,15 +906,20 @@ def swap_report(make_model, run, layers=None, ops=None):
             outs, tks = record(m, run, substitute={lid: base_out[lid]})
         per = {l: max(rel_err(g, w) for g, w in zip(outs[l], base_out[l])) for l in base_out}
         nrm = max(norm_err(g, w) for g, w in zip(outs[lid], base_out[lid]))
+        # the swapped layer: qat_close on every call; the others see the same inputs
+        close = len(outs[lid]) == len(base_out[lid]) and all(
+            qat_close(g, w) for g, w in zip(outs[lid], base_out[lid]))
+        flips = sum(qat_flips(g, w) for g, w in zip(outs[lid], base_out[lid]))
+        others = max([e for l, e in per.items() if l != lid] or [0.0])
         ovl = min([topk_overlap(g, w) for l in base_tk for g, w in zip(tks[l], base_tk[l])]
                   or [1.0])
         same = all(len(tks[l]) == len(base_tk[l]) and
                    all(np.array_equal(np.sort(g, -1), np.sort(w, -1))
                        for g, w in zip(tks[l], base_tk[l])) for l in base_tk)
         report.append({"layer": lid, "max_rel_err": max(per.values()), "per_layer": per,
-                       "norm_err": nrm, "topk_equal": same, "topk_overlap": ovl,
-                       "ok": (max(per.values()) < 1e-4 or nrm < 2e-3)
-                       and (same or ovl >= 0.99)})
+                       "norm_err": nrm, "flipped_rows": flips, "topk_equal": same,
+                       "topk_overlap": ovl,
+                       "ok": close and others < QAT_TOL and (same or ovl >= 0.99)})
     return report
 
 
