@@ -17,8 +17,12 @@
  * with zeros to 32 heads / 32 rows / 32 features, so every tile is whole.  Per-thread
  * scratch for V4-Flash (64 heads, D = 512): about 0.9 MB, which stays in L2. */
 
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c,avx512bf16,amx-tile,amx-bf16,prefer-vector-width=512")
+/* clang gives a function the first target of nested `clang attribute` regions:
+ * leave the AVX-512 variant's region for the AMX one (GCC nests its pragmas). */
+#if defined(__clang__)
+CSA_TARGET_POP
+#endif
+CSA_TARGET_PUSH512("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c,avx512bf16,amx-tile,amx-bf16")
 
 #define AMX_KC 256 /* gathered rows per chunk (a multiple of 32) */
 
@@ -299,4 +303,7 @@ static int CSA_V(sparse_attn_amx)(const struct csa_attn_problem *a)
     return CSA_OK;
 }
 
-#pragma GCC pop_options
+CSA_TARGET_POP
+#if defined(__clang__)
+CSA_TARGET_PUSH512(CSA_TARGET_AVX512)
+#endif

@@ -36,6 +36,29 @@ static inline csa_bf16 csa_f32_to_bf16(float f)
 
 #define CSA_RESTRICT __restrict__
 
+/* Code compiled for an instruction set above the build's baseline, between
+ * CSA_TARGET_PUSH("feature,feature") and CSA_TARGET_POP: GCC's `#pragma GCC target`
+ * region; clang ignores that pragma, so there every function of the region gets
+ * __attribute__((target(...))) through `#pragma clang attribute`.  GCC's pragma also
+ * defines the feature macros (__AVX2__, __FMA__, ...) inside the region, which clang's
+ * does not: csa_isa_variants.h defines the ones the bodies test.  GCC-only options of
+ * CSA_TARGET_PUSH512 is the same region preferring 512-bit vectors (GCC's
+ * prefer-vector-width=512, which clang's target attribute does not know; clang's
+ * generic tuning already uses 512-bit vectors with AVX-512). */
+#define CSA_PRAGMA(x) _Pragma(#x)
+#define CSA_TARGET_AVX512 "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c"
+#if defined(__clang__)
+#define CSA_TARGET_PUSH(t) \
+    CSA_PRAGMA(clang attribute push(__attribute__((target(t))), apply_to = function))
+#define CSA_TARGET_PUSH512(t) CSA_TARGET_PUSH(t)
+#define CSA_TARGET_POP CSA_PRAGMA(clang attribute pop)
+#else
+#define CSA_TARGET_PUSH(t) CSA_PRAGMA(GCC push_options) CSA_PRAGMA(GCC target(t))
+#define CSA_TARGET_PUSH512(t) \
+    CSA_PRAGMA(GCC push_options) CSA_PRAGMA(GCC target(t, "prefer-vector-width=512"))
+#define CSA_TARGET_POP CSA_PRAGMA(GCC pop_options)
+#endif
+
 enum csa_status {
     CSA_OK = 0,
     CSA_ENOMEM = 1,   /* a scratch allocation failed */
@@ -54,9 +77,19 @@ enum csa_isa {
                           * the bfloat16 dot products of attention and the indexer */
 };
 
+/* The tuned bodies are compiled once per x86 level (csa_isa_variants.h) with
+ * per-function targets: on x86-64 with GCC, and with clang when it builds without
+ * OpenMP.  clang (14 through 19 at least) does not give the functions it outlines from
+ * an `omp parallel` region the target of the enclosing function, so vector code inside
+ * such a region does not compile there; a clang OpenMP build therefore has the baseline
+ * level only (as on other architectures): csa_isa_best() is 'base'. */
+#if defined(__x86_64__) && defined(__GNUC__) && !(defined(__clang__) && defined(_OPENMP))
+#define CSA_X86_VARIANTS 1
+#endif
+
 /* The compiler can build AMX-BF16 / AVX512_BF16 code (GCC >= 11, clang >= 12). */
-#if defined(__x86_64__) && ((defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11) || \
-                            (defined(__clang__) && __clang_major__ >= 12))
+#if defined(CSA_X86_VARIANTS) && ((defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11) || \
+                                  (defined(__clang__) && __clang_major__ >= 12))
 #define CSA_HAVE_AMX 1
 #endif
 

@@ -38,18 +38,39 @@
 typedef float CSA_V(vf) __attribute__((vector_size(IX_VL * 4)));
 typedef int32_t CSA_V(vi) __attribute__((vector_size(IX_VL * 4)));
 
+/* Constant lane shuffles: __builtin_shufflevector (clang, GCC >= 12) takes the lane
+ * indices as constants (0 .. VL-1: a, VL .. 2VL-1: b); GCC's older __builtin_shuffle
+ * takes them as a vector of the same meaning.  Same lanes, same bits. */
+#ifndef IX_SHUF1
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define IX_SHUF1(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#define IX_SHUF2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#endif
+#endif
+#ifndef IX_SHUF1
+#define IX_SHUF1(v, ...) __builtin_shuffle(v, (CSA_V(vi)){__VA_ARGS__})
+#define IX_SHUF2(a, b, ...) __builtin_shuffle(a, b, (CSA_V(vi)){__VA_ARGS__})
+#endif
+#endif
+
 /* Lane sum of v by a fixed tree. */
 static inline float CSA_V(ix_hsum)(CSA_V(vf) v)
 {
-    typedef CSA_V(vi) vi;
+    /* only lane 0 of the result is read: the other lanes take lane 0 */
 #if IX_VL == 16
-    v += __builtin_shuffle(v, (vi){8, 9, 10, 11, 12, 13, 14, 15});
+    v += IX_SHUF1(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0);
+    v += IX_SHUF1(v, 4, 5, 6, 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    v += IX_SHUF1(v, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    v += IX_SHUF1(v, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+#elif IX_VL == 8
+    v += IX_SHUF1(v, 4, 5, 6, 7, 0, 0, 0, 0);
+    v += IX_SHUF1(v, 2, 3, 0, 0, 0, 0, 0, 0);
+    v += IX_SHUF1(v, 1, 0, 0, 0, 0, 0, 0, 0);
+#else
+    v += IX_SHUF1(v, 2, 3, 0, 0);
+    v += IX_SHUF1(v, 1, 0, 0, 0);
 #endif
-#if IX_VL >= 8
-    v += __builtin_shuffle(v, (vi){4, 5, 6, 7});
-#endif
-    v += __builtin_shuffle(v, (vi){2, 3});
-    v += __builtin_shuffle(v, (vi){1});
     return v[0];
 }
 
@@ -147,25 +168,24 @@ static void CSA_V(ix_widen_keys)(const struct csa_index_problem *p, csa_idx b, c
 #define IX_MB(l, w) (((l) & (w)) ? IX_VL + (l) : (l) + (w))
 #if IX_VL == 16
 #define IX_LANES(M, w)                                                                      \
-    {M(0, w), M(1, w), M(2, w), M(3, w), M(4, w), M(5, w), M(6, w), M(7, w), M(8, w),       \
-     M(9, w), M(10, w), M(11, w), M(12, w), M(13, w), M(14, w), M(15, w)}
+    M(0, w), M(1, w), M(2, w), M(3, w), M(4, w), M(5, w), M(6, w), M(7, w), M(8, w),        \
+    M(9, w), M(10, w), M(11, w), M(12, w), M(13, w), M(14, w), M(15, w)
 #elif IX_VL == 8
-#define IX_LANES(M, w) {M(0, w), M(1, w), M(2, w), M(3, w), M(4, w), M(5, w), M(6, w), M(7, w)}
+#define IX_LANES(M, w) M(0, w), M(1, w), M(2, w), M(3, w), M(4, w), M(5, w), M(6, w), M(7, w)
 #else
-#define IX_LANES(M, w) {M(0, w), M(1, w), M(2, w), M(3, w)}
+#define IX_LANES(M, w) M(0, w), M(1, w), M(2, w), M(3, w)
 #endif
 #define IX_TSTEP(w)                                                                         \
     for (int i = 0; i < IX_VL; i++)                                                         \
         if (!(i & (w))) {                                                                   \
             const vf a = r[i], b = r[i + (w)];                                              \
-            r[i] = __builtin_shuffle(a, b, (vi)IX_LANES(IX_MA, w));                         \
-            r[i + (w)] = __builtin_shuffle(a, b, (vi)IX_LANES(IX_MB, w));                   \
+            r[i] = IX_SHUF2(a, b, IX_LANES(IX_MA, w));                                      \
+            r[i + (w)] = IX_SHUF2(a, b, IX_LANES(IX_MB, w));                                \
         }
 
 static inline void CSA_V(ix_transpose)(CSA_V(vf) *r)
 {
     typedef CSA_V(vf) vf;
-    typedef CSA_V(vi) vi;
 #if IX_VL == 16
     IX_TSTEP(8)
 #endif

@@ -101,6 +101,37 @@ static float CSA_V(norm_ss_bf16)(const csa_bf16 *xr, csa_idx d)
 }
 #endif
 
+#if !(defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__))
+/* The other levels' sum of squares: one vector chain of NORM_VL lanes (element i in
+ * lane i % NORM_VL, FMAs where the level has them), lanes added by halving, then the
+ * tail in order.  Written out rather than left to `omp simd reduction`, whose lane
+ * count and number of chains are the compiler's choice: GCC and clang chose
+ * differently, and the bits of the two builds differed. */
+#if defined(__AVX512F__)
+#define NORM_VL 16
+#else
+#define NORM_VL 4
+#endif
+typedef float CSA_V(norm_vf) __attribute__((vector_size(NORM_VL * 4)));
+typedef float CSA_V(norm_vfu) __attribute__((vector_size(NORM_VL * 4), aligned(4)));
+
+static inline float CSA_V(norm_ss_vec)(const float *CSA_RESTRICT x, csa_idx d)
+{
+    CSA_V(norm_vf) acc = {0};
+    csa_idx i = 0;
+    for (; i + NORM_VL <= d; i += NORM_VL) {
+        const CSA_V(norm_vf) v = *(const CSA_V(norm_vfu) *)(x + i);
+        acc += v * v;
+    }
+    for (int w = NORM_VL / 2; w >= 1; w /= 2)
+        for (int l = 0; l < w; l++) acc[l] += acc[l + w];
+    float ss = acc[0];
+    for (; i < d; i++) ss += x[i] * x[i];
+    return ss;
+}
+#undef NORM_VL
+#endif
+
 static int CSA_V(rms_norm_tuned)(const float *x, csa_idx rows, csa_idx d, csa_idx sx_row,
                                  const float *w, float eps, float *out, csa_idx so_row)
 {
@@ -117,9 +148,7 @@ static int CSA_V(rms_norm_tuned)(const float *x, csa_idx rows, csa_idx d, csa_id
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
         const float ss = CSA_V(norm_ss_f32)(xr, d);
 #else
-        float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-        for (csa_idx i = 0; i < d; i++) ss += xr[i] * xr[i];
+        const float ss = CSA_V(norm_ss_vec)(xr, d);
 #endif
         const float inv = 1.0f / sqrtf(ss / (float)d + eps);
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)

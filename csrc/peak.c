@@ -37,8 +37,7 @@ void csa_stream_triad(float *a, const float *b, const float *c, csa_idx n, float
 }
 
 #if defined(CSA_HAVE_AMX)
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bf16,amx-tile,amx-bf16")
+CSA_TARGET_PUSH("avx512f,avx512bf16,amx-tile,amx-bf16")
 static void amx_peak_thread(long long iters, float *sink)
 {
     csa_amx_tiles_16x64();
@@ -63,7 +62,7 @@ static void amx_peak_thread(long long iters, float *sink)
     _tile_release();
     *sink += out[0];
 }
-#pragma GCC pop_options
+CSA_TARGET_POP
 #endif
 
 double csa_peak_amx_bf16(long long iters, int threads, float *sink)

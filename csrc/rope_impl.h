@@ -26,11 +26,21 @@ static inline void CSA_V(rotate_pairs)(float *CSA_RESTRICT v, const float *CSA_R
         _mm256_storeu_ps(v + 2 * i0, _mm256_fmadd_ps(x, cc, _mm256_mul_ps(sw, ss)));
     }
 #endif
+#if defined(__FMA__)
+    /* the AVX2 vectors' formula spelled out: which product the compiler would fuse
+     * is its choice (GCC and clang chose differently at the AVX-512 level) */
+    for (csa_idx i = i0; i < half; i++) {
+        const float re = v[2 * i], im = v[2 * i + 1];
+        v[2 * i] = fmaf(re, c[i], -(im * sn[i]));
+        v[2 * i + 1] = fmaf(im, c[i], re * sn[i]);
+    }
+#else
     for (csa_idx i = i0; i < half; i++) {
         const float re = v[2 * i], im = v[2 * i + 1];
         v[2 * i] = re * c[i] - im * sn[i];
         v[2 * i + 1] = re * sn[i] + im * c[i];
     }
+#endif
 }
 
 static int CSA_V(apply_rope_tuned)(void *x, int bf16, csa_idx n0, csa_idx n1, csa_idx n2,

@@ -39,7 +39,7 @@ static int amx_usable(void)
 
 static int detect_best(void)
 {
-#if defined(__x86_64__) && defined(__GNUC__)
+#if defined(CSA_X86_VARIANTS)
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
