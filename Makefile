@@ -7,7 +7,7 @@ VPY := $(VENV)/bin/python
 PIP_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: all venv build demo test bench asan clean test-noomp test-c test-aarch64 mutants test-hf-versions
+.PHONY: all venv build demo test bench asan clean test-noomp test-c test-aarch64 mutants test-hf-versions peers
 
 all: build
 
@@ -37,6 +37,13 @@ mutants: build
 
 bench: build
 	$(VPY) benchmarks/run.py
+
+# llama.cpp as a peer (issue 27; not part of `make test` or CI): fetches the pinned
+# llama-cpp-python sdist with pip, builds only its vendored ggml (CPU, -DGGML_NATIVE=ON)
+# under build/peers/ once, and compiles benchmarks/llamacpp_ops.c against it; then
+# `$(VPY) benchmarks/bench_llamacpp.py [--quick]`.  PEERS_JOBS=2 by default.
+peers:
+	PY=$(VPY) sh benchmarks/build_llamacpp.sh
 
 # The transformers bridge tests under every release in
 # deepseek_csa.transformers.SUPPORTED_VERSIONS (`make test` runs them on the venv's
