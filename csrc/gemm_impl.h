@@ -188,6 +188,22 @@ static void CSA_V(g_row1)(const struct csa_gemm_args *g, const float *af, const 
 #endif
 
 #if G_SIMD
+/* The float32 bits of an e2m1 weight times 2^-126 (sign at bit 31, e2m1's two exponent
+ * bits on float32's lowest two, its mantissa bit on float32's top one: 0.5 lands on the
+ * subnormal 2^-127) -> that weight times 2^-125, a normal float: one added to the
+ * exponent when it is nonzero, the magnitude doubled as an integer when it is zero (0.5
+ * becomes 2^-126, 0 stays 0).  Both are "add min(magnitude, 2^23)": the magnitude is at
+ * most 2^22 exactly when the exponent is zero.  Intel cores take a microcode assist for
+ * every FMA with a subnormal operand (Zen 3 does not): fp4_gemm at M = 1, N = 2048,
+ * K = 4096, weights with 21% of codes +-0.5, one thread, Intel Xeon (AVX-512, AMX):
+ * 79 ms with subnormal weights, 0.6 ms without. */
+static inline __attribute__((always_inline)) __m256 CSA_V(g_e2m1_normal)(__m256i w)
+{
+    const __m256i mag = _mm256_and_si256(w, _mm256_set1_epi32(0x01c00000));
+    return _mm256_castsi256_ps(
+        _mm256_add_epi32(w, _mm256_min_epu32(mag, _mm256_set1_epi32(0x00800000))));
+}
+
 /* One activation row against 8 rows of packed e2m1 weights (rows past nr repeat the
  * last one, their results dropped), one vector lane per weight row: the 16 bytes of a
  * 32-block of each row are loaded and transposed (4 x 4 dwords per 128-bit half), so
@@ -195,8 +211,9 @@ static void CSA_V(g_row1)(const struct csa_gemm_args *g, const float *af, const 
  * 8t + e in bits 4e .. 4e + 3.  The code of element e, shifted to the top of the lane
  * (sign at bit 31), shifted right arithmetically by 6 and masked to 0x81c00000 is the
  * float32 of value * 2^-126 (e2m1's exponent and mantissa bits land on float32's
- * lowest exponent bits and top mantissa bit; 0.5 on the subnormal 2^-127): shifts
- * and masks only, no table, no conversion.  af holds a * 2^118, so each
+ * lowest exponent bits and top mantissa bit; 0.5 on the subnormal 2^-127), and
+ * CSA_V(g_e2m1_normal) makes it value * 2^-125, never subnormal: shifts, masks and integer
+ * adds only, no table, no conversion.  af holds a * 2^117, so each
  * product is the oracle's a * value times 2^-8 exactly (the least nonzero, 2^-18, is
  * normal) and so is every lane sum; lane sums over t in increasing k and the tree
  * over e are vertical adds, in the oracle's order, and one multiply by 2^8 a block
@@ -247,20 +264,17 @@ static void CSA_V(g_row8_e2m1)(const struct csa_gemm_args *g, const float *af, c
          * nibble e + 4 of the high half of every dword to the top of their halves, an
          * arithmetic 16-bit shift by 6 puts sign and eem in place in both; the high half
          * masked is the weight of residue e + 4, the low half shifted up and masked that
-         * of e (5 instructions for 16 weights instead of 6).  The first product of each
-         * lane is an FMA onto zero, not a multiply: Zen 3 multiplies a subnormal (the
-         * weight 0.5) slowly, its FMA unit does not (one thread, N = 512, K = 4096:
-         * 0.39 -> 0.21 ms). */
+         * of e (5 instructions for 16 weights instead of 6), then g_e2m1_normal. */
         __m256 l[8];
         for (int e = 0; e < 4; e++) {
             __m256 lo = _mm256_setzero_ps(), hi = lo;
             for (int t = 0; t < 4; t++) {
                 const __m256i x = _mm256_srai_epi16(
                     e == 3 ? v[t] : _mm256_slli_epi16(v[t], 12 - 4 * e), 6);
-                hi = _mm256_fmadd_ps(_mm256_set1_ps(ap[8 * t + 4 + e]),
-                                     _mm256_castsi256_ps(_mm256_and_si256(x, keep)), hi);
-                lo = _mm256_fmadd_ps(_mm256_set1_ps(ap[8 * t + e]),
-                                     _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(x, 16), keep)), lo);
+                const __m256i wh = _mm256_and_si256(x, keep);
+                const __m256i wl = _mm256_and_si256(_mm256_slli_epi32(x, 16), keep);
+                hi = _mm256_fmadd_ps(_mm256_set1_ps(ap[8 * t + 4 + e]), CSA_V(g_e2m1_normal)(wh), hi);
+                lo = _mm256_fmadd_ps(_mm256_set1_ps(ap[8 * t + e]), CSA_V(g_e2m1_normal)(wl), lo);
             }
             l[e] = lo;
             l[4 + e] = hi;
@@ -628,9 +642,9 @@ static int CSA_V(gemm_tuned)(const struct csa_gemm_args *g)
     /* One activation row, K a multiple of 32 (e4m3: 16): the fused path. */
     if (M == 1 && K % 32 == 0) {
         /* the exact power of two that meets the weight decoder's: e4m3 2^112 (g_w16:
-         * 2^-120 times the value, products a * b / 256), e2m1 2^118 (g_row8_e2m1: 2^-126,
+         * 2^-120 times the value, products a * b / 256), e2m1 2^117 (g_row8_e2m1: 2^-125,
          * products a * b * 2^-8) */
-        const float pre = g->b_fmt == CSA_W_E4M3 ? 0x1p112f : 0x1p118f;
+        const float pre = g->b_fmt == CSA_W_E4M3 ? 0x1p112f : 0x1p117f;
         for (csa_idx k = 0; k < K; k++) Af[k] *= pre;
         if (g->b_fmt == CSA_W_E2M1) {
             const csa_idx no = (N + 7) / 8;
