@@ -588,15 +588,19 @@ def _freqs(cos_t, sin_t, n):
 
 
 def _rope_tail(dct, x, freqs, rd, inverse=False):
-    """RoPE on the last rd features of x, differentiable, out of place for the caller
-    (the rotation runs on a private copy of the tail: the op may rotate in place)."""
+    """RoPE on the last rd features of x, differentiable, out of place for the caller:
+    x is copied once and the copy's tail rotated in place (the released
+    ``apply_rotary_emb`` rotates in place; one that returns a new tensor is written
+    back).  Its backward: one copy of the gradient with the tail rotated back (a
+    ``torch.cat`` of the two parts would allocate a zero-padded gradient per part)."""
     torch = _torch()
     D = x.shape[-1]
-    tail = x[..., D - rd:].clone(memory_format=torch.contiguous_format)
-    tail = dct.apply_rotary_emb(tail, freqs, inverse=inverse)
-    if rd == D:
-        return tail
-    return torch.cat([x[..., :D - rd], tail], dim=-1)
+    y = x.clone(memory_format=torch.contiguous_format)
+    tail = y[..., D - rd:]
+    r = dct.apply_rotary_emb(tail, freqs, inverse=inverse)
+    if r is not tail:
+        tail.copy_(r)
+    return y
 
 
 def _compress_grad(dct, mod, layer, name, h, overlap, qat_fn):
