@@ -587,15 +587,18 @@ def _freqs(cos_t, sin_t, n):
     return torch.complex(c, s)
 
 
-def _rope_tail(dct, x, freqs, rd, inverse=False):
+def _rope_tail(dct, x, freqs, rd, inverse=False, own=False):
     """RoPE on the last rd features of x, differentiable, out of place for the caller:
     x is copied once and the copy's tail rotated in place (the released
     ``apply_rotary_emb`` rotates in place; one that returns a new tensor is written
     back).  Its backward: one copy of the gradient with the tail rotated back (a
-    ``torch.cat`` of the two parts would allocate a zero-padded gradient per part)."""
+    ``torch.cat`` of the two parts would allocate a zero-padded gradient per part).
+    ``own=True``: x is a fresh result no backward reads (an rms_norm output: the norm
+    saves its input), rotated in place without the copy (a Function that did save it
+    would make autograd raise, never compute silently wrong gradients)."""
     torch = _torch()
     D = x.shape[-1]
-    y = x.clone(memory_format=torch.contiguous_format)
+    y = x if own and x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
     tail = y[..., D - rd:]
     r = dct.apply_rotary_emb(tail, freqs, inverse=inverse)
     if r is not tail:
@@ -639,7 +642,7 @@ def _compress_grad(dct, mod, layer, name, h, overlap, qat_fn):
         pos = (torch.arange(n) * ratio + first).unsqueeze(0)
         cos, sin = mod.rotary_emb(new, position_ids=pos, layer_type="compress")
         rd = 2 * cos.shape[-1]
-        new = _rope_tail(dct, new, _freqs(cos, sin, n), rd)
+        new = _rope_tail(dct, new, _freqs(cos, sin, n), rd, own=True)
         if qat_fn is not None:
             new = _ste(new, lambda x: qat_fn(x, rd))
     if layer is None:
@@ -750,7 +753,7 @@ def _attention_grad(st, m, h, position_embeddings, position_ids, cache):
     qr = dct.rms_norm(m.q_a_proj(h), m.q_a_norm.weight, m.q_a_norm.variance_epsilon)
     q_pre = m.q_b_proj(qr).view(B, S, H, D)
     kv = dct.rms_norm(m.kv_proj(h), m.kv_norm.weight, m.kv_norm.variance_epsilon)
-    kv = _rope_tail(dct, kv, freqs, rd)
+    kv = _rope_tail(dct, kv, freqs, rd, own=True)
     qat_kv = _qat_kv if st.qat else None
     if qat_kv is not None:
         kv = _ste(kv, lambda x: _qat_kv(x, rd))
@@ -797,7 +800,7 @@ def _attention_grad(st, m, h, position_embeddings, position_ids, cache):
 
     def query(q_pre):
         q = dct.rms_norm(q_pre, None, m.q_b_norm.eps)
-        return _rope_tail(dct, q, freqs, rd)
+        return _rope_tail(dct, q, freqs, rd, own=True)
 
     def core(q_pre, kvbuf, sinks):
         """Per-head norm, RoPE, sparse attention, the output's inverse RoPE."""
