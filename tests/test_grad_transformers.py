@@ -248,6 +248,10 @@ def test_capture_kl_reaches_only_the_indexer(ops):
             out = m(ids, labels=ids)
     recs = cap.layers
     assert [r.layer for r in recs] == [1, 3]
+    # the capture selects from the values the inference path would use: same logits
+    with torch.no_grad(), dch.swapped(m):
+        plain = m(ids).logits
+    assert float((out.logits.detach() - plain).abs().max() / plain.abs().max()) < 1e-5
     for r in recs:
         ix = m.model.layers[r.layer].self_attn.compressor.indexer
         B, S, K = r.topk_idxs.shape
