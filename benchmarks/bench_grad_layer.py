@@ -164,8 +164,13 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--standin", action="store_true",
                     help="use tests/_grad_standin.py's plain-torch ops (script check only)")
+    ap.add_argument("--no-checkpoint", action="store_true",
+                    help="keep the attention segment's tensors for the backward instead of "
+                         "recomputing them (deepseek_csa.transformers.CHECKPOINT_ATTENTION)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    import deepseek_csa.transformers as dch
+    dch.CHECKPOINT_ATTENTION = not a.no_checkpoint
     import deepseek_csa.torch as dct
     sys.path.insert(0, str(HERE.parent / "tests"))
     from _grad_standin import NAMES, real_ops_available
@@ -188,6 +193,7 @@ def main():
         out = {"environment": dict(environment(threads), transformers=transformers.__version__,
                                    load_average=os.getloadavg()),
                "ops": "standin (tests/_grad_standin.py)" if a.standin else "deepseek_csa",
+               "checkpoint_attention": dch.CHECKPOINT_ATTENTION,
                "rows": rows}
         out_path.parent.mkdir(exist_ok=True)
         out_path.write_text(json.dumps(out, indent=1))

@@ -534,6 +534,13 @@ def _attention(st, m, h, position_embeddings, position_ids, cache, grad_mode=Fal
 # sparse_attn / rms_norm / apply_rotary_emb exist forward-only in older builds; the names
 # the gradient work adds tell whether the build has them differentiable.
 _GRAD_MAIN = ("sparse_attn_weights", "gated_pool")
+# Training memory: autograd would keep four [B, S, H, D] tensors per swapped layer (the
+# query projection for the norm's backward, the rotated query and the attention output
+# for sparse_attn's, the de-rotated output for o_a_proj's); with this on, the per-head
+# norm -> RoPE -> sparse_attn -> inverse RoPE segment is recomputed in the backward
+# (torch.utils.checkpoint), so two are kept.  The recompute costs one sparse-attention
+# forward, small next to the layer's projections.
+CHECKPOINT_ATTENTION = True
 _GRAD_ALL = ("sparse_attn_weights", "gated_pool", "index_scores", "indexer_kl_loss")
 
 
@@ -602,16 +609,23 @@ def _freqs(cos_t, sin_t, n):
     return torch.complex(c, s)
 
 
-def _rope_tail(dct, x, freqs, rd, inverse=False):
-    """RoPE on the last rd features of x, differentiable, out of place for the caller
-    (the rotation runs on a private copy of the tail: the op may rotate in place)."""
+def _rope_tail(dct, x, freqs, rd, inverse=False, own=False):
+    """RoPE on the last rd features of x, differentiable, out of place for the caller:
+    x is copied once and the copy's tail rotated in place (the released
+    ``apply_rotary_emb`` rotates in place; one that returns a new tensor is written
+    back).  Its backward: one copy of the gradient with the tail rotated back (a
+    ``torch.cat`` of the two parts would allocate a zero-padded gradient per part).
+    ``own=True``: x is a fresh result no backward reads (an rms_norm output: the norm
+    saves its input), rotated in place without the copy (a Function that did save it
+    would make autograd raise, never compute silently wrong gradients)."""
     torch = _torch()
     D = x.shape[-1]
-    tail = x[..., D - rd:].clone(memory_format=torch.contiguous_format)
-    tail = dct.apply_rotary_emb(tail, freqs, inverse=inverse)
-    if rd == D:
-        return tail
-    return torch.cat([x[..., :D - rd], tail], dim=-1)
+    y = x if own and x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
+    tail = y[..., D - rd:]
+    r = dct.apply_rotary_emb(tail, freqs, inverse=inverse)
+    if r is not tail:
+        tail.copy_(r)
+    return y
 
 
 def _compress_grad(dct, mod, layer, name, h, overlap, qat_fn):
@@ -650,7 +664,7 @@ def _compress_grad(dct, mod, layer, name, h, overlap, qat_fn):
         pos = (torch.arange(n) * ratio + first).unsqueeze(0)
         cos, sin = mod.rotary_emb(new, position_ids=pos, layer_type="compress")
         rd = 2 * cos.shape[-1]
-        new = _rope_tail(dct, new, _freqs(cos, sin, n), rd)
+        new = _rope_tail(dct, new, _freqs(cos, sin, n), rd, own=True)
         if qat_fn is not None:
             new = _ste(new, lambda x: qat_fn(x, rd))
     if layer is None:
@@ -759,10 +773,9 @@ def _attention_grad(st, m, h, position_embeddings, position_ids, cache):
     rd = 2 * freqs.shape[-1]
 
     qr = dct.rms_norm(m.q_a_proj(h), m.q_a_norm.weight, m.q_a_norm.variance_epsilon)
-    q = dct.rms_norm(m.q_b_proj(qr).view(B, S, H, D), None, m.q_b_norm.eps)
-    q = _rope_tail(dct, q, freqs, rd)
+    q_pre = m.q_b_proj(qr).view(B, S, H, D)
     kv = dct.rms_norm(m.kv_proj(h), m.kv_norm.weight, m.kv_norm.variance_epsilon)
-    kv = _rope_tail(dct, kv, freqs, rd)
+    kv = _rope_tail(dct, kv, freqs, rd, own=True)
     qat_kv = _qat_kv if st.qat else None
     if qat_kv is not None:
         kv = _ste(kv, lambda x: _qat_kv(x, rd))
@@ -805,10 +818,27 @@ def _attention_grad(st, m, h, position_embeddings, position_ids, cache):
     idx = np.ascontiguousarray(np.concatenate(idx, axis=-1)) if len(idx) > 1 else \
         np.ascontiguousarray(idx[0])
     kvbuf = kvbuf.contiguous()
+    idx_t = torch.from_numpy(idx)
+
+    def query(q_pre):
+        q = dct.rms_norm(q_pre, None, m.q_b_norm.eps)
+        return _rope_tail(dct, q, freqs, rd, own=True)
+
+    def core(q_pre, kvbuf, sinks):
+        """Per-head norm, RoPE, sparse attention, the output's inverse RoPE."""
+        o = dct.sparse_attn(query(q_pre), kvbuf, sinks, idx_t, float(m.scaling))
+        return _rope_tail(dct, o, freqs, rd, inverse=True)
+
     if rec is not None:
-        _capture_target(st, m, rec, q, kvbuf, idx, start, off, T)
-    o = dct.sparse_attn(q, kvbuf, m.sinks, torch.from_numpy(idx), float(m.scaling))
-    o = _rope_tail(dct, o, freqs, rd, inverse=True)
+        with torch.no_grad():
+            _capture_target(st, m, rec, query(q_pre.detach()), kvbuf, idx, start, off, T)
+    if CHECKPOINT_ATTENTION:
+        # keep q_pre and the rows only; the [S, H, D] norm / RoPE / attention results are
+        # recomputed in the backward (bitwise the same: the kernels are deterministic)
+        from torch.utils.checkpoint import checkpoint
+        o = checkpoint(core, q_pre, kvbuf, m.sinks, use_reentrant=False)
+    else:
+        o = core(q_pre, kvbuf, m.sinks)
     grouped = m.o_a_proj(o.reshape(B, S, m.config.o_groups, -1)).flatten(2)
     return m.o_b_proj(grouped)
 

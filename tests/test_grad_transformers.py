@@ -137,9 +137,12 @@ def assert_grads_close(got, ref, noise=None):
     assert not bad, bad
 
 
-def test_backward_matches_eager(ops, monkeypatch):
+@pytest.mark.parametrize("checkpointed", [True, False])
+def test_backward_matches_eager(ops, checkpointed, monkeypatch):
     """4 layers (sliding, CSA, HCA, CSA), batch 2, train mode: every parameter's gradient
-    within 1e-4 (norm-wise) of eager's, and the swapped run never touches eager attention."""
+    within 1e-4 (norm-wise) of eager's, and the swapped run never touches eager attention;
+    with the attention segment recomputed in the backward (the default) or kept."""
+    monkeypatch.setattr(dch, "CHECKPOINT_ATTENTION", checkpointed)
     m = make_model().train()
     ids = ids_for(2, 70, seed=21)
     le, ge = lm_backward(m, ids, False)
@@ -149,7 +152,9 @@ def test_backward_matches_eager(ops, monkeypatch):
     assert abs(ls - le) <= TOL * abs(le)
     monkeypatch.undo()
     assert_grads_close(gs, ge, float64_noise(m, ids))
-    assert calls["sparse_attn"] == 4 and calls["gated_pool"] >= 2
+    # one call per layer, and one more in the backward when the segment is recomputed
+    assert calls["sparse_attn"] == 4 * (2 if checkpointed else 1)
+    assert calls["gated_pool"] >= 2
     # the CSA / HCA compressors and the sinks do get gradient through our ops
     for i in (1, 2, 3):
         a = m.model.layers[i].self_attn
@@ -243,6 +248,10 @@ def test_capture_kl_reaches_only_the_indexer(ops):
             out = m(ids, labels=ids)
     recs = cap.layers
     assert [r.layer for r in recs] == [1, 3]
+    # the capture selects from the values the inference path would use: same logits
+    with torch.no_grad(), dch.swapped(m):
+        plain = m(ids).logits
+    assert float((out.logits.detach() - plain).abs().max() / plain.abs().max()) < 1e-5
     for r in recs:
         ix = m.model.layers[r.layer].self_attn.compressor.indexer
         B, S, K = r.topk_idxs.shape
