@@ -428,7 +428,8 @@ def test_rms_norm_backward_bf16_and_strides(rng):
     xh, dh = x.astype(ml_dtypes.bfloat16), dy.astype(ml_dtypes.bfloat16)
     a = dc.rms_norm_backward(dh, xh, w, 1e-6)
     b = dc.rms_norm_backward(dh.astype(np.float32), xh.astype(np.float32), w, 1e-6)
-    # the same values widened (the vectorized sums may group differently per dtype)
+    # the same values widened (the row sums' order is written out, the element-wise
+    # loops may be vectorized differently per dtype: within float32 rounding)
     assert a[0].dtype == np.float32 and a[1].dtype == np.float32
     assert_close(a[0], b[0], rtol=1e-6, atol=1e-6, what="bf16 d(x)")
     assert_close(a[1], b[1], rtol=1e-6, atol=1e-6, what="bf16 d(w)")
