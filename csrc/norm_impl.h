@@ -247,6 +247,57 @@ static int CSA_V(rms_norm_bf16_tuned)(const csa_bf16 *x, csa_idx rows, csa_idx d
  * rows (d(x) of its rows, and its partial of d(w) summed over its rows in order), then
  * the partials summed in block order, parallel over feature chunks.  The blocks are
  * fixed by the row count alone, so the bits do not depend on the thread count. */
+/* The row sums of the backward as one explicit vector chain of NB_VL lanes (element i in
+ * lane i % NB_VL), the lanes added by halving, then the tail in order: the order is
+ * written out, not left to `omp simd reduction` (whose lanes and chains are each
+ * compiler's choice), so the bits are the same for float32 and bfloat16 inputs of the
+ * same values and for any compiler with the same FMA contraction (-ffp-contract=fast). */
+#if defined(__AVX512F__)
+#define NB_VL 16
+#elif defined(__AVX2__)
+#define NB_VL 8
+#else
+#define NB_VL 4
+#endif
+typedef float CSA_V(nb_vf) __attribute__((vector_size(NB_VL * 4)));
+
+/* sum_i a_i * (w_i) * b_i (w NULL: 1); a, b float32 or bfloat16 (abf, bbf). */
+static inline __attribute__((always_inline)) float CSA_V(nb_dot)(
+    const void *a, const int abf, const float *CSA_RESTRICT w, const void *b, const int bbf,
+    csa_idx d)
+{
+    CSA_V(nb_vf) acc = {0};
+    csa_idx i = 0;
+    for (; i + NB_VL <= d; i += NB_VL) {
+        CSA_V(nb_vf) va = {0}, vb = {0};
+        for (int l = 0; l < NB_VL; l++) {
+            va[l] = w ? norm_ld(a, abf, i + l) * w[i + l] : norm_ld(a, abf, i + l);
+            vb[l] = norm_ld(b, bbf, i + l);
+        }
+        acc += va * vb;
+    }
+    for (int h = NB_VL / 2; h >= 1; h /= 2)
+        for (int l = 0; l < h; l++) acc[l] += acc[l + h];
+    float r = acc[0];
+    for (; i < d; i++) {
+        const float va = w ? norm_ld(a, abf, i) * w[i] : norm_ld(a, abf, i);
+        r += va * norm_ld(b, bbf, i);
+    }
+    return r;
+}
+#undef NB_VL
+
+/* dx = inv * g - x * k, with the one contraction written out where the level has FMA. */
+static inline __attribute__((always_inline)) float CSA_V(nb_dx)(float inv, float g, float x,
+                                                               float k)
+{
+#if defined(__FMA__)
+    return fmaf(-x, k, inv * g);
+#else
+    return inv * g - x * k;
+#endif
+}
+
 static inline __attribute__((always_inline)) void CSA_V(nb_rows)(
     const void *dy, const int dybf, csa_idx sdy_row, const void *x, const int xbf,
     csa_idx sx_row, csa_idx r0, csa_idx r1, csa_idx d, const float *CSA_RESTRICT w, float eps,
@@ -257,20 +308,9 @@ static inline __attribute__((always_inline)) void CSA_V(nb_rows)(
     for (csa_idx r = r0; r < r1; r++) {
         const void *xr = norm_off(x, xbf, r * sx_row), *gr = norm_off(dy, dybf, r * sdy_row);
         float *CSA_RESTRICT dr = dx + r * sdx_row;
-        float ss = 0.0f, dot = 0.0f;
-#pragma omp simd reduction(+ : ss)
-        for (csa_idx i = 0; i < d; i++) {
-            const float v = norm_ld(xr, xbf, i);
-            ss += v * v;
-        }
+        const float ss = CSA_V(nb_dot)(xr, xbf, NULL, xr, xbf, d);
         const float inv = 1.0f / sqrtf(ss / (float)d + eps);
-        if (w) {
-#pragma omp simd reduction(+ : dot)
-            for (csa_idx i = 0; i < d; i++) dot += norm_ld(gr, dybf, i) * w[i] * norm_ld(xr, xbf, i);
-        } else {
-#pragma omp simd reduction(+ : dot)
-            for (csa_idx i = 0; i < d; i++) dot += norm_ld(gr, dybf, i) * norm_ld(xr, xbf, i);
-        }
+        const float dot = CSA_V(nb_dot)(gr, dybf, w, xr, xbf, d);
 #ifdef CSA_MUTANT_RMS_GRAD_MEAN
         const float k = inv * inv * inv * (dot / (float)(d + 1));   /* mutant: mean over d+1 */
 #else
@@ -279,10 +319,11 @@ static inline __attribute__((always_inline)) void CSA_V(nb_rows)(
         if (w) {
 #pragma omp simd
             for (csa_idx i = 0; i < d; i++)
-                dr[i] = inv * (norm_ld(gr, dybf, i) * w[i]) - norm_ld(xr, xbf, i) * k;
+                dr[i] = CSA_V(nb_dx)(inv, norm_ld(gr, dybf, i) * w[i], norm_ld(xr, xbf, i), k);
         } else {
 #pragma omp simd
-            for (csa_idx i = 0; i < d; i++) dr[i] = inv * norm_ld(gr, dybf, i) - norm_ld(xr, xbf, i) * k;
+            for (csa_idx i = 0; i < d; i++)
+                dr[i] = CSA_V(nb_dx)(inv, norm_ld(gr, dybf, i), norm_ld(xr, xbf, i), k);
         }
         if (pr) {
 #pragma omp simd

@@ -428,7 +428,8 @@ def test_rms_norm_backward_bf16_and_strides(rng):
     xh, dh = x.astype(ml_dtypes.bfloat16), dy.astype(ml_dtypes.bfloat16)
     a = dc.rms_norm_backward(dh, xh, w, 1e-6)
     b = dc.rms_norm_backward(dh.astype(np.float32), xh.astype(np.float32), w, 1e-6)
-    # the same values widened (the vectorized sums may group differently per dtype)
+    # the same values widened (the row sums' order is written out, the element-wise
+    # loops may be vectorized differently per dtype: within float32 rounding)
     assert a[0].dtype == np.float32 and a[1].dtype == np.float32
     assert_close(a[0], b[0], rtol=1e-6, atol=1e-6, what="bf16 d(x)")
     assert_close(a[1], b[1], rtol=1e-6, atol=1e-6, what="bf16 d(w)")
@@ -521,3 +522,133 @@ def test_torch_apply_rotary_emb_grads(rng, inverse):
     z64.backward(T_(dy.astype(np.float64)))
     assert_close(z.detach().numpy(), z64.detach().numpy(), rtol=1e-5, atol=1e-5, what="out")
     assert_close(qt.grad.numpy(), q64.grad.numpy(), rtol=1e-5, atol=1e-5, what="d(x)")
+
+
+# ---------------------------------------------------------------- the compressor drop-in
+
+def _compressor(ratio, D, rotate, B=2, dim=24, rd=8, seed=0):
+    """A module with the released Compressor's layout (deepseek_csa.reference.layer) whose
+    forward is the drop-in; random weights."""
+    from types import SimpleNamespace
+    from deepseek_csa.reference import layer as L
+    torch.manual_seed(seed)
+    args = SimpleNamespace(dim=dim, rope_head_dim=rd, norm_eps=1e-6, max_batch_size=B)
+    m = L.Compressor(args, compress_ratio=ratio, head_dim=D, rotate=rotate)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape) * 0.4 + (1.0 if p is m.norm.weight else 0.0))
+    m.freqs_cis = L.precompute_freqs_cis(rd, 64, 0, 10000.0, 1.0, 32, 1)
+    m.kv_cache = torch.zeros(B, 64 // ratio, D)
+    return m
+
+
+def _hadamard64(n):
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return T_(h / np.sqrt(n))
+
+
+def _ref_compressor(m, x, r, ov, rotate):
+    """float64 autograd of pool -> RMSNorm -> RoPE at g*r -> (Hadamard); the QAT rounding
+    is straight-through, so its gradient is that of the function without it."""
+    P = {n: p.detach().double().requires_grad_() for n, p in m.named_parameters()}
+    x = x.detach().double().requires_grad_()
+    kv, sc = x @ P["wkv.weight"].T, x @ P["wgate.weight"].T
+    y = torch_rms(torch_pool(kv, sc, r, P["ape"], ov), P["norm.weight"], 1e-6)
+    G, rd = y.shape[1], m.rope_head_dim
+    fc = m.freqs_cis[0:G * r:r]
+    y = torch.cat([y[..., :-rd], torch_rope(y[..., -rd:], fc.real.double(), fc.imag.double(),
+                                            False)], -1)
+    if rotate:
+        y = y @ _hadamard64(y.shape[-1])
+    return y, x, P
+
+
+def _norm_close(got, want, rel, what):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+    assert err <= rel, f"{what}: relative error {err:.3g} > {rel}"
+
+
+@pytest.mark.parametrize("r, D, rotate", [(4, 72, False), (4, 32, True), (8, 72, False)])
+def test_compressor_dropin_gradients(r, D, rotate):
+    """Gradients of every parameter and of x through the drop-in (prefill) against a
+    float64 autograd reference: within 1e-5 norm-wise (float32 kernels; QAT rounding
+    straight-through).  The values equal the forward-only drop-in's."""
+    import deepseek_csa.torch as dct
+    ov = r == 4
+    m = _compressor(r, D, rotate)
+    x = (torch.randn(2, 4 * r + 3, 24) * 0.8).requires_grad_()
+    with torch.no_grad():
+        want_vals = dct.compressor_forward(m, x, 0).clone()
+    ent = dct.compressor_forward(m, x, 0)
+    assert ent.requires_grad and torch.equal(ent.detach(), want_vals)
+    wgt = torch.randn(ent.shape)
+    (ent * wgt).sum().backward()
+    y, x64, P = _ref_compressor(m, x, r, ov, rotate)
+    (y * wgt.double()).sum().backward()
+    _norm_close(x.grad, x64.grad, 1e-5, "d(x)")
+    for n, p in m.named_parameters():
+        _norm_close(p.grad, P[n].grad, 1e-5, f"d({n})")
+
+
+@pytest.mark.parametrize("r, T1", [(4, 9), (4, 2), (8, 13), (8, 0)])
+def test_compressor_dropin_streaming_gradient(r, T1):
+    """prefill(T1) then decode steps: the entries are the one-shot prefill's (bitwise)
+    and so is the gradient (to float32 rounding of the projections' backward, which
+    runs on other row blocks), the tokens held in the state included."""
+    import deepseek_csa.torch as dct
+    T, D = 3 * r + 3, 72
+    x0 = torch.randn(2, T, 24) * 0.8
+    wgt = torch.randn(2, T // r, D)
+
+    def run(split):
+        m = _compressor(r, D, False)
+        x = x0.clone().requires_grad_()
+        ents = []
+        if split:
+            if T1:
+                e = dct.compressor_forward(m, x[:, :T1], 0)
+                if e is not None:
+                    ents.append(e)
+            for p in range(T1, T):
+                if p == 0:
+                    e = dct.compressor_forward(m, x[:, :1], 0)
+                else:
+                    e = dct.compressor_forward(m, x[:, p:p + 1], p)
+                if e is not None:
+                    ents.append(e)
+        else:
+            ents.append(dct.compressor_forward(m, x, 0))
+        ent = torch.cat(ents, 1)
+        (ent * wgt).sum().backward()
+        return ent.detach(), x.grad, {n: p.grad for n, p in m.named_parameters()}
+
+    e1, gx1, gp1 = run(True)
+    e0, gx0, gp0 = run(False)
+    assert torch.equal(e1, e0)
+    _norm_close(gx1, gx0, 1e-6, "d(x)")
+    for n in gp0:
+        _norm_close(gp1[n], gp0[n], 1e-6, f"d({n})")
+
+
+@pytest.mark.parametrize("r", [4, 8])
+def test_compressor_dropin_grad_decode_after_no_grad_prefill(r):
+    """A decode step under autograd after a prefill that ran without it: the state comes
+    from the released buffers (detached) and the entries are the forward-only path's."""
+    import deepseek_csa.torch as dct
+    T1, T, D = r + 2, 3 * r, 72
+    x = torch.randn(2, T, 24) * 0.8
+    ref_m, m = _compressor(r, D, False), _compressor(r, D, False)
+    with torch.no_grad():
+        dct.compressor_forward(ref_m, x[:, :T1], 0)
+        dct.compressor_forward(m, x[:, :T1], 0)
+        want = [dct.compressor_forward(ref_m, x[:, p:p + 1], p) for p in range(T1, T)]
+    got = [dct.compressor_forward(m, x[:, p:p + 1], p) for p in range(T1, T)]
+    for a, b in zip(got, want):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.requires_grad and torch.equal(a.detach(), b)
+    sum(a.sum() for a in got if a is not None).backward()
+    assert m.wkv.weight.grad is not None and m.ape.grad is not None

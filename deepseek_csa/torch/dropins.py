@@ -157,6 +157,10 @@ def compressor_forward(self, x, start_pos):
     v4 = hasattr(self, "ape")
     if not v4 and r == 1:
         return self.norm(self.wkv(x))
+    if _torch().is_grad_enabled() and (x.requires_grad or any(
+            p.requires_grad for p in self.parameters())):     # differentiable (QAT: STE)
+        from .autograd_norm_pool import compressor_forward_grad
+        return compressor_forward_grad(self, G, x, start_pos)
     xf = x.float()
     kv_t, sc_t = self.wkv(xf), self.wgate(xf)
     kv, sc = _f32(kv_t), _f32(sc_t)

@@ -31,6 +31,19 @@ def _pool_ape_grad_dropped():
     Fn.backward = staticmethod(backward)
 
 
+def _compressor_state_detached():
+    """The differentiable compressor drops its graph-carrying streaming state (decode
+    entries read the released buffers, detached): the prefill's tail tokens lose the
+    gradient of the entries that later complete."""
+    import deepseek_csa.torch.autograd_norm_pool as m
+    orig = m.compressor_forward_grad
+
+    def f(mod, G, x, start_pos):
+        mod._csa_grad_state = None
+        return orig(mod, G, x, start_pos)
+    m.compressor_forward_grad = f
+
+
 MUTANTS = [
     dict(name="pool_grad_first_group", kind="c", define="CSA_MUTANT_POOL_GRAD_FIRST_GROUP",
          targets=[T], what="gated_pool_backward: overlap's first entry (no group -1) gets "
@@ -48,4 +61,6 @@ MUTANTS = [
          targets=[T], what="apply_rotary_emb's backward rotates forward, not back"),
     dict(name="pool_torch_ape_none", kind="py", apply=_pool_ape_grad_dropped,
          targets=[T], what="torch gated_pool drops ape's gradient"),
+    dict(name="compressor_state_detached", kind="py", apply=_compressor_state_detached,
+         targets=[T], what="the compressor drop-in's decode reads a detached state"),
 ]
