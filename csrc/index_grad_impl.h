@@ -366,8 +366,12 @@ static int CSA_V(ixg_run)(const struct ixg_call *c)
     memset(c->dk, 0, (size_t)(B * Tc * Di) * sizeof(float));
     const csa_idx CHK = CSA_IXG_CHUNK, ncb = (S + CHK - 1) / CHK, NC = B * ncb;
     if (NC == 0) return CSA_OK;
-    const csa_idx W = imin_g(NC, 2 * (csa_idx)csa_threads(NC, 1));
     const size_t pstride = CSA_V(ixg_al)((size_t)(Tc > 0 ? Tc : 1) * (size_t)(Di > 0 ? Di : 1) * 4) / 4;
+    /* chunks in flight: two per thread, at most ~256 MiB of partials (the wave width
+     * changes when the partials are added, never in what order) */
+    csa_idx W = imin_g(NC, 2 * (csa_idx)csa_threads(NC, 1));
+    const csa_idx wmem = (csa_idx)(((size_t)256 << 20) / (pstride * 4));
+    W = imin_g(W, wmem > 1 ? wmem : 1);
     float *parts = aligned_alloc(64, (size_t)W * pstride * 4);
     csa_idx *tmax = malloc((size_t)W * sizeof(csa_idx));
     if (!parts || !tmax) {
