@@ -779,10 +779,9 @@ def _kl_result(ret, vals):
 
 def _kl_dense_call(fn, args, kwargs, sizes):
     """The dense warm-up: topk_idxs=None, attn_target [B, S, Tc]."""
-    kw = dict(kwargs)
-    rest = list(args[3:])
-    tgt = rest.pop(0) if rest else kw.pop("attn_target")
-    return fn(*args[:3], None, tgt, *rest, **kw)
+    kw = dict(zip(("q", "k", "weights", "attn_target"), args))
+    kw.update(kwargs)
+    return fn(topk_idxs=None, **kw)
 
 
 _IXG_QKW = dict(q=Arr(("B", "S", "Hi", "Di")), k=Arr(("B", "Tc", "Di")),
@@ -805,7 +804,7 @@ ENTRIES += [
     Entry("indexer_kl_loss", "indexer_kl_loss",
           dict(**_IXG_QKW,
                topk_idxs=Arr(("B", "S", "K"), dtype=np.int32, fill=_kl_idx_fill,
-                             index=lambda s: (-1, s["Tc"] - 1)),
+                             index=lambda s: (-1, s["Tc"] - 1), optional=True),
                attn_target=Arr(("B", "S", "K"), fill=_kl_target_fill),
                ratio=Int(_S("ratio"), lo=1, hi=2**31 - 1, huge_ok=True),
                start_pos=Int(_S("p"), lo=0, hi=1 << 40, huge_ok=True),
