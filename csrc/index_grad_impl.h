@@ -15,20 +15,24 @@
  * partials are added into dk in chunk order, so dk is the same left fold over chunks
  * whatever the number of threads or waves. */
 
+/* Register tiles: 32 vector registers with AVX-512 (24 accumulators + the loads), 16
+ * below it (12). */
 #if defined(__AVX512F__)
 #define IXG_VL 16
-#define IXG_NK 4
-#elif defined(__AVX2__)
+#define IXG_NK 6 /* keys per dot tile */
+#define IXG_DV 4 /* d-vectors per dq / dk tile */
+#else
+#if defined(__AVX2__)
 #define IXG_VL 8
-#define IXG_NK 3
 #else
 #define IXG_VL 4
+#endif
 #define IXG_NK 3
+#define IXG_DV 2
 #endif
 #define IXG_HC 4 /* head vectors per dot tile */
-#define IXG_HB 4 /* heads per dq tile */
-#define IXG_KB 4 /* keys per dk tile */
-#define IXG_DV 4 /* d-vectors per dq / dk tile */
+#define IXG_HB 6 /* heads per dq tile */
+#define IXG_KB 6 /* keys per dk tile */
 
 typedef float CSA_V(gvf) __attribute__((vector_size(IXG_VL * 4)));
 typedef int32_t CSA_V(gvi) __attribute__((vector_size(IXG_VL * 4)));
@@ -67,7 +71,8 @@ static int CSA_V(ixg_ws_alloc)(struct CSA_V(ixg_ws) *w, csa_idx HP, csa_idx Di, 
     const size_t n = (size_t)(nmax > 0 ? nmax : 1);
     /* qt [Di][HP], then w [HP], lane mask [HP], dw accumulators [HP] */
     w->qt = aligned_alloc(64, CSA_V(ixg_al)((size_t)(Di + 3) * (size_t)HP * 4));
-    w->a = aligned_alloc(64, CSA_V(ixg_al)(n * (size_t)HP * 4));
+    /* + IXG_HB: the last dq tile of a row may read (and drop) heads past HP */
+    w->a = aligned_alloc(64, CSA_V(ixg_al)((n * (size_t)HP + IXG_HB) * 4));
     w->y = malloc(n * sizeof(float));
     w->I = malloc(n * sizeof(float));
     w->G = malloc(n * sizeof(float));
