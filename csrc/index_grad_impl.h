@@ -15,20 +15,24 @@
  * partials are added into dk in chunk order, so dk is the same left fold over chunks
  * whatever the number of threads or waves. */
 
+/* Register tiles: 32 vector registers with AVX-512 (24 accumulators + the loads), 16
+ * below it (12). */
 #if defined(__AVX512F__)
 #define IXG_VL 16
-#define IXG_NK 4
-#elif defined(__AVX2__)
+#define IXG_NK 6 /* keys per dot tile */
+#define IXG_DV 4 /* d-vectors per dq / dk tile */
+#else
+#if defined(__AVX2__)
 #define IXG_VL 8
-#define IXG_NK 3
 #else
 #define IXG_VL 4
+#endif
 #define IXG_NK 3
+#define IXG_DV 2
 #endif
 #define IXG_HC 4 /* head vectors per dot tile */
-#define IXG_HB 4 /* heads per dq tile */
-#define IXG_KB 4 /* keys per dk tile */
-#define IXG_DV 4 /* d-vectors per dq / dk tile */
+#define IXG_HB 6 /* heads per dq tile */
+#define IXG_KB 6 /* keys per dk tile */
 
 typedef float CSA_V(gvf) __attribute__((vector_size(IXG_VL * 4)));
 typedef int32_t CSA_V(gvi) __attribute__((vector_size(IXG_VL * 4)));
@@ -67,7 +71,8 @@ static int CSA_V(ixg_ws_alloc)(struct CSA_V(ixg_ws) *w, csa_idx HP, csa_idx Di, 
     const size_t n = (size_t)(nmax > 0 ? nmax : 1);
     /* qt [Di][HP], then w [HP], lane mask [HP], dw accumulators [HP] */
     w->qt = aligned_alloc(64, CSA_V(ixg_al)((size_t)(Di + 3) * (size_t)HP * 4));
-    w->a = aligned_alloc(64, CSA_V(ixg_al)(n * (size_t)HP * 4));
+    /* + IXG_HB: the last dq tile of a row may read (and drop) heads past HP */
+    w->a = aligned_alloc(64, CSA_V(ixg_al)((n * (size_t)HP + IXG_HB) * 4));
     w->y = malloc(n * sizeof(float));
     w->I = malloc(n * sizeof(float));
     w->G = malloc(n * sizeof(float));
@@ -366,8 +371,12 @@ static int CSA_V(ixg_run)(const struct ixg_call *c)
     memset(c->dk, 0, (size_t)(B * Tc * Di) * sizeof(float));
     const csa_idx CHK = CSA_IXG_CHUNK, ncb = (S + CHK - 1) / CHK, NC = B * ncb;
     if (NC == 0) return CSA_OK;
-    const csa_idx W = imin_g(NC, 2 * (csa_idx)csa_threads(NC, 1));
     const size_t pstride = CSA_V(ixg_al)((size_t)(Tc > 0 ? Tc : 1) * (size_t)(Di > 0 ? Di : 1) * 4) / 4;
+    /* chunks in flight: two per thread, at most ~256 MiB of partials (the wave width
+     * changes when the partials are added, never in what order) */
+    csa_idx W = imin_g(NC, 2 * (csa_idx)csa_threads(NC, 1));
+    const csa_idx wmem = (csa_idx)(((size_t)256 << 20) / (pstride * 4));
+    W = imin_g(W, wmem > 1 ? wmem : 1);
     float *parts = aligned_alloc(64, (size_t)W * pstride * 4);
     csa_idx *tmax = malloc((size_t)W * sizeof(csa_idx));
     if (!parts || !tmax) {

@@ -821,7 +821,80 @@ ENTRIES += [
 # ---------------------------------------------------------------- gradients: the indexer
 # index_scores_backward, indexer_kl_loss (and its backward).
 
+def _kl_derive(s):
+    s["Tc"] = (s["p"] + s["S"]) // s["ratio"]
+    return s
+
+
+def _kl_idx_fill(rng, shape, sizes):
+    """topk_idxs of a valid call: per row -1 or an entry it can see."""
+    out = np.full(shape, -1, np.int32)
+    for s in range(shape[1]):
+        nv = min((sizes["p"] + s + 1) // sizes["ratio"], sizes["Tc"])
+        if nv > 0:
+            out[:, s, :] = rng.integers(-1, nv, size=(shape[0], shape[2]))
+    return out
+
+
+def _kl_target_fill(rng, shape, sizes):
+    return rng.random(shape).astype(np.float32)
+
+
+def _kl_result(ret, vals):
+    if isinstance(ret, tuple):
+        return (np.float64(ret[0]),) + ret[1:]
+    return (np.float64(ret),)
+
+
+def _kl_dense_call(fn, args, kwargs, sizes):
+    """The dense warm-up: topk_idxs=None, attn_target [B, S, Tc]."""
+    kw = dict(zip(("q", "k", "weights", "attn_target"), args))
+    kw.update(kwargs)
+    return fn(topk_idxs=None, **kw)
+
+
+_IXG_QKW = dict(q=Arr(("B", "S", "Hi", "Di")), k=Arr(("B", "Tc", "Di")),
+                weights=Arr(("B", "S", "Hi")))
+
 ENTRIES += [
+    Entry("index_scores_backward", "index_scores_backward",
+          dict(grad_scores=Arr(("B", "S", "Tc")), **_IXG_QKW,
+               ratio=Int(_S("ratio"), lo=1, hi=2**31 - 1, huge_ok=True),
+               start_pos=Int(_S("p"), lo=0, hi=1 << 40, huge_ok=True),
+               grad_q=Arr(("B", "S", "Hi", "Di"), role="out"),
+               grad_k=Arr(("B", "Tc", "Di"), role="out"),
+               grad_weights=Arr(("B", "S", "Hi"), role="out")),
+          positional=("grad_scores", "q", "k", "weights"),
+          sizes=dict(B=(1, 2), S=(1, 9), Hi=(1, 5), Di=(1, 20), ratio=(1, 5), p=(0, 12),
+                     more=(0, 2)),
+          derive=_scores_derive, zero_ok=("B", "S", "Hi", "Di", "more"),
+          huge_skip=("Hi", "Di"),
+          medium=dict(B=1, S=257, Hi=64, Di=128, ratio=4, p=0, more=0)),
+    Entry("indexer_kl_loss", "indexer_kl_loss",
+          dict(**_IXG_QKW,
+               topk_idxs=Arr(("B", "S", "K"), dtype=np.int32, fill=_kl_idx_fill,
+                             index=lambda s: (-1, s["Tc"] - 1), optional=True),
+               attn_target=Arr(("B", "S", "K"), fill=_kl_target_fill),
+               ratio=Int(_S("ratio"), lo=1, hi=2**31 - 1, huge_ok=True),
+               start_pos=Int(_S("p"), lo=0, hi=1 << 40, huge_ok=True),
+               return_grads=Flag(_C(True))),
+          positional=("q", "k", "weights", "topk_idxs", "attn_target"),
+          sizes=dict(B=(1, 2), S=(1, 9), Hi=(1, 5), Di=(1, 20), ratio=(1, 4), p=(0, 12),
+                     K=(1, 7)),
+          derive=_kl_derive, zero_ok=("B", "S", "Hi", "Di", "K"), huge_skip=("Hi", "Di", "K"),
+          result=_kl_result,
+          medium=dict(B=1, S=1024, Hi=64, Di=128, ratio=4, p=0, K=64)),
+    Entry("indexer_kl_loss_dense", "indexer_kl_loss",
+          dict(**_IXG_QKW,
+               attn_target=Arr(("B", "S", "Tc"), fill=_kl_target_fill),
+               ratio=Int(_S("ratio"), lo=1, hi=2**31 - 1, huge_ok=True),
+               start_pos=Int(_S("p"), lo=0, hi=1 << 40, huge_ok=True),
+               return_grads=Flag(_C(True))),
+          positional=("q", "k", "weights", "attn_target"),
+          sizes=dict(B=(1, 2), S=(1, 9), Hi=(1, 5), Di=(1, 20), ratio=(1, 4), p=(0, 12)),
+          derive=_kl_derive, zero_ok=("B", "S", "Hi", "Di"), huge_skip=("Hi", "Di"),
+          call=_kl_dense_call, result=_kl_result,
+          medium=dict(B=1, S=512, Hi=64, Di=128, ratio=4, p=0)),
 ]
 
 

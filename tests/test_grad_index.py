@@ -346,3 +346,31 @@ def test_torch_import_stays_lazy():
                          cwd=__import__("os").path.dirname(__import__("os").path.dirname(
                              __file__)))
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_torch_gradcheck(rng):
+    """torch.autograd.gradcheck on small odd shapes, with tolerances for float32 kernels:
+    central differences with eps = 1e-2 of float32 results (relative error ~1e-7) leave
+    ~1e-5 of noise; the inputs keep every |q . k| well away from the relu kink so no
+    difference step crosses it."""
+    import deepseek_csa.torch as dct
+    B, S, Hi, Di, ratio, sp, K = 1, 5, 2, 3, 2, 1, 3
+    for _ in range(1000):             # every |q . k| >= 0.15: a step of 1e-2 cannot cross 0
+        q, k, w, Tc = make(rng, B, S, Hi, Di, ratio, sp, 0)
+        if np.abs(np.einsum("bshd,btd->bsht", q, k)).min() >= 0.15:
+            break
+    idx = make_idx(rng, B, S, K, ratio, sp, dup=True, one=False)
+    tgt = kl_target(rng, (B, S, K), zero_rows=False)
+    q64, k64, w64 = (torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in (q, k, w))
+
+    def scores(q_, k_, w_):
+        sc = dct.index_scores(q_, k_, w_, ratio=ratio, start_pos=sp)
+        return torch.where(torch.isfinite(sc), sc, torch.zeros_like(sc)).double()
+
+    def kl(q_, k_, w_):
+        return dct.indexer_kl_loss(q_, k_, w_, torch.tensor(idx), torch.tensor(tgt),
+                                   ratio=ratio, start_pos=sp).double()
+
+    for fn in (scores, kl):
+        assert torch.autograd.gradcheck(fn, (q64, k64, w64), eps=1e-2, atol=2e-3, rtol=2e-3,
+                                         nondet_tol=0.0)

@@ -321,11 +321,11 @@ static PyObject *py_indexer_kl_loss(PyObject *self, PyObject *args, PyObject *kw
     x.stb = csa_stride(ta, 0);
     x.sts = csa_stride(ta, 1);
     x.stk = csa_stride(ta, 2);
-    if (check_slots(fn, &p, &x)) goto done;
-    if (rg) {
+    if (rg) { /* first: a batch too large to allocate fails before the O(B*S*K) checks */
         PyArrayObject *ins[5] = {a.q, a.k, a.w, ia, ta};
         if (make_gouts(fn, outs, &p, ins, 5, &g)) goto done;
     }
+    if (check_slots(fn, &p, &x)) goto done;
     double loss = 0.0;
     int st;
     Py_BEGIN_ALLOW_THREADS
