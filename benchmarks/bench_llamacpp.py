@@ -76,6 +76,7 @@ def cases(quick=False):
 # ---------------------------------------------------------------- ggml through ctypes
 class GGML:
     def __init__(self, path=LIB):
+        self.path = path
         if not path.exists():
             raise FileNotFoundError(f"{path} not found: run `make peers` first (builds llama.cpp's "
                                     f"ggml under {PEERS})")
@@ -215,6 +216,13 @@ def _times(sides, rounds, budget):
     return {k: statistics.median(v) for k, v in t.items()}, t
 
 
+def _round_stats(raw, ours, llama):
+    """Median over the rounds of llama.cpp's time / ours in the same round, and the
+    number of rounds."""
+    return dict(speedup_rounds=statistics.median(l / o for l, o in zip(raw[llama], raw[ours])),
+                rounds=len(raw[ours]))
+
+
 def indexer_rows(g, threads, S, Tc, rounds, budget, rng):
     import ml_dtypes
     import deepseek_csa as dc
@@ -239,7 +247,7 @@ def indexer_rows(g, threads, S, Tc, rounds, budget, rng):
               for n, t in (("F32", 0), ("F16", 1))}
     for n, gr in graphs.items():
         sides[n] = gr.run
-    med, _ = _times(sides, rounds, budget)
+    med, raw = _times(sides, rounds, budget)
     # cross-check: ggml's scores against index_scores and float64; selected sets
     nr = min(S, 256)  # float64 reference on the first rows
     ref = np.einsum("shd,td->sht", q[0, :nr].astype(np.float64), k[0].astype(np.float64))
@@ -274,7 +282,7 @@ def indexer_rows(g, threads, S, Tc, rounds, budget, rng):
                         check=f"top-{K} sets agree {100 * agree:.2f}% with {best}; "
                               f"scores rel err vs float64: ours f32 {_rel(osc, refv):.1e}, "
                               f"llama.cpp F32 {_rel(gs, refv):.1e}",
-                        set_agreement=agree, scores_rel_err_ours=_rel(osc, refv),
+                        **_round_stats(raw, name, best), set_agreement=agree, scores_rel_err_ours=_rel(osc, refv),
                         scores_rel_err_llama=_rel(gs, refv)))
     return rows
 
@@ -320,7 +328,7 @@ def attn_rows(g, threads, S, Tc, rounds, budget, rng):
               for n, t, c in (("F16", 1, True), ("F32", 0, True), ("F16 no concat", 1, False))}
     for n, gr in graphs.items():
         sides[n] = gr.run
-    med, _ = _times(sides, rounds, budget)
+    med, raw = _times(sides, rounds, budget)
     ref = _attn_ref64(q[0], kv[0], sink, ours_idx, scale, rows=64)
     f16 = lambda a: a.astype(np.float16).astype(np.float32)  # noqa: E731
     ref16 = _attn_ref64(f16(q[0]), f16(kv[0]), sink, ours_idx, scale, rows=64)
@@ -350,6 +358,7 @@ def attn_rows(g, threads, S, Tc, rounds, budget, rng):
                               + f" (F16 vs float64 on F16-rounded q, K/V: "
                               f"{_rel(gouts['llama.cpp K/V F16'][:64], ref16):.1e})"
                               + f"; ours vs {best} {_rel(ob, gouts[best]):.1e}",
+                        **_round_stats(raw, name, best),
                         rel_err_ours=errs[name], rel_err_llama={n: errs[n] for n in graphs},
                         rel_err_llama_f16_vs_f16_inputs=_rel(gouts["llama.cpp K/V F16"][:64], ref16),
                         rel_ours_vs_llama=_rel(ob, gouts[best])))
@@ -375,11 +384,17 @@ def gemm_rows(g, threads, M, which, rounds, budget, rng, small=False):
     import deepseek_csa as dc
     if which == "fp8":
         N, K = (32768, 1024) if not small else (1024, 1024)
-        u = rng.integers(0, 256, (N, K)).astype(np.uint8)
-        u[(u & 0x7F) == 0x7F] ^= 1                                   # no NaN codes
-        bs = (2.0 ** rng.integers(-9, -5, (N // 128, K // 128))).astype(np.float32)
-        W = u.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * np.repeat(
-            np.repeat(bs, 128, 0), 128, 1)
+        # a checkpoint-like weight: Gaussian, e4m3 per 128x128 block with a power-of-two
+        # scale (amax -> 448); uniform random codes would make 1/16 of them e4m3
+        # subnormals, far more than real weights hold (docs/peers.md, section 5)
+        W0 = rng.standard_normal((N, K), dtype=np.float32) * 0.02
+        amax = np.abs(W0.reshape(N // 128, 128, K // 128, 128)).max((1, 3))
+        bs = (2.0 ** np.ceil(np.log2(amax / 448.0))).astype(np.float32)
+        sc = np.repeat(np.repeat(bs, 128, 0), 128, 1)
+        u = (W0 / sc).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+        W = u.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * sc
+        wnote = (f"Gaussian weights, e4m3 per 128x128 block; e4m3 subnormal codes "
+                 f"{100 * ((u & 0x78) == 0).mean():.3f}% (zeros included)")
         wq = np.empty((N, g.L.gb_row_size(g.Q8_0, K)), np.uint8)
         g.L.gb_quantize(g.Q8_0, _p(np.ascontiguousarray(W)), _p(wq), N, K)
         gtype, gname = g.Q8_0, "llama.cpp Q8_0"
@@ -387,11 +402,15 @@ def gemm_rows(g, threads, M, which, rounds, budget, rng, small=False):
         label, shape = "ours fp8_quant + fp8_gemm", f"wq_b N={N} K={K}"
     else:
         N, K = (2048, 4096) if not small else (256, 4096)
-        b4 = rng.integers(0, 256, (N, K // 2)).astype(np.uint8)
-        b4s = rng.integers(118, 124, (N, K // 32)).astype(np.uint8)
+        # a checkpoint-like expert weight: Gaussian, e2m1 per 32 with a ue8m0 scale (the
+        # released format, as fp4_quant writes it)
+        W0 = rng.standard_normal((N, K), dtype=np.float32) * 0.02
+        b4, b4s = dc.fp4_quant(W0, 32)
         tab = _e2m1_table()
         codes = np.stack([b4 & 15, b4 >> 4], -1).reshape(N, K)
         W = tab[codes] * np.repeat(2.0 ** (b4s.astype(np.float32) - 127), 32, 1)
+        wnote = (f"Gaussian weights, e2m1 per 32 (fp4_quant); codes +-0.5: "
+                 f"{100 * ((codes & 7) == 1).mean():.1f}%")
         wq = fp4_to_mxfp4(b4, b4s)
         chk = np.empty((N, K), np.float32)
         g.L.gb_dequantize(g.MXFP4, _p(wq), _p(chk), N * K)
@@ -403,7 +422,7 @@ def gemm_rows(g, threads, M, which, rounds, budget, rng, small=False):
     x = rng.standard_normal((M, K), dtype=np.float32)
     gr = ggml_mul_mat(g, gtype, wq, x, threads)
     sides = {label: lambda: ours(x), gname: gr.run}
-    med, _ = _times(sides, rounds, budget)
+    med, raw = _times(sides, rounds, budget)
     nr = min(M, 64)
     ref = x[:nr].astype(np.float64) @ W.astype(np.float64).T
     o = np.asarray(ours(x)[:nr], np.float32)
@@ -422,8 +441,8 @@ def gemm_rows(g, threads, M, which, rounds, budget, rng, small=False):
                             + f"; f32 out; weight buffer {wbuf}"),
                 ours_s=med[label], llama_s=med[gname], all_llama_s={gname: med[gname]},
                 bound="compute" if M > 1 else "memory", flops=2.0 * M * N * K,
-                weight_bytes=int(wq.nbytes),
-                check=f"rel err vs float64 (first {nr} rows): ours {_rel(o, ref):.1e}, "
+                weight_bytes=int(wq.nbytes), **_round_stats(raw, label, gname), weights=wnote,
+                check=f"{wnote}; rel err vs float64 (first {nr} rows): ours {_rel(o, ref):.1e}, "
                       f"llama.cpp {_rel(go, ref):.1e}; ours vs llama.cpp {_rel(o, go):.1e}",
                 rel_err_ours=_rel(o, ref), rel_err_llama=_rel(go, ref),
                 rel_ours_vs_llama=_rel(o, go))]
@@ -512,7 +531,8 @@ def fmt(r):
     ratio = r["llama_s"] / r["ours_s"]
     return (f"{r['op']:<9} {r['case']:<52} {r['ours']:<26} {r['ours_s'] * 1e3:9.3f} ms | "
             f"{r['llama']:<19} {r['llama_s'] * 1e3:9.3f} ms | x{ratio:5.2f} "
-            f"{'>=' if ratio >= 1 else '< '} | {r['cpu']} [{r['isa']}; CPU {r['cpu_isa']}] "
+            f"{'>=' if ratio >= 1 else '< '} ({r['rounds']} rounds) | {r['cpu']} [ours {r['isa']}, "
+            f"ggml {r['ggml_build']}; CPU {r['cpu_isa']}] "
             f"{r['threads']}t | {r['check']}")
 
 
@@ -546,13 +566,16 @@ def main():
     ap.add_argument("--rounds", type=int, default=0, help="interleaved rounds (0: ~budget)")
     ap.add_argument("--budget", type=float, default=3.0, help="seconds per side when rounds=0")
     ap.add_argument("-k", action="append", default=[], help="keep row groups whose op matches")
+    ap.add_argument("--ggml-isa", default="native", choices=["native", "avx2"],
+                    help="which ggml build: native (-march=native) or avx2 "
+                         "(PEERS_GGML_ISA=avx2 make peers); pair avx2 with DEEPSEEK_CSA_ISA=avx2")
     ap.add_argument("--note", default="")
     a = ap.parse_args()
     from threadpoolctl import threadpool_limits
     import torch
     torch.set_num_threads(a.threads)
     try:
-        g = GGML()
+        g = GGML(LIB if a.ggml_isa == "native" else PEERS / "libcsa_ggml_ops-avx2.so")
     except FileNotFoundError as e:
         print(f"SKIP bench_llamacpp: {e}")
         return 0
@@ -583,7 +606,8 @@ def main():
             else:
                 new = gemm_rows(g, a.threads, n, t, rounds, a.budget, rng, small=a.tiny)
             for r in new:
-                r.update(cpu=cpu, isa=isa, cpu_isa=cpu_isa, threads=a.threads,
+                r.update(cpu=cpu, isa=isa, cpu_isa=cpu_isa, ggml_build=a.ggml_isa,
+                         threads=a.threads,
                          load_avg_1min=os.getloadavg()[0])
                 r["speedup"] = r["llama_s"] / r["ours_s"]
                 if r["bound"] == "compute":
@@ -597,7 +621,7 @@ def main():
     met = sum(r["speedup"] >= 1 for r in rows)
     out_dir = PEERS if a.tiny else harness.RESULTS
     out_dir.mkdir(parents=True, exist_ok=True)
-    name = "llamacpp_tiny" if a.tiny else "llamacpp"
+    name = ("llamacpp_tiny" if a.tiny else "llamacpp") + ("_avx2" if a.ggml_isa == "avx2" else "")
     snap = {"note": f"benchmarks/bench_llamacpp.py{' --quick' if a.quick else ''}"
                     f"{' --tiny (smoke run, not a measurement)' if a.tiny else ''}: ours vs "
                     f"llama-cpp-python {LLAMACPP_VERSION}'s vendored ggml (CPU backend, "
