@@ -67,6 +67,10 @@ PEERS = Path(os.environ.get("PEERS_DIR") or ROOT / "build" / "peers")
 LIB = PEERS / "libcsa_ggml_ops.so"
 
 NEG_INF_F16 = np.uint16(0xFC00)
+# ggml's AMX buffer (Q8_0 weights on AMX-INT8 tiles) died with SIGILL in
+# tinygemm_kernel_amx for M >= 2 on the test host (docs/peers.md section 3): off unless
+# --ggml-amx (M = 1 runs there and is no faster than CPU_REPACK's kernels, see docs).
+ALLOW_AMX = False
 
 
 def cases(quick=False):
@@ -167,7 +171,7 @@ def ggml_attn(g, q, kv, sink, raw_mask, csa_mask, topk_idx, scale, kv_type, thre
     return Graph(g, h, np.float32, (S, H, D), ins)
 
 
-def ggml_mul_mat(g, wtype, wbytes, x, threads, use_extra=True):
+def ggml_mul_mat(g, wtype, wbytes, x, threads, use_extra=1):
     M, K = x.shape
     N = wbytes.shape[0]
     ins = (_c(wbytes, np.uint8), _c(x, np.float32))
@@ -420,7 +424,7 @@ def gemm_rows(g, threads, M, which, rounds, budget, rng, small=False):
         ours = lambda xx: dc.fp4_gemm(*dc.fp8_quant(xx), b4, b4se)   # noqa: E731
         label, shape = "ours fp8_quant + fp4_gemm", f"expert w1 N={N} K={K}"
     x = rng.standard_normal((M, K), dtype=np.float32)
-    gr = ggml_mul_mat(g, gtype, wq, x, threads)
+    gr = ggml_mul_mat(g, gtype, wq, x, threads, use_extra=2 if ALLOW_AMX else 1)
     sides = {label: lambda: ours(x), gname: gr.run}
     med, raw = _times(sides, rounds, budget)
     nr = min(M, 64)
@@ -569,11 +573,15 @@ def main():
     ap.add_argument("--ggml-isa", default="native", choices=["native", "avx2"],
                     help="which ggml build: native (-march=native) or avx2 "
                          "(PEERS_GGML_ISA=avx2 make peers); pair avx2 with DEEPSEEK_CSA_ISA=avx2")
+    ap.add_argument("--ggml-amx", action="store_true",
+                    help="let ggml put Q8_0 weights in its AMX buffer (crashed here for M >= 2)")
     ap.add_argument("--note", default="")
     a = ap.parse_args()
     from threadpoolctl import threadpool_limits
     import torch
     torch.set_num_threads(a.threads)
+    global ALLOW_AMX
+    ALLOW_AMX = a.ggml_amx
     try:
         g = GGML(LIB if a.ggml_isa == "native" else PEERS / "libcsa_ggml_ops-avx2.so")
     except FileNotFoundError as e:
