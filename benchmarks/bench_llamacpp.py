@@ -5,6 +5,10 @@ same inputs, same thread count, interleaved rounds, each side at its native prec
     python benchmarks/bench_llamacpp.py --quick         # representative subset
     python benchmarks/bench_llamacpp.py                 # every row of the issue
     python benchmarks/bench_llamacpp.py --tiny          # smoke run, small shapes (no JSON kept)
+    DEEPSEEK_CSA_ISA=avx2 python benchmarks/bench_llamacpp.py --ggml-isa avx2 --quick
+                                   # both at AVX2 (after PEERS_GGML_ISA=avx2 make peers)
+
+Durations (2 cores, idle host, ggml built): --quick ~10 min, full ~15 min; --tiny ~1 min.
 
 Run on its own, not by run.py (it needs the library `make peers` builds; cases() is
 empty).  llama.cpp is llama-cpp-python 0.3.36's vendored tree (deepseek4 architecture),
@@ -22,12 +26,14 @@ variant of the same op and shape, the variant named):
   attention  llama.cpp's CSA graph: K = V = concat(window, compressed), the top-k mask
              (fill -inf, set_rows 0 at the top-k, + causal mask, joined to the window
              mask), ggml_flash_attn_ext with sinks, F32 accumulation and the n_kv_max hint;
-             K/V F16 (llama.cpp's default) and F32, vs our sparse_attn float32 / bfloat16;
+             K/V F16 (llama.cpp's default) and F32, and F16 with K handed in already
+             concatenated (not what llama.cpp runs: a stricter bar, kept among the
+             variants ours is compared with), vs our sparse_attn float32 / bfloat16;
              H=64, D=512, window 128 + top-512; decode at the same Tc, prefill S=2048.
   gemm       ggml mul_mat with Q8_0 weights (llama.cpp's converter dequantizes the FP8
              checkpoint and requantizes) and MXFP4 (the FP4 experts, bit for bit), the
-             weight in the buffer llama.cpp would give it (AMX / CPU_REPACK where one
-             takes it), vs our fp8_quant + fp8_gemm / fp8_quant + fp4_gemm (bf16 out), at
+             weight in the buffer llama.cpp would give it (CPU_REPACK where it takes
+             it; AMX only with --ggml-amx, see docs/peers.md), vs our fp8_quant + fp8_gemm / fp8_quant + fp4_gemm (bf16 out), at
              wq_b 32768x1024 and one expert's w1 2048x4096, M = 1 and 2048.
 Every row also states the relative error (Frobenius) of each side against a float64
 reference on the same inputs, and ours against llama.cpp (indexer: agreement of the
