@@ -567,7 +567,7 @@ def plot(rows, path):
     plt.close(fig)
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", 2)))
     ap.add_argument("--quick", action="store_true", help="representative subset (~10 rows groups)")
@@ -582,7 +582,7 @@ def main():
     ap.add_argument("--ggml-amx", action="store_true",
                     help="let ggml put Q8_0 weights in its AMX buffer (crashed here for M >= 2)")
     ap.add_argument("--note", default="")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     from threadpoolctl import threadpool_limits
     import torch
     torch.set_num_threads(a.threads)
