@@ -284,7 +284,7 @@ def indexer_rows(g, threads, S, Tc, rounds, budget, rng):
     for name in list(sides)[:3]:
         agree = statistics.mean(len(a & b) / len(a | b) if a | b else 1.0
                                 for a, b in zip(ours_sets[name], g_sets[best]))
-        rows.append(Row(op="indexer", case=f"{kind} S={S} Tc={Tc} Hi={Hi} Di={Di} top-{topk}",
+        rows.append(Row(op="indexer", S=S, Tc=Tc, case=f"{kind} S={S} Tc={Tc} Hi={Hi} Di={Di} top-{topk}",
                         ours=name, ours_prec=_prec(name, "indexer"), llama=best,
                         llama_prec=_prec(best, "indexer"), ours_s=med[name], llama_s=med[best],
                         all_llama_s={n: med[n] for n in graphs},
@@ -356,7 +356,7 @@ def attn_rows(g, threads, S, Tc, rounds, budget, rng):
     K = win + topk
     for name in list(sides)[:2]:
         ob = np.asarray(sides[name]()[0], np.float32)
-        rows.append(Row(op="attention", case=f"{kind} S={S} window {win} + top-{topk} of Tc={Tc} "
+        rows.append(Row(op="attention", S=S, Tc=Tc, case=f"{kind} S={S} window {win} + top-{topk} of Tc={Tc} "
                                               f"H={H} D={D}",
                         ours=name, ours_prec=_prec(name, "attention"), llama=best,
                         llama_prec=_prec(best, "attention"), ours_s=med[name], llama_s=med[best],
@@ -547,21 +547,42 @@ def fmt(r):
 
 
 def plot(rows, path):
+    """Top: llama.cpp time / ours per row.  Bottom: decode time against Tc, ours and
+    llama.cpp's fastest variant, indexer and attention."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     labels = [f"{r['op']} {r['case'].split(' H=')[0]}\n{r['ours']} vs {r['llama']}" for r in rows]
     sp = [r["llama_s"] / r["ours_s"] for r in rows]
-    fig, ax = plt.subplots(figsize=(max(8, 0.6 * len(rows)), 6))
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(max(9, 0.6 * len(rows)), 11),
+                                  gridspec_kw={"height_ratios": [3, 2]})
     x = np.arange(len(rows))
-    ax.bar(x, sp, color=["tab:green" if s >= 1 else "tab:red" for s in sp])
+    ax.bar(x, sp, color=["tab:green" if v >= 1 else "tab:red" for v in sp])
     ax.axhline(1, color="k", lw=0.8)
     ax.set_yscale("log")
     ax.set_ylabel("llama.cpp time / our time (x, > 1: ours faster)")
-    ax.set_title(f"ours vs llama.cpp {LLAMACPP_VERSION} ggml, {rows[0]['cpu']}, "
-                 f"{rows[0]['threads']} threads" if rows else "")
+    if rows:
+        ax.set_title(f"ours vs llama.cpp {LLAMACPP_VERSION} ggml, {rows[0]['cpu']} "
+                     f"[ours {rows[0]['isa']}, ggml {rows[0].get('ggml_build', 'native')}], "
+                     f"{rows[0]['threads']} threads")
     ax.set_xticks(x)
     ax.set_xticklabels(labels, fontsize=6, rotation=60, ha="right")
+    styles = {"indexer": "o", "attention": "s"}
+    for op, mk in styles.items():
+        dec = [r for r in rows if r["op"] == op and r.get("S") == 1]
+        for side in sorted({r["ours"] for r in dec}):
+            pts = sorted((r["Tc"], r["ours_s"]) for r in dec if r["ours"] == side)
+            ax2.plot(*zip(*pts), marker=mk, label=f"{op}: {side}")
+        lp = sorted({(r["Tc"], r["llama_s"], r["llama"]) for r in dec})
+        if lp:
+            ax2.plot([p[0] for p in lp], [p[1] for p in lp], marker=mk, ls="--", color="k",
+                     label=f"{op}: llama.cpp (fastest variant)")
+    ax2.set_xscale("log", base=2)
+    ax2.set_yscale("log")
+    ax2.set_xlabel("compressed entries Tc (decode, S=1)")
+    ax2.set_ylabel("seconds per call")
+    if ax2.lines:
+        ax2.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
