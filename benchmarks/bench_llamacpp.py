@@ -588,6 +588,24 @@ def plot(rows, path):
     plt.close(fig)
 
 
+def markdown(rows, peaks):
+    """The rows as a Markdown table for the README's "How we compare"."""
+    r0 = rows[0]
+    out = [f"{r0['cpu']}, ours at ISA {r0['isa']}, ggml {r0.get('ggml_build', 'native')} build, "
+           f"{r0['threads']} threads; FMA peak {peaks['fma_gflops']:.0f} GFLOP/s, STREAM triad "
+           f"{peaks['stream_gbs']:.1f} GB/s, OpenBLAS sgemm {peaks['numpy_sgemm_gflops']:.0f} "
+           f"GFLOP/s ({100 * peaks['numpy_sgemm_frac_fma']:.0f}% of FMA peak).", "",
+           "| op | case | ours | ms | llama.cpp | ms | llama.cpp / ours | check |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['op']} | {r['case']} | {r['ours']} | {r['ours_s'] * 1e3:.3f} | "
+                   f"{r['llama']} | {r['llama_s'] * 1e3:.3f} | x{r['speedup']:.2f} | "
+                   f"{r['check']} |")
+    met = sum(r["speedup"] >= 1 for r in rows)
+    out += ["", f"llamacpp: {met}/{len(rows)} rows ours >= llama.cpp", ""]
+    return "\n".join(out)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", 2)))
@@ -670,6 +688,7 @@ def main(argv=None):
     (out_dir / f"{name}.json").write_text(json.dumps(snap, indent=1, default=float))
     if rows:
         plot(rows, out_dir / f"{name}.png")
+        (out_dir / f"{name}.md").write_text(markdown(rows, peaks))
     print(f"wrote {out_dir / (name + '.json')} and {name}.png ({time.time() - t_start:.0f} s)")
     print(f"llamacpp: {met}/{len(rows)} rows ours >= llama.cpp")
     return 0
