@@ -74,7 +74,7 @@ TARGETS="ggml ggml-cpu"
 if [ -n "${PEERS_EXTRA_TARGETS:-}" ]; then
     # e.g. PEERS_EXTRA_TARGETS="llama-bench llama-cli" for whole-model runs (issue 27
     # item 3): the tools need LLAMA_BUILD_TOOLS and libllama (tens of minutes more)
-    cmake -B "$BLD" -DLLAMA_BUILD_TOOLS=ON >/dev/null
+    cmake -S "$LLAMA" -B "$BLD" -DLLAMA_BUILD_TOOLS=ON >/dev/null
     TARGETS="$TARGETS $PEERS_EXTRA_TARGETS"
 fi
 echo "peers: building $TARGETS (nice -n 19, $JOBS jobs; ~20 min on 2 cores the first time)"
