@@ -7,8 +7,8 @@
 #   2. unpack it; configure the vendored tree with cmake (CPU only, -DGGML_NATIVE=ON,
 #      -DLLAMA_CURL=OFF, shared libraries);
 #   3. build only the ggml libraries (ggml, ggml-base, ggml-cpu) -- and test-backend-ops
-#      when PEERS_TEST_BACKEND_OPS=1, the targets in PEERS_EXTRA_TARGETS (llama-bench,
-#      llama-cli, ...) when set -- under `nice -n 19` with PEERS_JOBS (default 2) jobs;
+#      when PEERS_TEST_BACKEND_OPS=1, the targets in PEERS_EXTRA_TARGETS (llama-bench
+#      with LLAMA_BUILD_TOOLS=ON) when set -- under `nice -n 19` with PEERS_JOBS (default 2) jobs;
 #   4. compile benchmarks/llamacpp_ops.c against them into build/peers/libcsa_ggml_ops.so.
 # Each step is skipped when its output exists; PEERS_DIR moves the whole thing.
 # PEERS_GGML_ISA=avx2 builds a second copy limited to AVX2/FMA/F16C (GGML_NATIVE=OFF)
@@ -72,7 +72,7 @@ fi
 TARGETS="ggml ggml-cpu"
 [ "${PEERS_TEST_BACKEND_OPS:-0}" = 1 ] && TARGETS="$TARGETS test-backend-ops"
 if [ -n "${PEERS_EXTRA_TARGETS:-}" ]; then
-    # e.g. PEERS_EXTRA_TARGETS="llama-bench llama-cli" for whole-model runs (issue 27
+    # e.g. PEERS_EXTRA_TARGETS=llama-bench for whole-model runs (issue 27
     # item 3): the tools need LLAMA_BUILD_TOOLS and libllama (tens of minutes more)
     cmake -S "$LLAMA" -B "$BLD" -DLLAMA_BUILD_TOOLS=ON >/dev/null
     TARGETS="$TARGETS $PEERS_EXTRA_TARGETS"
