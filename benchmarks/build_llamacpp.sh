@@ -7,9 +7,13 @@
 #   2. unpack it; configure the vendored tree with cmake (CPU only, -DGGML_NATIVE=ON,
 #      -DLLAMA_CURL=OFF, shared libraries);
 #   3. build only the ggml libraries (ggml, ggml-base, ggml-cpu) -- and test-backend-ops
-#      when PEERS_TEST_BACKEND_OPS=1 -- under `nice -n 19` with PEERS_JOBS (default 2) jobs;
+#      when PEERS_TEST_BACKEND_OPS=1, the targets in PEERS_EXTRA_TARGETS (llama-bench
+#      with LLAMA_BUILD_TOOLS=ON) when set -- under `nice -n 19` with PEERS_JOBS (default 2) jobs;
 #   4. compile benchmarks/llamacpp_ops.c against them into build/peers/libcsa_ggml_ops.so.
 # Each step is skipped when its output exists; PEERS_DIR moves the whole thing.
+# PEERS_GGML_ISA=avx2 builds a second copy limited to AVX2/FMA/F16C (GGML_NATIVE=OFF)
+# into llama-build-avx2/ + libcsa_ggml_ops-avx2.so, to set beside our AVX2 path
+# (DEEPSEEK_CSA_ISA=avx2 ... bench_llamacpp.py --ggml-isa avx2) on an AVX-512 / AMX host.
 set -eu
 
 VERSION=${LLAMACPP_VERSION:-0.3.36}
@@ -19,8 +23,14 @@ PY=${PY:-$ROOT/.venv/bin/python}
 JOBS=${PEERS_JOBS:-2}
 SRC=$DIR/llama_cpp_python-$VERSION
 LLAMA=$SRC/vendor/llama.cpp
-BLD=$DIR/llama-build
-LIB=$DIR/libcsa_ggml_ops.so
+GISA=${PEERS_GGML_ISA:-native}
+case "$GISA" in
+    native) BLD=$DIR/llama-build; LIB=$DIR/libcsa_ggml_ops.so
+            ISAFLAGS="-DGGML_NATIVE=ON" ;;
+    avx2)   BLD=$DIR/llama-build-avx2; LIB=$DIR/libcsa_ggml_ops-avx2.so
+            ISAFLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" ;;
+    *) echo "make peers: PEERS_GGML_ISA must be native or avx2, not $GISA" >&2; exit 2 ;;
+esac
 
 missing=""
 command -v cmake >/dev/null 2>&1 || missing="$missing cmake"
@@ -52,14 +62,21 @@ fi
 [ -f "$LLAMA/src/models/deepseek4.cpp" ] || { echo "peers: $LLAMA has no deepseek4 model" >&2; exit 3; }
 
 if [ ! -f "$BLD/CMakeCache.txt" ]; then
-    echo "peers: configuring $LLAMA (CPU only, GGML_NATIVE=ON)"
+    echo "peers: configuring $LLAMA (CPU only, $ISAFLAGS)"
+    # shellcheck disable=SC2086
     cmake -S "$LLAMA" -B "$BLD" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
-        -DGGML_NATIVE=ON -DGGML_BACKEND_DL=OFF -DGGML_OPENMP=ON -DGGML_BLAS=OFF \
+        $ISAFLAGS -DGGML_BACKEND_DL=OFF -DGGML_OPENMP=ON -DGGML_BLAS=OFF \
         -DGGML_CCACHE=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=ON \
         -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF >/dev/null
 fi
 TARGETS="ggml ggml-cpu"
 [ "${PEERS_TEST_BACKEND_OPS:-0}" = 1 ] && TARGETS="$TARGETS test-backend-ops"
+if [ -n "${PEERS_EXTRA_TARGETS:-}" ]; then
+    # e.g. PEERS_EXTRA_TARGETS=llama-bench for whole-model runs (issue 27
+    # item 3): the tools need LLAMA_BUILD_TOOLS and libllama (tens of minutes more)
+    cmake -S "$LLAMA" -B "$BLD" -DLLAMA_BUILD_TOOLS=ON >/dev/null
+    TARGETS="$TARGETS $PEERS_EXTRA_TARGETS"
+fi
 echo "peers: building $TARGETS (nice -n 19, $JOBS jobs; ~20 min on 2 cores the first time)"
 nice -n 19 cmake --build "$BLD" -j "$JOBS" --target $TARGETS >"$BLD/build.log" 2>&1 || {
     tail -30 "$BLD/build.log" >&2; echo "peers: build failed, log: $BLD/build.log" >&2; exit 4; }

@@ -194,7 +194,8 @@ gb *gb_attn(int H, int D, int S, int Nw, int Tc, int topk, int kv_type, int with
 /* y = x @ W^T: W [N][K] as ggml type `wtype` (bytes already in that type's layout,
  * N rows of ggml_row_size(wtype, K)), x [M][K] f32.  The weight goes where llama.cpp
  * puts model weights: the first of the CPU backend's extra buffer types (AMX, CPU_REPACK)
- * that takes this mat-mul, else a plain CPU buffer (gb_weight_buffer names it).
+ * that takes this mat-mul, else a plain CPU buffer (gb_weight_buffer names it);
+ * use_extra 0: plain buffer only, 1: extra types but AMX, 2: all.
  * Output: float32 [M][N]. */
 gb *gb_mul_mat(int wtype, int N, int K, int M, const void *wbytes, const float *x,
                int use_extra, int n_threads) {
@@ -212,7 +213,12 @@ gb *gb_mul_mat(int wtype, int N, int K, int M, const void *wbytes, const float *
     ggml_backend_buffer_type_t cands[16];
     int nc = 0;
     if (use_extra && get_extra) {
-        for (ggml_backend_buffer_type_t *p = get_extra(dev); p && *p && nc < 15; p++) cands[nc++] = *p;
+        for (ggml_backend_buffer_type_t *p = get_extra(dev); p && *p && nc < 15; p++) {
+            /* use_extra 1: not the AMX buffer (its Q8_0 kernel dies with SIGILL on the
+             * test host for M >= 2, docs/peers.md); 2: every extra buffer type */
+            if (use_extra == 1 && strstr(ggml_backend_buft_name(*p), "AMX")) continue;
+            cands[nc++] = *p;
+        }
     }
     cands[nc++] = ggml_backend_get_default_buffer_type(b->backend);
     struct ggml_tensor *tw = NULL;
