@@ -7,7 +7,7 @@ VPY := $(VENV)/bin/python
 PIP_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: all venv build demo test bench asan clean test-noomp test-c test-aarch64 test-hf-versions
+.PHONY: all venv build demo test bench asan clean test-noomp test-c test-aarch64 test-hf-versions test-clang test-aarch64-clang
 
 all: build
 
@@ -103,6 +103,37 @@ test-aarch64:
 	file build/test-aarch64/driver 2>/dev/null || true
 	OMP_NUM_THREADS=2 QEMU_LD_PREFIX=$(A64_SYSROOT) \
 	    $$(command -v qemu-aarch64 || command -v qemu-aarch64-static) build/test-aarch64/driver
+
+# clang builds (issue 29), as Apple's compiler would do them: the C driver built by clang
+# with OpenMP (x86: the base level only, see CSA_X86_VARIANTS in csrc/csa.h) and without
+# (every level), then `pip install .` with CC=clang with and without OpenMP into temp
+# dirs: every kernel bitwise equal to the gcc build at each level, and the fast kernel
+# tests against the clang module (tests/test_clang.py).  Installs clang and libomp-dev
+# (apt-get) when missing.  About 4 minutes on 2 cores.
+CLANG ?= clang
+APT_INSTALL = SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq
+TESTC_SERIAL := -fopenmp-simd -Wno-unused-variable -Wno-unknown-warning-option -Wno-source-uses-openmp
+test-clang: build
+	@if ! command -v $(CLANG) >/dev/null || ! echo '#include <omp.h>' | $(CLANG) -fopenmp -E -x c - >/dev/null 2>&1; then \
+	    echo "installing clang libomp-dev"; $(APT_INSTALL) clang libomp-dev; fi
+	$(MAKE) --no-print-directory test-c CC=$(CLANG) TESTC_DIR=build/test-c-clang
+	$(MAKE) --no-print-directory test-c CC=$(CLANG) TESTC_DIR=build/test-c-clang-serial TESTC_OMP="$(TESTC_SERIAL)"
+	CSA_TEST_CLANG=1 $(VPY) -m pytest -q tests/test_clang.py -p no:cacheprovider
+
+# The C driver cross-built by clang for aarch64 (the nearest thing to Apple Silicon
+# here: clang, NEON through the vector extensions, no OpenMP runtime for the target, so
+# the serial build), linked with Debian's aarch64 toolchain and run under qemu.
+# Installs clang, gcc-aarch64-linux-gnu and qemu-user-static when missing.  About 30 s.
+test-aarch64-clang:
+	@if ! command -v $(CLANG) >/dev/null || ! command -v $(A64_CC) >/dev/null || \
+	    ! { command -v qemu-aarch64 || command -v qemu-aarch64-static; } >/dev/null; then \
+	    echo "installing clang gcc-aarch64-linux-gnu qemu-user-static"; \
+	    $(APT_INSTALL) clang gcc-aarch64-linux-gnu qemu-user-static; fi
+	$(MAKE) --no-print-directory CC="$(CLANG) --target=aarch64-linux-gnu" \
+	    TESTC_DIR=build/test-aarch64-clang TESTC_OMP="$(TESTC_SERIAL)" build/test-aarch64-clang/driver
+	OMP_NUM_THREADS=2 QEMU_LD_PREFIX=$(A64_SYSROOT) \
+	    $$(command -v qemu-aarch64 || command -v qemu-aarch64-static) build/test-aarch64-clang/driver
 
 clean:
 	rm -rf build deepseek_csa/*.so *.egg-info

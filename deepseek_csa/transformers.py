@@ -44,15 +44,24 @@ and the Hadamard + FP4 rounding of indexer queries and keys); RoPE on the traili
 order depends on the call shape, so transformers' own prefill and decode can disagree);
 up to such ties the selection is transformers'.
 
-Covered: float32 and bfloat16 CPU models, batch >= 1 with equal positions for all rows
-(no padding), prefill, chunked prefill, decode, greedy / sampling / beam search through
-``generate()``, sliding, CSA and HCA layers, any subset of layers.
+Covered: float32 and bfloat16 CPU models, batch >= 1, padded batches (a 2-D attention
+mask with left or right padding) and position ids that differ per row, prefill, chunked
+prefill, decode, greedy / sampling / beam search through ``generate()``, sliding, CSA
+and HCA layers, any subset of layers.
+
+Padded batches reproduce transformers' eager semantics (docs/transformers.md): pad tokens
+are masked out as keys of the sliding window only; the compressors pool them into the
+compressed entries like any token (windows of ``ratio`` tokens by index, entry ``g`` at
+RoPE position ``g * ratio``); a query sees the entries ``t < (position + 1) // ratio``
+of its own position id (HCA decode steps see every entry, as in eager); RoPE of queries,
+KV rows and indexer queries uses each row's positions.  The 2-D mask goes to the layers
+as it is (never the dense [B, 1, S, L+T] mask when every layer is swapped).
+
 Falls back to transformers' own forward (one warning per reason, never silently wrong):
-padding (a 2-D attention mask with zeros: transformers pools pad tokens into the
-compressed entries, which we do not reproduce), a prebuilt 4-D / dict mask, autograd
-(grad enabled with inputs or weights requiring grad) or ``model.training``,
-``output_attentions``, position ids that are not one ``arange`` continuing the cache,
-tensors not on the CPU or not float32 / bfloat16.
+a prebuilt 4-D / dict mask, a 2-D mask whose length is not cached + new tokens, position
+ids not of shape [B or 1, S], autograd (grad enabled with inputs or weights requiring
+grad) or ``model.training``, ``output_attentions``, tensors not on the CPU or not
+float32 / bfloat16.
 
 bfloat16: the kernels read bf16 activations in place and compute in float32 with one
 rounding per op (norms, RoPE, pooled entries, attention output).  transformers' bf16 path
@@ -296,12 +305,70 @@ def _window_idx(S, L, W):
     return np.where(j <= s + L, j, -1).astype(np.int32)
 
 
-def _all_idx(S, start, ratio, T, offset):
-    """HCA lists: every entry t the query at start+s can see, t < (start+s+1)//ratio."""
-    vis = (start + np.arange(S, dtype=np.int64) + 1) // ratio
-    width = int(min(T, vis.max())) if S else 0
-    t = np.arange(width, dtype=np.int64)[None, :]
-    return np.where(t < vis[:, None], t + offset, -1).astype(np.int32)
+def _visible(pos, ratio, T):
+    """Compressed entries each query sees (transformers: t < (position + 1) // ratio),
+    clamped to [0, T].  pos: int64 [Bp, S] position ids."""
+    return np.clip((pos + 1) // ratio, 0, T)
+
+
+def _all_idx(vis, offset):
+    """HCA lists: every entry t < vis[b, s] (vis: [Bp, S]), as t + offset, -1 padded."""
+    width = int(vis.max()) if vis.size else 0
+    t = np.arange(width, dtype=np.int64)
+    return np.where(t < vis[..., None], t + offset, -1).astype(np.int32)
+
+
+def _positions(position_ids, S):
+    """Position ids as int64 NumPy [Bp, S] (Bp = 1 or the batch)."""
+    return position_ids.detach().reshape(-1, S).to("cpu").numpy().astype(np.int64)
+
+
+def _is_arange(p):
+    return p.size == 0 or bool((p == p[0] + np.arange(p.size)).all())
+
+
+def _rope_rows(x, cos, sin, inverse=False):
+    """apply_rope with per-row tables: cos / sin [Bp, S, r] (Bp = 1: shared)."""
+    if cos.shape[0] == 1:
+        _dc.apply_rope(x, cos[0], sin[0], inverse=inverse)
+    else:
+        for b in range(cos.shape[0]):
+            _dc.apply_rope(x[b:b + 1], cos[b], sin[b], inverse=inverse)
+
+
+def _index_select(qi, keys, w, topk, ratio, pos, offset):
+    """index_topk with per-query positions: query (b, s) sees the entries t <
+    min(T, (pos[b, s] + 1) // ratio), as transformers' indexer.  Runs of consecutive
+    positions go in one call (the kernel's start_pos); a row whose positions are one
+    arange (no padding, or right padding) is one run, a left-padded row under
+    generate() is its real tokens' run plus pad tokens that see nothing."""
+    B, S = qi.shape[0], qi.shape[1]
+    T = keys.shape[1]
+    if pos.shape[0] == 1 and S and pos[0, 0] >= 0 and _is_arange(pos[0]) and \
+            (pos[0, 0] + S) // ratio <= T:
+        return _dc.index_topk(qi, keys, w, topk, ratio=ratio, start_pos=int(pos[0, 0]),
+                              offset=offset)
+    K = min(topk, T)
+    out = np.full((B, S, K), -1, dtype=np.int32)
+    for b in range(B):
+        p = pos[b if pos.shape[0] > 1 else 0]
+        s = 0
+        while s < S:
+            v = (p[s] + 1) // ratio
+            if v <= 0:
+                s += 1
+                continue
+            if v > T:                    # a position past the entries: it sees all T
+                start, e = T * ratio - 1, s + 1
+            else:
+                start, e = int(p[s]), s + 1
+                while e < S and p[e] == p[e - 1] + 1 and (p[e] + 1) // ratio <= T:
+                    e += 1
+            r = _dc.index_topk(qi[b:b + 1, s:e], keys[b:b + 1], w[b:b + 1, s:e], topk,
+                               ratio=ratio, start_pos=start, offset=offset)
+            out[b, s:e, :r.shape[-1]] = r[0]
+            s = e
+    return out
 
 
 def _qat_kv(x, rd):
@@ -374,6 +441,7 @@ class _Swap:
         self.all_layers = hasattr(base, "layers") and len(self.layers) == len(base.layers)
         self.call_reason = None      # set by the model wrapper for one call
         self.mask_skipped = False
+        self.pad_mask = None         # bool NumPy [B, past + S] of the call, when it pads
         self.warned = set()
 
     def warn(self, reason):
@@ -399,18 +467,14 @@ def _layer_reason(st, m, h, position_ids, past_key_values, kw):
     if h.device.type != "cpu" or h.dtype not in (torch.float32, torch.bfloat16):
         return f"hidden states on {h.device} in {h.dtype} (CPU float32 / bfloat16 only)"
     S = h.shape[1]
-    if position_ids is None or position_ids.shape[-1] != S:
-        return "no position_ids"
-    start = int(position_ids.reshape(-1, S)[0, 0])
-    ar = torch.arange(start, start + S, device=position_ids.device)
-    if not bool((position_ids.reshape(-1, S) == ar).all()):
-        return "position ids that are not one arange shared by every row"
-    if past_key_values is not None:
-        if past_key_values.get_seq_length(m.layer_idx) != start:
-            return (f"position ids starting at {start} do not continue the cache "
-                    f"({past_key_values.get_seq_length(m.layer_idx)} tokens)")
-    elif start != 0:
-        return "position ids starting at {start} without a cache"
+    if position_ids is None or position_ids.shape[-1] != S or \
+            position_ids.reshape(-1, S).shape[0] not in (1, h.shape[0]):
+        return "no position_ids of shape [B or 1, S]"
+    if st.pad_mask is not None:
+        past = past_key_values.get_seq_length(m.layer_idx) if past_key_values is not None else 0
+        if st.pad_mask.shape != (h.shape[0], past + S):
+            return (f"a 2-D attention mask of shape {tuple(st.pad_mask.shape)} for "
+                    f"{past} cached + {S} new tokens")
     return None
 
 
@@ -444,10 +508,12 @@ def _attention(st, m, h, position_embeddings, position_ids, cache):
     torch = _torch()
     B, S, _ = h.shape
     H, D = m.num_heads, m.head_dim
-    start = int(position_ids.reshape(-1, S)[0, 0])
+    pos = _positions(position_ids, S)
     cos_t, sin_t = position_embeddings[m.rope_layer_type]
-    cos, sin = _f32np(cos_t.reshape(-1, S, cos_t.shape[-1])[0]), \
-        _f32np(sin_t.reshape(-1, S, sin_t.shape[-1])[0])
+    cos, sin = _f32np(cos_t.reshape(-1, S, cos_t.shape[-1])), \
+        _f32np(sin_t.reshape(-1, S, sin_t.shape[-1]))
+    if cos.shape[0] > 1 and pos.shape[0] > 1 and (pos == pos[:1]).all():
+        cos, sin, pos = cos[:1], sin[:1], pos[:1]        # one table shared by every row
     rd = 2 * cos.shape[-1]
     eps = m.q_a_norm.variance_epsilon
 
@@ -455,11 +521,11 @@ def _attention(st, m, h, position_embeddings, position_ids, cache):
     _dc.rms_norm(qr, m.q_a_norm.weight.detach().float(), eps, out=qr)
     q = m.q_b_proj(qr).view(B, S, H, D)
     _dc.rms_norm(q, None, m.q_b_norm.eps, out=q)
-    _dc.apply_rope(q[..., D - rd:], cos, sin)
+    _rope_rows(q[..., D - rd:], cos, sin)
 
     kv = m.kv_proj(h)
     _dc.rms_norm(kv, m.kv_norm.weight.detach().float(), m.kv_norm.variance_epsilon, out=kv)
-    _dc.apply_rope(kv[..., D - rd:], cos, sin)
+    _rope_rows(kv[..., D - rd:], cos, sin)
     qat_kv = _qat_kv if st.qat else None
     if qat_kv is not None:
         qat_kv(kv, rd)
@@ -472,8 +538,16 @@ def _attention(st, m, h, position_embeddings, position_ids, cache):
     else:
         rows = kv
     L = rows.shape[1] - S
-    idx = [np.broadcast_to(_window_idx(S, L, m.sliding_window), (B, S, min(m.sliding_window,
-                                                                          L + S)))]
+    win = _window_idx(S, L, m.sliding_window)
+    if st.pad_mask is not None:
+        # pad tokens are never keys of the window (transformers' 2-D mask); buffer row j
+        # is token past - L + j of the mask
+        keep = st.pad_mask[:, st.pad_mask.shape[1] - S - L:]          # [B, L + S]
+        ok = (win >= 0)[None] & np.take_along_axis(
+            keep[:, None, :], np.maximum(win, 0)[None].repeat(B, 0), axis=2)
+        idx = [np.where(ok, win[None], -1).astype(np.int32)]
+    else:
+        idx = [np.broadcast_to(win, (B,) + win.shape)]
     kvbuf = rows
     comp = m.compressor
     if comp is not None:
@@ -489,26 +563,28 @@ def _attention(st, m, h, position_embeddings, position_ids, cache):
             keys = _compress(ix, layer, "indexer", h, True, qfn)
             if T:
                 qi = ix.q_b_proj(qr).view(B, S, ix.num_heads, ix.head_dim)
-                _dc.apply_rope(qi[..., ix.head_dim - rd:], cos, sin)
+                _rope_rows(qi[..., ix.head_dim - rd:], cos, sin)
                 if st.qat:
                     _qat_index(qi)
                 w = ix.scorer.weights_proj(h).float() * (ix.scorer.weights_scaling
                                                          * ix.scorer.softmax_scale)
                 keys = keys.to(qi.dtype)
-                sel = _dc.index_topk(qi, keys, w, ix.index_topk, ratio=comp.compress_rate,
-                                     start_pos=start, offset=off)
+                sel = _index_select(qi, keys, w, ix.index_topk, comp.compress_rate, pos, off)
                 idx.append(sel)
                 del qi, w       # [S, Hi, Di] is freed before the attention allocates
         elif T:
-            a = _all_idx(S, start, comp.compress_rate, T, off)
-            idx.append(np.broadcast_to(a, (B,) + a.shape))
+            # transformers' HCA: a decode step (S == 1) sees every entry, a longer call
+            # the entries its positions allow
+            vis = np.full((1, S), T) if S == 1 else _visible(pos, comp.compress_rate, T)
+            a = _all_idx(vis, off)
+            idx.append(np.broadcast_to(a, (B,) + a.shape[1:]) if a.shape[0] == 1 else a)
     idx = np.ascontiguousarray(np.concatenate(idx, axis=-1)) if len(idx) > 1 else \
         np.ascontiguousarray(idx[0])
     o = torch.empty((B, S, H, D), dtype=q.dtype)
     _dc.sparse_attn(q, kvbuf.contiguous() if kvbuf.stride(-1) != 1 else kvbuf,
                     m.sinks.detach().float().contiguous(), idx, float(m.scaling), out=o)
     del q, qr, kvbuf    # peak memory: q [S, H, D] goes before the output projections
-    _dc.apply_rope(o[..., D - rd:], cos, sin, inverse=True)
+    _rope_rows(o[..., D - rd:], cos, sin, inverse=True)
     grouped = m.o_a_proj(o.view(B, S, m.config.o_groups, -1)).flatten(2)
     return m.o_b_proj(grouped)
 
@@ -526,12 +602,12 @@ def _make_model_forward(st, base):
         am = bound.get("attention_mask")
         reason = None
         cfg = base.config
+        pad = None
         if am is not None:
             if isinstance(am, dict) or am.dim() != 2:
                 reason = "a prebuilt 4-D or per-layer-type attention mask"
             elif not bool(am.bool().all()):
-                reason = ("padding in the 2-D attention mask (transformers pools pad tokens "
-                          "into compressed entries)")
+                pad = am.detach().to("cpu").bool().numpy()
         if reason is None and (bound.get("output_attentions") or
                                getattr(cfg, "output_attentions", False)):
             reason = "output_attentions"
@@ -544,19 +620,24 @@ def _make_model_forward(st, base):
                 reason = ("autograd is enabled (run under torch.no_grad() or "
                           "torch.inference_mode(), as generate() does)")
         skip = False
-        if reason is None and st.all_layers:
+        if reason is None:
             pos = bound.get("position_ids")
             pkv = bound.get("cache", bound.get("past_key_values"))
             x = bound.get("input_ids")
             x = x if x is not None else bound.get("inputs_embeds")
-            S = x.shape[1]
+            B, S = x.shape[0], x.shape[1]
             past = pkv.get_seq_length() if pkv is not None else 0
-            ok = pos is None or (pos.shape[-1] == S and bool(
-                (pos.reshape(-1, S) == torch.arange(past, past + S, device=pos.device)).all()))
-            dev_ok = base.embed_tokens.weight.device.type == "cpu"
-            skip = ok and dev_ok
-        prev = (st.call_reason, st.mask_skipped)
+            if pad is not None and pad.shape != (B, past + S):
+                reason = (f"a 2-D attention mask of shape {tuple(pad.shape)} for {B} rows of "
+                          f"{past} cached + {S} new tokens")
+            elif pos is not None and (pos.shape[-1] != S or
+                                      pos.reshape(-1, S).shape[0] not in (1, B)):
+                reason = f"position_ids of shape {tuple(pos.shape)} for {B} x {S} tokens"
+            elif st.all_layers:
+                skip = base.embed_tokens.weight.device.type == "cpu"
+        prev = (st.call_reason, st.mask_skipped, st.pad_mask)
         st.call_reason, st.mask_skipped = reason, skip
+        st.pad_mask = pad if reason is None else None
         try:
             if reason is not None:
                 st.warn(reason)
@@ -566,7 +647,7 @@ def _make_model_forward(st, base):
                 return orig(base, **kwargs)
             return orig(base, *args, **kwargs)
         finally:
-            st.call_reason, st.mask_skipped = prev
+            st.call_reason, st.mask_skipped, st.pad_mask = prev
 
     forward._deepseek_csa = True
     return forward
