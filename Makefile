@@ -7,7 +7,7 @@ VPY := $(VENV)/bin/python
 PIP_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: all venv build demo test bench asan clean test-noomp test-c test-aarch64 test-hf-versions test-clang test-aarch64-clang
+.PHONY: all venv build demo test bench asan clean test-noomp test-c test-aarch64 test-hf-versions test-clang test-aarch64-clang test-runner-extra
 
 all: build
 
@@ -103,6 +103,13 @@ test-aarch64:
 	file build/test-aarch64/driver 2>/dev/null || true
 	OMP_NUM_THREADS=2 QEMU_LD_PREFIX=$(A64_SYSROOT) \
 	    $$(command -v qemu-aarch64 || command -v qemu-aarch64-static) build/test-aarch64/driver
+
+# `pip install '.[runner]'` into a fresh venv (torch 2.13.0 from the machine's wheel or
+# PyPI, the package built from source), then the runner on a tiny checkpoint with a
+# tokenizer.json and text prompts in that venv (tests/test_runner_extra.py).  A few
+# minutes and about 1 GB in a temp dir: not in `make test`.
+test-runner-extra: build
+	CSA_TEST_RUNNER_EXTRA=1 $(VPY) -m pytest -q tests/test_runner_extra.py -p no:cacheprovider
 
 # clang builds (issue 29), as Apple's compiler would do them: the C driver built by clang
 # with OpenMP (x86: the base level only, see CSA_X86_VARIANTS in csrc/csa.h) and without
