@@ -7,7 +7,7 @@ VPY := $(VENV)/bin/python
 PIP_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: all venv build demo test bench asan clean test-noomp test-c test-aarch64 test-hf-versions test-clang test-aarch64-clang test-runner-extra
+.PHONY: all venv build demo test bench asan clean test-noomp test-c test-aarch64 test-hf-versions test-clang test-aarch64-clang test-runner-extra test-dist
 
 all: build
 
@@ -103,6 +103,12 @@ test-aarch64:
 	file build/test-aarch64/driver 2>/dev/null || true
 	OMP_NUM_THREADS=2 QEMU_LD_PREFIX=$(A64_SYSROOT) \
 	    $$(command -v qemu-aarch64 || command -v qemu-aarch64-static) build/test-aarch64/driver
+
+# Distributions: the sdist (every C source and header in it), a wheel built from the
+# sdist alone, installed into a fresh venv outside the checkout, importing, running a
+# kernel, the demo and the notebook's first cells (tests/test_dist.py).  About 2 min.
+test-dist: build
+	CSA_TEST_DIST=1 $(VPY) -m pytest -q tests/test_dist.py -p no:cacheprovider
 
 # `pip install '.[runner]'` into a fresh venv (torch 2.13.0 from the machine's wheel or
 # PyPI, the package built from source), then the runner on a tiny checkpoint with a
