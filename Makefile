@@ -7,7 +7,7 @@ VPY := $(VENV)/bin/python
 PIP_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: all venv build demo test bench asan clean test-noomp test-c test-aarch64 mutants test-hf-versions peers
+.PHONY: all venv build demo test bench asan clean test-noomp test-c test-aarch64 mutants test-hf-versions peers test-clang test-aarch64-clang test-runner-extra test-dist
 
 all: build
 
@@ -115,6 +115,50 @@ test-aarch64:
 	file build/test-aarch64/driver 2>/dev/null || true
 	OMP_NUM_THREADS=2 QEMU_LD_PREFIX=$(A64_SYSROOT) \
 	    $$(command -v qemu-aarch64 || command -v qemu-aarch64-static) build/test-aarch64/driver
+
+# Distributions: the sdist (every C source and header in it), a wheel built from the
+# sdist alone, installed into a fresh venv outside the checkout, importing, running a
+# kernel, the demo and the notebook's first cells (tests/test_dist.py).  About 2 min.
+test-dist: build
+	CSA_TEST_DIST=1 $(VPY) -m pytest -q tests/test_dist.py -p no:cacheprovider
+
+# `pip install '.[runner]'` into a fresh venv (torch 2.13.0 from the machine's wheel or
+# PyPI, the package built from source), then the runner on a tiny checkpoint with a
+# tokenizer.json and text prompts in that venv (tests/test_runner_extra.py).  A few
+# minutes and about 1 GB in a temp dir: not in `make test`.
+test-runner-extra: build
+	CSA_TEST_RUNNER_EXTRA=1 $(VPY) -m pytest -q tests/test_runner_extra.py -p no:cacheprovider
+
+# clang builds (issue 29), as Apple's compiler would do them: the C driver built by clang
+# with OpenMP (x86: the base level only, see CSA_X86_VARIANTS in csrc/csa.h) and without
+# (every level), then `pip install .` with CC=clang with and without OpenMP into temp
+# dirs: every kernel bitwise equal to the gcc build at each level, and the fast kernel
+# tests against the clang module (tests/test_clang.py).  Installs clang and libomp-dev
+# (apt-get) when missing.  About 4 minutes on 2 cores.
+CLANG ?= clang
+APT_INSTALL = SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq
+TESTC_SERIAL := -fopenmp-simd -Wno-unused-variable -Wno-unknown-warning-option -Wno-source-uses-openmp
+test-clang: build
+	@if ! command -v $(CLANG) >/dev/null || ! echo '#include <omp.h>' | $(CLANG) -fopenmp -E -x c - >/dev/null 2>&1; then \
+	    echo "installing clang libomp-dev"; $(APT_INSTALL) clang libomp-dev; fi
+	$(MAKE) --no-print-directory test-c CC=$(CLANG) TESTC_DIR=build/test-c-clang
+	$(MAKE) --no-print-directory test-c CC=$(CLANG) TESTC_DIR=build/test-c-clang-serial TESTC_OMP="$(TESTC_SERIAL)"
+	CSA_TEST_CLANG=1 $(VPY) -m pytest -q tests/test_clang.py -p no:cacheprovider
+
+# The C driver cross-built by clang for aarch64 (the nearest thing to Apple Silicon
+# here: clang, NEON through the vector extensions, no OpenMP runtime for the target, so
+# the serial build), linked with Debian's aarch64 toolchain and run under qemu.
+# Installs clang, gcc-aarch64-linux-gnu and qemu-user-static when missing.  About 30 s.
+test-aarch64-clang:
+	@if ! command -v $(CLANG) >/dev/null || ! command -v $(A64_CC) >/dev/null || \
+	    ! { command -v qemu-aarch64 || command -v qemu-aarch64-static; } >/dev/null; then \
+	    echo "installing clang gcc-aarch64-linux-gnu qemu-user-static"; \
+	    $(APT_INSTALL) clang gcc-aarch64-linux-gnu qemu-user-static; fi
+	$(MAKE) --no-print-directory CC="$(CLANG) --target=aarch64-linux-gnu" \
+	    TESTC_DIR=build/test-aarch64-clang TESTC_OMP="$(TESTC_SERIAL)" build/test-aarch64-clang/driver
+	OMP_NUM_THREADS=2 QEMU_LD_PREFIX=$(A64_SYSROOT) \
+	    $$(command -v qemu-aarch64 || command -v qemu-aarch64-static) build/test-aarch64-clang/driver
 
 clean:
 	rm -rf build deepseek_csa/*.so *.egg-info

@@ -10,6 +10,7 @@ when torch is missing).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import numpy as np
@@ -22,29 +23,41 @@ OPS = ["projections", "rms_norm", "rope", "qat", "compressor", "indexer", "index
 
 
 def _bar(iterable=None, **kw):
-    try:
-        from tqdm import tqdm
-        return tqdm(iterable, **kw)
-    except ImportError:  # tqdm is optional; plain iteration without it
-        class _Plain:
-            def __init__(self, it, **k):
-                self.it = it
+    """A tqdm progress bar on a terminal; elsewhere (a log file, a pipe, CI) one line
+    per finished stage on stderr instead of every redraw.  Plain iteration without tqdm."""
+    if sys.stderr.isatty():
+        try:
+            from tqdm import tqdm
+            return tqdm(iterable, disable=None, **kw)
+        except ImportError:  # tqdm is optional
+            pass
+    return _Stage(iterable, kw.get("desc"))
 
-            def __iter__(self):
-                return iter(self.it)
 
-            def update(self, n=1):
-                pass
+class _Stage:
+    """The non-terminal stand-in of a bar: says once, when done, what finished."""
 
-            def close(self):
-                pass
+    def __init__(self, it, desc):
+        self.it, self.desc, self.t0, self.done = it, desc, time.perf_counter(), False
 
-            def __enter__(self):
-                return self
+    def __iter__(self):
+        yield from self.it
+        self.close()
 
-            def __exit__(self, *a):
-                pass
-        return _Plain(iterable)
+    def update(self, n=1):
+        pass
+
+    def close(self):
+        if not self.done and self.desc:
+            self.done = True
+            print(f"{self.desc}: done in {time.perf_counter() - self.t0:.2f} s",
+                  file=sys.stderr, flush=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        self.close()
 
 
 def run_layer(name, cfg, ratio, seqlen, steps, seed):

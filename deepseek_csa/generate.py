@@ -14,8 +14,9 @@ sampled from softmax(logits / T).
 
 Under torchrun (WORLD_SIZE > 1) torch.distributed is initialized with the gloo backend;
 rank 0 reads the prompts and broadcasts them.  Prompts are text when a tokenizer is found
-(tokenizer files in DIR or CKPT, loaded with transformers.AutoTokenizer, offline) or
-lines of whitespace-separated token ids.
+(tokenizer files in DIR or CKPT: transformers.AutoTokenizer, offline, when transformers
+is installed; otherwise a tokenizer.json through the `tokenizers` package alone, which
+`pip install 'deepseek_csa[runner]'` brings) or lines of whitespace-separated token ids.
 """
 from __future__ import annotations
 
@@ -286,6 +287,49 @@ def _find_tokenizer(*dirs):
     return None
 
 
+class _JsonTokenizer:
+    """A tokenizer.json through the `tokenizers` package: encode / decode / eos_token_id,
+    all the runner uses of a tokenizer (transformers' AutoTokenizer is not needed)."""
+
+    def __init__(self, d):
+        from tokenizers import Tokenizer
+        self.tok = Tokenizer.from_file(os.path.join(d, "tokenizer.json"))
+        self.eos_token_id = None
+        cfg = os.path.join(d, "tokenizer_config.json")
+        if os.path.isfile(cfg):
+            with open(cfg) as f:
+                eos = json.load(f).get("eos_token")
+            if isinstance(eos, dict):
+                eos = eos.get("content")
+            if isinstance(eos, str):
+                self.eos_token_id = self.tok.token_to_id(eos)
+
+    def encode(self, text):
+        return self.tok.encode(text).ids
+
+    def decode(self, ids):
+        return self.tok.decode(list(ids))
+
+
+def load_tokenizer(d):
+    """transformers' AutoTokenizer (offline) when transformers is installed, otherwise
+    d/tokenizer.json through `tokenizers`; ImportError naming both when neither works."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        AutoTokenizer = None
+    if AutoTokenizer is not None:
+        return AutoTokenizer.from_pretrained(d, local_files_only=True)
+    if not os.path.isfile(os.path.join(d, "tokenizer.json")):
+        raise ImportError(f"the tokenizer in {d} has no tokenizer.json: reading it needs "
+                          f"transformers (pip install transformers), or give token ids")
+    try:
+        return _JsonTokenizer(d)
+    except ImportError as e:
+        raise ImportError("reading tokenizer.json needs the `tokenizers` package "
+                          "(pip install 'deepseek_csa[runner]')") from e
+
+
 def _parse_ids(line, vocab_size):
     try:
         ids = [int(t) for t in line.split()]
@@ -371,10 +415,7 @@ def _run(args, torch, dist, world_size, rank, log):
     log(f"[load] rank 0 of {world_size}: {path} ({ckpt_bytes / 2**20:.1f} MiB) in "
         f"{t_load:.2f} s, {torch.get_num_threads()} thread(s) per rank")
     tokdir = _find_tokenizer(args.inference_dir, args.ckpt_path)
-    tok = None
-    if tokdir:
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(tokdir, local_files_only=True)
+    tok = load_tokenizer(tokdir) if tokdir else None
     eos = args.eos_id if args.eos_id is not None else (tok.eos_token_id if tok else None)
     vocab = margs.vocab_size
 

@@ -44,22 +44,33 @@ and the Hadamard + FP4 rounding of indexer queries and keys); RoPE on the traili
 order depends on the call shape, so transformers' own prefill and decode can disagree);
 up to such ties the selection is transformers'.
 
-Covered: float32 and bfloat16 CPU models, batch >= 1 with equal positions for all rows
-(no padding), prefill, chunked prefill, decode, greedy / sampling / beam search through
-``generate()``, sliding, CSA and HCA layers, any subset of layers, and training:
-in ``model.train()`` with grad enabled a swapped layer autograd must record runs through
-the differentiable ops of ``deepseek_csa.torch`` (``rms_norm``, ``apply_rotary_emb``,
-``gated_pool``, ``sparse_attn``), so ``loss.backward()`` runs on our backward kernels
-(QAT roundings straight-through; the indexer's selection discrete, no gradient).
-``capture_indexer(model)`` hands back, per CSA layer, the indexer's q / k / weights
-(from inputs detached from the main graph), its selection and the attention target, for
-``deepseek_csa.torch.indexer_kl_loss`` (docs/layers.md, "Training through the
-transformers swap").
+Covered: float32 and bfloat16 CPU models, batch >= 1, padded batches (a 2-D attention
+mask with left or right padding) and position ids that differ per row, prefill, chunked
+prefill, decode, greedy / sampling / beam search through ``generate()``, sliding, CSA
+and HCA layers, any subset of layers, and training: in ``model.train()`` with grad
+enabled a swapped layer autograd must record runs through the differentiable ops of
+``deepseek_csa.torch`` (``rms_norm``, ``apply_rotary_emb``, ``gated_pool``,
+``sparse_attn``), so ``loss.backward()`` runs on our backward kernels (QAT roundings
+straight-through; the indexer's selection discrete, no gradient); padded batches and
+per-row positions train the same way (the same index lists and per-row RoPE tables as
+inference).  ``capture_indexer(model)`` hands back, per CSA layer, the indexer's q / k /
+weights (from inputs detached from the main graph), its selection and the attention
+target, for ``deepseek_csa.torch.indexer_kl_loss`` (docs/layers.md, "Training through
+the transformers swap").
+
+Padded batches reproduce transformers' eager semantics (docs/transformers.md): pad tokens
+are masked out as keys of the sliding window only; the compressors pool them into the
+compressed entries like any token (windows of ``ratio`` tokens by index, entry ``g`` at
+RoPE position ``g * ratio``); a query sees the entries ``t < (position + 1) // ratio``
+of its own position id (HCA decode steps see every entry, as in eager); RoPE of queries,
+KV rows and indexer queries uses each row's positions.  The 2-D mask goes to the layers
+as it is (never the dense [B, 1, S, L+T] mask when every layer is swapped).
+
 Falls back to transformers' own forward (one warning per reason, never silently wrong):
-padding (a 2-D attention mask with zeros: transformers pools pad tokens into the
-compressed entries, which we do not reproduce), a prebuilt 4-D / dict mask, attention
-dropout in training mode, autograd with a build lacking the differentiable ops,
-``output_attentions``, position ids that are not one ``arange`` continuing the cache,
+a prebuilt 4-D / dict mask, a 2-D mask whose length is not cached + new tokens, position
+ids not of shape [B or 1, S], attention dropout in training mode, autograd with a build
+lacking the differentiable ops, ``output_attentions``, ``capture_indexer`` with a padded
+batch or per-row / non-contiguous positions (its records take one start position),
 tensors not on the CPU or not float32 / bfloat16.
 
 bfloat16: the kernels read bf16 activations in place and compute in float32 with one
@@ -305,12 +316,103 @@ def _window_idx(S, L, W):
     return np.where(j <= s + L, j, -1).astype(np.int32)
 
 
-def _all_idx(S, start, ratio, T, offset):
-    """HCA lists: every entry t the query at start+s can see, t < (start+s+1)//ratio."""
-    vis = (start + np.arange(S, dtype=np.int64) + 1) // ratio
-    width = int(min(T, vis.max())) if S else 0
-    t = np.arange(width, dtype=np.int64)[None, :]
-    return np.where(t < vis[:, None], t + offset, -1).astype(np.int32)
+def _visible(pos, ratio, T):
+    """Compressed entries each query sees (transformers: t < (position + 1) // ratio),
+    clamped to [0, T].  pos: int64 [Bp, S] position ids."""
+    return np.clip((pos + 1) // ratio, 0, T)
+
+
+def _all_idx(vis, offset):
+    """HCA lists: every entry t < vis[b, s] (vis: [Bp, S]), as t + offset, -1 padded."""
+    width = int(vis.max()) if vis.size else 0
+    t = np.arange(width, dtype=np.int64)
+    return np.where(t < vis[..., None], t + offset, -1).astype(np.int32)
+
+
+def _positions(position_ids, S):
+    """Position ids as int64 NumPy [Bp, S] (Bp = 1 or the batch)."""
+    return position_ids.detach().reshape(-1, S).to("cpu").numpy().astype(np.int64)
+
+
+def _is_arange(p):
+    return p.size == 0 or bool((p == p[0] + np.arange(p.size)).all())
+
+
+def _rope_rows(x, cos, sin, inverse=False):
+    """apply_rope with per-row tables: cos / sin [Bp, S, r] (Bp = 1: shared)."""
+    if cos.shape[0] == 1:
+        _dc.apply_rope(x, cos[0], sin[0], inverse=inverse)
+    else:
+        for b in range(cos.shape[0]):
+            _dc.apply_rope(x[b:b + 1], cos[b], sin[b], inverse=inverse)
+
+
+def _index_select(qi, keys, w, topk, ratio, pos, offset):
+    """index_topk with per-query positions: query (b, s) sees the entries t <
+    min(T, (pos[b, s] + 1) // ratio), as transformers' indexer.  Runs of consecutive
+    positions go in one call (the kernel's start_pos); a row whose positions are one
+    arange (no padding, or right padding) is one run, a left-padded row under
+    generate() is its real tokens' run plus pad tokens that see nothing."""
+    B, S = qi.shape[0], qi.shape[1]
+    T = keys.shape[1]
+    if pos.shape[0] == 1 and S and pos[0, 0] >= 0 and _is_arange(pos[0]) and \
+            (pos[0, 0] + S) // ratio <= T:
+        return _dc.index_topk(qi, keys, w, topk, ratio=ratio, start_pos=int(pos[0, 0]),
+                              offset=offset)
+    K = min(topk, T)
+    out = np.full((B, S, K), -1, dtype=np.int32)
+    for b in range(B):
+        p = pos[b if pos.shape[0] > 1 else 0]
+        s = 0
+        while s < S:
+            v = (p[s] + 1) // ratio
+            if v <= 0:
+                s += 1
+                continue
+            if v > T:                    # a position past the entries: it sees all T
+                start, e = T * ratio - 1, s + 1
+            else:
+                start, e = int(p[s]), s + 1
+                while e < S and p[e] == p[e - 1] + 1 and (p[e] + 1) // ratio <= T:
+                    e += 1
+            r = _dc.index_topk(qi[b:b + 1, s:e], keys[b:b + 1], w[b:b + 1, s:e], topk,
+                               ratio=ratio, start_pos=start, offset=offset)
+            out[b, s:e, :r.shape[-1]] = r[0]
+            s = e
+    return out
+
+
+def _window_lists(st, B, S, L, W):
+    """The window part of the index lists, [B, S, min(W, L + S)]: ``_window_idx`` with
+    the pad tokens of the call's 2-D mask (``st.pad_mask``) dropped as keys (transformers'
+    2-D mask masks them in the sliding window only)."""
+    win = _window_idx(S, L, W)
+    if st.pad_mask is None:
+        return np.broadcast_to(win, (B,) + win.shape)
+    # buffer row j is token past - L + j of the mask
+    keep = st.pad_mask[:, st.pad_mask.shape[1] - S - L:]          # [B, L + S]
+    ok = (win >= 0)[None] & np.take_along_axis(
+        keep[:, None, :], np.maximum(win, 0)[None].repeat(B, 0), axis=2)
+    return np.where(ok, win[None], -1).astype(np.int32)
+
+
+def _hca_lists(pos, B, S, ratio, T, off):
+    """HCA lists [B, S, <= T]: transformers' HCA lets a decode step (S == 1) see every
+    entry, a longer call the entries its (per-row) positions allow."""
+    vis = np.full((1, S), T) if S == 1 else _visible(pos, ratio, T)
+    a = _all_idx(vis, off)
+    return np.broadcast_to(a, (B,) + a.shape[1:]) if a.shape[0] == 1 else a
+
+
+def _rope_tables(position_embeddings, m, S, pos):
+    """float32 NumPy cos / sin [Bp, S, rd/2] of the layer's RoPE type and the positions
+    [Bp, S]; one shared row (Bp = 1) when every row has the same positions."""
+    cos_t, sin_t = position_embeddings[m.rope_layer_type]
+    cos, sin = _f32np(cos_t.reshape(-1, S, cos_t.shape[-1])), \
+        _f32np(sin_t.reshape(-1, S, sin_t.shape[-1]))
+    if cos.shape[0] > 1 and pos.shape[0] > 1 and (pos == pos[:1]).all():
+        cos, sin, pos = cos[:1], sin[:1], pos[:1]        # one table shared by every row
+    return cos, sin, pos
 
 
 def _qat_kv(x, rd):
@@ -383,6 +485,7 @@ class _Swap:
         self.all_layers = hasattr(base, "layers") and len(self.layers) == len(base.layers)
         self.call_reason = None      # set by the model wrapper for one call
         self.mask_skipped = False
+        self.pad_mask = None         # bool NumPy [B, past + S] of the call, when it pads
         self.warned = set()
         self.capture = None          # an IndexerCapture while capture_indexer is active
 
@@ -409,18 +512,31 @@ def _layer_reason(st, m, h, position_ids, past_key_values, kw):
     if h.device.type != "cpu" or h.dtype not in (torch.float32, torch.bfloat16):
         return f"hidden states on {h.device} in {h.dtype} (CPU float32 / bfloat16 only)"
     S = h.shape[1]
-    if position_ids is None or position_ids.shape[-1] != S:
-        return "no position_ids"
-    start = int(position_ids.reshape(-1, S)[0, 0])
-    ar = torch.arange(start, start + S, device=position_ids.device)
-    if not bool((position_ids.reshape(-1, S) == ar).all()):
-        return "position ids that are not one arange shared by every row"
-    if past_key_values is not None:
-        if past_key_values.get_seq_length(m.layer_idx) != start:
-            return (f"position ids starting at {start} do not continue the cache "
-                    f"({past_key_values.get_seq_length(m.layer_idx)} tokens)")
-    elif start != 0:
-        return "position ids starting at {start} without a cache"
+    if position_ids is None or position_ids.shape[-1] != S or \
+            position_ids.reshape(-1, S).shape[0] not in (1, h.shape[0]):
+        return "no position_ids of shape [B or 1, S]"
+    if st.pad_mask is not None:
+        past = past_key_values.get_seq_length(m.layer_idx) if past_key_values is not None else 0
+        if st.pad_mask.shape != (h.shape[0], past + S):
+            return (f"a 2-D attention mask of shape {tuple(st.pad_mask.shape)} for "
+                    f"{past} cached + {S} new tokens")
+    if st.capture is not None and m.compressor is not None and \
+            hasattr(m.compressor, "indexer"):
+        r = _capture_reason(st.pad_mask, position_ids, S)
+        if r is not None:
+            return r
+    return None
+
+
+def _capture_reason(pad, position_ids, S):
+    """capture_indexer's records take one start position (the KL loss's ``start_pos``):
+    a padded batch or positions that differ per row / are not one arange fall back."""
+    if pad is not None:
+        return "capture_indexer with a padded batch (2-D attention mask with zeros)"
+    if position_ids is not None:
+        p = _positions(position_ids, S)
+        if not ((p == p[:1]).all() and _is_arange(p[0])):
+            return "capture_indexer with position ids that differ per row or skip"
     return None
 
 
@@ -461,10 +577,7 @@ def _attention(st, m, h, position_embeddings, position_ids, cache, grad_mode=Fal
     rec = None
     B, S, _ = h.shape
     H, D = m.num_heads, m.head_dim
-    start = int(position_ids.reshape(-1, S)[0, 0])
-    cos_t, sin_t = position_embeddings[m.rope_layer_type]
-    cos, sin = _f32np(cos_t.reshape(-1, S, cos_t.shape[-1])[0]), \
-        _f32np(sin_t.reshape(-1, S, sin_t.shape[-1])[0])
+    cos, sin, pos = _rope_tables(position_embeddings, m, S, _positions(position_ids, S))
     rd = 2 * cos.shape[-1]
     eps = m.q_a_norm.variance_epsilon
 
@@ -472,11 +585,11 @@ def _attention(st, m, h, position_embeddings, position_ids, cache, grad_mode=Fal
     _dc.rms_norm(qr, m.q_a_norm.weight.detach().float(), eps, out=qr)
     q = m.q_b_proj(qr).view(B, S, H, D)
     _dc.rms_norm(q, None, m.q_b_norm.eps, out=q)
-    _dc.apply_rope(q[..., D - rd:], cos, sin)
+    _rope_rows(q[..., D - rd:], cos, sin)
 
     kv = m.kv_proj(h)
     _dc.rms_norm(kv, m.kv_norm.weight.detach().float(), m.kv_norm.variance_epsilon, out=kv)
-    _dc.apply_rope(kv[..., D - rd:], cos, sin)
+    _rope_rows(kv[..., D - rd:], cos, sin)
     qat_kv = _qat_kv if st.qat else None
     if qat_kv is not None:
         qat_kv(kv, rd)
@@ -489,8 +602,7 @@ def _attention(st, m, h, position_embeddings, position_ids, cache, grad_mode=Fal
     else:
         rows = kv
     L = rows.shape[1] - S
-    idx = [np.broadcast_to(_window_idx(S, L, m.sliding_window), (B, S, min(m.sliding_window,
-                                                                          L + S)))]
+    idx = [_window_lists(st, B, S, L, m.sliding_window)]
     kvbuf = rows
     comp = m.compressor
     if comp is not None:
@@ -501,28 +613,26 @@ def _attention(st, m, h, position_embeddings, position_ids, cache, grad_mode=Fal
         if T:
             kvbuf = torch.cat([rows, entries.to(rows.dtype)], dim=1)
         if hasattr(comp, "indexer"):
-            cap = st.capture
-            if cap is not None:
-                sel, rec = _indexer_capture(st, m, layer, h, qr, position_embeddings, start,
+            if st.capture is not None:
+                sel, rec = _indexer_capture(st, m, layer, h, qr, position_embeddings, pos,
                                             off, T, grad_mode)
             else:
-                sel, rec = _indexer_select(st, m, layer, h, qr, cos, sin, rd, start, off, T), \
+                sel, rec = _indexer_select(st, m, layer, h, qr, cos, sin, rd, pos, off, T), \
                     None
             if sel is not None:
                 idx.append(sel)
         elif T:
-            a = _all_idx(S, start, comp.compress_rate, T, off)
-            idx.append(np.broadcast_to(a, (B,) + a.shape))
+            idx.append(_hca_lists(pos, B, S, comp.compress_rate, T, off))
     idx = np.ascontiguousarray(np.concatenate(idx, axis=-1)) if len(idx) > 1 else \
         np.ascontiguousarray(idx[0])
     kvbuf = kvbuf.contiguous() if kvbuf.stride(-1) != 1 else kvbuf
     if rec is not None:
-        _capture_target(st, m, rec, q, kvbuf, idx, start, off, T)
+        _capture_target(st, m, rec, q, kvbuf, idx, pos, off, T)
     o = torch.empty((B, S, H, D), dtype=q.dtype)
     _dc.sparse_attn(q, kvbuf, m.sinks.detach().float().contiguous(), idx, float(m.scaling),
                     out=o)
     del q, qr, kvbuf    # peak memory: q [S, H, D] goes before the output projections
-    _dc.apply_rope(o[..., D - rd:], cos, sin, inverse=True)
+    _rope_rows(o[..., D - rd:], cos, sin, inverse=True)
     grouped = m.o_a_proj(o.view(B, S, m.config.o_groups, -1)).flatten(2)
     return m.o_b_proj(grouped)
 
@@ -609,6 +719,22 @@ def _freqs(cos_t, sin_t, n):
     return torch.complex(c, s)
 
 
+def _freqs_rows(cos, sin):
+    """Complex tables [Bp, S, rd/2] from ``_rope_tables``' NumPy cos / sin."""
+    torch = _torch()
+    return torch.complex(torch.from_numpy(cos), torch.from_numpy(sin))
+
+
+def _rope_tail_rows(dct, x, freqs, rd, inverse=False, own=False):
+    """``_rope_tail`` with per-row tables freqs [Bp, S, rd/2] (Bp = 1: one shared
+    table, rotated as one tensor; otherwise row by row, concatenated)."""
+    torch = _torch()
+    if freqs.shape[0] == 1:
+        return _rope_tail(dct, x, freqs[0], rd, inverse=inverse, own=own)
+    return torch.cat([_rope_tail(dct, x[b:b + 1], freqs[b], rd, inverse=inverse)
+                      for b in range(x.shape[0])], dim=0)
+
+
 def _rope_tail(dct, x, freqs, rd, inverse=False, own=False):
     """RoPE on the last rd features of x, differentiable, out of place for the caller:
     x is copied once and the copy's tail rotated in place (the released
@@ -672,10 +798,11 @@ def _compress_grad(dct, mod, layer, name, h, overlap, qat_fn):
     return layer.update_compressor_states(name, new)
 
 
-def _indexer_select(st, m, layer, h, qr, cos, sin, rd, start, off, T):
+def _indexer_select(st, m, layer, h, qr, cos, sin, rd, pos, off, T):
     """The indexer's selection on the NumPy kernels (no autograd; callers detach):
     its compressor call (always: it keeps the cache state), then the top-k lists at
-    ``offset=off`` ([B, S, K] int32), None while there is no entry."""
+    ``offset=off`` ([B, S, K] int32; per-row tables cos / sin [Bp, S, rd/2] and
+    positions pos [Bp, S], see ``_index_select``), None while there is no entry."""
     comp = m.compressor
     ix = comp.indexer
     B, S, _ = h.shape
@@ -684,14 +811,13 @@ def _indexer_select(st, m, layer, h, qr, cos, sin, rd, start, off, T):
     if not T:
         return None
     qi = ix.q_b_proj(qr).view(B, S, ix.num_heads, ix.head_dim)
-    _dc.apply_rope(qi[..., ix.head_dim - rd:], cos, sin)
+    _rope_rows(qi[..., ix.head_dim - rd:], cos, sin)
     if st.qat:
         _qat_index(qi)
     w = ix.scorer.weights_proj(h).float() * (ix.scorer.weights_scaling
                                              * ix.scorer.softmax_scale)
     keys = keys.to(qi.dtype)
-    return _dc.index_topk(qi, keys, w, ix.index_topk, ratio=comp.compress_rate,
-                          start_pos=start, offset=off)
+    return _index_select(qi, keys, w, ix.index_topk, comp.compress_rate, pos, off)
 
 
 def _indexer_inputs(h, qr):
@@ -699,10 +825,12 @@ def _indexer_inputs(h, qr):
     return h.detach(), qr.detach()
 
 
-def _indexer_capture(st, m, layer, h, qr, position_embeddings, start, off, T, grad_mode):
+def _indexer_capture(st, m, layer, h, qr, position_embeddings, pos, off, T, grad_mode):
     """The indexer under capture_indexer: q / k / weights computed by the differentiable
     ops from the *detached* hidden states and query residual (the indexer learns only
-    from its KL loss), the selection from their values, recorded for the layer."""
+    from its KL loss), the selection from their values, recorded for the layer.  The
+    positions pos are one row, one arange (``_layer_reason`` falls back otherwise: the
+    KL loss takes one ``start_pos``)."""
     torch = _torch()
     dct = _dct()
     comp = m.compressor
@@ -725,16 +853,17 @@ def _indexer_capture(st, m, layer, h, qr, position_embeddings, start, off, T, gr
                                                   * ix.scorer.softmax_scale)
         keys = keys.to(qi.dtype)
     with torch.no_grad():
-        sel = _dc.index_topk(qi.detach().contiguous(), keys.detach().contiguous(),
-                             w.detach().contiguous(), ix.index_topk,
-                             ratio=comp.compress_rate, start_pos=start, offset=off)
-    pos = torch.from_numpy(np.where(sel >= 0, sel - off, -1).astype(np.int32))
-    rec = IndexerRecord(m.layer_idx, qi, keys, w, pos, comp.compress_rate, start)
+        sel = _index_select(qi.detach().contiguous(), keys.detach().contiguous(),
+                            w.detach().contiguous(), ix.index_topk, comp.compress_rate,
+                            pos, off)
+    sel_pos = torch.from_numpy(np.where(sel >= 0, sel - off, -1).astype(np.int32))
+    rec = IndexerRecord(m.layer_idx, qi, keys, w, sel_pos, comp.compress_rate,
+                        int(pos[0, 0]))
     st.capture._layers[m.layer_idx] = rec
     return sel, rec
 
 
-def _capture_target(st, m, rec, q, kvbuf, idx, start, off, T):
+def _capture_target(st, m, rec, q, kvbuf, idx, pos, off, T):
     """The record's attention targets from the main attention's own inputs (no grad):
     sparse_attn_weights over the layer's lists (window + selected entries; the selected
     slots are the last K), and with ``dense=True`` over window + every visible entry."""
@@ -749,9 +878,9 @@ def _capture_target(st, m, rec, q, kvbuf, idx, start, off, T):
         rec.attn_target = w[..., idx.shape[-1] - K:].float().contiguous()
         if st.capture.dense:
             win = idx[..., :idx.shape[-1] - K]
-            a = _all_idx(S, start, rec.ratio, T, off)
+            a = _all_idx(_visible(pos, rec.ratio, T), off)
             full = np.ascontiguousarray(np.concatenate(
-                [win, np.broadcast_to(a, (B,) + a.shape)], axis=-1))
+                [win, np.broadcast_to(a, (B,) + a.shape[1:])], axis=-1))
             wd = dct.sparse_attn_weights(qd, kd, sink, torch.from_numpy(full),
                                          float(m.scaling))[..., win.shape[-1]:]
             dense = torch.zeros((B, S, T), dtype=torch.float32)
@@ -762,20 +891,21 @@ def _capture_target(st, m, rec, q, kvbuf, idx, start, off, T):
 def _attention_grad(st, m, h, position_embeddings, position_ids, cache):
     """The training path: the same layer as ``_attention`` through the differentiable
     ops of deepseek_csa.torch (autograd records it; backward runs on our kernels).  The
-    indexer's selection is discrete and computed without autograd."""
+    indexer's selection is discrete and computed without autograd.  Padded batches and
+    per-row positions as in ``_attention``: the same index lists (pad keys dropped from
+    the window, per-row visibility), per-row RoPE tables."""
     torch = _torch()
     dct = _dct()
     B, S, _ = h.shape
     H, D = m.num_heads, m.head_dim
-    start = int(position_ids.reshape(-1, S)[0, 0])
-    cos_t, sin_t = position_embeddings[m.rope_layer_type]
-    freqs = _freqs(cos_t, sin_t, S)
+    cos, sin, pos = _rope_tables(position_embeddings, m, S, _positions(position_ids, S))
+    freqs = _freqs_rows(cos, sin)
     rd = 2 * freqs.shape[-1]
 
     qr = dct.rms_norm(m.q_a_proj(h), m.q_a_norm.weight, m.q_a_norm.variance_epsilon)
     q_pre = m.q_b_proj(qr).view(B, S, H, D)
     kv = dct.rms_norm(m.kv_proj(h), m.kv_norm.weight, m.kv_norm.variance_epsilon)
-    kv = _rope_tail(dct, kv, freqs, rd, own=True)
+    kv = _rope_tail_rows(dct, kv, freqs, rd, own=True)
     qat_kv = _qat_kv if st.qat else None
     if qat_kv is not None:
         kv = _ste(kv, lambda x: _qat_kv(x, rd))
@@ -788,8 +918,7 @@ def _attention_grad(st, m, h, position_embeddings, position_ids, cache):
     else:
         rows = kv
     L = rows.shape[1] - S
-    idx = [np.broadcast_to(_window_idx(S, L, m.sliding_window), (B, S, min(m.sliding_window,
-                                                                          L + S)))]
+    idx = [_window_lists(st, B, S, L, m.sliding_window)]
     kvbuf = rows
     rec = None
     comp = m.compressor
@@ -802,19 +931,16 @@ def _attention_grad(st, m, h, position_embeddings, position_ids, cache):
             kvbuf = torch.cat([rows, entries.to(rows.dtype)], dim=1)
         if hasattr(comp, "indexer"):
             if st.capture is not None:
-                sel, rec = _indexer_capture(st, m, layer, h, qr, position_embeddings, start,
+                sel, rec = _indexer_capture(st, m, layer, h, qr, position_embeddings, pos,
                                             off, T, True)
             else:
-                cos = _f32np(cos_t.reshape(-1, S, cos_t.shape[-1])[0])
-                sin = _f32np(sin_t.reshape(-1, S, sin_t.shape[-1])[0])
                 with torch.no_grad():
                     sel = _indexer_select(st, m, layer, h.detach(), qr.detach(), cos, sin,
-                                          rd, start, off, T)
+                                          rd, pos, off, T)
             if sel is not None:
                 idx.append(sel)
         elif T:
-            a = _all_idx(S, start, comp.compress_rate, T, off)
-            idx.append(np.broadcast_to(a, (B,) + a.shape))
+            idx.append(_hca_lists(pos, B, S, comp.compress_rate, T, off))
     idx = np.ascontiguousarray(np.concatenate(idx, axis=-1)) if len(idx) > 1 else \
         np.ascontiguousarray(idx[0])
     kvbuf = kvbuf.contiguous()
@@ -822,16 +948,16 @@ def _attention_grad(st, m, h, position_embeddings, position_ids, cache):
 
     def query(q_pre):
         q = dct.rms_norm(q_pre, None, m.q_b_norm.eps)
-        return _rope_tail(dct, q, freqs, rd, own=True)
+        return _rope_tail_rows(dct, q, freqs, rd, own=True)
 
     def core(q_pre, kvbuf, sinks):
         """Per-head norm, RoPE, sparse attention, the output's inverse RoPE."""
         o = dct.sparse_attn(query(q_pre), kvbuf, sinks, idx_t, float(m.scaling))
-        return _rope_tail(dct, o, freqs, rd, inverse=True)
+        return _rope_tail_rows(dct, o, freqs, rd, inverse=True)
 
     if rec is not None:
         with torch.no_grad():
-            _capture_target(st, m, rec, query(q_pre.detach()), kvbuf, idx, start, off, T)
+            _capture_target(st, m, rec, query(q_pre.detach()), kvbuf, idx, pos, off, T)
     if CHECKPOINT_ATTENTION:
         # keep q_pre and the rows only; the [S, H, D] norm / RoPE / attention results are
         # recomputed in the backward (bitwise the same: the kernels are deterministic)
@@ -958,12 +1084,12 @@ def _make_model_forward(st, base):
         am = bound.get("attention_mask")
         reason = None
         cfg = base.config
+        pad = None
         if am is not None:
             if isinstance(am, dict) or am.dim() != 2:
                 reason = "a prebuilt 4-D or per-layer-type attention mask"
             elif not bool(am.bool().all()):
-                reason = ("padding in the 2-D attention mask (transformers pools pad tokens "
-                          "into compressed entries)")
+                pad = am.detach().to("cpu").bool().numpy()
         if reason is None and (bound.get("output_attentions") or
                                getattr(cfg, "output_attentions", False)):
             reason = "output_attentions"
@@ -975,19 +1101,26 @@ def _make_model_forward(st, base):
             if missing:
                 reason = _missing_reason(missing)
         skip = False
-        if reason is None and st.all_layers:
+        if reason is None:
             pos = bound.get("position_ids")
             pkv = bound.get("cache", bound.get("past_key_values"))
             x = bound.get("input_ids")
             x = x if x is not None else bound.get("inputs_embeds")
-            S = x.shape[1]
+            B, S = x.shape[0], x.shape[1]
             past = pkv.get_seq_length() if pkv is not None else 0
-            ok = pos is None or (pos.shape[-1] == S and bool(
-                (pos.reshape(-1, S) == torch.arange(past, past + S, device=pos.device)).all()))
-            dev_ok = base.embed_tokens.weight.device.type == "cpu"
-            skip = ok and dev_ok
-        prev = (st.call_reason, st.mask_skipped)
+            if pad is not None and pad.shape != (B, past + S):
+                reason = (f"a 2-D attention mask of shape {tuple(pad.shape)} for {B} rows of "
+                          f"{past} cached + {S} new tokens")
+            elif pos is not None and (pos.shape[-1] != S or
+                                      pos.reshape(-1, S).shape[0] not in (1, B)):
+                reason = f"position_ids of shape {tuple(pos.shape)} for {B} x {S} tokens"
+            elif st.capture is not None:
+                reason = _capture_reason(pad, pos, S)
+            if reason is None and st.all_layers:
+                skip = base.embed_tokens.weight.device.type == "cpu"
+        prev = (st.call_reason, st.mask_skipped, st.pad_mask)
         st.call_reason, st.mask_skipped = reason, skip
+        st.pad_mask = pad if reason is None else None
         try:
             if reason is not None:
                 st.warn(reason)
@@ -997,7 +1130,7 @@ def _make_model_forward(st, base):
                 return orig(base, **kwargs)
             return orig(base, *args, **kwargs)
         finally:
-            st.call_reason, st.mask_skipped = prev
+            st.call_reason, st.mask_skipped, st.pad_mask = prev
 
     forward._deepseek_csa = True
     return forward

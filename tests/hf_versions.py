@@ -16,7 +16,7 @@ from importlib import metadata
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE = os.path.join(ROOT, "build", "hf-versions")
-TESTS = ["tests/test_transformers_bridge.py"]
+TESTS = ["tests/test_transformers_bridge.py", "tests/test_transformers_padding.py"]
 
 
 def supported():

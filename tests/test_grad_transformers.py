@@ -341,3 +341,44 @@ def test_qat_straight_through(ops):
             assert float((a - b).norm() / b.norm()) < 0.5, n
     kv = g1["model.layers.1.self_attn.kv_proj.weight"]
     assert not torch.equal(kv, g0["model.layers.1.self_attn.kv_proj.weight"])
+
+
+@pytest.mark.parametrize("left", [True, False], ids=["left", "right"])
+def test_padded_batch_grads_match_eager(ops, left, monkeypatch):
+    """A padded batch in training (2-D mask with zeros; left padding with generate()'s
+    per-row position ids, right padding with the default ones): the swapped layers drop
+    pad keys from the window, use per-row RoPE tables and per-row visibility, as the
+    inference path; loss and every gradient within the same bar as the unpadded test,
+    no fallback (lm_backward turns warnings into errors), eager attention never runs."""
+    m = make_model(seed=31).train()
+    B, S, lengths = 3, 70, (70, 45, 23)
+    ids = ids_for(B, S, seed=32)
+    am = torch.zeros(B, S, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        if left:
+            am[b, S - n:] = 1
+        else:
+            am[b, :n] = 1
+    ids = ids.masked_fill(am == 0, 0)
+    kw = dict(attention_mask=am)
+    if left:
+        kw["position_ids"] = (am.cumsum(-1) - 1).masked_fill(am == 0, 1)
+    le, ge = lm_backward(m, ids, False, **kw)
+    no_eager_attention(monkeypatch)
+    ls, gs = lm_backward(m, ids, True, **kw)
+    assert abs(ls - le) <= TOL * abs(le)
+    monkeypatch.undo()
+    assert_grads_close(gs, ge, float64_noise(m, ids, **kw))
+
+
+def test_capture_with_padded_batch_falls_back(ops):
+    """capture_indexer's records take one start position: a padded batch falls back to
+    eager (one RuntimeWarning naming the reason), never a wrong record."""
+    m = make_model(layer_types=["compressed_sparse_attention"]).train()
+    ids = ids_for(2, 40, seed=33)
+    am = torch.ones(2, 40, dtype=torch.long)
+    am[1, :7] = 0
+    with dch.capture_indexer(m) as cap:
+        with pytest.warns(RuntimeWarning, match="capture_indexer with a padded batch"):
+            m(ids, attention_mask=am)
+        assert cap.layers == []

@@ -323,10 +323,16 @@ def test_fallbacks_warn_and_match(model4):
     am[1, :3] = 0
     with torch.no_grad():
         ref = model4(ids, attention_mask=am).logits
+    mask4 = torch.zeros(2, 1, 40, 40).masked_fill(
+        torch.ones(40, 40, dtype=torch.bool).triu(1), float("-inf"))
+    with torch.no_grad():
+        ref = model4(ids, attention_mask={"sliding_attention": mask4}).logits
     with torch.no_grad(), dch.swapped(model4):
-        with pytest.warns(RuntimeWarning, match="padding"):
-            got = model4(ids, attention_mask=am).logits
-    assert torch.equal(got, ref)
+        with pytest.warns(RuntimeWarning, match="prebuilt"):
+            got = model4(ids, attention_mask={"sliding_attention": mask4}).logits
+        assert torch.equal(got, ref)
+        with pytest.warns(RuntimeWarning, match="2-D attention mask of shape"):
+            model4(ids, attention_mask=am[:, 1:])       # not past + S long
     with dch.swapped(model4):
         if dch._missing_grad_ops():
             with pytest.warns(RuntimeWarning, match="autograd"):

@@ -70,8 +70,8 @@ def _target_window_slots():
     import deepseek_csa.transformers as dch
     real = dch._capture_target
 
-    def f(st, m, rec, q, kvbuf, idx, start, off, T):
-        real(st, m, rec, q, kvbuf, idx, start, off, T)
+    def f(st, m, rec, q, kvbuf, idx, pos, off, T):
+        real(st, m, rec, q, kvbuf, idx, pos, off, T)
         K = rec.topk_idxs.shape[-1]
         import deepseek_csa.torch as dct
         import torch
