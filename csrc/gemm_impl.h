@@ -636,6 +636,11 @@ static int CSA_V(gemm_tuned)(const struct csa_gemm_args *g)
             CSA_V(g_dec_a)(g->a + m * g->sa_row, Af + m * LDA, K);
             for (csa_idx j = 0; j < KB128; j++)
                 AS[m * KB128 + j] = g_scale(g->as, g->as_fmt, m * g->sas_row + j * g->sas_col);
+#ifdef CSA_MUTANT_GEMM_SCALE /* planted (make mutants): the last K block's activation scale
+                              * taken from the block before */
+            if (KB128 > 1)
+                AS[m * KB128 + KB128 - 1] = AS[m * KB128 + KB128 - 2];
+#endif
         }
     }
 #if G_SIMD

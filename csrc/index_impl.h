@@ -978,7 +978,16 @@ static int CSA_V(index_scores_tuned)(const struct csa_index_problem *p, float *o
                                      csa_idx sos)
 {
     struct ix_call x = {.p = p, .sc = out, .sob = sob, .sos = sos};
+#ifdef CSA_MUTANT_INDEX_SCORES /* planted (make mutants): scores off by a relative 1e-4 */
+    const int st = CSA_V(ix_run_entry)(&x);
+    if (st == CSA_OK)
+        for (csa_idx b = 0; b < p->B; b++)
+            for (csa_idx s = 0; s < p->S; s++)
+                for (csa_idx t = 0; t < p->Tc; t++) out[b * sob + s * sos + t] *= 1.0f + 1e-4f;
+    return st;
+#else
     return CSA_V(ix_run_entry)(&x);
+#endif
 }
 
 static int CSA_V(index_topk_tuned)(const struct csa_index_problem *p,
@@ -986,7 +995,14 @@ static int CSA_V(index_topk_tuned)(const struct csa_index_problem *p,
                                    int order, int32_t *out)
 {
     struct ix_call x = {.p = p, .c = c, .K = K, .offset = offset, .order = order, .idx = out};
+#ifdef CSA_MUTANT_TOPK_SLOT /* planted (make mutants): each row's last top-k slot lost */
+    const int st = CSA_V(ix_run_entry)(&x);
+    if (st == CSA_OK && K > 0)
+        for (csa_idx i = 0; i < p->B * p->S; i++) out[i * K + K - 1] = -1;
+    return st;
+#else
     return CSA_V(ix_run_entry)(&x);
+#endif
 }
 
 #undef IX_VL

@@ -150,7 +150,11 @@ static int CSA_V(rms_norm_tuned)(const float *x, csa_idx rows, csa_idx d, csa_id
 #else
         const float ss = CSA_V(norm_ss_vec)(xr, d);
 #endif
+#ifdef CSA_MUTANT_NORM_MEAN /* planted (make mutants): the mean square over d + 1 */
+        const float inv = 1.0f / sqrtf(ss / (float)(d + 1) + eps);
+#else
         const float inv = 1.0f / sqrtf(ss / (float)d + eps);
+#endif
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
         if (nts) {
             CSA_V(norm_out_f32_nt)(xr, w, inv, yr, d);

@@ -335,6 +335,13 @@ static int pool_quant(const csa_pool_epilogue *ep, void *out, int obf, csa_idx B
             st = pool_round(of, oh, G, d, sog, 32, CSA_Q_E2M1, CSA_QS_UE8M0);
             break;
         case CSA_POOL_Q_HADAMARD_FP4:
+#ifdef CSA_MUTANT_POOL_QAT_HADAMARD /* planted (make mutants): the QAT epilogue's Hadamard
+                                     * dropped at the tuned levels (the epilogue is shared) */
+            if (csa_isa_get() != CSA_ISA_REF) {
+                st = pool_round(of, oh, G, d, sog, 32, CSA_Q_E2M1, CSA_QS_UE8M0);
+                break;
+            }
+#endif
             st = oh ? csa_hadamard_bf16(oh, G, d, sog, 1, hscale, oh, sog, 1)
                     : csa_hadamard(of, G, d, sog, 1, hscale, of, sog, 1);
             if (st == CSA_OK && ep->bf16 && of)

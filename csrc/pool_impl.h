@@ -593,6 +593,10 @@ static int CSA_V(gated_pool_tuned)(const struct csa_pool_problem *p)
                                    pool_off(score, scbf, b * ssb), scbf, sst, 1, ape, sar, 1, d,
                                    r, overlap, g);
         for (int k = 0; k < nc; k++) c[k].next = g + 1 < G;
+#ifdef CSA_MUTANT_POOL_GROUP /* planted (make mutants): off by one, a group's last token left out */
+        for (int k = 0; k < nc; k++)
+            if (c[k].n > 1) c[k].n--;
+#endif
         CSA_V(pool_entry_tuned)(c, nc, d, (void *)pool_off(out, obf, b * sob + g * sog), obf);
     }
     return CSA_OK;

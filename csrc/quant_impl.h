@@ -191,8 +191,14 @@ static int CSA_V(quant_round_tuned)(const float *x, csa_idx rows, csa_idx d, csa
 {
     const int nt = csa_threads(rows, 1 + 16384 / (d > 0 ? d : 1));
 #pragma omp parallel for num_threads(nt) schedule(static)
-    for (csa_idx r = 0; r < rows; r++)
+    for (csa_idx r = 0; r < rows; r++) {
         CSA_V(quant_row)(x + r * sx_row, out + r * so_row, d, block, fmt, scale);
+#ifdef CSA_MUTANT_QUANT_SKIP /* planted (make mutants): a row's last block left unrounded */
+        if (d >= block)
+            memmove(out + r * so_row + d - block, x + r * sx_row + d - block,
+                    (size_t)block * sizeof(float));
+#endif
+    }
     return CSA_OK;
 }
 
@@ -408,6 +414,9 @@ static inline __attribute__((always_inline)) void CSA_V(hadamard_row)(
 static int CSA_V(hadamard_tuned)(const float *x, csa_idx rows, csa_idx n, csa_idx sx_row,
                                  float scale, float *out, csa_idx so_row)
 {
+#ifdef CSA_MUTANT_HADAMARD_SCALE /* planted (make mutants): the scale off by a relative 1e-4 */
+    scale *= 1.0f + 1e-4f;
+#endif
     const int nt = csa_threads(rows, 1 + 8192 / n);
     int stream = 0;
 #ifdef __AVX512F__

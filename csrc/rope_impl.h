@@ -49,7 +49,12 @@ static int CSA_V(apply_rope_tuned)(void *x, int bf16, csa_idx n0, csa_idx n1, cs
                                    int inverse)
 {
     const csa_idx rows = n0 * n1;
+#ifdef CSA_MUTANT_ROPE_INVERSE /* planted (make mutants): the inverse rotation's sign dropped */
+    const float sgn = 1.0f;
+    (void)inverse;
+#else
     const float sgn = inverse ? -1.0f : 1.0f;
+#endif
     const int nt = csa_threads(rows, 1 + 2048 / (n2 * half + 1));
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (csa_idx r = 0; r < rows; r++) {

@@ -49,7 +49,12 @@ static int CSA_V(hc_sinkhorn_tuned)(const float *mixes, csa_idx rows, csa_idx sm
     const int nt = csa_threads(rows, 1 + 4096 / ((csa_idx)h * h * iters));
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (csa_idx r = 0; r < rows; r++)
+#ifdef CSA_MUTANT_SINKHORN_ITERS /* planted (make mutants): one Sinkhorn iteration fewer */
+        CSA_V(s_row)(mixes + r * smix_row, hc_scale, hc_base, h, iters > 1 ? iters - 1 : iters,
+                     eps, pre + r * h, post + r * h, comb + r * h * h);
+#else
         CSA_V(s_row)(mixes + r * smix_row, hc_scale, hc_base, h, iters, eps, pre + r * h,
                      post + r * h, comb + r * h * h);
+#endif
     return CSA_OK;
 }

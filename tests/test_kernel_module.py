@@ -215,22 +215,37 @@ def test_load_model_py_missing_file(tmp_path):
         dct.load_model_py(tmp_path)
 
 
-def test_swap_keeps_working_on_fp8_model(tiny):
+def checked_attn(fn, calls):
+    """fn (a sparse_attn) checked on every call against the float32 reference on the
+    same inputs: within one bf16 ulp of each head's largest output (both float32
+    inside, in different orders, each rounded once to bf16; as the replay)."""
+    def wrapped(q, kv, attn_sink, topk_idxs, softmax_scale):
+        args = [snap(a) for a in (q, kv, attn_sink, topk_idxs)]
+        got = fn(q, kv, attn_sink, topk_idxs, softmax_scale)
+        want = REFS["sparse_attn"](*args, softmax_scale)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        tol = bf16_ulp(want.float().abs().amax(-1, keepdim=True))
+        assert ((got.float() - want.float()).abs() <= tol * 1.001).all(), \
+            float((got.float() - want.float()).abs().max() / want.float().abs().max())
+        calls.append(1)
+        return got
+    return wrapped
+
+
+def test_swap_keeps_working_on_fp8_model(tiny, monkeypatch):
     """swap() on a load_model_py model with FP8 / FP4 weights: layer 0 runs on the
-    drop-ins, the other layers on the kernel module.  Both paths call our kernels on the
-    same values in the same order, so the swapped run must equal the unswapped one bit
-    for bit (error budget 0: measured 0); the kernels themselves are held to float32
-    references by test_replay_every_kernel_call.  Layer 0 must really leave the kernel
-    module: its sparse_attn is called for the other layers only."""
+    drop-ins, the other layers on the kernel module.  Every attention call of both
+    paths is checked against the float32 reference on its inputs (checked_attn);
+    both paths call our kernels on the same values in the same order, so the swapped
+    run must equal the unswapped one bit for bit (error budget 0: measured 0).  Layer 0
+    must really leave the kernel module: its sparse_attn is called for the other
+    layers only, the drop-in's for layer 0."""
+    from deepseek_csa.torch import dropins
     model = build(tiny, seed=5, dtype="fp8", expert_dtype="fp4", scale_fmt="ue8m0")
     G = vars(tiny)
-    module_attn, calls = G["sparse_attn"], []
-
-    def counted(*a, **kw):
-        calls.append(1)
-        return module_attn(*a, **kw)
-
-    G["sparse_attn"] = counted
+    module_attn, calls, dropin_calls = G["sparse_attn"], [], []
+    monkeypatch.setattr(dropins, "sparse_attn", checked_attn(dropins.sparse_attn, dropin_calls))
+    G["sparse_attn"] = checked_attn(module_attn, calls)
     try:
         want = run(model, TOKENS, 9, 2)
         plain, calls[:] = len(calls), []
@@ -242,6 +257,7 @@ def test_swap_keeps_working_on_fp8_model(tiny):
         G["sparse_attn"] = module_attn
     n_layers = len(model.layers)
     assert plain == 3 * n_layers and swapped == 3 * (n_layers - 1), (plain, swapped)
+    assert len(dropin_calls) == 3, len(dropin_calls)
     assert model.layers[1].attn.wo.weight.dtype == torch.float8_e4m3fn
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and torch.equal(g, w), R.rel_err(g.float(), w.float())

@@ -502,8 +502,15 @@ def test_bf16_round_vs_bf16_reference(isa_bf16, rng, fn, shape, block, scale):
     # probability ~ 2^-9 / 2^-m (m mantissa bits of the grid: ~3% for e4m3); those
     # elements move by one grid step, the others agree at bf16 tolerance (a block whose
     # e4m3 scale or power-of-two scale moves moves whole: counted on many blocks only)
+    # (measured: 0.3-3% on the large shapes; on the small ones 1 of 96, 29 of 1440, and
+    # 5 of 50 -- one block of 5 whose scale moved): large shapes at most 6%; small ones
+    # at most 6% plus one whole block
     far = ~np.isclose(y.astype(np.float32), f32, rtol=1.6e-2, atol=0)
-    assert xb.size < 2048 or far.mean() <= 0.06, f"{far.mean():.3f} of the elements far from the float32 path"
+    if xb.size >= 2048:
+        assert far.mean() <= 0.06, f"{far.mean():.3f} of the elements far from the float32 path"
+    else:
+        assert far.sum() <= 0.06 * xb.size + block, \
+            f"{int(far.sum())} of {xb.size} elements far from the float32 path"
 
 
 def test_bf16_round_views_out_torch_and_nan(rng):

@@ -82,6 +82,12 @@ struct tcase {
     int flags;
     double rtol, atol;  /* vs the oracle; both 0: bitwise */
     const char *label;
+    /* QAT cases: at most `flips` elements may miss rtol/atol, each by one grid step
+     * of its rounding at most (flip_atol): a value within an ulp of a rounding
+     * boundary that a level's pooled value (an ulp off the scalar one) sends the
+     * other way.  0: none. */
+    int flips;
+    double flip_atol;
     /* filled by init */
     void *buf[MAXBUF];
     int nbuf;
@@ -209,6 +215,36 @@ static size_t compare(const tcase *c, const void *ref, const void *got, const ch
     return bad;
 }
 
+/* compare(), with the case's budget of QAT code flips: the elements outside the
+ * tolerance must be at most c->flips, each within c->flip_atol.  Returns the number
+ * of elements beyond the budget. */
+static size_t compare_flips(const tcase *c, const void *ref, const void *got, const char *what,
+                            int level)
+{
+    const size_t bad = compare(c, ref, got, what, level);
+    if (!bad || c->flips == 0) return bad;
+    size_t far = 0;
+    for (size_t i = 0; i < c->out_n; i++) {
+        const float a = out_get(ref, c->out_type, i), b = out_get(got, c->out_type, i);
+        if (!(fabs((double)a - b) <= c->flip_atol) && !(isnan(a) && isnan(b))) far++;
+    }
+    if (bad <= (size_t)c->flips && far == 0) {
+        printf("    %s: %zu element(s) one rounding step off (budget %d)\n", what, bad, c->flips);
+        return 0;
+    }
+    printf("    %s: %zu elements outside the tolerance (QAT flip budget %d), %zu beyond %g\n",
+           what, bad, c->flips, far, c->flip_atol);
+    return bad;
+}
+
+/* F_BADIDX: the call fails before writing, so the output still holds the sentinel. */
+static int untouched(const void *o, size_t bytes)
+{
+    for (size_t i = 0; i < bytes; i++)
+        if (((const unsigned char *)o)[i] != 0x7b) return 0;
+    return 1;
+}
+
 static void fill_sentinel(void *o, size_t bytes) { memset(o, 0x7b, bytes); }
 
 static void result(int ok, const tcase *c, const char *level, const char *what)
@@ -239,6 +275,7 @@ static void run_case(tcase *c)
     fill_sentinel(ref, bytes);
     int st = c->k->run(c, ref);
     result(st == c->expect, c, "ref", "status of the oracle");
+    if (c->flags & F_BADIDX) result(untouched(ref, bytes), c, "ref", "output written on failure");
     if (c->k->check) result(c->k->check(c, ref) == 0, c, "ref", "invariant");
 
     char levels[64] = "";
@@ -251,7 +288,8 @@ static void run_case(tcase *c)
         char what[64];
         snprintf(what, sizeof what, "status %d, oracle %d", s2, st);
         result(s2 == st, c, ln, what);
-        result(compare(c, ref, o2, "vs oracle", l) == 0, c, ln,
+        if (c->flags & F_BADIDX) result(untouched(o2, bytes), c, ln, "output written on failure");
+        result(compare_flips(c, ref, o2, "vs oracle", l) == 0, c, ln,
                c->rtol == 0 && c->atol == 0 ? "not bitwise equal to the oracle"
                                             : "outside the tolerance of the oracle");
         set_threads(1);
@@ -838,13 +876,17 @@ static tcase cases[] = {
     {&K_POOL_STREAM, {2, 261, 32, 128, 8}, F_EPI, 2e-6, 2e-6, "f32 r128 norm+rope"},
     {&K_POOL_STREAM, {3, 19, 64, 4, 16}, F_OVERLAP | F_EPI | BF, 2e-6, 2e-6, "bf16 overlap r4 norm+rope"},
     {&K_POOL_STREAM, {1, 9, 16, 1, 4}, F_EPI, 2e-6, 2e-6, "f32 r1 norm+rope"},
-    /* p[5]: the epilogue's QAT rounding (enum csa_pool_quant); a level's pooled value may
-     * differ from the scalar one in an ulp, which can move a rounded value by one grid
-     * step (atol 2: the largest FP4 step of these unit-scale entries); the bitwise checks
-     * are prefill == stepped at each level and 1 == 2 threads */
-    {&K_POOL_STREAM, {2, 23, 128, 4, 32, CSA_POOL_Q_FP8}, F_OVERLAP | F_EPI, 0, 2, "f32 overlap r4 norm+rope+fp8"},
-    {&K_POOL_STREAM, {3, 19, 64, 4, 16, CSA_POOL_Q_HADAMARD_FP4}, F_OVERLAP | F_EPI | BF, 0, 2, "bf16 overlap r4 norm+rope+hadamard_fp4"},
-    {&K_POOL_STREAM, {2, 9, 64, 2, 8, CSA_POOL_Q_FP4_E4M3}, F_EPI, 0, 2, "f32 r2 norm+rope+fp4_e4m3"},
+    /* p[5]: the epilogue's QAT rounding (enum csa_pool_quant).  Error budget: the
+     * float tolerance of the other pool_stream cases (measured: every element equal
+     * to the oracle's at every level here), plus QAT code flips: a level's pooled
+     * value may differ from the scalar one in an ulp, which can move a rounded value
+     * by one grid step -- at most 2 elements per case (0 measured), each by at most
+     * 1 (fp8: the e4m3 step below 16) or 2 (FP4: the largest e2m1 step at unit
+     * scale).  A tuned output of zeros, halved, or unrounded fails.  The
+     * bitwise checks are prefill == stepped at each level and 1 == 2 threads. */
+    {&K_POOL_STREAM, {2, 23, 128, 4, 32, CSA_POOL_Q_FP8}, F_OVERLAP | F_EPI, 2e-6, 2e-6, "f32 overlap r4 norm+rope+fp8", 2, 1},
+    {&K_POOL_STREAM, {3, 19, 64, 4, 16, CSA_POOL_Q_HADAMARD_FP4}, F_OVERLAP | F_EPI | BF, 2e-6, 2e-6, "bf16 overlap r4 norm+rope+hadamard_fp4", 2, 2},
+    {&K_POOL_STREAM, {2, 9, 64, 2, 8, CSA_POOL_Q_FP4_E4M3}, F_EPI, 2e-6, 2e-6, "f32 r2 norm+rope+fp4_e4m3", 2, 2},
     /* index_scores: B, S, Hi, Di, Tc, ratio, start_pos */
     {&K_INDEX_SCORES, {2, 9, 8, 67, 40, 4, 150}, 0, 1e-5, 1e-4, "f32 odd Di decode-ish"},
     {&K_INDEX_SCORES, {1, 64, 16, 128, 32, 4, 0}, 0, 1e-5, 1e-4, "f32 prefill causal"},

@@ -1,11 +1,40 @@
-"""Planted bugs in the forward kernels' tuned bodies (`#ifdef CSA_MUTANT_*`), one file
-per concern elsewhere (m_grad_*.py for the backward kernels).  Format: run.py."""
+"""Planted bugs in the forward kernels' tuned bodies (`#ifdef CSA_MUTANT_*`; the
+backward kernels' are in m_grad_*.py).  Each is run against the C driver's cases of
+its kernel (tuned body against the scalar `_ref` oracle) and the Python test file of
+the kernel (against the torch / NumPy references).  Format: run.py."""
+
+DRV = "tests/c/driver.c::"
+
+
+def c(name, define, kernels, files, what):
+    return dict(name=name, kind="c", define=define,
+                targets=[DRV + k for k in kernels] + files, what=what)
+
 
 MUTANTS = [
-    dict(name="attn_out", kind="c", define="CSA_MUTANT_ATTN_OUT",
-         targets=["tests/c/driver.c::sparse_attn", "tests/test_attn.py"],
-         what="sparse_attn's output off by a relative 1e-4 (tuned body)"),
-    dict(name="attn_sink", kind="c", define="CSA_MUTANT_ATTN_SINK",
-         targets=["tests/c/driver.c::sparse_attn", "tests/test_attn.py"],
-         what="sparse_attn ignores the attention sink (tuned body)"),
+    c("attn_out", "CSA_MUTANT_ATTN_OUT", ["sparse_attn"],
+      ["tests/test_attn.py", "tests/test_layer.py::test_v4_layer_matches_reference[128-260-4]"],
+      "sparse_attn's output off by a relative 1e-4"),
+    c("attn_sink", "CSA_MUTANT_ATTN_SINK", ["sparse_attn"], ["tests/test_attn.py"],
+      "sparse_attn ignores the attention sink"),
+    c("norm_mean", "CSA_MUTANT_NORM_MEAN", ["rms_norm"], ["tests/test_norm_rope.py"],
+      "rms_norm (float32) averages the squares over d + 1"),
+    c("rope_inverse", "CSA_MUTANT_ROPE_INVERSE", ["apply_rope"], ["tests/test_norm_rope.py"],
+      "apply_rope's inverse rotates forward"),
+    c("pool_group", "CSA_MUTANT_POOL_GROUP", ["gated_pool", "pool_stream"], ["tests/test_pool.py"],
+      "gated_pool off by one: each group's last token left out"),
+    c("pool_qat_hadamard", "CSA_MUTANT_POOL_QAT_HADAMARD", ["pool_stream"], ["tests/test_pool.py"],
+      "the pooling epilogue's QAT step drops the Hadamard before FP4 (tuned levels)"),
+    c("quant_skip", "CSA_MUTANT_QUANT_SKIP", ["quant_round"], ["tests/test_quant.py"],
+      "quant_round (float32) leaves each row's last block unrounded"),
+    c("hadamard_scale", "CSA_MUTANT_HADAMARD_SCALE", ["hadamard"], ["tests/test_quant.py"],
+      "hadamard (float32) scale off by a relative 1e-4"),
+    c("sinkhorn_iters", "CSA_MUTANT_SINKHORN_ITERS", [], ["tests/test_gemm.py"],
+      "hc_split_sinkhorn runs one iteration fewer"),
+    c("gemm_scale", "CSA_MUTANT_GEMM_SCALE", ["gemm"], ["tests/test_gemm.py"],
+      "fp8/fp4 gemm: the last K block uses the previous block's activation scale"),
+    c("topk_slot", "CSA_MUTANT_TOPK_SLOT", ["index_topk"], ["tests/test_index.py"],
+      "index_topk loses each row's last slot"),
+    c("index_scores", "CSA_MUTANT_INDEX_SCORES", ["index_scores"], ["tests/test_index.py"],
+      "index_scores off by a relative 1e-4"),
 ]
