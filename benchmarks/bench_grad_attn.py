@@ -15,13 +15,16 @@ FLOPs: the forward is 4*S*H*K*D, the backward 10*S*H*K*D (five GEMM-shaped produ
 """
 import statistics
 import sys
+from pathlib import Path
 
-import numpy as np
-import torch
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
-import deepseek_csa as dc
-from deepseek_csa.reference.attn import sparse_attn as _attn_ref
-from harness import Case, interleaved_times
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import deepseek_csa as dc  # noqa: E402
+from deepseek_csa.reference.attn import sparse_attn as _attn_ref  # noqa: E402
+from harness import Case, interleaved_times  # noqa: E402
 
 
 def _inputs(B, S, H, D, N, K, rng):
