@@ -66,8 +66,10 @@ static void CSA_V(bwd_gkv)(const float *P, const float *DS, csa_idx kbp, csa_idx
                            csa_idx D, float *G, csa_idx dg)
 {
 #ifdef __AVX512F__
-    for (csa_idx i0 = 0; i0 < kbp; i0 += ATTN_MR)
-        for (csa_idx d0 = 0; d0 < D; d0 += 64) {
+    /* features outer: the 64-feature slices of q and dO (32 KB for 64 heads) stay in L1
+     * while the block's slots pass; P and dS are read by broadcasts, in order */
+    for (csa_idx d0 = 0; d0 < D; d0 += 64)
+        for (csa_idx i0 = 0; i0 < kbp; i0 += ATTN_MR) {
             const csa_idx nv = (D - d0 + 15) / 16;
             const float *Pi = P + i0 * hcp, *Si = DS + i0 * hcp;
             float *Gi = G + i0 * dg;
