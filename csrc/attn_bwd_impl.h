@@ -171,8 +171,16 @@ static void CSA_V(bwd_item)(const struct csa_attn_bwd_problem *g, csa_idx b, csa
     for (csa_idx h = 0; h < hcp; h++) {
         float dr = 0.0f;
         if (h < H) {
-            const float *x = dO + h * g->sdo_h, *y = o + h * a->so_h;
-            for (csa_idx d = 0; d < D; d++) dr += x[d] * y[d];
+            /* 16 interleaved partial sums (vector lanes), then added in lane order: a
+             * fixed order that vectorizes without reassociation */
+            const float *CSA_RESTRICT x = dO + h * g->sdo_h, *CSA_RESTRICT y = o + h * a->so_h;
+            float part[16] = {0};
+            csa_idx d = 0;
+            for (; d + 16 <= D; d += 16)
+#pragma omp simd
+                for (int l = 0; l < 16; l++) part[l] += x[d + l] * y[d + l];
+            for (; d < D; d++) part[d % 16] += x[d] * y[d];
+            for (int l = 0; l < 16; l++) dr += part[l];
         }
         w->Dr[h] = dr;
         w->lse[h] = h < H ? lse[h] : INFINITY;
