@@ -245,11 +245,11 @@ static int CSA_V(sparse_attn_backward_tuned)(const struct csa_attn_bwd_problem *
     const csa_idx per_ptr = K + kbp_max;
     const csa_idx g_row = (K + ATTN_MR) * dp; /* slack: the last block's padding rows */
     const int nt = csa_threads(nq, 1);
-    /* rows per chunk: a few per thread, as many as ATTN_BWD_G_BYTES of G allow (the
-     * results do not depend on it) */
-    csa_idx ch = (csa_idx)nt; /* one row per thread: its G (~1.3 MB at V4-Flash) stays in L2 */
+    /* rows per chunk: as many as ATTN_BWD_G_BYTES of G hold (24 at V4-Flash): each chunk
+     * costs two barriers, which a loaded machine makes expensive (measured: 1 or 4 rows
+     * per thread 15-40% slower than 12 or 32 at 2 threads); the results do not depend on it */
     const csa_idx ch_mem = (csa_idx)(ATTN_BWD_G_BYTES / ((size_t)g_row * sizeof(float)));
-    if (ch > ch_mem) ch = ch_mem;
+    csa_idx ch = ch_mem;
     if (ch < 1) ch = 1;
     if (ch > nq) ch = nq;
     float *ws = aligned_alloc(64, (size_t)(nt * per_thread) * sizeof(float));
