@@ -12,12 +12,12 @@
  *   G[k, d]   = sum_h P[k, h] dO[h, d] + sum_h dS[k, h] q[h, d]   (bwd_gkv tile)
  *
  * G, the kv gradient of every valid slot of the row, goes to a shared buffer for a
- * chunk of rows; after the chunk, threads split the features into fixed blocks and
- * add the chunk's G rows into dkv[b, idx] in (row, slot) order.  So every dkv
+ * chunk of rows; after the chunk its index lists are inverted (for each kv row, the
+ * (row, slot) pairs that list it, in that order) and the threads take kv rows, each
+ * adding its G rows onto the old value in list order, the sum kept in registers.  So every dkv
  * element is a sequential sum in the order (b, s, slot) at any thread count and any
  * chunk size; dsink sums the rows' -e^(sink - lse) Dr in row order at the end. */
 
-#define ATTN_BWD_CB 64               /* features per block of the scatter */
 #define ATTN_BWD_G_BYTES (32u << 20) /* most bytes of G per chunk of rows */
 
 #ifdef __AVX512F__
@@ -66,8 +66,10 @@ static void CSA_V(bwd_gkv)(const float *P, const float *DS, csa_idx kbp, csa_idx
                            csa_idx D, float *G, csa_idx dg)
 {
 #ifdef __AVX512F__
-    for (csa_idx i0 = 0; i0 < kbp; i0 += ATTN_MR)
-        for (csa_idx d0 = 0; d0 < D; d0 += 64) {
+    /* features outer: the 64-feature slices of q and dO (32 KB for 64 heads) stay in L1
+     * while the block's slots pass; P and dS are read by broadcasts, in order */
+    for (csa_idx d0 = 0; d0 < D; d0 += 64)
+        for (csa_idx i0 = 0; i0 < kbp; i0 += ATTN_MR) {
             const csa_idx nv = (D - d0 + 15) / 16;
             const float *Pi = P + i0 * hcp, *Si = DS + i0 * hcp;
             float *Gi = G + i0 * dg;
@@ -96,6 +98,36 @@ static void CSA_V(bwd_gkv)(const float *P, const float *DS, csa_idx kbp, csa_idx
         }
     }
 #endif
+}
+
+/* dst[d] += G[ref_0 + d] + G[ref_1 + d] + ... in list order (one sequential float32
+ * chain per feature), d < D; the partial sum stays in registers per block of features. */
+static void CSA_V(bwd_gather_add)(float *CSA_RESTRICT dst, const float *G, const csa_idx *ref,
+                                  csa_idx n, csa_idx D)
+{
+    csa_idx d0 = 0;
+#ifdef __AVX512F__
+    for (; d0 + 128 <= D; d0 += 128) {
+        __m512 acc[8];
+        for (int j = 0; j < 8; j++) acc[j] = _mm512_loadu_ps(dst + d0 + 16 * j);
+        for (csa_idx i = 0; i < n; i++) {
+            const float *src = G + ref[i] + d0;
+            for (int j = 0; j < 8; j++) acc[j] = _mm512_add_ps(acc[j], _mm512_loadu_ps(src + 16 * j));
+        }
+        for (int j = 0; j < 8; j++) _mm512_storeu_ps(dst + d0 + 16 * j, acc[j]);
+    }
+#endif
+    for (; d0 < D; d0 += 64) {
+        const csa_idx nd = D - d0 < 64 ? D - d0 : 64;
+        float acc[64];
+        for (csa_idx d = 0; d < nd; d++) acc[d] = dst[d0 + d];
+        for (csa_idx i = 0; i < n; i++) {
+            const float *CSA_RESTRICT src = G + ref[i] + d0;
+#pragma omp simd
+            for (csa_idx d = 0; d < nd; d++) acc[d] += src[d];
+        }
+        for (csa_idx d = 0; d < nd; d++) dst[d0 + d] = acc[d];
+    }
 }
 
 /* Per-thread scratch of the backward, in floats (pieces multiples of 16). */
@@ -139,8 +171,16 @@ static void CSA_V(bwd_item)(const struct csa_attn_bwd_problem *g, csa_idx b, csa
     for (csa_idx h = 0; h < hcp; h++) {
         float dr = 0.0f;
         if (h < H) {
-            const float *x = dO + h * g->sdo_h, *y = o + h * a->so_h;
-            for (csa_idx d = 0; d < D; d++) dr += x[d] * y[d];
+            /* 16 interleaved partial sums (vector lanes), then added in lane order: a
+             * fixed order that vectorizes without reassociation */
+            const float *CSA_RESTRICT x = dO + h * g->sdo_h, *CSA_RESTRICT y = o + h * a->so_h;
+            float part[16] = {0};
+            csa_idx d = 0;
+            for (; d + 16 <= D; d += 16)
+#pragma omp simd
+                for (int l = 0; l < 16; l++) part[l] += x[d + l] * y[d + l];
+            for (; d < D; d++) part[d % 16] += x[d] * y[d];
+            for (int l = 0; l < 16; l++) dr += part[l];
         }
         w->Dr[h] = dr;
         w->lse[h] = h < H ? lse[h] : INFINITY;
@@ -205,11 +245,11 @@ static int CSA_V(sparse_attn_backward_tuned)(const struct csa_attn_bwd_problem *
     const csa_idx per_ptr = K + kbp_max;
     const csa_idx g_row = (K + ATTN_MR) * dp; /* slack: the last block's padding rows */
     const int nt = csa_threads(nq, 1);
-    /* rows per chunk: a few per thread, as many as ATTN_BWD_G_BYTES of G allow (the
-     * results do not depend on it) */
-    csa_idx ch = 4 * (csa_idx)nt;
+    /* rows per chunk: as many as ATTN_BWD_G_BYTES of G hold (24 at V4-Flash): each chunk
+     * costs two barriers, which a loaded machine makes expensive (measured: 1 or 4 rows
+     * per thread 15-40% slower than 12 or 32 at 2 threads); the results do not depend on it */
     const csa_idx ch_mem = (csa_idx)(ATTN_BWD_G_BYTES / ((size_t)g_row * sizeof(float)));
-    if (ch > ch_mem) ch = ch_mem;
+    csa_idx ch = ch_mem;
     if (ch < 1) ch = 1;
     if (ch > nq) ch = nq;
     float *ws = aligned_alloc(64, (size_t)(nt * per_thread) * sizeof(float));
@@ -218,7 +258,14 @@ static int CSA_V(sparse_attn_backward_tuned)(const struct csa_attn_bwd_problem *
     int32_t *vid = malloc((size_t)(ch * K) * sizeof(int32_t));
     csa_idx *cnt = malloc((size_t)ch * sizeof(csa_idx));
     float *rs = malloc((size_t)(nq * H) * sizeof(float));
-    if (!ws || !ptrs || !G || !vid || !cnt || !rs) {
+    /* the inverted lists: head/fill [B*N + 1], gref [ch*K] (offsets of G rows) */
+    csa_idx *head = malloc((size_t)(B * N + 1) * sizeof(csa_idx));
+    csa_idx *fill = malloc((size_t)(B * N + 1) * sizeof(csa_idx));
+    csa_idx *gref = malloc((size_t)(ch * K) * sizeof(csa_idx));
+    if (!ws || !ptrs || !G || !vid || !cnt || !rs || !head || !fill || !gref) {
+        free(head);
+        free(fill);
+        free(gref);
         free(ws);
         free(ptrs);
         free(G);
@@ -227,7 +274,6 @@ static int CSA_V(sparse_attn_backward_tuned)(const struct csa_attn_bwd_problem *
         free(rs);
         return CSA_ENOMEM;
     }
-    const csa_idx ncb = (D + ATTN_BWD_CB - 1) / ATTN_BWD_CB;
 
 #pragma omp parallel num_threads(nt)
     {
@@ -253,26 +299,31 @@ static int CSA_V(sparse_attn_backward_tuned)(const struct csa_attn_bwd_problem *
             for (csa_idx r = c0; r < c1; r++)
                 CSA_V(bwd_item)(g, r / S, r % S, hcp, dp, &w, valid, blk, G + (r - c0) * g_row,
                                 vid + (r - c0) * K, cnt + (r - c0), rs + r * H);
-            /* the chunk's G into dkv: features split into fixed blocks, each block's
-             * sums in (row, slot) order */
-#pragma omp for schedule(dynamic, 1)
-            for (csa_idx cb = 0; cb < ncb; cb++) {
-                const csa_idx d0 = cb * ATTN_BWD_CB;
-                const csa_idx nd = D - d0 < ATTN_BWD_CB ? D - d0 : ATTN_BWD_CB;
-                for (csa_idx r = c0; r < c1; r++) {
-                    float *dkvb = g->dkv + (r / S) * g->sdkv_b + d0;
-                    const float *Gr = G + (r - c0) * g_row + d0;
-                    const int32_t *vr = vid + (r - c0) * K;
+            /* the chunk's G into dkv: the index lists inverted (one thread, a stable
+             * counting sort by (b, n), so each kv row's list is in (row, slot) order),
+             * then the kv rows in parallel, each a sequential sum onto its old value */
+#pragma omp single
+            {
+                memset(head, 0, (size_t)(B * N + 1) * sizeof(csa_idx));
+                for (csa_idx r = c0; r < c1; r++)
+                    for (csa_idx i = 0; i < cnt[r - c0]; i++)
+                        head[(r / S) * N + vid[(r - c0) * K + i] + 1]++;
+                for (csa_idx k = 0; k < B * N; k++) head[k + 1] += head[k];
+                for (csa_idx k = 0; k <= B * N; k++) fill[k] = head[k];
+                for (csa_idx r = c0; r < c1; r++)
                     for (csa_idx i = 0; i < cnt[r - c0]; i++) {
 #ifdef CSA_MUTANT_ATTN_BWD_DUP_ONCE
-                        if (i > 0 && vr[i] == vr[i - 1]) continue;
+                        if (i > 0 && vid[(r - c0) * K + i] == vid[(r - c0) * K + i - 1]) continue;
 #endif
-                        float *CSA_RESTRICT dst = dkvb + vr[i] * g->sdkv_n;
-                        const float *CSA_RESTRICT src = Gr + i * dp;
-#pragma omp simd
-                        for (csa_idx d = 0; d < nd; d++) dst[d] += src[d];
+                        gref[fill[(r / S) * N + vid[(r - c0) * K + i]]++] = (r - c0) * g_row + i * dp;
                     }
-                }
+            }
+#pragma omp for schedule(dynamic, 16)
+            for (csa_idx key = 0; key < B * N; key++) {
+                const csa_idx lo = head[key], hi = fill[key]; /* fill: the end of the list */
+                if (lo == hi) continue;
+                float *dst = g->dkv + (key / N) * g->sdkv_b + (key % N) * g->sdkv_n;
+                CSA_V(bwd_gather_add)(dst, G, gref + lo, hi - lo, D);
             }
         }
     }
@@ -287,5 +338,8 @@ static int CSA_V(sparse_attn_backward_tuned)(const struct csa_attn_bwd_problem *
     free(vid);
     free(cnt);
     free(rs);
+    free(head);
+    free(fill);
+    free(gref);
     return CSA_OK;
 }
