@@ -638,7 +638,7 @@ def _attention(st, m, h, position_embeddings, position_ids, cache, grad_mode=Fal
 
 
 # ----------------------------------------------------------------------------- training
-# The differentiable ops of deepseek_csa.torch (GRAD_API.md) this module uses, resolved
+# The differentiable ops of deepseek_csa.torch (docs/kernels.md section 11) this module uses, resolved
 # on the module at call time: sparse_attn, sparse_attn_weights, rms_norm,
 # apply_rotary_emb, gated_pool (the attention), indexer_kl_loss (the capture's loss).
 # sparse_attn / rms_norm / apply_rotary_emb exist forward-only in older builds; the names

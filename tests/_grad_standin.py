@@ -1,7 +1,9 @@
-"""STAND-IN for the differentiable deepseek_csa.torch ops of GRAD_API.md, in plain torch
-(autograd does the backward).  Test-only: it exists so the transformers training path
-(deepseek_csa/transformers.py) and its tests can be proven while the real, C-backed ops
-are being written.  Same names, signatures and semantics as GRAD_API.md:
+"""STAND-IN for the differentiable deepseek_csa.torch ops (docs/kernels.md section 11), in
+plain torch (autograd does the backward).  Test-only: the transformers training path
+(deepseek_csa/transformers.py) runs on it in the tests' 'standin' mode, so the path's own
+wiring (which tensors reach which op, what is detached, the straight-through roundings)
+is checked against torch autograd independently of our C backward kernels, which the
+'real' mode and tests/test_grad_*.py check.  Same names, signatures and semantics:
 
     sparse_attn(q, kv, attn_sink, topk_idxs, softmax_scale)            differentiable
     sparse_attn_weights(q, kv, attn_sink, topk_idxs, softmax_scale)    no grad
@@ -13,7 +15,7 @@ are being written.  Same names, signatures and semantics as GRAD_API.md:
 
 ``install(monkeypatch)`` patches them onto ``deepseek_csa.torch`` (the committed code
 resolves the names there at call time).  Never used outside the tests.  Written from
-docs/kernels.md and SPEC.md section 10, not from any other implementation.
+docs/kernels.md, not from any other implementation.
 """
 import torch
 

@@ -3,7 +3,7 @@ DeepseekV4ForCausalLM runs through deepseek_csa.torch's differentiable ops and e
 transformers' eager autograd; ``capture_indexer`` hands back the indexer's KL objective.
 
 Two modes (the ``ops`` fixture):
-- ``real``: deepseek_csa.torch's own differentiable ops (GRAD_API.md); skipped while
+- ``real``: deepseek_csa.torch's own differentiable ops (docs/kernels.md section 11); skipped while
   this build lacks them (sparse_attn_weights / gated_pool / index_scores /
   indexer_kl_loss missing).
 - ``standin``: the plain-torch stand-in tests/_grad_standin.py patched onto
