@@ -129,7 +129,11 @@ def rel(a, b):
 
 # ----------------------------------------------------------------------------- memory
 def _status(field):
-    with open("/proc/self/status") as f:
+    return _status_file("/proc/self/status", field)
+
+
+def _status_file(path, field):
+    with open(path) as f:
         for line in f:
             if line.startswith(field):
                 return int(line.split()[1]) * 1024
@@ -236,6 +240,14 @@ def bench(lengths, rounds, threads, do_mem=True):
     return row
 
 
+def eager_need(lengths, heads=64, ratio=4):
+    """Bytes eager's attention holds at its peak: eager_attention_forward keeps three
+    [B, heads, S, S + S/ratio] float32 tensors alive at once (scores + mask, the sink
+    concatenation, the max-shifted logits / softmax), plus a margin for the rest."""
+    B, S = len(lengths), max(lengths)
+    return 3 * B * heads * S * (S + S // ratio) * 4 + 2 * 2**30
+
+
 def fmt(r):
     s = (f"{r['case']}\n"
          f"  model forward  ours {r['ours_s']:8.3f} s  eager {r['eager_s']:8.3f} s  "
@@ -247,7 +259,12 @@ def fmt(r):
     if "peak_mem_ratio" in r:
         s += (f"  peak memory    ours {r['ours_peak_mem_bytes'] / 2**30:6.3f} GiB  "
               f"eager {r['eager_peak_mem_bytes'] / 2**30:6.3f} GiB  "
-              f"ours/eager {r['peak_mem_ratio']:.3f} (1/{1 / max(r['peak_mem_ratio'], 1e-9):.1f})\n")
+              f"ours/eager {r['peak_mem_ratio']:.3f} (1/{1 / max(r['peak_mem_ratio'], 1e-9):.1f})\n"
+              f"    (first / second call in a fresh process: ours "
+              f"{r['ours_mem']['first_call_peak_bytes'] / 2**30:.3f} / "
+              f"{r['ours_mem']['second_call_peak_bytes'] / 2**30:.3f} GiB, eager "
+              f"{r['eager_mem']['first_call_peak_bytes'] / 2**30:.3f} / "
+              f"{r['eager_mem']['second_call_peak_bytes'] / 2**30:.3f} GiB)\n")
     s += (f"  max rel err    logits {r['logits_max_rel_err']:.1e} (real tokens "
           f"{r['logits_real_tokens_max_rel_err']:.1e})  hidden {r['hidden_max_rel_err']:.1e} "
           f"(real tokens {r['hidden_real_tokens_max_rel_err']:.1e})")
@@ -290,6 +307,8 @@ def main():
     ap.add_argument("--quick", action="store_true",
                     help=f"smoke test: lengths {QUICK_LENGTHS}, 1 round")
     ap.add_argument("--no-mem", action="store_true", help="skip the memory subprocesses")
+    ap.add_argument("--force", action="store_true",
+                    help="run even when MemAvailable looks too small for eager")
     ap.add_argument("--out", default=None)
     ap.add_argument("--mem-child", choices=["ours", "eager"], help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -305,6 +324,14 @@ def main():
     print(f"CPU {env['cpu']}, ISA level {env['isa']} (best {env['best_isa']}), "
           f"{threads} threads, torch {env['torch']}, transformers {env['transformers']}",
           flush=True)
+    avail = _status_file("/proc/meminfo", "MemAvailable:")
+    need = eager_need(lengths)
+    print(f"memory available {avail / 2**30:.1f} GiB; eager needs about {need / 2**30:.1f} GiB "
+          f"at its peak (3 live copies of its [B, heads, S, S + S/4] float32 scores + 2 GiB)",
+          flush=True)
+    if avail and avail < need and not a.force:
+        sys.exit("not enough free memory for eager's side (an OOM would hit other processes "
+                 "too); free memory or pass --force")
     row = bench(lengths, rounds, threads, do_mem=not a.no_mem)
     env["load_average"] = os.getloadavg()
     print(fmt(row), flush=True)
