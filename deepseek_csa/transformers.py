@@ -426,6 +426,22 @@ def _qat_index(x):
     _dc.fp4_round(x, 32)
 
 
+def _compression_windows(mod, layer, name, h):
+    """A compressor's projections of the new tokens and the complete windows to pool:
+    (kv, windows' kv, windows' gate, the first window's index, window count).  Without
+    a cache the trailing partial window is left out; with one, the cache layer joins
+    its buffered tokens (transformers' store_compression_weights)."""
+    ratio = mod.compress_rate
+    kv = mod.kv_proj(h)
+    gate = mod.gate_proj(h)
+    if layer is None:
+        usable = (kv.shape[1] // ratio) * ratio
+        ckv, cgate, first = kv[:, :usable], gate[:, :usable], 0
+    else:
+        ckv, cgate, first = layer.store_compression_weights(name, kv, gate)
+    return kv, ckv, cgate, first, ckv.shape[1] // ratio
+
+
 def _compress(mod, layer, name, h, overlap, qat_fn):
     """One compressor call (transformers' CSA/HCA compressor or the indexer's) at any
     start position: buffered + new tokens, complete windows pooled by ``gated_pool``
@@ -434,14 +450,7 @@ def _compress(mod, layer, name, h, overlap, qat_fn):
     torch = _torch()
     B = h.shape[0]
     ratio, D = mod.compress_rate, mod.head_dim
-    kv = mod.kv_proj(h)
-    gate = mod.gate_proj(h)
-    if layer is None:
-        usable = (kv.shape[1] // ratio) * ratio
-        ckv, cgate, first = kv[:, :usable], gate[:, :usable], 0
-    else:
-        ckv, cgate, first = layer.store_compression_weights(name, kv, gate)
-    n = ckv.shape[1] // ratio
+    kv, ckv, cgate, first, n = _compression_windows(mod, layer, name, h)
     if n == 0:
         new = kv.new_zeros((B, 0, D))
     else:
@@ -761,14 +770,7 @@ def _compress_grad(dct, mod, layer, name, h, overlap, qat_fn):
     torch = _torch()
     B = h.shape[0]
     ratio, D = mod.compress_rate, mod.head_dim
-    kv = mod.kv_proj(h)
-    gate = mod.gate_proj(h)
-    if layer is None:
-        usable = (kv.shape[1] // ratio) * ratio
-        ckv, cgate, first = kv[:, :usable], gate[:, :usable], 0
-    else:
-        ckv, cgate, first = layer.store_compression_weights(name, kv, gate)
-    n = ckv.shape[1] // ratio
+    kv, ckv, cgate, first, n = _compression_windows(mod, layer, name, h)
     if n == 0:
         new = kv.new_zeros((B, 0, D))
     else:
