@@ -426,6 +426,15 @@ def _qat_index(x):
     _dc.fp4_round(x, 32)
 
 
+def _cached_rows(m, cache, kv):
+    """(the layer's compressor cache or None, every KV row so far): the new rows kv
+    [B, S, D] appended to the cache's sliding-window buffer when there is a cache."""
+    if cache is None:
+        return None, kv
+    layer = _adopt_layer(cache, m.layer_idx) if m.compressor is not None else None
+    return layer, cache.update(kv.unsqueeze(1), kv.unsqueeze(1), m.layer_idx)[0][:, 0]
+
+
 def _compression_windows(mod, layer, name, h):
     """A compressor's projections of the new tokens and the complete windows to pool:
     (kv, windows' kv, windows' gate, the first window's index, window count).  Without
@@ -603,13 +612,7 @@ def _attention(st, m, h, position_embeddings, position_ids, cache, grad_mode=Fal
     if qat_kv is not None:
         qat_kv(kv, rd)
 
-    layer = None
-    if cache is not None:
-        if m.compressor is not None:
-            layer = _adopt_layer(cache, m.layer_idx)
-        rows = cache.update(kv.unsqueeze(1), kv.unsqueeze(1), m.layer_idx)[0][:, 0]
-    else:
-        rows = kv
+    layer, rows = _cached_rows(m, cache, kv)
     L = rows.shape[1] - S
     idx = [_window_lists(st, B, S, L, m.sliding_window)]
     kvbuf = rows
@@ -912,13 +915,7 @@ def _attention_grad(st, m, h, position_embeddings, position_ids, cache):
     if qat_kv is not None:
         kv = _ste(kv, lambda x: _qat_kv(x, rd))
 
-    layer = None
-    if cache is not None:
-        if m.compressor is not None:
-            layer = _adopt_layer(cache, m.layer_idx)
-        rows = cache.update(kv.unsqueeze(1), kv.unsqueeze(1), m.layer_idx)[0][:, 0]
-    else:
-        rows = kv
+    layer, rows = _cached_rows(m, cache, kv)
     L = rows.shape[1] - S
     idx = [_window_lists(st, B, S, L, m.sliding_window)]
     kvbuf = rows
