@@ -11,6 +11,7 @@
 #endif
 
 #include "fpgrid_impl.h"
+#include "amx.h"
 
 /* ------------------------------------------------------------ decoding */
 

@@ -17,8 +17,9 @@ def pytest_configure(config):
     apply_from_env()
 
 ALL_LEVELS = dc.ISA_LEVELS
-# Every level this CPU has.  'amx' differs from 'avx512' only in the bfloat16 dot
-# products (AVX512_BF16 / AMX tiles), so float32-only tests skip it.
+# Every level this CPU has.  'amx' differs from 'avx512' only where it uses AVX512_BF16
+# dot products or AMX-BF16 tiles (bfloat16 attention and indexer, and fp4_gemm, whose
+# FP8 x FP4 products are exact in bf16), so tests of the other float32 kernels skip it.
 ISA_LEVELS_BF16 = list(ALL_LEVELS[:ALL_LEVELS.index(dc.best_isa()) + 1])
 ISA_LEVELS = [l for l in ISA_LEVELS_BF16 if l != "amx"]
 
@@ -45,6 +46,17 @@ def isa_bf16(request):
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+@contextlib.contextmanager
+def isa_level(level):
+    """Runs the block at one ISA level ('ref', 'base', 'avx2', 'avx512', 'amx')."""
+    before = dc.get_isa()
+    dc.set_isa(level)
+    try:
+        yield
+    finally:
+        dc.set_isa(before)
 
 
 @contextlib.contextmanager

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import deepseek_csa as dc
-from conftest import same_bits_at_thread_counts
+from conftest import ISA_LEVELS_BF16, isa_level, same_bits_at_thread_counts
 
 E4M3, E8M0, FP4 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e8m0fnu, ml_dtypes.float4_e2m1fn
 
@@ -97,9 +97,15 @@ def test_fp8_gemm_vs_dequant_matmul(isa, rng, M, N, K, e8m0):
     np.testing.assert_array_equal(bf.view(np.uint16), got.astype(ml_dtypes.bfloat16).view(np.uint16))
 
 
+def amx_tiles_take(M, K, e8m0):
+    """Whether the amx level's tile path computes this fp4_gemm (docs/kernels.md section
+    9): its bits may differ from the oracle's by float32 rounding."""
+    return dc.get_isa() == "amx" and e8m0 and M > 16 and K % 128 == 0
+
+
 @pytest.mark.parametrize("M,N,K", FP4_SHAPES)
 @pytest.mark.parametrize("e8m0", [True, False])
-def test_fp4_gemm_vs_dequant_matmul(isa, rng, M, N, K, e8m0):
+def test_fp4_gemm_vs_dequant_matmul(isa_bf16, rng, M, N, K, e8m0):
     a = rand_e4m3(rng, (M, K))
     b = rng.integers(0, 256, (N, K // 2)).astype(np.uint8)
     a_s = rand_scales(rng, (M, -(-K // 128)), e8m0)
@@ -107,8 +113,63 @@ def test_fp4_gemm_vs_dequant_matmul(isa, rng, M, N, K, e8m0):
     got = dc.fp4_gemm(a, a_s, b, b_s, out_dtype="float32")
     want, mag = want_fp4(a, a_s, b, b_s)
     check_close(got, want, mag, (M, N, K))
-    ref = at_ref(dc.fp4_gemm, a, a_s, b, b_s, out_dtype="float32")
-    np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
+    if not amx_tiles_take(M, K, e8m0):
+        ref = at_ref(dc.fp4_gemm, a, a_s, b, b_s, out_dtype="float32")
+        np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
+
+
+def adversarial_fp4(rng, M, N, K):
+    """Activations of 448 and 2^-9 (codes 0x7e, 0x01), weights of 6 and 0.5: block sums
+    that float32 cannot hold exactly, so that summation orders give different bits."""
+    a = rng.choice(np.array([0x7E, 0x01, 0x7E, 0xFE], np.uint8), (M, K))
+    b = rng.choice(np.array([0x77, 0x17, 0x71, 0x11, 0xF1], np.uint8), (N, K // 2))
+    a_s = rng.integers(124, 130, (M, K // 128)).astype(np.uint8)
+    b_s = rng.integers(125, 130, (N, K // 32)).astype(np.uint8)
+    return a, a_s, b, b_s
+
+
+@pytest.mark.skipif("amx" not in ISA_LEVELS_BF16, reason="no AMX-BF16 on this CPU")
+def test_fp4_gemm_amx_paths(rng):
+    """The amx level's two FP4 paths (docs/kernels.md section 9).  One activation row:
+    AVX512_BF16 dot products in the oracle's order, bitwise the oracle even where
+    summation orders disagree.  More rows: the AMX tiles, whose float32 sums run in
+    the tiles' order -- within 2 K 2^-24 sum|a sa w sb| of the float64 value (each of
+    two recursive sums of K terms is within (K - 1) 2^-24 of the sum of magnitudes),
+    bitwise the same at any thread count; scales the tiles cannot fold exactly (not
+    powers of two, exponents beyond +-60) take the oracle's path."""
+    with isa_level("amx"):
+        for M, N, K in [(1, 300, 1024), (1, 9, 4096), (37, 70, 1024), (100, 300, 512)]:
+            a, a_s, b, b_s = adversarial_fp4(rng, M, N, K)
+            got = dc.fp4_gemm(a, a_s, b, b_s, out_dtype="float32")
+            ref = at_ref(dc.fp4_gemm, a, a_s, b, b_s, out_dtype="float32")
+            want, mag = want_fp4(a, a_s, b, b_s)
+            if M == 1:
+                np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
+                continue
+            assert (got.view(np.uint32) != ref.view(np.uint32)).any()   # the tiles ran
+            err = np.abs(got.astype(np.float64) - want)
+            assert (err <= 2 * K * 2.0 ** -24 * mag).all(), float((err / mag).max())
+            same_bits_at_thread_counts(lambda: dc.fp4_gemm(a, a_s, b, b_s, out_dtype="float32"))
+            # float32 powers of two fold like e8m0; a bf16 output is the float32 rounded once
+            f32 = dc.fp4_gemm(a, a_s.view(E8M0).astype(np.float32), b, b_s, out_dtype="float32")
+            np.testing.assert_array_equal(f32.view(np.uint32), got.view(np.uint32))
+            bf = dc.fp4_gemm(a, a_s, b, b_s)
+            np.testing.assert_array_equal(bf.view(np.uint16), got.astype(ml_dtypes.bfloat16).view(np.uint16))
+            # not foldable: the oracle's bits
+            for a_s2, b_s2 in [(a_s.view(E8M0).astype(np.float32) * np.float32(0.75), b_s),
+                               (a_s, np.where(b_s == 125, np.uint8(127 + 61), b_s))]:
+                np.testing.assert_array_equal(
+                    dc.fp4_gemm(a, a_s2, b, b_s2, out_dtype="float32").view(np.uint32),
+                    at_ref(dc.fp4_gemm, a, a_s2, b, b_s2, out_dtype="float32").view(np.uint32))
+        # NaN codes: a row with one is NaN, the others are not (tiles); one row: the
+        # float32 path (bitwise the oracle)
+        a, a_s, b, b_s = adversarial_fp4(rng, 40, 33, 256)
+        a[7, 100] = 0x7F
+        got = dc.fp4_gemm(a, a_s, b, b_s, out_dtype="float32")
+        assert np.isnan(got[7]).all() and np.isfinite(np.delete(got, 7, 0)).all()
+        one = dc.fp4_gemm(a[7:8], a_s[7:8], b, b_s, out_dtype="float32")
+        np.testing.assert_array_equal(one.view(np.uint32), at_ref(
+            dc.fp4_gemm, a[7:8], a_s[7:8], b, b_s, out_dtype="float32").view(np.uint32))
 
 
 def test_gemm_threads_bitwise(rng):
@@ -120,6 +181,7 @@ def test_gemm_threads_bitwise(rng):
         dc.fp8_gemm(a, a_s, b, b_s, out_dtype="float32"),
         dc.fp8_gemm(a[:1], a_s[:1], b, b_s, out_dtype="float32"),
         dc.fp4_gemm(a, a_s, b4, b4s, out_dtype="float32"),
+        dc.fp4_gemm(a[:1], a_s[:1], b4, b4s, out_dtype="float32"),
         dc.fp4_gemm(a[:3], a_s[:3], b4, b4s, out_dtype="float32")))
 
 
@@ -150,7 +212,7 @@ def test_gemm_nan_codes_and_strided_views(isa, rng):
 
 
 @pytest.mark.parametrize("N,K", [(13, 96), (8, 4096), (70, 160), (1, 32)])
-def test_fp4_gemm_one_row_scale_codes_and_strides(isa, rng, N, K):
+def test_fp4_gemm_one_row_scale_codes_and_strides(isa_bf16, rng, N, K):
     """The one-row fp4 path (8 weight rows a vector, scales decoded in-register): N not a
     multiple of 8, an odd number of 32-blocks, e8m0 scale codes 0 (2^-127) and 0xff
     (NaN), float32 scales through a strided view, padded weight rows."""

@@ -1,0 +1,469 @@
+/* fp4_gemm prefill on AMX-BF16 tiles (ISA level amx).
+ *
+ * Included by gemm_impl.h into its AVX-512 variant only, and reached only when the
+ * run-time level is amx and the call qualifies (CSA_V(ga_ok)): FP4 weights with e8m0
+ * scales, activations whose scales are powers of two (e8m0, or float32 with an empty
+ * mantissa -- what the released act_quant gives with scale_fmt set, as V4 runs it), more
+ * than 16 activation rows, K a multiple of 128, and every scale exponent within
+ * [-GA_EMAX, GA_EMAX].
+ *
+ * Then every scale is folded into its operand exactly: e4m3 and e2m1 values are bf16
+ * values, and so are they times a power of two as long as the result stays a normal
+ * bf16 -- the exponent bound guarantees that, and that every product a * sa * w * sb
+ * (exact in float32) and every partial sum is normal and finite, so the tiles' DAZ / FTZ
+ * never change a value.  The whole GEMM is then one bf16 tile GEMM with float32
+ * accumulation, C = (A * sa) (B * sb)^T, rounded once at the store as the other levels.
+ *
+ * The products are the oracle's; only the order of the float32 additions differs (the
+ * oracle sums each 32-block in eight lanes and a tree, scales it and adds it; here
+ * TDPBF16PS accumulates pairs of k into the tile), so the bits differ from the other
+ * levels by float32 rounding: |C - oracle| <= 2 K 2^-24 sum_k |a sa w sb| (docs/kernels.md
+ * section 9).  They do not depend on the thread count: each output element is one tile
+ * chain over k in increasing order, whatever thread computes it.
+ *
+ * Layout: the activations are decoded once to bf16 rows (Ab [Mp, K], Mp = M rounded up to
+ * GA_MB, pad rows zero).  Each task takes a panel of GA_NP weight rows and decodes it into
+ * Bp [K / 2][GA_NP] 32-bit words, the pair (w[n, 2i], w[n, 2i + 1]) as TDPBF16PS's B
+ * operand wants it (1 MiB at K = 4096: it stays in L2 while every activation row block
+ * sweeps it).  Tiles: 0-3 a 2 x 2 block of 16 x 16 results, 4-5 A (two 16-row slices),
+ * 6-7 B (two 16-column slices). */
+
+#if defined(__clang__)
+CSA_TARGET_POP
+#endif
+CSA_TARGET_PUSH512("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c,avx512bf16,amx-tile,amx-bf16")
+
+#define GA_NP 128  /* weight rows per panel */
+#define GA_MB 32   /* activation rows per tile block */
+#define GA_EMAX 60 /* scale exponents folded into bf16 operands: |e| <= 60 */
+
+/* The exponent of a power-of-two scale, or a value outside [-GA_EMAX, GA_EMAX] when the
+ * scale is not one (or is zero, subnormal, infinite, NaN, negative). */
+static inline int CSA_V(ga_exp)(const void *s, int fmt, csa_idx i)
+{
+    if (fmt == CSA_S_E8M0) {
+        const int v = ((const uint8_t *)s)[i];
+        return v == 0 || v == 0xff ? 1000 : v - 127;
+    }
+    uint32_t u;
+    memcpy(&u, (const float *)s + i, 4);
+    if (u & 0x807fffffu) return 1000; /* sign or mantissa bits */
+    const int e = (int)(u >> 23);
+    return e == 0 || e == 0xff ? 1000 : e - 127;
+}
+
+/* May the tile path compute this call?  A scan of the scales: O((M + N) K / 32). */
+static int CSA_V(ga_ok)(const struct csa_gemm_args *g)
+{
+    if (g->b_fmt != CSA_W_E2M1 || g->bs_fmt != CSA_S_E8M0 || g->M <= 16 || g->K % 128)
+        return 0;
+    const csa_idx KB = g->K / 128, KB32 = g->K / 32;
+    for (csa_idx m = 0; m < g->M; m++)
+        for (csa_idx j = 0; j < KB; j++) {
+            const int e = CSA_V(ga_exp)(g->as, g->as_fmt, m * g->sas_row + j * g->sas_col);
+            if (e < -GA_EMAX || e > GA_EMAX) return 0;
+        }
+    for (csa_idx n = 0; n < g->N; n++)
+        for (csa_idx j = 0; j < KB32; j++) {
+            const int e = CSA_V(ga_exp)(g->bs, CSA_S_E8M0, n * g->sbs_row + j * g->sbs_col);
+            if (e < -GA_EMAX || e > GA_EMAX) return 0;
+        }
+    return 1;
+}
+
+/* Activation row m -> bf16 (value * sa, exact) into the tile layout of Ab: row m's
+ * 32 values of k-step t at Ab + ((m / 32) * (K / 32) + t) * 1024 + (m % 32) * 32, so that
+ * each A tile (16 rows x 32 values) is 1 KiB contiguous.  K a multiple of 128.
+ * e4m3 -> bf16 by integer arithmetic, 32 codes a step: a normal code's exponent and
+ * mantissa bits moved up by 4 and its exponent rebased (+120); the eight codes below 8
+ * (zero and the subnormals m 2^-9) from a table; 0x7f NaN; the sign copied; then the
+ * scale's exponent added to every nonzero, non-NaN value.  (The float32 decode and a
+ * conversion took 20 ms of a 2048 x 4096 call, 2 threads; this, about 1.) */
+static void CSA_V(ga_dec_a)(const struct csa_gemm_args *g, csa_idx m, csa_bf16 *Ab)
+{
+    const csa_idx K = g->K;
+    csa_bf16 *dst = Ab + (m / 32) * (K / 32) * 1024 + (m % 32) * 32;
+    const uint8_t *ar = g->a + m * g->sa_row;
+    /* bf16 bits of m * 2^-9 for m < 8 (index 5 bits: entries 8-31 unused) */
+    static const uint16_t sub[32] = {0x0000, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};
+    const __m512i SUB = _mm512_loadu_si512(sub);
+    const __m512i m7f = _mm512_set1_epi16(0x7f), rebase = _mm512_set1_epi16(120 << 7);
+    const __m512i nan = _mm512_set1_epi16(0x7fc0), eight = _mm512_set1_epi16(8);
+    for (csa_idx j = 0; j < K / 128; j++) {
+        const int e = CSA_V(ga_exp)(g->as, g->as_fmt, m * g->sas_row + j * g->sas_col);
+        const __m512i E = _mm512_set1_epi16((short)(e * 128));
+        for (csa_idx k = 128 * j; k < 128 * j + 128; k += 32) {
+            const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(ar + k)));
+            const __m512i mag = _mm512_and_si512(x, m7f);
+            __m512i v = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), rebase);
+            v = _mm512_mask_permutexvar_epi16(v, _mm512_cmplt_epu16_mask(mag, eight), mag, SUB);
+            const __mmask32 isnan = _mm512_cmpeq_epi16_mask(mag, m7f);
+            v = _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(mag, m7f) & ~isnan, v, E);
+            v = _mm512_mask_mov_epi16(v, isnan, nan);
+            v = _mm512_or_si512(v, _mm512_slli_epi16(_mm512_srli_epi16(x, 7), 15));
+            _mm512_storeu_si512(dst + (k / 32) * 1024, v);
+        }
+    }
+}
+
+/* Weight rows [n0, n0 + nr) -> the panel Bp in tile layout: the pair (w[n, 2i],
+ * w[n, 2i + 1]) (bf16, each times its block's scale, exact) as the 32-bit word
+ * Bp[((n - n0) / 16) * (K / 2) * 16 + i * 16 + (n - n0) % 16], so that each B tile (16
+ * pairs of k x 16 columns) is 1 KiB contiguous; rows past nr are zero.  Sixteen rows a
+ * step: their 16 bytes of a 32-block are transposed in registers (byte i of the 16 rows
+ * together: the 16 words of B tile row i), decoded by a table lookup of each nibble and
+ * scaled by adding the scale exponent to every nonzero value's exponent field. */
+static void CSA_V(ga_dec_b)(const struct csa_gemm_args *g, csa_idx n0, csa_idx nr, uint32_t *Bp)
+{
+    const csa_idx K = g->K, K2 = K / 2;
+    /* e2m1 code -> bf16 bits, twice (vpermw reads 5 index bits: bit 4, the high
+     * nibble's lowest, is don't-care) */
+    static const uint16_t t16[16] = {0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080,
+                                     0x40C0, 0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040,
+                                     0xC080, 0xC0C0};
+    uint16_t t32[32];
+    for (int i = 0; i < 32; i++) t32[i] = t16[i & 15];
+    const __m512i T = _mm512_loadu_si512(t32);
+    /* byte 16 r + i of a 4-row register -> byte 4 i + r: dwords transposed 4 x 4 across
+     * the 128-bit lanes, then bytes 4 x 4 within each lane */
+    const __m512i idx_lane = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m512i ctl_b = _mm512_broadcast_i32x4(
+        _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+    /* dwords i of two registers interleaved (i < 8: lo; i >= 8: hi), then qwords */
+    const __m512i idx_dlo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i idx_dhi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    const __m512i idx_qlo = _mm512_setr_epi64(0, 8, 1, 9, 2, 10, 3, 11);
+    const __m512i idx_qhi = _mm512_setr_epi64(4, 12, 5, 13, 6, 14, 7, 15);
+    const __m512i m7fff = _mm512_set1_epi16(0x7fff);
+    static const uint8_t zero16[16];
+    for (csa_idx rb = 0; rb < GA_NP; rb += 16) {
+        uint32_t *dst = Bp + (rb / 16) * K2 * 16;
+        if (rb >= nr) {
+            memset(dst, 0, (size_t)K2 * 16 * sizeof *dst);
+            continue;
+        }
+        const uint8_t *rp[16];
+        const uint8_t *sp[16];
+        for (int r = 0; r < 16; r++) {
+            const csa_idx n = n0 + rb + r;
+            rp[r] = rb + r < nr ? g->b + n * g->sb_row : zero16;
+            sp[r] = rb + r < nr ? (const uint8_t *)g->bs + n * g->sbs_row : NULL;
+        }
+        for (csa_idx j = 0; j < K / 32; j++) {
+            __m512i Y[4];
+            for (int q = 0; q < 4; q++) {
+                __m128i x[4];
+                for (int r = 0; r < 4; r++)
+                    x[r] = _mm_loadu_si128((const __m128i *)(rp[4 * q + r] == zero16
+                                                                 ? zero16 : rp[4 * q + r] + 16 * j));
+                __m512i z = _mm512_castsi128_si512(x[0]);
+                z = _mm512_inserti32x4(z, x[1], 1);
+                z = _mm512_inserti32x4(z, x[2], 2);
+                z = _mm512_inserti32x4(z, x[3], 3);
+                Y[q] = _mm512_shuffle_epi8(_mm512_permutexvar_epi32(idx_lane, z), ctl_b);
+            }
+            /* dword i of Y[q] = byte i of rows 4q .. 4q + 3 */
+            const __m512i P01l = _mm512_permutex2var_epi32(Y[0], idx_dlo, Y[1]);
+            const __m512i P01h = _mm512_permutex2var_epi32(Y[0], idx_dhi, Y[1]);
+            const __m512i P23l = _mm512_permutex2var_epi32(Y[2], idx_dlo, Y[3]);
+            const __m512i P23h = _mm512_permutex2var_epi32(Y[2], idx_dhi, Y[3]);
+            uint8_t S[256];
+            _mm512_storeu_si512(S, _mm512_permutex2var_epi64(P01l, idx_qlo, P23l));
+            _mm512_storeu_si512(S + 64, _mm512_permutex2var_epi64(P01l, idx_qhi, P23l));
+            _mm512_storeu_si512(S + 128, _mm512_permutex2var_epi64(P01h, idx_qlo, P23h));
+            _mm512_storeu_si512(S + 192, _mm512_permutex2var_epi64(P01h, idx_qhi, P23h));
+            /* S[16 i + r]: byte i of row r; the scale exponents of the 16 rows, times 128
+             * (bf16's exponent field), in both halves of the row's word */
+            uint8_t sc[16];
+            for (int r = 0; r < 16; r++) sc[r] = sp[r] ? sp[r][j * g->sbs_col] : 127;
+#ifdef CSA_MUTANT_GEMM_AMX_FOLD /* planted (make mutants): the last block's weight scale
+                                 * folded as 1 */
+            if (j == K / 32 - 1)
+                for (int r = 0; r < 16; r++) sc[r] = 127;
+#endif
+            __m512i E = _mm512_slli_epi32(
+                _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)sc)),
+                                 _mm512_set1_epi32(127)), 7);
+            E = _mm512_or_si512(_mm512_and_si512(E, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32(E, 16));
+            uint32_t *d = dst + (16 * j) * 16;
+            for (int i = 0; i < 16; i++) {
+                const __m512i D = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(S + 16 * i)));
+                /* even words: the byte's low nibble looked up; odd words: index 0, bf16 0 */
+                const __m512i lo = _mm512_permutexvar_epi16(D, T);
+                const __m512i hi = _mm512_permutexvar_epi16(_mm512_srli_epi32(D, 4), T);
+                __m512i w = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+                w = _mm512_mask_add_epi16(w, _mm512_test_epi16_mask(w, m7fff), w, E);
+                _mm512_storeu_si512(d + 16 * i, w);
+            }
+        }
+    }
+}
+
+/* Rows [m0, m0 + 32) of the activations (At: their tile-layout block) times panel
+ * columns [c0, c0 + 32) (Bt: their two 16-column blocks, K2 * 16 words apart), over all
+ * of K, into T [32][32] float32. */
+static inline void CSA_V(ga_block)(const csa_bf16 *At, csa_idx K, const uint32_t *Bt, float *T)
+{
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const csa_idx K2 = K / 2;
+    for (csa_idx t = 0; t < K / 32; t++) {
+        _tile_loadd(4, At + t * 1024, 64);
+        _tile_loadd(5, At + t * 1024 + 512, 64);
+        _tile_loadd(6, Bt + t * 256, 64);
+        _tile_loadd(7, Bt + K2 * 16 + t * 256, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, T, 128);
+    _tile_stored(1, T + 16, 128);
+    _tile_stored(2, T + 16 * 32, 128);
+    _tile_stored(3, T + 16 * 32 + 16, 128);
+}
+
+/* ---- one activation row (decode): AVX512_BF16 dot products in the oracle's order ----
+ *
+ * VDPBF16PS adds to each float32 lane the products of its two bf16 pairs one after the
+ * other, the odd element's first, each rounded as an FMA would round it (Intel's
+ * pseudocode; checked on this level's CPUs: 3.2 million random lanes with cancellation,
+ * every one equal to fma(a0, b0, fma(a1, b1, c)), none to the other order or to one
+ * rounding), with DAZ / FTZ -- which never act here: e4m3 and e2m1 values are normal
+ * bf16 values and every product (>= 2^-10) and partial sum is normal or zero.  So one
+ * instruction performs two steps of a lane of the oracle when the odd slot holds the
+ * block's element j + 8t and the even slot j + 8t + 8: the lane sums, the tree and the
+ * scaled add are then the oracle's, bit for bit.
+ *
+ * Vector lanes are (weight row r of 8, half h of the block's lanes): lane (r, h)
+ * accumulates the oracle's lane j = 4h + i' in register i' (i' < 4).  A 16-byte block of
+ * a row holds 8 16-bit words, word w the four codes of elements 4w .. 4w + 3; for the
+ * pair step p (elements 16p + 4h + i' and that + 8) the word pair (4p + h, 4p + 2 + h) of
+ * every row is gathered into lane (r, h) by one word permute of two registers, and
+ * nibble i' of both words is looked up in a bf16 table (a shift and a word permute).
+ * The activation pairs are the same for every row: one 64-bit broadcast per step. */
+/* The tree ((l0 + l1) + (l2 + l3)) in each half of a row's lanes, the halves added
+ * (lane 2r: row r's block sum), then c = fma(sum, scale, c): the oracle's steps. */
+static inline __m512 CSA_V(ga_tree_fma)(const __m512 *l, __m512 s, __m512 c)
+{
+    const __m512 u = _mm512_add_ps(_mm512_add_ps(l[0], l[1]), _mm512_add_ps(l[2], l[3]));
+    return _mm512_fmadd_ps(_mm512_add_ps(u, _mm512_permute_ps(u, 0xB1)), s, c);
+}
+
+static void CSA_V(ga_row8)(const struct csa_gemm_args *g, const uint64_t *Apat, const float *as,
+                           csa_idx n0, csa_idx nr, float *sbt, float *res)
+{
+    const csa_idx nb = g->K / 32;
+    static const uint16_t t16[16] = {0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080,
+                                     0x40C0, 0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040,
+                                     0xC080, 0xC0C0};
+    uint16_t t32[32];
+    for (int i = 0; i < 32; i++) t32[i] = t16[i & 15];
+    const __m512i T = _mm512_loadu_si512(t32);
+    /* word permutes: lane (r, h) = 2r + h gets (low: word 4p + 2 + h, high: word 4p + h)
+     * of row r (rows 0-3 in the first register's 128-bit lanes, 4-7 in the second's) */
+    uint16_t ix[2][32];
+    for (int p = 0; p < 2; p++)
+        for (int r = 0; r < 8; r++)
+            for (int h = 0; h < 2; h++) {
+                const int base = (r / 4) * 32 + (r % 4) * 8;
+                ix[p][2 * (2 * r + h)] = (uint16_t)(base + 4 * p + 2 + h);
+                ix[p][2 * (2 * r + h) + 1] = (uint16_t)(base + 4 * p + h);
+            }
+    const __m512i I0 = _mm512_loadu_si512(ix[0]), I1 = _mm512_loadu_si512(ix[1]);
+    const uint8_t *rp[8];
+    for (int r = 0; r < 8; r++) rp[r] = g->b + (n0 + (r < nr ? r : nr - 1)) * g->sb_row;
+    /* the 8 rows' scales, transposed to [block][row] (e8m0 as bytes, decoded in the loop:
+     * a scalar decode of each took a third of the time) */
+    const int e8 = g->bs_fmt == CSA_S_E8M0;
+    uint8_t *sb8 = (uint8_t *)sbt;
+    for (int r = 0; r < 8; r++) {
+        const csa_idx n = n0 + (r < nr ? r : nr - 1);
+        if (e8) {
+            const uint8_t *q = (const uint8_t *)g->bs + n * g->sbs_row;
+            for (csa_idx j = 0; j < nb; j++) sb8[8 * j + r] = q[j * g->sbs_col];
+        } else {
+            const float *q = (const float *)g->bs + n * g->sbs_row;
+            for (csa_idx j = 0; j < nb; j++) sbt[8 * j + r] = q[j * g->sbs_col];
+        }
+    }
+    const __m512i z = _mm512_setzero_si512(), ff = _mm512_set1_epi64(0xff);
+    const __m512i qbit = _mm512_set1_epi64(0x00400000);
+    const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const csa_idx pfd = 8 * g->sb_row;
+    __m512 c = _mm512_setzero_ps();
+    for (csa_idx j = 0; j < nb; j++) {
+        const csa_idx o = 16 * j;
+        if (!(j & 3))
+            for (int r = 0; r < 8; r++) _mm_prefetch((const char *)(rp[r] + o + pfd), _MM_HINT_T0);
+        __m512i z0 = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(rp[0] + o)));
+        z0 = _mm512_inserti32x4(z0, _mm_loadu_si128((const __m128i *)(rp[1] + o)), 1);
+        z0 = _mm512_inserti32x4(z0, _mm_loadu_si128((const __m128i *)(rp[2] + o)), 2);
+        z0 = _mm512_inserti32x4(z0, _mm_loadu_si128((const __m128i *)(rp[3] + o)), 3);
+        __m512i z1 = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(rp[4] + o)));
+        z1 = _mm512_inserti32x4(z1, _mm_loadu_si128((const __m128i *)(rp[5] + o)), 1);
+        z1 = _mm512_inserti32x4(z1, _mm_loadu_si128((const __m128i *)(rp[6] + o)), 2);
+        z1 = _mm512_inserti32x4(z1, _mm_loadu_si128((const __m128i *)(rp[7] + o)), 3);
+        const uint64_t *ap = Apat + 8 * j;
+        __m512 l[4];
+        for (int i = 0; i < 4; i++) l[i] = _mm512_setzero_ps();
+        for (int p = 0; p < 2; p++) {
+            const __m512i X = _mm512_permutex2var_epi16(z0, p ? I1 : I0, z1);
+            for (int i = 0; i < 4; i++) {
+                const __m512i W = _mm512_permutexvar_epi16(i ? _mm512_srli_epi16(X, 4 * i) : X, T);
+                const __m512i A = _mm512_set1_epi64((long long)ap[4 * p + i]);
+                l[i] = _mm512_dpbf16_ps(l[i], (__m512bh)A, (__m512bh)W);
+            }
+        }
+        /* row r's scale in lane 2r (lane 2r + 1 is not used); e8m0: v << 23, and
+         * 0x00400000 for 0 (2^-127) and 0xff (NaN), as g_e8m0 */
+        __m512 sb;
+        if (e8) {
+            const __m512i x = _mm512_cvtepu8_epi64(_mm_loadl_epi64((const __m128i *)(sb8 + 8 * j)));
+            const __mmask8 fix = _mm512_cmpeq_epi64_mask(x, z) | _mm512_cmpeq_epi64_mask(x, ff);
+            sb = _mm512_castsi512_ps(_mm512_mask_or_epi64(_mm512_slli_epi64(x, 23), fix,
+                                                          _mm512_slli_epi64(x, 23), qbit));
+        } else {
+            sb = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_loadu_ps(sbt + 8 * j)));
+        }
+        sb = _mm512_mul_ps(_mm512_set1_ps(as[j / 4]), sb);
+        c = CSA_V(ga_tree_fma)(l, sb, c);
+    }
+    float cv[16];
+    _mm512_storeu_ps(cv, c);
+    for (int r = 0; r < 8; r++) res[r] = cv[2 * r];
+}
+
+/* fp4_gemm with one activation row (K a multiple of 32, no NaN code in it). */
+static int CSA_V(gemm_fp4_row_amx)(const struct csa_gemm_args *g)
+{
+    const csa_idx N = g->N, K = g->K, nb = K / 32;
+    uint64_t *Apat = malloc((size_t)(nb * 8) * sizeof *Apat);
+    float *as = malloc((size_t)(K / 128 + 1) * sizeof *as);
+    if (!Apat || !as) {
+        free(Apat);
+        free(as);
+        return CSA_ENOMEM;
+    }
+    uint16_t bf[256];
+    for (int v = 0; v < 256; v++) bf[v] = (uint16_t)(q_bits(g_e4m3((uint32_t)v)) >> 16);
+    const uint8_t *a = g->a;
+    for (csa_idx j = 0; j < nb; j++)
+        for (int p = 0; p < 2; p++)
+            for (int i = 0; i < 4; i++) {
+                uint64_t q = 0;
+                for (int h = 0; h < 2; h++) {
+                    const csa_idx k0 = 32 * j + 16 * p + 4 * h + i;
+                    /* high half (odd slot, added first): element k0; low: k0 + 8 */
+#ifndef CSA_MUTANT_GEMM_AMX_ORDER
+                    const uint32_t d = (uint32_t)bf[a[k0 + 8]] | (uint32_t)bf[a[k0]] << 16;
+#else /* planted (make mutants): the pair's two products added in the other order */
+                    const uint32_t d = (uint32_t)bf[a[k0]] | (uint32_t)bf[a[k0 + 8]] << 16;
+#endif
+                    q |= (uint64_t)d << (32 * h);
+                }
+                Apat[8 * j + 4 * p + i] = q;
+            }
+    for (csa_idx j = 0; j < (K + 127) / 128; j++) as[j] = g_scale(g->as, g->as_fmt, j * g->sas_col);
+    const csa_idx no = (N + 7) / 8;
+    const int nt = csa_threads(no, 32);
+    int fail = 0;
+#pragma omp parallel num_threads(nt)
+    {
+        float *sbt = malloc((size_t)(nb * 8) * sizeof *sbt);
+        if (!sbt) {
+#pragma omp atomic write
+            fail = 1;
+        }
+#pragma omp for schedule(dynamic, 8)
+        for (csa_idx q = 0; q < no; q++) {
+            if (!sbt) continue;
+            float res[8];
+            const csa_idx n0 = 8 * q, nr = N - n0 < 8 ? N - n0 : 8;
+            CSA_V(ga_row8)(g, Apat, as, n0, nr, sbt, res);
+            for (csa_idx r = 0; r < nr; r++) g_store(g, 0, n0 + r, res[r]);
+        }
+        free(sbt);
+    }
+    free(Apat);
+    free(as);
+    return fail ? CSA_ENOMEM : CSA_OK;
+}
+
+/* The amx level's FP4 paths, or 0 when the call is not theirs. */
+static int CSA_V(ga_takes)(const struct csa_gemm_args *g)
+{
+    if (g->b_fmt != CSA_W_E2M1 || g->K % 32) return 0;
+    if (g->M == 1) {
+        for (csa_idx k = 0; k < g->K; k++)
+            if ((g->a[k] & 0x7f) == 0x7f) return 0; /* NaN codes: the float32 path */
+        return 1;
+    }
+    return CSA_V(ga_ok)(g) ? 2 : 0;
+}
+
+static int CSA_V(gemm_fp4_amx)(const struct csa_gemm_args *g)
+{
+    const csa_idx M = g->M, N = g->N, K = g->K;
+    const csa_idx Mp = (M + GA_MB - 1) / GA_MB * GA_MB;
+    const csa_idx npan = (N + GA_NP - 1) / GA_NP;
+    csa_bf16 *Ab = malloc((size_t)(Mp * K) * sizeof *Ab);
+    if (!Ab) return CSA_ENOMEM;
+    int fail = 0;
+    {
+        const int nt = csa_threads(M, 1 + 65536 / K);
+#pragma omp parallel num_threads(nt)
+        {
+#pragma omp for schedule(static)
+            for (csa_idx m = 0; m < Mp; m++) {
+                if (m >= M)
+                    for (csa_idx t = 0; t < K / 32; t++)
+                        memset(Ab + ((m / 32) * (K / 32) + t) * 1024 + (m % 32) * 32, 0, 64);
+                else
+                    CSA_V(ga_dec_a)(g, m, Ab);
+            }
+        }
+    }
+    const int nt = csa_threads(npan, 1);
+#pragma omp parallel num_threads(nt)
+    {
+        uint32_t *Bp = malloc((size_t)(K / 2 * GA_NP) * sizeof *Bp);
+        float *T = malloc(32 * 32 * sizeof *T);
+        if (!Bp || !T) {
+#pragma omp atomic write
+            fail = 1;
+        }
+        if (Bp && T) csa_amx_tiles_16x64();
+#pragma omp for schedule(dynamic, 1)
+        for (csa_idx p = 0; p < npan; p++) {
+            if (!Bp || !T) continue;
+            const csa_idx n0 = p * GA_NP, nr = N - n0 < GA_NP ? N - n0 : GA_NP;
+            CSA_V(ga_dec_b)(g, n0, nr, Bp);
+            for (csa_idx m0 = 0; m0 < Mp; m0 += GA_MB) {
+                const csa_idx mr = M - m0 < GA_MB ? M - m0 : GA_MB;
+                for (csa_idx c0 = 0; c0 < nr; c0 += 32) {
+                    CSA_V(ga_block)(Ab + m0 * K, K, Bp + (c0 / 16) * (K / 2) * 16, T);
+                    const csa_idx cr = nr - c0 < 32 ? nr - c0 : 32;
+                    for (csa_idx i = 0; i < mr; i++)
+                        for (csa_idx c = 0; c < cr; c++) g_store(g, m0 + i, n0 + c0 + c, T[i * 32 + c]);
+                }
+            }
+        }
+        if (Bp && T) _tile_release();
+        free(Bp);
+        free(T);
+    }
+    free(Ab);
+    return fail ? CSA_ENOMEM : CSA_OK;
+}
+
+#undef GA_NP
+#undef GA_MB
+#undef GA_EMAX
+
+CSA_TARGET_POP
+#if defined(__clang__)
+CSA_TARGET_PUSH512(CSA_TARGET_AVX512)
+#endif
