@@ -18,7 +18,11 @@
  * of these formats is exact in float32), then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) +
  * (l6 + l7)).  Every ISA level and thread count computes exactly this, so the bits
  * never depend on them; it equals the same sum over the true values except when
- * sa * sb * 256 overflows float32 (scales beyond 2^120).
+ * sa * sb * 256 overflows float32 (scales beyond 2^120).  One exception, by design:
+ * at the amx level, FP4 weights with more than 16 activation rows and power-of-two
+ * scales run on AMX tiles (gemm_amx_impl.h), whose float32 additions take the tiles'
+ * order -- the same products, bits within float32 rounding of the oracle's, still
+ * independent of the thread count. 
  *
  * Decoding: e4m3 0x7f / 0xff are NaN, e8m0 0xff is NaN and 0x00 is 2^-127; scales may
  * also be float32.  A trailing partial block (K not a multiple of the block) is
