@@ -4,8 +4,8 @@
  * run-time level is amx and the call qualifies (CSA_V(ga_ok)): FP4 weights with e8m0
  * scales, activations whose scales are powers of two (e8m0, or float32 with an empty
  * mantissa -- what the released act_quant gives with scale_fmt set, as V4 runs it), more
- * than 16 activation rows, K a multiple of 128, and every scale exponent within
- * [-GA_EMAX, GA_EMAX].
+ * than 16 activation rows, K a multiple of 128 (at most 2^20), and every scale exponent
+ * within [-GA_EMAX, GA_EMAX].
  *
  * Then every scale is folded into its operand exactly: e4m3 and e2m1 values are bf16
  * values, and so are they times a power of two as long as the result stays a normal
@@ -35,7 +35,10 @@ CSA_TARGET_PUSH512("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c,avx512bf16,
 
 #define GA_NP 128  /* weight rows per panel */
 #define GA_MB 32   /* activation rows per tile block */
-#define GA_EMAX 60 /* scale exponents folded into bf16 operands: |e| <= 60 */
+/* Scale exponents folded into bf16 operands: |e| <= 47, and K <= 2^20.  Then every
+ * operand and product is normal -- the least product, 2^-9 (e4m3) * 0.5 (e2m1) *
+ * 2^-94, is 2^-104 -- and no partial sum can reach 2^128: K * 448 * 6 * 2^94 < 2^126. */
+#define GA_EMAX 47
 
 /* The exponent of a power-of-two scale, or a value outside [-GA_EMAX, GA_EMAX] when the
  * scale is not one (or is zero, subnormal, infinite, NaN, negative). */
@@ -55,7 +58,8 @@ static inline int CSA_V(ga_exp)(const void *s, int fmt, csa_idx i)
 /* May the tile path compute this call?  A scan of the scales: O((M + N) K / 32). */
 static int CSA_V(ga_ok)(const struct csa_gemm_args *g)
 {
-    if (g->b_fmt != CSA_W_E2M1 || g->bs_fmt != CSA_S_E8M0 || g->M <= 16 || g->K % 128)
+    if (g->b_fmt != CSA_W_E2M1 || g->bs_fmt != CSA_S_E8M0 || g->M <= 16 || g->K % 128 ||
+        g->K > ((csa_idx)1 << 20))
         return 0;
     const csa_idx KB = g->K / 128, KB32 = g->K / 32;
     for (csa_idx m = 0; m < g->M; m++)

@@ -136,7 +136,7 @@ def test_fp4_gemm_amx_paths(rng):
     the tiles' order -- within 2 K 2^-24 sum|a sa w sb| of the float64 value (each of
     two recursive sums of K terms is within (K - 1) 2^-24 of the sum of magnitudes),
     bitwise the same at any thread count; scales the tiles cannot fold exactly (not
-    powers of two, exponents beyond +-60) take the oracle's path."""
+    powers of two, exponents beyond +-47) take the oracle's path."""
     with isa_level("amx"):
         for M, N, K in [(1, 300, 1024), (1, 9, 4096), (37, 70, 1024), (100, 300, 512)]:
             a, a_s, b, b_s = adversarial_fp4(rng, M, N, K)
@@ -157,10 +157,18 @@ def test_fp4_gemm_amx_paths(rng):
             np.testing.assert_array_equal(bf.view(np.uint16), got.astype(ml_dtypes.bfloat16).view(np.uint16))
             # not foldable: the oracle's bits
             for a_s2, b_s2 in [(a_s.view(E8M0).astype(np.float32) * np.float32(0.75), b_s),
-                               (a_s, np.where(b_s == 125, np.uint8(127 + 61), b_s))]:
+                               (a_s, np.where(b_s == 125, np.uint8(127 + 48), b_s))]:
                 np.testing.assert_array_equal(
                     dc.fp4_gemm(a, a_s2, b, b_s2, out_dtype="float32").view(np.uint32),
                     at_ref(dc.fp4_gemm, a, a_s2, b, b_s2, out_dtype="float32").view(np.uint32))
+        # the extreme exponents the tiles fold (-47 on both sides): the least products,
+        # 2^-104, stay normal (the tiles flush subnormals), so the budget still holds
+        a, a_s, b, b_s = adversarial_fp4(rng, 20, 40, 256)
+        a_s[:], b_s[::2] = 127 - 47, 127 - 47
+        got = dc.fp4_gemm(a, a_s, b, b_s, out_dtype="float32")
+        want, mag = want_fp4(a, a_s, b, b_s)
+        assert (np.abs(got.astype(np.float64) - want) <= 2 * 256 * 2.0 ** -24 * mag).all()
+        assert (got[:, ::2] != 0).all()
         # NaN codes: a row with one is NaN, the others are not (tiles); one row: the
         # float32 path (bitwise the oracle)
         a, a_s, b, b_s = adversarial_fp4(rng, 40, 33, 256)
