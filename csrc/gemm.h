@@ -19,8 +19,8 @@
  * (l6 + l7)).  Every ISA level and thread count computes exactly this, so the bits
  * never depend on them; it equals the same sum over the true values except when
  * sa * sb * 256 overflows float32 (scales beyond 2^120).  One exception, by design:
- * at the amx level, FP4 weights with more than 16 activation rows and power-of-two
- * scales run on AMX tiles (gemm_amx_impl.h), whose float32 additions take the tiles'
+ * at the amx level, more than 16 activation rows with power-of-two scales run on AMX
+ * tiles (gemm_amx_impl.h), whose float32 additions take the tiles'
  * order -- the same products, bits within float32 rounding of the oracle's, still
  * independent of the thread count. 
  *

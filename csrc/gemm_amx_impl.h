@@ -1,14 +1,16 @@
-/* fp4_gemm prefill on AMX-BF16 tiles (ISA level amx).
+/* fp8_gemm / fp4_gemm prefill on AMX-BF16 tiles, and fp4_gemm of one activation row by
+ * AVX512_BF16 dot products (ISA level amx).
  *
  * Included by gemm_impl.h into its AVX-512 variant only, and reached only when the
- * run-time level is amx and the call qualifies (CSA_V(ga_ok)): FP4 weights with e8m0
- * scales, activations whose scales are powers of two (e8m0, or float32 with an empty
+ * run-time level is amx and the call qualifies (CSA_V(ga_takes)).  Tiles: FP4 weights
+ * with e8m0 scales or FP8 weights with power-of-two scales, activations whose scales are
+ * powers of two (e8m0, or float32 with an empty
  * mantissa -- what the released act_quant gives with scale_fmt set, as V4 runs it), more
  * than 16 activation rows, K a multiple of 128 (at most 2^20), and every scale exponent
  * within [-GA_EMAX, GA_EMAX].
  *
  * Then every scale is folded into its operand exactly: e4m3 and e2m1 values are bf16
- * values, and so are they times a power of two as long as the result stays a normal
+ * values (and e4m3 weights too), and so are they times a power of two as long as the result stays a normal
  * bf16 -- the exponent bound guarantees that, and that every product a * sa * w * sb
  * (exact in float32) and every partial sum is normal and finite, so the tiles' DAZ / FTZ
  * never change a value.  The whole GEMM is then one bf16 tile GEMM with float32
@@ -35,10 +37,10 @@ CSA_TARGET_PUSH512("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c,avx512bf16,
 
 #define GA_NP 128  /* weight rows per panel */
 #define GA_MB 32   /* activation rows per tile block */
-/* Scale exponents folded into bf16 operands: |e| <= 47, and K <= 2^20.  Then every
- * operand and product is normal -- the least product, 2^-9 (e4m3) * 0.5 (e2m1) *
- * 2^-94, is 2^-104 -- and no partial sum can reach 2^128: K * 448 * 6 * 2^94 < 2^126. */
-#define GA_EMAX 47
+/* Scale exponents folded into bf16 operands: |e| <= 44, and K <= 2^20.  Then every
+ * operand and product is normal -- the least product, 2^-9 * 2^-9 (e4m3 by e4m3) *
+ * 2^-88, is 2^-106 -- and no partial sum can reach 2^128: K * 448 * 448 * 2^88 < 2^126. */
+#define GA_EMAX 44
 
 /* The exponent of a power-of-two scale, or a value outside [-GA_EMAX, GA_EMAX] when the
  * scale is not one (or is zero, subnormal, infinite, NaN, negative). */
@@ -55,57 +57,64 @@ static inline int CSA_V(ga_exp)(const void *s, int fmt, csa_idx i)
     return e == 0 || e == 0xff ? 1000 : e - 127;
 }
 
-/* May the tile path compute this call?  A scan of the scales: O((M + N) K / 32). */
+/* May the tile path compute this call?  A scan of the scales: O(M K / 128 + N K / 32). */
 static int CSA_V(ga_ok)(const struct csa_gemm_args *g)
 {
-    if (g->b_fmt != CSA_W_E2M1 || g->bs_fmt != CSA_S_E8M0 || g->M <= 16 || g->K % 128 ||
+    const int fp8 = g->b_fmt == CSA_W_E4M3;
+    if ((!fp8 && g->bs_fmt != CSA_S_E8M0) || g->M <= 16 || g->K % 128 ||
         g->K > ((csa_idx)1 << 20))
         return 0;
-    const csa_idx KB = g->K / 128, KB32 = g->K / 32;
+    const csa_idx KB = g->K / 128, KBW = fp8 ? KB : g->K / 32, NW = fp8 ? (g->N + 127) / 128 : g->N;
     for (csa_idx m = 0; m < g->M; m++)
         for (csa_idx j = 0; j < KB; j++) {
             const int e = CSA_V(ga_exp)(g->as, g->as_fmt, m * g->sas_row + j * g->sas_col);
             if (e < -GA_EMAX || e > GA_EMAX) return 0;
         }
-    for (csa_idx n = 0; n < g->N; n++)
-        for (csa_idx j = 0; j < KB32; j++) {
-            const int e = CSA_V(ga_exp)(g->bs, CSA_S_E8M0, n * g->sbs_row + j * g->sbs_col);
+    for (csa_idx n = 0; n < NW; n++)
+        for (csa_idx j = 0; j < KBW; j++) {
+            const int e = CSA_V(ga_exp)(g->bs, g->bs_fmt, n * g->sbs_row + j * g->sbs_col);
             if (e < -GA_EMAX || e > GA_EMAX) return 0;
         }
     return 1;
 }
 
+/* 32 e4m3 codes (one in the low byte of each 16-bit lane of x) -> their bf16 bits times
+ * 2^(E / 128) (E: the scale exponent times 128, bf16's exponent field), exact, by
+ * integer arithmetic: a normal code's exponent and mantissa bits moved up by 4 and its
+ * exponent rebased (+120); the eight codes below 8 (zero and the subnormals m 2^-9)
+ * from a table; 0x7f NaN; the sign copied; the scale's exponent added to every nonzero,
+ * non-NaN value. */
+static inline __m512i CSA_V(ga_e4m3_bf16)(__m512i x, __m512i E)
+{
+    /* bf16 bits of m * 2^-9 for m < 8 (the permute reads 5 index bits: 8-31 unused) */
+    static const uint16_t sub[32] = {0x0000, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};
+    const __m512i m7f = _mm512_set1_epi16(0x7f);
+    const __m512i mag = _mm512_and_si512(x, m7f);
+    __m512i v = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
+    v = _mm512_mask_permutexvar_epi16(v, _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8)), mag,
+                                      _mm512_loadu_si512(sub));
+    const __mmask32 isnan = _mm512_cmpeq_epi16_mask(mag, m7f);
+    v = _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(mag, m7f) & ~isnan, v, E);
+    v = _mm512_mask_mov_epi16(v, isnan, _mm512_set1_epi16(0x7fc0));
+    return _mm512_or_si512(v, _mm512_slli_epi16(_mm512_srli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0xff)), 7), 15));
+}
+
 /* Activation row m -> bf16 (value * sa, exact) into the tile layout of Ab: row m's
  * 32 values of k-step t at Ab + ((m / 32) * (K / 32) + t) * 1024 + (m % 32) * 32, so that
  * each A tile (16 rows x 32 values) is 1 KiB contiguous.  K a multiple of 128.
- * e4m3 -> bf16 by integer arithmetic, 32 codes a step: a normal code's exponent and
- * mantissa bits moved up by 4 and its exponent rebased (+120); the eight codes below 8
- * (zero and the subnormals m 2^-9) from a table; 0x7f NaN; the sign copied; then the
- * scale's exponent added to every nonzero, non-NaN value.  (The float32 decode and a
- * conversion took 20 ms of a 2048 x 4096 call, 2 threads; this, about 1.) */
+ * e4m3 -> bf16 by integer arithmetic, 32 codes a step (CSA_V(ga_e4m3_bf16); the float32
+ * decode and a conversion took 20 ms of a 2048 x 4096 call, 2 threads; this, about 1). */
 static void CSA_V(ga_dec_a)(const struct csa_gemm_args *g, csa_idx m, csa_bf16 *Ab)
 {
     const csa_idx K = g->K;
     csa_bf16 *dst = Ab + (m / 32) * (K / 32) * 1024 + (m % 32) * 32;
     const uint8_t *ar = g->a + m * g->sa_row;
-    /* bf16 bits of m * 2^-9 for m < 8 (index 5 bits: entries 8-31 unused) */
-    static const uint16_t sub[32] = {0x0000, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};
-    const __m512i SUB = _mm512_loadu_si512(sub);
-    const __m512i m7f = _mm512_set1_epi16(0x7f), rebase = _mm512_set1_epi16(120 << 7);
-    const __m512i nan = _mm512_set1_epi16(0x7fc0), eight = _mm512_set1_epi16(8);
     for (csa_idx j = 0; j < K / 128; j++) {
         const int e = CSA_V(ga_exp)(g->as, g->as_fmt, m * g->sas_row + j * g->sas_col);
         const __m512i E = _mm512_set1_epi16((short)(e * 128));
         for (csa_idx k = 128 * j; k < 128 * j + 128; k += 32) {
             const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(ar + k)));
-            const __m512i mag = _mm512_and_si512(x, m7f);
-            __m512i v = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), rebase);
-            v = _mm512_mask_permutexvar_epi16(v, _mm512_cmplt_epu16_mask(mag, eight), mag, SUB);
-            const __mmask32 isnan = _mm512_cmpeq_epi16_mask(mag, m7f);
-            v = _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(mag, m7f) & ~isnan, v, E);
-            v = _mm512_mask_mov_epi16(v, isnan, nan);
-            v = _mm512_or_si512(v, _mm512_slli_epi16(_mm512_srli_epi16(x, 7), 15));
-            _mm512_storeu_si512(dst + (k / 32) * 1024, v);
+            _mm512_storeu_si512(dst + (k / 32) * 1024, CSA_V(ga_e4m3_bf16)(x, E));
         }
     }
 }
@@ -198,6 +207,54 @@ static void CSA_V(ga_dec_b)(const struct csa_gemm_args *g, csa_idx n0, csa_idx n
                 __m512i w = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
                 w = _mm512_mask_add_epi16(w, _mm512_test_epi16_mask(w, m7fff), w, E);
                 _mm512_storeu_si512(d + 16 * i, w);
+            }
+        }
+    }
+}
+
+/* FP8 weight rows [n0, n0 + nr) -> the panel Bp in the same tile layout (pairs of e4m3
+ * values as bf16, each times its 128 x 128 block's scale).  Sixteen rows a step: a
+ * gather of one 32-bit word per row (codes 4i .. 4i + 3) gives two B tile rows, each code
+ * spread to a 16-bit lane and converted by CSA_V(ga_e4m3_bf16); a panel starts at a
+ * multiple of 128 rows, so its 16-row groups share one scale per 128 columns. */
+static void CSA_V(ga_dec_b8)(const struct csa_gemm_args *g, csa_idx n0, csa_idx nr, uint32_t *Bp)
+{
+    const csa_idx K = g->K, K2 = K / 2;
+    for (csa_idx rb = 0; rb < GA_NP; rb += 16) {
+        uint32_t *dst = Bp + (rb / 16) * K2 * 16;
+        if (rb >= nr) {
+            memset(dst, 0, (size_t)K2 * 16 * sizeof *dst);
+            continue;
+        }
+        /* byte offsets of the 16 rows from row n0 + rb; rows past nr are masked out of
+         * the gathers (their lanes read as code 0) */
+        const uint8_t *base = g->b + (n0 + rb) * g->sb_row;
+        int32_t off[16];
+        __mmask16 live = 0;
+        for (int r = 0; r < 16; r++) {
+            off[r] = rb + r < nr ? (int32_t)(r * g->sb_row) : 0;
+            if (rb + r < nr) live |= (__mmask16)(1u << r);
+        }
+        const __m512i vo = _mm512_loadu_si512(off);
+        const __m512i lo8 = _mm512_set1_epi32(0xff), hi8 = _mm512_set1_epi32(0xff00);
+        for (csa_idx kb = 0; kb < K / 128; kb++) {
+#ifndef CSA_MUTANT_GEMM_AMX_FP8 /* planted (make mutants): the scale of the block before */
+            const int e = CSA_V(ga_exp)(g->bs, g->bs_fmt, ((n0 + rb) / 128) * g->sbs_row + kb * g->sbs_col);
+#else
+            const int e = CSA_V(ga_exp)(g->bs, g->bs_fmt, ((n0 + rb) / 128) * g->sbs_row + (kb ? kb - 1 : 0) * g->sbs_col);
+#endif
+            const __m512i E = _mm512_set1_epi16((short)(e * 128));
+            for (csa_idx k = 128 * kb; k < 128 * kb + 128; k += 4) {
+                const __m512i D = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, vo,
+                                                              base + k, 1);
+                /* codes (4i, 4i + 1) and (4i + 2, 4i + 3): one to each 16-bit half */
+                const __m512i p0 = _mm512_or_si512(_mm512_and_si512(D, lo8),
+                                                   _mm512_slli_epi32(_mm512_and_si512(D, hi8), 8));
+                const __m512i D2 = _mm512_srli_epi32(D, 16);
+                const __m512i p1 = _mm512_or_si512(_mm512_and_si512(D2, lo8),
+                                                   _mm512_slli_epi32(_mm512_and_si512(D2, hi8), 8));
+                _mm512_storeu_si512(dst + (k / 2) * 16, CSA_V(ga_e4m3_bf16)(p0, E));
+                _mm512_storeu_si512(dst + (k / 2 + 1) * 16, CSA_V(ga_e4m3_bf16)(p1, E));
             }
         }
     }
@@ -396,11 +453,12 @@ static int CSA_V(gemm_fp4_row_amx)(const struct csa_gemm_args *g)
     return fail ? CSA_ENOMEM : CSA_OK;
 }
 
-/* The amx level's FP4 paths, or 0 when the call is not theirs. */
+/* Which amx-level path computes this call: 1 the one-row FP4 dot products, 2 the tiles,
+ * 0 neither (the avx512 paths). */
 static int CSA_V(ga_takes)(const struct csa_gemm_args *g)
 {
-    if (g->b_fmt != CSA_W_E2M1 || g->K % 32) return 0;
     if (g->M == 1) {
+        if (g->b_fmt != CSA_W_E2M1 || g->K % 32) return 0;
         for (csa_idx k = 0; k < g->K; k++)
             if ((g->a[k] & 0x7f) == 0x7f) return 0; /* NaN codes: the float32 path */
         return 1;
@@ -408,7 +466,7 @@ static int CSA_V(ga_takes)(const struct csa_gemm_args *g)
     return CSA_V(ga_ok)(g) ? 2 : 0;
 }
 
-static int CSA_V(gemm_fp4_amx)(const struct csa_gemm_args *g)
+static int CSA_V(gemm_tiles_amx)(const struct csa_gemm_args *g)
 {
     const csa_idx M = g->M, N = g->N, K = g->K;
     const csa_idx Mp = (M + GA_MB - 1) / GA_MB * GA_MB;
@@ -444,7 +502,10 @@ static int CSA_V(gemm_fp4_amx)(const struct csa_gemm_args *g)
         for (csa_idx p = 0; p < npan; p++) {
             if (!Bp || !T) continue;
             const csa_idx n0 = p * GA_NP, nr = N - n0 < GA_NP ? N - n0 : GA_NP;
-            CSA_V(ga_dec_b)(g, n0, nr, Bp);
+            if (g->b_fmt == CSA_W_E4M3)
+                CSA_V(ga_dec_b8)(g, n0, nr, Bp);
+            else
+                CSA_V(ga_dec_b)(g, n0, nr, Bp);
             for (csa_idx m0 = 0; m0 < Mp; m0 += GA_MB) {
                 const csa_idx mr = M - m0 < GA_MB ? M - m0 : GA_MB;
                 for (csa_idx c0 = 0; c0 < nr; c0 += 32) {

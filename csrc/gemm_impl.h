@@ -628,7 +628,7 @@ static int CSA_V(gemm_tuned)(const struct csa_gemm_args *g)
     if (csa_isa_get() >= CSA_ISA_AMX) {
         const int path = CSA_V(ga_takes)(g);
         if (path == 1) return CSA_V(gemm_fp4_row_amx)(g);
-        if (path == 2) return CSA_V(gemm_fp4_amx)(g);
+        if (path == 2) return CSA_V(gemm_tiles_amx)(g);
     }
 #endif
     const csa_idx M = g->M, N = g->N, K = g->K, LDA = G_LDA(K);

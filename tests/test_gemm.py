@@ -81,26 +81,28 @@ FP8_SHAPES = [(1, 1, 16), (1, 300, 256), (5, 257, 384), (33, 130, 144), (70, 64,
 FP4_SHAPES = [(1, 1, 32), (1, 300, 256), (5, 257, 96), (33, 130, 640), (3, 9, 50), (17, 65, 2)]
 
 
+def amx_tiles_take(M, K, e8m0):
+    """Whether the amx level's tile path computes this fp8_gemm / fp4_gemm (power-of-two
+    scales) (docs/kernels.md
+    section 9): its bits may differ from the oracle's by float32 rounding."""
+    return dc.get_isa() == "amx" and e8m0 and M > 16 and K % 128 == 0
+
+
 @pytest.mark.parametrize("M,N,K", FP8_SHAPES)
 @pytest.mark.parametrize("e8m0", [True, False])
-def test_fp8_gemm_vs_dequant_matmul(isa, rng, M, N, K, e8m0):
+def test_fp8_gemm_vs_dequant_matmul(isa_bf16, rng, M, N, K, e8m0):
     a, b = rand_e4m3(rng, (M, K)), rand_e4m3(rng, (N, K))
     KB = -(-K // 128)
     a_s, b_s = rand_scales(rng, (M, KB), e8m0), rand_scales(rng, (-(-N // 128), KB), e8m0)
     got = dc.fp8_gemm(a, a_s, b, b_s, out_dtype="float32")
     want, mag = want_fp8(a, a_s, b, b_s)
     check_close(got, want, mag, (M, N, K))
-    ref = at_ref(dc.fp8_gemm, a, a_s, b, b_s, out_dtype="float32")
-    np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
+    if not amx_tiles_take(M, K, e8m0):
+        ref = at_ref(dc.fp8_gemm, a, a_s, b, b_s, out_dtype="float32")
+        np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
     bf = dc.fp8_gemm(a, a_s, b, b_s)           # bfloat16 by default: one rounding
     assert bf.dtype == ml_dtypes.bfloat16
     np.testing.assert_array_equal(bf.view(np.uint16), got.astype(ml_dtypes.bfloat16).view(np.uint16))
-
-
-def amx_tiles_take(M, K, e8m0):
-    """Whether the amx level's tile path computes this fp4_gemm (docs/kernels.md section
-    9): its bits may differ from the oracle's by float32 rounding."""
-    return dc.get_isa() == "amx" and e8m0 and M > 16 and K % 128 == 0
 
 
 @pytest.mark.parametrize("M,N,K", FP4_SHAPES)
@@ -129,14 +131,14 @@ def adversarial_fp4(rng, M, N, K):
 
 
 @pytest.mark.skipif("amx" not in ISA_LEVELS_BF16, reason="no AMX-BF16 on this CPU")
-def test_fp4_gemm_amx_paths(rng):
-    """The amx level's two FP4 paths (docs/kernels.md section 9).  One activation row:
+def test_gemm_amx_paths(rng):
+    """The amx level's GEMM paths (docs/kernels.md section 9).  FP4, one activation row:
     AVX512_BF16 dot products in the oracle's order, bitwise the oracle even where
-    summation orders disagree.  More rows: the AMX tiles, whose float32 sums run in
+    summation orders disagree.  More rows (FP4 and FP8): the AMX tiles, whose float32 sums run in
     the tiles' order -- within 2 K 2^-24 sum|a sa w sb| of the float64 value (each of
     two recursive sums of K terms is within (K - 1) 2^-24 of the sum of magnitudes),
     bitwise the same at any thread count; scales the tiles cannot fold exactly (not
-    powers of two, exponents beyond +-47) take the oracle's path."""
+    powers of two, exponents beyond +-44) take the oracle's path."""
     with isa_level("amx"):
         for M, N, K in [(1, 300, 1024), (1, 9, 4096), (37, 70, 1024), (100, 300, 512)]:
             a, a_s, b, b_s = adversarial_fp4(rng, M, N, K)
@@ -157,18 +159,35 @@ def test_fp4_gemm_amx_paths(rng):
             np.testing.assert_array_equal(bf.view(np.uint16), got.astype(ml_dtypes.bfloat16).view(np.uint16))
             # not foldable: the oracle's bits
             for a_s2, b_s2 in [(a_s.view(E8M0).astype(np.float32) * np.float32(0.75), b_s),
-                               (a_s, np.where(b_s == 125, np.uint8(127 + 48), b_s))]:
+                               (a_s, np.where(b_s == 125, np.uint8(127 + 45), b_s))]:
                 np.testing.assert_array_equal(
                     dc.fp4_gemm(a, a_s2, b, b_s2, out_dtype="float32").view(np.uint32),
                     at_ref(dc.fp4_gemm, a, a_s2, b, b_s2, out_dtype="float32").view(np.uint32))
-        # the extreme exponents the tiles fold (-47 on both sides): the least products,
-        # 2^-104, stay normal (the tiles flush subnormals), so the budget still holds
+        # the extreme exponents the tiles fold (-44 on both sides): the least products
+        # stay normal (the tiles flush subnormals), so the budget still holds
         a, a_s, b, b_s = adversarial_fp4(rng, 20, 40, 256)
-        a_s[:], b_s[::2] = 127 - 47, 127 - 47
+        a_s[:], b_s[::2] = 127 - 44, 127 - 44
         got = dc.fp4_gemm(a, a_s, b, b_s, out_dtype="float32")
         want, mag = want_fp4(a, a_s, b, b_s)
         assert (np.abs(got.astype(np.float64) - want) <= 2 * 256 * 2.0 ** -24 * mag).all()
         assert (got[:, ::2] != 0).all()
+        # FP8 weights on the tiles: activations and weights of 448 and 2^-9, one
+        # power-of-two scale per 128 x 128 block; a NaN weight code makes its column NaN
+        for M, N, K in [(40, 300, 1024), (17, 129, 256)]:
+            a = rng.choice(np.array([0x7E, 0x01, 0xFE, 0x7E], np.uint8), (M, K))
+            b = rng.choice(np.array([0x7E, 0x01, 0xFE, 0x81], np.uint8), (N, K))
+            a_s = rng.integers(124, 130, (M, K // 128)).astype(np.uint8)
+            b_s = (2.0 ** rng.integers(-6, 2, (-(-N // 128), K // 128))).astype(np.float32)
+            got = dc.fp8_gemm(a, a_s, b, b_s, out_dtype="float32")
+            ref = at_ref(dc.fp8_gemm, a, a_s, b, b_s, out_dtype="float32")
+            want, mag = want_fp8(a, a_s, b, b_s)
+            assert (got.view(np.uint32) != ref.view(np.uint32)).any()
+            err = np.abs(got.astype(np.float64) - want)
+            assert (err <= 2 * K * 2.0 ** -24 * mag).all(), float((err / mag).max())
+            same_bits_at_thread_counts(lambda: dc.fp8_gemm(a, a_s, b, b_s, out_dtype="float32"))
+            b[N - 1, 5] = 0x7F
+            got = dc.fp8_gemm(a, a_s, b, b_s, out_dtype="float32")
+            assert np.isnan(got[:, N - 1]).all() and np.isfinite(got[:, :N - 1]).all()
         # NaN codes: a row with one is NaN, the others are not (tiles); one row: the
         # float32 path (bitwise the oracle)
         a, a_s, b, b_s = adversarial_fp4(rng, 40, 33, 256)

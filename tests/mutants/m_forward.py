@@ -37,6 +37,8 @@ MUTANTS = [
       "fp4_gemm one row (amx level): each bf16 pair's products added in the other order"),
     c("gemm_amx_fold", "CSA_MUTANT_GEMM_AMX_FOLD", [], ["tests/test_gemm.py"],
       "fp4_gemm tiles (amx level): the last K block's weight scales folded as 1"),
+    c("gemm_amx_fp8", "CSA_MUTANT_GEMM_AMX_FP8", [], ["tests/test_gemm.py"],
+      "fp8_gemm tiles (amx level): each K block folds the previous block's weight scale"),
     c("topk_slot", "CSA_MUTANT_TOPK_SLOT", ["index_topk"], ["tests/test_index.py"],
       "index_topk loses each row's last slot"),
     c("index_scores", "CSA_MUTANT_INDEX_SCORES", ["index_scores"], ["tests/test_index.py"],
