@@ -99,6 +99,18 @@ static inline __m512i CSA_V(ga_e4m3_bf16)(__m512i x, __m512i E)
     return _mm512_or_si512(v, _mm512_slli_epi16(_mm512_srli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0xff)), 7), 15));
 }
 
+/* e2m1 code -> bf16 bits, as a table for a 16-bit permute, twice over (the permute
+ * reads 5 index bits: bit 4, the next nibble's lowest, is don't-care). */
+static inline __m512i CSA_V(ga_e2m1_table)(void)
+{
+    static const uint16_t t16[16] = {0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080,
+                                     0x40C0, 0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040,
+                                     0xC080, 0xC0C0};
+    uint16_t t32[32];
+    for (int i = 0; i < 32; i++) t32[i] = t16[i & 15];
+    return _mm512_loadu_si512(t32);
+}
+
 /* Activation row m -> bf16 (value * sa, exact) into the tile layout of Ab: row m's
  * 32 values of k-step t at Ab + ((m / 32) * (K / 32) + t) * 1024 + (m % 32) * 32, so that
  * each A tile (16 rows x 32 values) is 1 KiB contiguous.  K a multiple of 128.
@@ -129,14 +141,7 @@ static void CSA_V(ga_dec_a)(const struct csa_gemm_args *g, csa_idx m, csa_bf16 *
 static void CSA_V(ga_dec_b)(const struct csa_gemm_args *g, csa_idx n0, csa_idx nr, uint32_t *Bp)
 {
     const csa_idx K = g->K, K2 = K / 2;
-    /* e2m1 code -> bf16 bits, twice (vpermw reads 5 index bits: bit 4, the high
-     * nibble's lowest, is don't-care) */
-    static const uint16_t t16[16] = {0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080,
-                                     0x40C0, 0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040,
-                                     0xC080, 0xC0C0};
-    uint16_t t32[32];
-    for (int i = 0; i < 32; i++) t32[i] = t16[i & 15];
-    const __m512i T = _mm512_loadu_si512(t32);
+    const __m512i T = CSA_V(ga_e2m1_table)();
     /* byte 16 r + i of a 4-row register -> byte 4 i + r: dwords transposed 4 x 4 across
      * the 128-bit lanes, then bytes 4 x 4 within each lane */
     const __m512i idx_lane = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
@@ -313,16 +318,12 @@ static inline __m512 CSA_V(ga_tree_fma)(const __m512 *l, __m512 s, __m512 c)
     return _mm512_fmadd_ps(_mm512_add_ps(u, _mm512_permute_ps(u, 0xB1)), s, c);
 }
 
-static void CSA_V(ga_row8)(const struct csa_gemm_args *g, const uint64_t *Apat, const float *as,
+static void CSA_V(ga_row8)(const struct csa_gemm_args *g, const void *act, const float *as,
                            csa_idx n0, csa_idx nr, float *sbt, float *res)
 {
+    const uint64_t *Apat = act;
     const csa_idx nb = g->K / 32;
-    static const uint16_t t16[16] = {0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080,
-                                     0x40C0, 0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040,
-                                     0xC080, 0xC0C0};
-    uint16_t t32[32];
-    for (int i = 0; i < 32; i++) t32[i] = t16[i & 15];
-    const __m512i T = _mm512_loadu_si512(t32);
+    const __m512i T = CSA_V(ga_e2m1_table)();
     /* word permutes: lane (r, h) = 2r + h gets (low: word 4p + 2 + h, high: word 4p + h)
      * of row r (rows 0-3 in the first register's 128-bit lanes, 4-7 in the second's) */
     uint16_t ix[2][32];
@@ -336,20 +337,9 @@ static void CSA_V(ga_row8)(const struct csa_gemm_args *g, const uint64_t *Apat, 
     const __m512i I0 = _mm512_loadu_si512(ix[0]), I1 = _mm512_loadu_si512(ix[1]);
     const uint8_t *rp[8];
     for (int r = 0; r < 8; r++) rp[r] = g->b + (n0 + (r < nr ? r : nr - 1)) * g->sb_row;
-    /* the 8 rows' scales, transposed to [block][row] (e8m0 as bytes, decoded in the loop:
-     * a scalar decode of each took a third of the time) */
     const int e8 = g->bs_fmt == CSA_S_E8M0;
-    uint8_t *sb8 = (uint8_t *)sbt;
-    for (int r = 0; r < 8; r++) {
-        const csa_idx n = n0 + (r < nr ? r : nr - 1);
-        if (e8) {
-            const uint8_t *q = (const uint8_t *)g->bs + n * g->sbs_row;
-            for (csa_idx j = 0; j < nb; j++) sb8[8 * j + r] = q[j * g->sbs_col];
-        } else {
-            const float *q = (const float *)g->bs + n * g->sbs_row;
-            for (csa_idx j = 0; j < nb; j++) sbt[8 * j + r] = q[j * g->sbs_col];
-        }
-    }
+    const uint8_t *sb8 = (const uint8_t *)sbt;
+    CSA_V(g_row8_scales)(g, n0, nr, sbt);
     const __m512i z = _mm512_setzero_si512(), ff = _mm512_set1_epi64(0xff);
     const __m512i qbit = _mm512_set1_epi64(0x00400000);
     const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
@@ -400,7 +390,7 @@ static void CSA_V(ga_row8)(const struct csa_gemm_args *g, const uint64_t *Apat, 
 /* fp4_gemm with one activation row (K a multiple of 32, no NaN code in it). */
 static int CSA_V(gemm_fp4_row_amx)(const struct csa_gemm_args *g)
 {
-    const csa_idx N = g->N, K = g->K, nb = K / 32;
+    const csa_idx K = g->K, nb = K / 32;
     uint64_t *Apat = malloc((size_t)(nb * 8) * sizeof *Apat);
     float *as = malloc((size_t)(K / 128 + 1) * sizeof *as);
     if (!Apat || !as) {
@@ -428,29 +418,10 @@ static int CSA_V(gemm_fp4_row_amx)(const struct csa_gemm_args *g)
                 Apat[8 * j + 4 * p + i] = q;
             }
     for (csa_idx j = 0; j < (K + 127) / 128; j++) as[j] = g_scale(g->as, g->as_fmt, j * g->sas_col);
-    const csa_idx no = (N + 7) / 8;
-    const int nt = csa_threads(no, 32);
-    int fail = 0;
-#pragma omp parallel num_threads(nt)
-    {
-        float *sbt = malloc((size_t)(nb * 8) * sizeof *sbt);
-        if (!sbt) {
-#pragma omp atomic write
-            fail = 1;
-        }
-#pragma omp for schedule(dynamic, 8)
-        for (csa_idx q = 0; q < no; q++) {
-            if (!sbt) continue;
-            float res[8];
-            const csa_idx n0 = 8 * q, nr = N - n0 < 8 ? N - n0 : 8;
-            CSA_V(ga_row8)(g, Apat, as, n0, nr, sbt, res);
-            for (csa_idx r = 0; r < nr; r++) g_store(g, 0, n0 + r, res[r]);
-        }
-        free(sbt);
-    }
+    const int st = CSA_V(g_rows8_run)(g, CSA_V(ga_row8), Apat, as);
     free(Apat);
     free(as);
-    return fail ? CSA_ENOMEM : CSA_OK;
+    return st;
 }
 
 /* Which amx-level path computes this call: 1 the one-row FP4 dot products, 2 the tiles,
