@@ -92,11 +92,6 @@ def interleaved_times(sides: dict, reps=0, budget=1.5) -> dict:
 def peak_extra_rss(fn):
     """Peak resident memory above the starting point while fn runs (bytes), from the
     kernel's high-water mark after resetting it (/proc/self/clear_refs)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return float("nan")
 
     def field(name):
         with open("/proc/self/status") as f:
@@ -105,7 +100,20 @@ def peak_extra_rss(fn):
                     return int(line.split()[1]) * 1024
         return 0
 
+    # freed heap memory goes back to the system first: glibc keeps large freed blocks in
+    # the heap once its mmap threshold has grown, so a kernel's scratch reused from an
+    # earlier call raised no high-water mark (sparse_attn_backward read 0.0 MiB)
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
     base = field("VmRSS:")
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return float("nan")
     fn()
     return max(0, field("VmHWM:") - base)
 
