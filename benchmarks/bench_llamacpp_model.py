@@ -1,0 +1,362 @@
+"""llama.cpp beside us at the MODEL level (issue 27 items 3 and 4): one V4-Flash-WIDTH
+model with random weights run by llama.cpp, by transformers eager and by transformers +
+deepseek_csa.transformers.swap, on the very same weights.
+
+    make peers PEERS_EXTRA_TARGETS="llama"        # once: libllama + benchmarks/llamacpp_model.c
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_llamacpp_model.py          # every row
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_llamacpp_model.py --quick  # decode@4K + cross-engine
+    .venv/bin/python benchmarks/bench_llamacpp_model.py --check-only               # cross-engine row only
+
+The model (MODEL below): hidden 4096, 64 heads x 512 (RoPE 64), q_lora 1024, 8 x 1024
+output groups, window 128, 64 index heads x 128, top-512, hyper-connections x4, YaRN on
+the compressed layers -- V4-Flash's widths -- but 3 layers: a window-only layer (ratio 0,
+hash-routed MoE), a CSA layer (ratio 4, indexer) and an HCA layer (ratio 128); 8 routed
+experts of 2048 with V4-Flash's 6 active + 1 shared (so a token's expert compute is
+V4-Flash's per layer), a word-level vocabulary of 512 "w<i>" tokens.
+
+It is written once under build/peers/model27/<key>/ (ignored by git; <key> hashes the
+config and the seed, so reruns reuse it):
+  hf/        the released Hugging Face checkpoint layout (DeepSeek's tensor names;
+             FP8 e4m3 weights with ue8m0 128x128 block scales, FP4 e2m1 experts packed
+             two a byte with ue8m0 scales per 32, bf16 / float32 elsewhere) plus
+             config.json and a word-level tokenizer.json -- what llama.cpp's converter reads;
+  hf-bf16/   the same names and config, every FP8 / FP4 weight dequantized (exactly: the
+             values are on the bf16 grid) -- what transformers' from_pretrained loads
+             (its deepseek_v4 conversion mapping renames the released names);
+  model.gguf llama.cpp's own converter (convert_hf_to_gguf.py of the vendored tree, its
+             gguf-py) run on hf/; see convert_gguf() for the one step we replace.
+
+Sides: "llama.cpp" = benchmarks/llamacpp_model.c against libllama (a subprocess per run;
+its own thread count = ours), "hf eager" = transformers 5.23 DeepseekV4ForCausalLM,
+attn_implementation eager, float32, "hf + swap" = the same model after
+deepseek_csa.transformers.swap(model).  Our runner (python -m deepseek_csa.generate)
+needs DeepSeek's released inference/model.py, which is not on this machine: its rows say
+so, and --inference-dir DIR (with model.py and convert.py) runs it.
+
+Rows: prefill tokens/s at 512 / 2048 / 8192 prompt tokens; decode tokens/s after 4K and
+32K tokens of context; peak resident memory of each run (its own process); the weight
+formats each side multiplies.  Cross-engine row: the same prompt, last-position logits
+relative error against transformers eager (the reference here, released model.py being
+absent) and greedy-token agreement over 32 steps.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
+
+LLAMACPP_VERSION = "0.3.36"
+PEERS = Path(os.environ.get("PEERS_DIR") or ROOT / "build" / "peers")
+LLAMA_TREE = PEERS / f"llama_cpp_python-{LLAMACPP_VERSION}" / "vendor" / "llama.cpp"
+HARNESS = PEERS / "llamacpp_model"
+MODEL_CACHE = PEERS / "model27"
+
+# V4-Flash widths (deepseek_csa.configs.V4_FLASH, transformers' DeepseekV4Config
+# defaults), 3 layers, few experts, small vocabulary.
+MODEL = dict(
+    vocab_size=512, hidden_size=4096, num_hidden_layers=3, num_attention_heads=64,
+    num_key_value_heads=1, head_dim=512, qk_rope_head_dim=64, q_lora_rank=1024,
+    o_groups=8, o_lora_rank=1024, moe_intermediate_size=2048, n_routed_experts=8,
+    num_experts_per_tok=6, n_shared_experts=1, scoring_func="sqrtsoftplus",
+    norm_topk_prob=True, routed_scaling_factor=1.5, swiglu_limit=10.0,
+    sliding_window=128, compress_ratios=[0, 4, 128], compress_rope_theta=160000.0,
+    rope_theta=10000.0, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6,
+    num_hash_layers=1, index_n_heads=64, index_head_dim=128, index_topk=512,
+    num_nextn_predict_layers=0, rms_norm_eps=1e-6, max_position_embeddings=1048576,
+    rope_scaling=dict(type="yarn", factor=16, original_max_position_embeddings=65536,
+                      beta_fast=32, beta_slow=1),
+    bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+# How decisive the random model's next-token choice is: the head's std is
+# HEAD_GAIN / sqrt(hidden) on a unit-RMS final hidden state, so logits have std ~HEAD_GAIN
+# and the top-2 gap is usually several units (random weights otherwise give flat logits).
+HEAD_GAIN = 8.0
+SEED = 27
+
+E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+# ---------------------------------------------------------------- the model
+def config_json(cfg=None, quantized=True):
+    """config.json in the released layout's keys (transformers folds the legacy ones:
+    compress_ratios, num_hash_layers, qk_rope_head_dim, rope_scaling)."""
+    c = dict(architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4",
+             torch_dtype="bfloat16", **(cfg or MODEL))
+    # transformers' own keys for the same schedule (its legacy compress_ratios mapping
+    # only knows the ratios 4 and 128; the tests' tiny widths use a smaller HCA ratio)
+    kinds = {0: "sliding_attention", 4: "compressed_sparse_attention"}
+    c["layer_types"] = [kinds.get(r, "heavily_compressed_attention") for r in c["compress_ratios"]]
+    c["compress_rates"] = {"compressed_sparse_attention": 4, "heavily_compressed_attention":
+                           max([r for r in c["compress_ratios"] if r > 4] or [128])}
+    if quantized:
+        c["quantization_config"] = dict(activation_scheme="dynamic", fmt="e4m3",
+                                        quant_method="fp8", scale_fmt="ue8m0",
+                                        weight_block_size=[128, 128])
+        c["expert_dtype"] = "fp4"
+    return c
+
+
+def model_key(cfg=None, seed=SEED, head_gain=HEAD_GAIN):
+    blob = json.dumps([cfg or MODEL, seed, head_gain, "v1"], sort_keys=True)
+    return hashlib.sha1(blob.encode()).hexdigest()[:12]
+
+
+def tensor_plan(cfg):
+    """(released name, shape, format, init std) of every tensor; format is one of
+    fp8 (e4m3 + ue8m0 128x128 blocks), fp4 (e2m1 + ue8m0 per 32), bf16, f32, i32."""
+    d, H, D = cfg["hidden_size"], cfg["num_attention_heads"], cfg["head_dim"]
+    ql, og, ol = cfg["q_lora_rank"], cfg["o_groups"], cfg["o_lora_rank"]
+    inter, E, V = cfg["moe_intermediate_size"], cfg["n_routed_experts"], cfg["vocab_size"]
+    hc, Hi, Di = cfg["hc_mult"], cfg["index_n_heads"], cfg["index_head_dim"]
+    mix = (2 + hc) * hc
+    s = lambda fan_in: fan_in ** -0.5  # noqa: E731
+    out = [("embed.weight", (V, d), "bf16", 1.0),
+           ("norm.weight", (d,), "f32", "norm"),
+           ("head.weight", (V, d), "bf16", HEAD_GAIN * s(d)),
+           ("hc_head_fn", (hc, hc * d), "f32", s(hc * d)),
+           ("hc_head_base", (hc,), "f32", 0.5),
+           ("hc_head_scale", (1,), "f32", "scale")]
+    for i, ratio in enumerate(cfg["compress_ratios"]):
+        p = f"layers.{i}."
+        out += [(p + "attn_norm.weight", (d,), "f32", "norm"),
+                (p + "ffn_norm.weight", (d,), "f32", "norm")]
+        for part in ("attn", "ffn"):
+            out += [(p + f"hc_{part}_fn", (mix, hc * d), "f32", s(hc * d)),
+                    (p + f"hc_{part}_base", (mix,), "f32", 0.5),
+                    (p + f"hc_{part}_scale", (3,), "f32", "scale")]
+        a = p + "attn."
+        out += [(a + "attn_sink", (H,), "f32", 0.5),
+                (a + "wq_a.weight", (ql, d), "fp8", s(d)),
+                (a + "q_norm.weight", (ql,), "f32", "norm"),
+                (a + "wq_b.weight", (H * D, ql), "fp8", s(ql)),
+                (a + "wkv.weight", (D, d), "fp8", s(d)),
+                (a + "kv_norm.weight", (D,), "f32", "norm"),
+                (a + "wo_a.weight", (og * ol, H * D // og), "fp8", s(H * D // og)),
+                (a + "wo_b.weight", (d, og * ol), "fp8", s(og * ol))]
+        if ratio:
+            coff = 2 if ratio == 4 else 1          # CSA's compressor overlaps windows
+            c = a + "compressor."
+            out += [(c + "ape", (ratio, coff * D), "f32", 0.5),
+                    (c + "wkv.weight", (coff * D, d), "f32", s(d)),
+                    (c + "wgate.weight", (coff * D, d), "f32", s(d)),
+                    (c + "norm.weight", (D,), "f32", "norm")]
+        if ratio == 4:
+            x = a + "indexer."
+            out += [(x + "wq_b.weight", (Hi * Di, ql), "fp8", s(ql)),
+                    (x + "weights_proj.weight", (Hi, d), "bf16", s(d)),
+                    (x + "compressor.ape", (ratio, 2 * Di), "f32", 0.5),
+                    (x + "compressor.wkv.weight", (2 * Di, d), "f32", s(d)),
+                    (x + "compressor.wgate.weight", (2 * Di, d), "f32", s(d)),
+                    (x + "compressor.norm.weight", (Di,), "f32", "norm")]
+        f = p + "ffn."
+        out += [(f + "gate.weight", (E, d), "bf16", s(d))]
+        if i < cfg["num_hash_layers"]:
+            out += [(f + "gate.tid2eid", (V, cfg["num_experts_per_tok"]), "i32", None)]
+        else:
+            out += [(f + "gate.bias", (E,), "f32", 0.1)]
+        for e in range(E):
+            for w, shape in (("w1", (inter, d)), ("w2", (d, inter)), ("w3", (inter, d))):
+                out.append((f + f"experts.{e}.{w}.weight", shape, "fp4", s(shape[1])))
+        for w, shape in (("w1", (inter, d)), ("w2", (d, inter)), ("w3", (inter, d))):
+            out.append((f + f"shared_experts.{w}.weight", shape, "fp8", s(shape[1])))
+    return out
+
+
+def _e8m0_pow2(amax, top):
+    """Power-of-two scale (ue8m0) that puts amax at or below the format's largest value."""
+    e = np.ceil(np.log2(np.maximum(amax, 1e-30) / top))
+    return np.clip(e, -127, 127)
+
+
+def quant_fp8(w):
+    """w float32 [N, K] -> (e4m3 codes as torch.float8_e4m3fn, ue8m0 scales [N/128, K/128]
+    as torch.float8_e8m0fnu, the dequantized float32 values)."""
+    import torch
+    N, K = w.shape
+    nb, kb = -(-N // 128), -(-K // 128)
+    pad = np.zeros((nb * 128, kb * 128), np.float32)
+    pad[:N, :K] = w
+    blk = np.abs(pad.reshape(nb, 128, kb, 128)).max(axis=(1, 3))
+    e = _e8m0_pow2(blk, 448.0)
+    sc = np.repeat(np.repeat(2.0 ** e, 128, 0), 128, 1)[:N, :K].astype(np.float32)
+    q = torch.from_numpy(w / sc).to(torch.float8_e4m3fn)
+    deq = q.float().numpy() * sc
+    s = torch.from_numpy((e + 127).astype(np.uint8)).view(torch.float8_e8m0fnu)
+    return q, s, deq
+
+
+def quant_fp4(w):
+    """w float32 [N, K] -> (packed e2m1 codes int8 [N, K/2], element 2i in the low nibble;
+    ue8m0 scales [N, K/32] as torch.float8_e8m0fnu; the dequantized float32 values)."""
+    import torch
+    import deepseek_csa as dc
+    N, K = w.shape
+    b, s = dc.fp4_quant(np.ascontiguousarray(w, np.float32), 32)
+    codes = np.stack([b & 15, b >> 4], -1).reshape(N, K)
+    deq = E2M1[codes] * np.repeat(np.exp2(s.astype(np.float32) - 127), 32, 1)
+    return (torch.from_numpy(b.view(np.int8)), torch.from_numpy(s).view(torch.float8_e8m0fnu),
+            deq.astype(np.float32))
+
+
+def make_tensors(cfg=None, seed=SEED):
+    """Yields (name, released tensors {name: tensor}, dequantized {name: tensor}, format)
+    one released tensor at a time (a V4-Flash-width layer is ~1 GB of float32)."""
+    import torch
+    cfg = cfg or MODEL
+    rng = np.random.default_rng(seed)
+    for name, shape, fmt, std in tensor_plan(cfg):
+        if fmt == "i32":
+            E, k = cfg["n_routed_experts"], shape[1]
+            t = np.stack([rng.permutation(E)[:k] for _ in range(shape[0])]).astype(np.int32)
+            tt = torch.from_numpy(t)
+            yield name, {name: tt}, {name: tt}, fmt
+            continue
+        if std == "norm":
+            w = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        elif std == "scale":
+            w = (0.5 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            w = (std * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+        if fmt == "fp8":
+            q, s, deq = quant_fp8(w)
+            sname = name[:-len("weight")] + "scale"
+            yield name, {name: q, sname: s}, {name: torch.from_numpy(deq).bfloat16()}, fmt
+        elif fmt == "fp4":
+            q, s, deq = quant_fp4(w)
+            sname = name[:-len("weight")] + "scale"
+            yield name, {name: q, sname: s}, {name: torch.from_numpy(deq).bfloat16()}, fmt
+        elif fmt == "bf16":
+            t = torch.from_numpy(w).bfloat16()
+            yield name, {name: t}, {name: t}, fmt
+        else:
+            t = torch.from_numpy(w)
+            yield name, {name: t}, {name: t}, fmt
+
+
+def write_tokenizer(d, vocab_size):
+    """A word-level tokenizer.json: token 0 "<bos>", 1 "<eos>", then "w2" ... "w<V-1>"
+    (whitespace pre-tokenizer), as the runner's tests build theirs."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    words = ["<bos>", "<eos>"] + [f"w{i}" for i in range(2, vocab_size)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w2"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>",
+         "eos_token": "<eos>", "unk_token": "w2", "add_bos_token": False}))
+
+
+def write_model(root, cfg=None, seed=SEED, log=print):
+    """Writes root/hf (released layout) and root/hf-bf16 (dequantized) unless present."""
+    from safetensors.torch import save_file
+    cfg = cfg or MODEL
+    hf, hb = root / "hf", root / "hf-bf16"
+    if (hf / "model.safetensors").exists() and (hb / "model.safetensors").exists():
+        return hf, hb
+    t0 = time.time()
+    for d in (hf, hb):
+        d.mkdir(parents=True, exist_ok=True)
+        write_tokenizer(d, cfg["vocab_size"])
+    (hf / "config.json").write_text(json.dumps(config_json(cfg, True), indent=1))
+    (hb / "config.json").write_text(json.dumps(config_json(cfg, False), indent=1))
+    rel, deq, formats = {}, {}, {}
+    for name, r, q, fmt in make_tensors(cfg, seed):
+        rel.update(r)
+        deq.update(q)
+        formats[name] = fmt
+    save_file(rel, str(hf / "model.safetensors.tmp"), metadata={"format": "pt"})
+    save_file(deq, str(hb / "model.safetensors.tmp"), metadata={"format": "pt"})
+    (hf / "model.safetensors.tmp").rename(hf / "model.safetensors")
+    (hb / "model.safetensors.tmp").rename(hb / "model.safetensors")
+    (root / "formats.json").write_text(json.dumps(formats, indent=0))
+    log(f"model27: wrote {hf} and {hb} ({time.time() - t0:.0f} s)")
+    return hf, hb
+
+
+# ---------------------------------------------------------------- GGUF by llama.cpp's converter
+# llama.cpp's converter refuses a word-level tokenizer (DeepseekV4Model.set_vocab is the
+# GPT-2 BPE path, which hashes the pre-tokenizer and raises "BPE pre-tokenizer was not
+# recognized").  The fallback runs the same converter with that one method replaced by
+# the tree's own word-level path (TextModel._set_vocab_whitespace: tokenizer model
+# "whitespace", its pre-tokenizer hash check answered with "whitespace") plus a placeholder merge list (llama.cpp's BPE loader requires the key;
+# nothing here tokenizes text: every engine is given token ids).  Tensors, dtypes and
+# metadata are the converter's own.
+_CONVERT_WORDLEVEL = r"""
+import sys
+tree, src, out = sys.argv[1:4]
+sys.path.insert(0, tree)
+sys.path.insert(1, tree + "/gguf-py")
+sys.argv = [tree + "/convert_hf_to_gguf.py", src, "--outfile", out]
+import convert_hf_to_gguf as conv
+from conversion.base import TextModel
+from conversion.deepseek import DeepseekV4Model
+
+def set_vocab(self):
+    TextModel._set_vocab_whitespace(self)
+    self.gguf_writer.add_token_merges(["w 2"])
+
+DeepseekV4Model.set_vocab = set_vocab
+DeepseekV4Model.get_vocab_base_pre = lambda self, tokenizer: "whitespace"
+conv.main()
+"""
+
+
+def convert_gguf(hf_dir, out, py=sys.executable, log=print):
+    """hf_dir (released layout) -> out (GGUF) with the vendored tree's converter and its
+    gguf-py.  Returns how the tokenizer was written ("converter" or "converter, word-level
+    vocab step replaced")."""
+    note = out.with_suffix(".how")
+    if out.exists() and note.exists():
+        return note.read_text()
+    if not (LLAMA_TREE / "convert_hf_to_gguf.py").exists():
+        raise FileNotFoundError(f"{LLAMA_TREE} not found: run `make peers` first")
+    env = dict(os.environ, PYTHONPATH=str(LLAMA_TREE / "gguf-py"))
+    tmp = out.with_suffix(".tmp.gguf")
+    t0 = time.time()
+    r = subprocess.run([py, str(LLAMA_TREE / "convert_hf_to_gguf.py"), str(hf_dir),
+                        "--outfile", str(tmp)], env=env, capture_output=True, text=True)
+    how = "llama.cpp convert_hf_to_gguf.py as is"
+    if r.returncode != 0:
+        if "pre-tokenizer was not recognized" not in r.stderr + r.stdout:
+            raise RuntimeError("convert_hf_to_gguf.py failed:\n" + r.stderr[-3000:])
+        log("model27: the converter refused the word-level tokenizer (BPE pre-tokenizer not "
+            "recognized); rerunning it with its vocab step replaced by the tree's "
+            "word-level (whitespace) path")
+        r = subprocess.run([py, "-c", _CONVERT_WORDLEVEL, str(LLAMA_TREE), str(hf_dir), str(tmp)],
+                           env=env, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError("convert (word-level vocab) failed:\n" + r.stderr[-3000:])
+        how = ("llama.cpp convert_hf_to_gguf.py with DeepseekV4Model.set_vocab replaced by "
+               "TextModel._set_vocab_whitespace, pre-tokenizer 'whitespace' (the as-is converter refuses a word-level "
+               "tokenizer: 'BPE pre-tokenizer was not recognized')")
+    tmp.rename(out)
+    note.write_text(how)
+    log(f"model27: {out} ({out.stat().st_size / 2**20:.0f} MiB, {time.time() - t0:.0f} s): {how}")
+    return how
+
+
+def gguf_tensor_types(path):
+    """{gguf tensor name: ggml type name} read with the tree's gguf-py."""
+    sys.path.insert(0, str(LLAMA_TREE / "gguf-py"))
+    try:
+        import gguf
+        rd = gguf.GGUFReader(str(path))
+        return {t.name: t.tensor_type.name for t in rd.tensors}
+    finally:
+        sys.path.remove(str(LLAMA_TREE / "gguf-py"))
