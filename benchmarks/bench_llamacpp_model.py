@@ -360,3 +360,89 @@ def gguf_tensor_types(path):
         return {t.name: t.tensor_type.name for t in rd.tensors}
     finally:
         sys.path.remove(str(LLAMA_TREE / "gguf-py"))
+
+
+# ---------------------------------------------------------------- the three sides
+def harness_path():
+    return HARNESS
+
+
+def llama_logits(gguf_path, prompt, steps, threads, forced=None, workdir=None):
+    """llama.cpp's logits ((steps + 1) x vocab float32) after the prompt and after each
+    step; the token fed is forced[i] when given, else llama.cpp's own argmax."""
+    import tempfile
+    with tempfile.TemporaryDirectory(dir=workdir) as td:
+        td = Path(td)
+        (td / "p.txt").write_text(" ".join(map(str, prompt)))
+        cmd = [str(harness_path()), "logits", str(gguf_path), str(threads), str(td / "p.txt"),
+               str(steps), str(td / "out.bin")]
+        if forced is not None:
+            (td / "f.txt").write_text(" ".join(map(str, forced)))
+            cmd.append(str(td / "f.txt"))
+        r = subprocess.run(cmd, capture_output=True, text=True,
+                           env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
+        if r.returncode != 0:
+            raise RuntimeError(f"{cmd[0]} failed ({r.returncode}):\n{r.stderr[-2000:]}")
+        lg = np.fromfile(td / "out.bin", np.float32)
+        info = json.loads(r.stdout.strip().splitlines()[-1])
+    return lg.reshape(steps + 1, -1), info
+
+
+def load_hf(hf_dir, threads, swapped=False):
+    """transformers' DeepseekV4ForCausalLM (eager attention, float32) from hf_dir, and
+    swapped onto our kernels when asked."""
+    import torch
+    from transformers import DeepseekV4ForCausalLM
+    torch.set_num_threads(threads)
+    m = DeepseekV4ForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32,
+                                              attn_implementation="eager").eval()
+    if swapped:
+        from deepseek_csa.transformers import swap
+        swap(m)
+    return m
+
+
+def hf_logits(model, prompt, steps, forced=None, chunk=2048):
+    """The same protocol as llama_logits on a transformers model: prompt (chunked
+    prefill, `chunk` tokens a call, into a DynamicCache), then steps one token each."""
+    import torch
+    from transformers import DynamicCache
+    cache = DynamicCache(config=model.config)
+    ids = torch.tensor([prompt])
+    out = []
+    with torch.no_grad():
+        for i in range(0, len(prompt), chunk):
+            lg = model(ids[:, i:i + chunk], past_key_values=cache, use_cache=True,
+                       logits_to_keep=1).logits[0, -1]
+        out.append(lg.float().numpy().copy())
+        for s in range(steps):
+            t = int(forced[s]) if forced is not None else int(lg.argmax())
+            lg = model(torch.tensor([[t]]), past_key_values=cache, use_cache=True).logits[0, -1]
+            out.append(lg.float().numpy().copy())
+    return np.stack(out)
+
+
+def greedy_tokens(logits):
+    return [int(x) for x in logits.argmax(-1)]
+
+
+def rel_err(a, ref):
+    return float(np.linalg.norm(a - ref) / np.linalg.norm(ref))
+
+
+def compare(name, lg_free, lg_forced, ref_free, steps):
+    """One cross-engine line: last-prompt-position logits error, free-running greedy
+    agreement over `steps` tokens, and teacher-forced (fed the reference's tokens)
+    argmax agreement and logits error per step."""
+    toks, ref = greedy_tokens(lg_free)[:steps], greedy_tokens(ref_free)[:steps]
+    same = sum(a == b for a, b in zip(toks, ref))
+    prefix = next((i for i, (a, b) in enumerate(zip(toks, ref)) if a != b), steps)
+    forced_agree = sum(int(a == b) for a, b in zip(lg_forced.argmax(-1)[:steps],
+                                                   ref_free.argmax(-1)[:steps]))
+    errs = [rel_err(lg_forced[i], ref_free[i]) for i in range(min(len(lg_forced), len(ref_free)))]
+    top2 = np.sort(ref_free, -1)[:, -2:]
+    return dict(side=name, last_logits_rel_err=rel_err(lg_free[0], ref_free[0]),
+                greedy_same=same, greedy_common_prefix=prefix, steps=steps,
+                forced_argmax_agree=forced_agree, forced_rel_err_median=float(np.median(errs)),
+                forced_rel_err_max=float(np.max(errs)), tokens=toks,
+                ref_top2_gap_min=float((top2[:, 1] - top2[:, 0]).min()))

@@ -9,7 +9,10 @@
 #   3. build only the ggml libraries (ggml, ggml-base, ggml-cpu) -- and test-backend-ops
 #      when PEERS_TEST_BACKEND_OPS=1, the targets in PEERS_EXTRA_TARGETS (llama-bench
 #      with LLAMA_BUILD_TOOLS=ON) when set -- under `nice -n 19` with PEERS_JOBS (default 2) jobs;
-#   4. compile benchmarks/llamacpp_ops.c against them into build/peers/libcsa_ggml_ops.so.
+#   4. compile benchmarks/llamacpp_ops.c against them into build/peers/libcsa_ggml_ops.so;
+#   5. when libllama exists (PEERS_EXTRA_TARGETS="llama ..."), compile
+#      benchmarks/llamacpp_model.c against it into build/peers/llamacpp_model (the
+#      whole-model runs of benchmarks/bench_llamacpp_model.py).
 # Each step is skipped when its output exists; PEERS_DIR moves the whole thing.
 # PEERS_GGML_ISA=avx2 builds a second copy limited to AVX2/FMA/F16C (GGML_NATIVE=OFF)
 # into llama-build-avx2/ + libcsa_ggml_ops-avx2.so, to set beside our AVX2 path
@@ -87,5 +90,16 @@ if [ ! -f "$LIB" ] || [ "$ROOT/benchmarks/llamacpp_ops.c" -nt "$LIB" ]; then
         -I"$LLAMA/ggml/include" -L"$BLD/bin" -lggml -lggml-base -lggml-cpu \
         -Wl,-rpath,"$BLD/bin" -lm
 fi
+# the whole-model harness (issue 27 items 3-4), when libllama was built
+# (PEERS_EXTRA_TARGETS containing llama or llama-bench)
+HARN=$DIR/llamacpp_model
+[ "$GISA" = avx2 ] && HARN=$DIR/llamacpp_model-avx2
+if [ -f "$BLD/bin/libllama.so" ] && { [ ! -x "$HARN" ] || [ "$ROOT/benchmarks/llamacpp_model.c" -nt "$HARN" ]; }; then
+    echo "peers: compiling benchmarks/llamacpp_model.c -> $HARN"
+    "$CC" -O2 -o "$HARN" "$ROOT/benchmarks/llamacpp_model.c" -I"$LLAMA/include" \
+        -I"$LLAMA/ggml/include" -L"$BLD/bin" -lllama -lggml -lggml-base \
+        -Wl,-rpath,"$BLD/bin"
+fi
 echo "peers: llama.cpp $VERSION ggml in $BLD/bin, harness $LIB"
+[ -x "$HARN" ] && echo "peers: model harness $HARN; run  .venv/bin/python benchmarks/bench_llamacpp_model.py [--quick]"
 echo "peers: run  .venv/bin/python benchmarks/bench_llamacpp.py [--quick]"
