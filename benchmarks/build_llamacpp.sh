@@ -17,6 +17,8 @@
 # PEERS_GGML_ISA=avx2 builds a second copy limited to AVX2/FMA/F16C (GGML_NATIVE=OFF)
 # into llama-build-avx2/ + libcsa_ggml_ops-avx2.so, to set beside our AVX2 path
 # (DEEPSEEK_CSA_ISA=avx2 ... bench_llamacpp.py --ggml-isa avx2) on an AVX-512 / AMX host.
+# PEERS_GGML_ISA=noamx: AVX-512 (+VNNI, BF16) without AMX into llama-build-noamx/ (only
+# ggml is needed there: bench_llamacpp_model.py loads the native libllama over it).
 set -eu
 
 VERSION=${LLAMACPP_VERSION:-0.3.36}
@@ -32,7 +34,12 @@ case "$GISA" in
             ISAFLAGS="-DGGML_NATIVE=ON" ;;
     avx2)   BLD=$DIR/llama-build-avx2; LIB=$DIR/libcsa_ggml_ops-avx2.so
             ISAFLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" ;;
-    *) echo "make peers: PEERS_GGML_ISA must be native or avx2, not $GISA" >&2; exit 2 ;;
+    # AVX-512 as native but without the AMX extra buffer: on the AMX test host the
+    # whole-model graph with Q8_0 weights in ggml's AMX buffer cannot be scheduled
+    # (docs/peers.md section 7); bench_llamacpp_model.py runs libllama over this ggml.
+    noamx)  BLD=$DIR/llama-build-noamx; LIB=$DIR/libcsa_ggml_ops-noamx.so
+            ISAFLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" ;;
+    *) echo "make peers: PEERS_GGML_ISA must be native, avx2 or noamx, not $GISA" >&2; exit 2 ;;
 esac
 
 missing=""
@@ -93,7 +100,7 @@ fi
 # the whole-model harness (issue 27 items 3-4), when libllama was built
 # (PEERS_EXTRA_TARGETS containing llama or llama-bench)
 HARN=$DIR/llamacpp_model
-[ "$GISA" = avx2 ] && HARN=$DIR/llamacpp_model-avx2
+[ "$GISA" = native ] || HARN=$DIR/llamacpp_model-$GISA
 if [ -f "$BLD/bin/libllama.so" ] && { [ ! -x "$HARN" ] || [ "$ROOT/benchmarks/llamacpp_model.c" -nt "$HARN" ]; }; then
     echo "peers: compiling benchmarks/llamacpp_model.c -> $HARN"
     "$CC" -O2 -o "$HARN" "$ROOT/benchmarks/llamacpp_model.c" -I"$LLAMA/include" \

@@ -12,7 +12,7 @@
  *       ROUNDS times (after one warm-up of 64 + 4 tokens): clear the memory, decode a
  *       prompt of N_PROMPT deterministic pseudo-random ids, then N_DECODE greedy steps;
  *       prints one JSON line per round {prefill_s, decode_s, ...} and, at the end, the
- *       process's peak resident memory (ru_maxrss).
+ *       process's peak resident memory (VmHWM).
  * Context: n_ctx = prompt + steps + 16, n_batch 2048, n_ubatch 512 (llama.cpp's
  * defaults), flash attention as llama.cpp chooses (auto), K/V cache F16 (default),
  * n_threads = n_threads_batch = THREADS. */
@@ -20,8 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include <sys/resource.h>
 
+#include "ggml-backend.h"
 #include "llama.h"
 
 static double now(void) {
@@ -30,9 +30,11 @@ static double now(void) {
     return ts.tv_sec + 1e-9 * ts.tv_nsec;
 }
 
+static int log_level = GGML_LOG_LEVEL_WARN;   /* LLAMACPP_LOG=info: llama.cpp's INFO lines too */
+
 static void quiet(enum ggml_log_level level, const char *text, void *ud) {
     (void)ud;
-    if (level >= GGML_LOG_LEVEL_WARN) fputs(text, stderr);
+    if (level >= log_level || level == GGML_LOG_LEVEL_CONT) fputs(text, stderr);
 }
 
 static int read_ids(const char *path, llama_token **out) {
@@ -57,6 +59,12 @@ static struct llama_context *open_ctx(struct llama_model *model, int n_ctx, int 
     cp.n_threads = threads;
     cp.n_threads_batch = threads;
     cp.no_perf = 1;
+    /* diagnostics for the cross-engine row: LLAMACPP_KV=f32 (K/V cache type, default
+       F16), LLAMACPP_FA=0|1 (flash attention off / on, default auto) */
+    const char *kv = getenv("LLAMACPP_KV"), *fa = getenv("LLAMACPP_FA");
+    if (kv && !strcmp(kv, "f32")) { cp.type_k = GGML_TYPE_F32; cp.type_v = GGML_TYPE_F32; }
+    if (fa && *fa) cp.flash_attn_type = atoi(fa) ? LLAMA_FLASH_ATTN_TYPE_ENABLED
+                                                 : LLAMA_FLASH_ATTN_TYPE_DISABLED;
     struct llama_context *ctx = llama_init_from_model(model, cp);
     if (!ctx) { fprintf(stderr, "llama_init_from_model failed\n"); exit(3); }
     return ctx;
@@ -85,12 +93,27 @@ int main(int argc, char **argv) {
     }
     const char *mode = argv[1], *path = argv[2];
     int threads = atoi(argv[3]);
+    const char *lv = getenv("LLAMACPP_LOG");
+    if (lv && !strcmp(lv, "info")) log_level = GGML_LOG_LEVEL_INFO;
     llama_log_set(quiet, NULL);
     llama_backend_init();
     struct llama_model_params mp = llama_model_default_params();
     /* LLAMACPP_EXTRA_BUFTS=0: weights stay in plain CPU buffers (no CPU_REPACK / AMX) */
     const char *eb = getenv("LLAMACPP_EXTRA_BUFTS");
     if (eb && !strcmp(eb, "0")) mp.use_extra_bufts = 0;
+    /* LLAMACPP_CPU_TENSORS=re1,re2: tensors matching these patterns go to the plain CPU
+       buffer (the others may still go to CPU_REPACK / AMX) */
+    static struct llama_model_tensor_buft_override ov[16];
+    static char pats[1024];
+    const char *ct = getenv("LLAMACPP_CPU_TENSORS");
+    if (ct && *ct) {
+        snprintf(pats, sizeof pats, "%s", ct);
+        int k = 0;
+        for (char *tok = strtok(pats, ","); tok && k < 15; tok = strtok(NULL, ","))
+            ov[k++] = (struct llama_model_tensor_buft_override){tok, ggml_backend_cpu_buffer_type()};
+        ov[k] = (struct llama_model_tensor_buft_override){NULL, NULL};
+        mp.tensor_buft_overrides = ov;
+    }
     double t0 = now();
     struct llama_model *model = llama_model_load_from_file(path, mp);
     if (!model) { fprintf(stderr, "cannot load %s\n", path); return 3; }
@@ -151,9 +174,15 @@ int main(int argc, char **argv) {
         fprintf(stderr, "bad arguments\n");
         return 2;
     }
-    struct rusage ru;
-    getrusage(RUSAGE_SELF, &ru);
-    printf("{\"peak_rss_bytes\": %ld, \"n_vocab\": %d}\n", ru.ru_maxrss * 1024L, n_vocab);
+    /* VmHWM, not ru_maxrss: Linux carries ru_maxrss across fork + exec, so it would
+       report the (large) Python parent that started us */
+    long hwm_kb = -1;
+    char line[256];
+    FILE *st = fopen("/proc/self/status", "r");
+    while (st && fgets(line, sizeof line, st))
+        if (!strncmp(line, "VmHWM:", 6)) hwm_kb = atol(line + 6);
+    if (st) fclose(st);
+    printf("{\"peak_rss_bytes\": %ld, \"n_vocab\": %d}\n", hwm_kb * 1024L, n_vocab);
     llama_model_free(model);
     return 0;
 }
