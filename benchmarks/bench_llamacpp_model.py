@@ -300,6 +300,7 @@ def write_model(root, cfg=None, seed=SEED, log=print):
 _CONVERT_WORDLEVEL = r"""
 import sys
 tree, src, out = sys.argv[1:4]
+sys.argv_extra = sys.argv[4:]
 sys.path.insert(0, tree)
 sys.path.insert(1, tree + "/gguf-py")
 sys.argv = [tree + "/convert_hf_to_gguf.py", src, "--outfile", out]
@@ -313,14 +314,20 @@ def set_vocab(self):
 
 DeepseekV4Model.set_vocab = set_vocab
 DeepseekV4Model.get_vocab_base_pre = lambda self, tokenizer: "whitespace"
+if len(sys.argv_extra) and sys.argv_extra[0] == "f32":
+    # diagnostic variant: every tensor the converter would make Q8_0 / BF16 kept as F32
+    import gguf
+    DeepseekV4Model.tensor_force_quant = lambda self, *a: gguf.GGMLQuantizationType.F32
 conv.main()
 """
 
 
-def convert_gguf(hf_dir, out, py=sys.executable, log=print):
+def convert_gguf(hf_dir, out, py=sys.executable, log=print, variant="default"):
     """hf_dir (released layout) -> out (GGUF) with the vendored tree's converter and its
     gguf-py.  Returns how the tokenizer was written ("converter" or "converter, word-level
-    vocab step replaced")."""
+    vocab step replaced").  variant="f32": a diagnostic GGUF whose FP8 (else Q8_0) and
+    bf16 (else BF16) tensors are written F32 -- the dequantized values exactly -- so the
+    cross-engine row can separate the weight re-quantization from the rest."""
     note = out.with_suffix(".how")
     if out.exists() and note.exists():
         return note.read_text()
@@ -329,22 +336,29 @@ def convert_gguf(hf_dir, out, py=sys.executable, log=print):
     env = dict(os.environ, PYTHONPATH=str(LLAMA_TREE / "gguf-py"))
     tmp = out.with_suffix(".tmp.gguf")
     t0 = time.time()
-    r = subprocess.run([py, str(LLAMA_TREE / "convert_hf_to_gguf.py"), str(hf_dir),
-                        "--outfile", str(tmp)], env=env, capture_output=True, text=True)
     how = "llama.cpp convert_hf_to_gguf.py as is"
-    if r.returncode != 0:
-        if "pre-tokenizer was not recognized" not in r.stderr + r.stdout:
+    refused = variant != "default"
+    if not refused:
+        r = subprocess.run([py, str(LLAMA_TREE / "convert_hf_to_gguf.py"), str(hf_dir),
+                            "--outfile", str(tmp)], env=env, capture_output=True, text=True)
+        if r.returncode != 0 and "pre-tokenizer was not recognized" not in r.stderr + r.stdout:
             raise RuntimeError("convert_hf_to_gguf.py failed:\n" + r.stderr[-3000:])
-        log("model27: the converter refused the word-level tokenizer (BPE pre-tokenizer not "
-            "recognized); rerunning it with its vocab step replaced by the tree's "
-            "word-level (whitespace) path")
-        r = subprocess.run([py, "-c", _CONVERT_WORDLEVEL, str(LLAMA_TREE), str(hf_dir), str(tmp)],
+        refused = r.returncode != 0
+        if refused:
+            log("model27: the converter refused the word-level tokenizer (BPE pre-tokenizer "
+                "not recognized); rerunning it with its vocab step replaced by the tree's "
+                "word-level (whitespace) path")
+    if refused:
+        r = subprocess.run([py, "-c", _CONVERT_WORDLEVEL, str(LLAMA_TREE), str(hf_dir), str(tmp)]
+                           + ([variant] if variant != "default" else []),
                            env=env, capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError("convert (word-level vocab) failed:\n" + r.stderr[-3000:])
         how = ("llama.cpp convert_hf_to_gguf.py with DeepseekV4Model.set_vocab replaced by "
-               "TextModel._set_vocab_whitespace, pre-tokenizer 'whitespace' (the as-is converter refuses a word-level "
-               "tokenizer: 'BPE pre-tokenizer was not recognized')")
+               "TextModel._set_vocab_whitespace, pre-tokenizer 'whitespace' (the as-is "
+               "converter refuses a word-level tokenizer: 'BPE pre-tokenizer was not "
+               "recognized')" + ("; diagnostic variant: Q8_0/BF16 tensors written F32"
+                                 if variant == "f32" else ""))
     tmp.rename(out)
     note.write_text(how)
     log(f"model27: {out} ({out.stat().st_size / 2**20:.0f} MiB, {time.time() - t0:.0f} s): {how}")
@@ -367,7 +381,7 @@ def harness_path():
     return HARNESS
 
 
-def llama_logits(gguf_path, prompt, steps, threads, forced=None, workdir=None):
+def llama_logits(gguf_path, prompt, steps, threads, forced=None, workdir=None, env=None):
     """llama.cpp's logits ((steps + 1) x vocab float32) after the prompt and after each
     step; the token fed is forced[i] when given, else llama.cpp's own argmax."""
     import tempfile
@@ -380,7 +394,7 @@ def llama_logits(gguf_path, prompt, steps, threads, forced=None, workdir=None):
             (td / "f.txt").write_text(" ".join(map(str, forced)))
             cmd.append(str(td / "f.txt"))
         r = subprocess.run(cmd, capture_output=True, text=True,
-                           env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
+                           env=dict(os.environ, OMP_NUM_THREADS=str(threads), **(env or {})))
         if r.returncode != 0:
             raise RuntimeError(f"{cmd[0]} failed ({r.returncode}):\n{r.stderr[-2000:]}")
         lg = np.fromfile(td / "out.bin", np.float32)
@@ -446,3 +460,359 @@ def compare(name, lg_free, lg_forced, ref_free, steps):
                 forced_argmax_agree=forced_agree, forced_rel_err_median=float(np.median(errs)),
                 forced_rel_err_max=float(np.max(errs)), tokens=toks,
                 ref_top2_gap_min=float((top2[:, 1] - top2[:, 0]).min()))
+
+
+# ---------------------------------------------------------------- timing workers
+def _hwm():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def bench_ids(n, vocab):
+    """The same deterministic pseudo-random prompt ids as llamacpp_model.c's bench mode."""
+    s, out = 12345, []
+    for _ in range(max(n, 64)):
+        s = (s * 1103515245 + 12345) & 0xFFFFFFFF
+        out.append(2 + (s >> 8) % (vocab - 2))
+    return out[:n] if n else out
+
+
+def hf_worker(side, hf_dir, threads, n_prompt, n_decode, chunk):
+    """One timed run in this (fresh) process: load, warm up (64 + 2 tokens), prefill
+    n_prompt tokens in `chunk`-token calls, then n_decode greedy steps.  Prints JSON."""
+    import torch
+    from transformers import DynamicCache
+    m = load_hf(hf_dir, threads, swapped=(side == "hf+swap"))
+    vocab = m.config.vocab_size
+    ids = torch.tensor([bench_ids(n_prompt, vocab)])
+    with torch.no_grad():
+        cache = DynamicCache(config=m.config)
+        lg = m(ids[:, :64], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        for _ in range(2):
+            lg = m(lg[:, -1:].argmax(-1), past_key_values=cache, use_cache=True).logits
+        del cache
+        cache = DynamicCache(config=m.config)
+        t0 = time.perf_counter()
+        for i in range(0, n_prompt, chunk):
+            lg = m(ids[:, i:i + chunk], past_key_values=cache, use_cache=True,
+                   logits_to_keep=1).logits
+        t1 = time.perf_counter()
+        for _ in range(n_decode):
+            lg = m(lg[:, -1:].argmax(-1), past_key_values=cache, use_cache=True).logits
+        t2 = time.perf_counter()
+    print(json.dumps(dict(prefill_s=t1 - t0, decode_s=t2 - t1, peak_rss_bytes=_hwm())))
+
+
+def run_side(side, root, threads, n_prompt, n_decode, ggml="noamx", chunk=2048,
+             runner=None):
+    """One fresh process of a side; returns {prefill_s, decode_s, peak_rss_bytes}."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    if side == "llama.cpp":
+        env.update(llama_env(ggml))
+        cmd = [str(harness_path()), "bench", str(root / "model.gguf"), str(threads),
+               str(n_prompt), str(n_decode), "1"]
+    elif side == "runner":
+        return run_runner(runner, threads, n_prompt, n_decode, env)
+    else:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", side,
+               "--threads", str(threads), "--n-prompt", str(n_prompt),
+               "--n-decode", str(n_decode), "--chunk", str(chunk)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        raise RuntimeError(f"{side} run failed ({r.returncode}):\n{r.stderr[-2000:]}")
+    out = {}
+    for line in r.stdout.splitlines():
+        if line.startswith("{"):
+            out.update(json.loads(line))
+    return out
+
+
+def run_runner(runner, threads, n_prompt, n_decode, env):
+    """Our runner (python -m deepseek_csa.generate) on the released model.py: needs
+    runner = {inference_dir, ckpt, config} (the checkpoint made from hf/ by DeepSeek's
+    convert.py); token-id prompts, its --output-json timings."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as td:
+        td = Path(td)
+        (td / "p.txt").write_text(" ".join(map(str, bench_ids(n_prompt, MODEL["vocab_size"]))) + "\n")
+        cmd = [sys.executable, "-m", "deepseek_csa.generate", "--inference-dir",
+               runner["inference_dir"], "--ckpt-path", runner["ckpt"], "--config",
+               runner["config"], "--input-file", str(td / "p.txt"), "--max-new-tokens",
+               str(max(n_decode, 1)), "--output-json", str(td / "o.json")]
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(ROOT))
+        if r.returncode != 0:
+            raise RuntimeError(f"runner failed ({r.returncode}):\n{r.stderr[-2000:]}")
+        o = json.loads((td / "o.json").read_text())
+    return dict(prefill_s=o["prefill_s"], decode_s=o["decode_s"],
+                peak_rss_bytes=max(x["peak_rss"] for x in o["ranks"]))
+
+
+def llama_env(ggml):
+    """Environment for the harness: ggml="noamx" loads libllama over the AVX-512 ggml
+    built without AMX (PEERS_GGML_ISA=noamx); "native" is the -march=native ggml with
+    llama.cpp's defaults (crashes on an AMX host, docs/peers.md section 7);
+    "native-noextra" keeps every weight in plain CPU buffers (no CPU_REPACK, no AMX)."""
+    if ggml == "noamx":
+        return {"LD_LIBRARY_PATH": str(PEERS / "llama-build-noamx" / "bin")}
+    if ggml == "native-noextra":
+        return {"LLAMACPP_EXTRA_BUFTS": "0"}
+    return {}
+
+
+# ---------------------------------------------------------------- cross-engine row
+LLAMA_VARIANTS = {
+    # name: (gguf file, extra env) -- the first is the row, the rest diagnose it
+    "llama.cpp": ("model.gguf", {}),
+    "llama.cpp F32 weights": ("model-f32.gguf", {}),
+    "llama.cpp F32 weights, F32 K/V": ("model-f32.gguf", {"LLAMACPP_KV": "f32"}),
+    "llama.cpp F32 weights, F32 K/V, no flash-attn": ("model-f32.gguf",
+                                                       {"LLAMACPP_KV": "f32", "LLAMACPP_FA": "0"}),
+}
+
+
+def cross_engine(root, threads, prompt_len, steps, ggml, variants, log=print):
+    """The cross-engine rows: transformers eager is the reference (DeepSeek's released
+    model.py is absent here); each other side is run free (its own greedy tokens) and
+    teacher-forced with the reference's tokens."""
+    import random
+    rng = random.Random(SEED)
+    prompt = [rng.randrange(2, MODEL["vocab_size"]) for _ in range(prompt_len)]
+    t0 = time.time()
+    m = load_hf(root / "hf-bf16", threads)
+    ref = hf_logits(m, prompt, steps)
+    toks = greedy_tokens(ref)[:steps]
+    out = [dict(compare("hf eager (reference)", ref, ref, ref, steps),
+                seconds=time.time() - t0)]
+    log(fmt_cross(out[-1]))
+    from deepseek_csa.transformers import swap, unswap
+    t0 = time.time()
+    swap(m)
+    sw, swf = hf_logits(m, prompt, steps), hf_logits(m, prompt, steps, forced=toks)
+    unswap(m)
+    del m
+    out.append(dict(compare("hf + swap", sw, swf, ref, steps), seconds=time.time() - t0))
+    log(fmt_cross(out[-1]))
+    for name in variants:
+        gg, extra = LLAMA_VARIANTS[name]
+        if gg != "model.gguf":
+            convert_gguf(root / "hf", root / gg, variant="f32", log=log)
+        env = dict(llama_env(ggml), **extra)
+        t0 = time.time()
+        ll, _ = llama_logits(root / gg, prompt, steps, threads, env=env)
+        llf, _ = llama_logits(root / gg, prompt, steps, threads, forced=toks, env=env)
+        out.append(dict(compare(name, ll, llf, ref, steps), seconds=time.time() - t0,
+                        ggml=ggml, gguf=gg, env=extra))
+        log(fmt_cross(out[-1]))
+    for r in out:
+        r.update(prompt_len=prompt_len, ref_tokens=toks)
+    return out
+
+
+def fmt_cross(r):
+    return (f"cross     {r['side']:<48} last-logits rel err {r['last_logits_rel_err']:.2e} | "
+            f"greedy {r['greedy_same']}/{r['steps']} same (common prefix "
+            f"{r['greedy_common_prefix']}) | forced: argmax {r['forced_argmax_agree']}/"
+            f"{r['steps']}, rel err median {r['forced_rel_err_median']:.2e} max "
+            f"{r['forced_rel_err_max']:.2e} | ref min top-2 gap {r['ref_top2_gap_min']:.3f}")
+
+
+# ---------------------------------------------------------------- rows
+ROWS_FULL = [("prefill", 512, 0), ("prefill", 2048, 0), ("prefill", 8192, 0),
+             ("decode", 4096, 16), ("decode", 32768, 8)]
+ROWS_QUICK = [("decode", 4096, 16)]
+
+
+def weight_formats(root, ggml):
+    import collections
+    t = gguf_tensor_types(root / "model.gguf")
+    by = collections.defaultdict(set)
+    for name, ty in t.items():
+        kind = ("routed experts" if "_exps" in name else "shared experts" if "shexp" in name
+                else "indexer" if "indexer" in name else "embed/head" if name.startswith(
+                    ("token_embd", "output.")) else "router" if "gate_inp" in name
+                else "compressors" if "compressor" in name else "hyper-connections"
+                if "hc_" in name else "norms/sinks/bias" if "norm" in name or "sinks" in name
+                or "exp_probs" in name else "attention")
+        by[kind].add(ty)
+    llama = "; ".join(f"{k} {'/'.join(sorted(v))}" for k, v in sorted(by.items()))
+    buf = {"noamx": "MXFP4 in CPU_REPACK, the rest plain CPU buffers (ggml AVX-512 without AMX)",
+           "native": "llama.cpp's default buffers (AMX for Q8_0, CPU_REPACK for MXFP4)",
+           "native-noextra": "every weight in plain CPU buffers"}[ggml]
+    return {"llama.cpp": f"{llama}; {buf}; K/V cache F16 (default); activations into "
+                         "Q8_0 / MXFP4 mul_mat quantized to Q8_0",
+            "hf eager": "float32 throughout (FP8 / FP4 weights dequantized exactly); "
+                        "K/V float32",
+            "hf + swap": "float32 throughout (same module weights); our kernels for "
+                         "attention / indexer / compressor",
+            "runner": "FP8 e4m3 and FP4 e2m1 weights in place (fp8_gemm / fp4_gemm), "
+                      "bf16 activations, the released model.py's QAT roundings"}
+
+
+def fmt_row(r):
+    parts = []
+    for side in r["sides"]:
+        v = r.get(side)
+        if not v:
+            continue
+        parts.append(f"{side} {v['tokens_per_s']:8.2f} tok/s ({v['peak_rss_bytes'] / 2**30:.2f} GiB)")
+    ratio = r.get("swap_over_llama")
+    return (f"model     {r['kind']:<7} {r['label']:<22} | " + " | ".join(parts)
+            + (f" | hf+swap / llama.cpp x{ratio:.2f}" if ratio else "")
+            + f" | runner: {r['runner']} | {r['cpu']} {r['threads']}t ({r['rounds']} rounds)")
+
+
+def measure_rows(root, plan, sides, rounds, threads, ggml, chunk, runner, log=print):
+    rows = []
+    for kind, n, k in plan:
+        raw = {s: [] for s in sides}
+        for rd in range(rounds):
+            order = sides if rd % 2 == 0 else sides[::-1]
+            for s in order:
+                raw[s].append(run_side(s, root, threads, n, k, ggml=ggml, chunk=chunk,
+                                       runner=runner))
+        label = f"N={n}" if kind == "prefill" else f"ctx={n}, {k} steps"
+        r = dict(kind=kind, n=n, steps=k, label=label, sides=list(sides), rounds=rounds, raw=raw)
+        for s in sides:
+            key = "prefill_s" if kind == "prefill" else "decode_s"
+            sec = statistics.median(x[key] for x in raw[s])
+            r[s] = dict(seconds=sec, tokens_per_s=(n if kind == "prefill" else k) / sec,
+                        peak_rss_bytes=max(x["peak_rss_bytes"] for x in raw[s]))
+        if "hf + swap" in r and "llama.cpp" in r:
+            r["swap_over_llama"] = r["hf + swap"]["tokens_per_s"] / r["llama.cpp"]["tokens_per_s"]
+        rows.append(r)
+    return rows
+
+
+def plot(rows, path, title):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    for ax, kind in zip(axes, ("prefill", "decode")):
+        rs = [r for r in rows if r["kind"] == kind]
+        for side, mk in (("llama.cpp", "s"), ("hf eager", "o"), ("hf + swap", "^"),
+                         ("runner", "D")):
+            pts = [(r["n"], r[side]["tokens_per_s"]) for r in rs if r.get(side)]
+            if pts:
+                ax.plot(*zip(*pts), marker=mk, label=side,
+                        ls="--" if side == "llama.cpp" else "-")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens" if kind == "prefill" else "context tokens before decoding")
+        ax.set_ylabel("tokens/s")
+        ax.set_title(kind)
+        if ax.lines:
+            ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------- main
+def prepare(log=print):
+    """Model + GGUF (cached); raises FileNotFoundError when `make peers` is missing."""
+    if not (LLAMA_TREE / "convert_hf_to_gguf.py").exists() or not harness_path().exists():
+        raise FileNotFoundError(
+            f"{harness_path()} or {LLAMA_TREE} not found: run `PEERS_EXTRA_TARGETS=llama make "
+            f"peers` (and PEERS_GGML_ISA=noamx make peers on an AMX host) first")
+    root = MODEL_CACHE / model_key()
+    write_model(root, log=log)
+    how = convert_gguf(root / "hf", root / "model.gguf", log=log)
+    return root, how
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", 2)))
+    ap.add_argument("--quick", action="store_true",
+                    help="decode row at 4K context + the cross-engine row (no diagnostics)")
+    ap.add_argument("--check-only", action="store_true", help="only the cross-engine rows")
+    ap.add_argument("--no-check", action="store_true", help="only the timed rows")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="interleaved rounds per row (0: 2, --quick 1; ctx 32K always 1)")
+    ap.add_argument("--prompt-len", type=int, default=2304,
+                    help="cross-engine prompt (2304: 576 compressed CSA entries > top-512)")
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--ggml", default=None, choices=["noamx", "native", "native-noextra"],
+                    help="llama.cpp's ggml (default noamx when built, else native-noextra)")
+    ap.add_argument("--chunk", type=int, default=2048, help="transformers prefill chunk")
+    ap.add_argument("--inference-dir", help="DeepSeek's inference/ (model.py): adds our runner")
+    ap.add_argument("--runner-ckpt", help="hf/ converted by that folder's convert.py")
+    ap.add_argument("--runner-config", help="that folder's ModelArgs config.json for this model")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/llamacpp_model.json)")
+    ap.add_argument("--note", default="")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--n-prompt", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--n-decode", type=int, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        hf_worker(a.worker, MODEL_CACHE / model_key() / "hf-bf16", a.threads, a.n_prompt,
+                  a.n_decode, a.chunk)
+        return 0
+    import harness
+    try:
+        root, how = prepare()
+    except FileNotFoundError as e:
+        print(f"SKIP bench_llamacpp_model: {e}")
+        return 0
+    ggml = a.ggml or ("noamx" if (PEERS / "llama-build-noamx" / "bin" / "libggml-cpu.so").exists()
+                      else "native-noextra")
+    cpu = harness.cpu_model()
+    runner = None
+    runner_note = ("not run: DeepSeek's released inference/model.py is not on this machine "
+                   "(--inference-dir DIR --runner-ckpt CKPT --runner-config CFG runs it)")
+    if a.inference_dir:
+        runner = dict(inference_dir=a.inference_dir, ckpt=a.runner_ckpt, config=a.runner_config)
+        runner_note = "run"
+    sides = ["llama.cpp", "hf eager", "hf + swap"] + (["runner"] if runner else [])
+    t_start = time.time()
+    print(f"model27: {root} ({json.dumps({k: MODEL[k] for k in ('hidden_size', 'num_hidden_layers', 'compress_ratios', 'n_routed_experts', 'num_experts_per_tok', 'vocab_size')})}); "
+          f"GGUF: {how}; llama.cpp ggml: {ggml}; {cpu}, {a.threads} threads", flush=True)
+    rows, cross = [], []
+    if not a.check_only:
+        plan = ROWS_QUICK if a.quick else ROWS_FULL
+        rounds = a.rounds or (1 if a.quick else 2)
+        for item in plan:
+            rr = measure_rows(root, [item], sides, 1 if item[1] >= 32768 else rounds,
+                              a.threads, ggml, a.chunk, runner)
+            for r in rr:
+                r.update(cpu=cpu, threads=a.threads, runner=runner_note,
+                         load_avg_1min=os.getloadavg()[0])
+                print(fmt_row(r), flush=True)
+            rows += rr
+    if not a.no_check:
+        variants = ["llama.cpp"] if a.quick else list(LLAMA_VARIANTS)
+        cross = cross_engine(root, a.threads, a.prompt_len, a.steps, ggml, variants)
+    formats = weight_formats(root, ggml)
+    for k, v in formats.items():
+        print(f"formats   {k:<10} {v}")
+    met = [r for r in rows if r.get("swap_over_llama") is not None]
+    snap = dict(note=f"benchmarks/bench_llamacpp_model.py{' --quick' if a.quick else ''}: "
+                     "a V4-Flash-width 3-layer random model; llama.cpp (libllama harness) vs "
+                     "transformers eager vs transformers + deepseek_csa swap. " + a.note,
+                llamacpp_version=LLAMACPP_VERSION, model=MODEL, model_key=model_key(),
+                head_gain=HEAD_GAIN, seed=SEED, gguf=how, ggml=ggml, cpu=cpu,
+                threads=a.threads, env=harness.environment(a.threads), host=platform.node(),
+                runner=runner_note, weight_formats=formats, rows=rows, cross_engine=cross,
+                reference=("transformers eager float32 (DeepSeek's released model.py, the "
+                           "issue's reference, is not on this machine)"),
+                seconds=time.time() - t_start)
+    out = Path(a.out) if a.out else harness.RESULTS / "llamacpp_model.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(snap, indent=1, default=float))
+    if rows:
+        plot(rows, out.with_suffix(".png"),
+             f"V4-Flash-width 3-layer model, {cpu}, {a.threads} threads: llama.cpp "
+             f"{LLAMACPP_VERSION} ({ggml}) vs transformers eager / + deepseek_csa swap")
+    print(f"wrote {out} ({time.time() - t_start:.0f} s)")
+    if met:
+        print(f"llamacpp_model: {sum(r['swap_over_llama'] >= 1 for r in met)}/{len(met)} rows "
+              f"hf+swap >= llama.cpp")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
