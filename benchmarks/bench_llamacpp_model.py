@@ -630,7 +630,7 @@ def weight_formats(root, ggml):
     t = gguf_tensor_types(root / "model.gguf")
     by = collections.defaultdict(set)
     for name, ty in t.items():
-        kind = ("routed experts" if "_exps" in name else "shared experts" if "shexp" in name
+        kind = ("routed experts" if "_exps" in name else "router" if "tid2eid" in name else "shared experts" if "shexp" in name
                 else "indexer" if "indexer" in name else "embed/head" if name.startswith(
                     ("token_embd", "output.")) else "router" if "gate_inp" in name
                 else "compressors" if "compressor" in name else "hyper-connections"
@@ -661,7 +661,7 @@ def fmt_row(r):
     ratio = r.get("swap_over_llama")
     return (f"model     {r['kind']:<7} {r['label']:<22} | " + " | ".join(parts)
             + (f" | hf+swap / llama.cpp x{ratio:.2f}" if ratio else "")
-            + f" | runner: {r['runner']} | {r['cpu']} {r['threads']}t ({r['rounds']} rounds)")
+            + f" | runner: {r['runner_note']} | {r['cpu']} {r['threads']}t ({r['rounds']} rounds)")
 
 
 def measure_rows(root, plan, sides, rounds, threads, ggml, chunk, runner, log=print):
@@ -695,7 +695,7 @@ def plot(rows, path, title):
         rs = [r for r in rows if r["kind"] == kind]
         for side, mk in (("llama.cpp", "s"), ("hf eager", "o"), ("hf + swap", "^"),
                          ("runner", "D")):
-            pts = [(r["n"], r[side]["tokens_per_s"]) for r in rs if r.get(side)]
+            pts = [(r["n"], r[side]["tokens_per_s"]) for r in rs if isinstance(r.get(side), dict)]
             if pts:
                 ax.plot(*zip(*pts), marker=mk, label=side,
                         ls="--" if side == "llama.cpp" else "-")
@@ -739,6 +739,7 @@ def main(argv=None):
     ap.add_argument("--ggml", default=None, choices=["noamx", "native", "native-noextra"],
                     help="llama.cpp's ggml (default noamx when built, else native-noextra)")
     ap.add_argument("--chunk", type=int, default=2048, help="transformers prefill chunk")
+    ap.add_argument("--rows", default="", help="custom rows, e.g. prefill:512,decode:4096:16")
     ap.add_argument("--inference-dir", help="DeepSeek's inference/ (model.py): adds our runner")
     ap.add_argument("--runner-ckpt", help="hf/ converted by that folder's convert.py")
     ap.add_argument("--runner-config", help="that folder's ModelArgs config.json for this model")
@@ -774,12 +775,15 @@ def main(argv=None):
     rows, cross = [], []
     if not a.check_only:
         plan = ROWS_QUICK if a.quick else ROWS_FULL
+        if a.rows:
+            plan = [(f[0], int(f[1]), int(f[2]) if len(f) > 2 else 0)
+                    for f in (x.split(":") for x in a.rows.split(","))]
         rounds = a.rounds or (1 if a.quick else 2)
         for item in plan:
             rr = measure_rows(root, [item], sides, 1 if item[1] >= 32768 else rounds,
                               a.threads, ggml, a.chunk, runner)
             for r in rr:
-                r.update(cpu=cpu, threads=a.threads, runner=runner_note,
+                r.update(cpu=cpu, threads=a.threads, runner_note=runner_note,
                          load_avg_1min=os.getloadavg()[0])
                 print(fmt_row(r), flush=True)
             rows += rr
