@@ -455,7 +455,13 @@ def compare(name, lg_free, lg_forced, ref_free, steps):
                                                    ref_free.argmax(-1)[:steps]))
     errs = [rel_err(lg_forced[i], ref_free[i]) for i in range(min(len(lg_forced), len(ref_free)))]
     top2 = np.sort(ref_free, -1)[:, -2:]
-    return dict(side=name, last_logits_rel_err=rel_err(lg_free[0], ref_free[0]),
+    # where the forced argmax differs: the reference's margin between its own choice and
+    # this side's (small margins = a near-tie flipped by the side's perturbation)
+    n = min(steps, len(lg_forced), len(ref_free))
+    flips = [dict(step=i, margin=float(ref_free[i].max() - ref_free[i][lg_forced[i].argmax()]),
+                  logit_err_max=float(np.abs(lg_forced[i] - ref_free[i]).max()))
+             for i in range(n) if lg_forced[i].argmax() != ref_free[i].argmax()]
+    return dict(forced_flips=flips, side=name, last_logits_rel_err=rel_err(lg_free[0], ref_free[0]),
                 greedy_same=same, greedy_common_prefix=prefix, steps=steps,
                 forced_argmax_agree=forced_agree, forced_rel_err_median=float(np.median(errs)),
                 forced_rel_err_max=float(np.max(errs)), tokens=toks,
@@ -517,6 +523,9 @@ def run_side(side, root, threads, n_prompt, n_decode, ggml="noamx", chunk=2048,
     elif side == "runner":
         return run_runner(runner, threads, n_prompt, n_decode, env)
     else:
+        # eager's dense scores at 32K context ([64 heads, chunk, window + chunk + 8192
+        # compressed] float32, and the indexer's as large) need 1024-token chunks in 23 GB
+        chunk = hf_chunk(n_prompt, chunk)
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", side,
                "--threads", str(threads), "--n-prompt", str(n_prompt),
                "--n-decode", str(n_decode), "--chunk", str(chunk)]
@@ -528,6 +537,10 @@ def run_side(side, root, threads, n_prompt, n_decode, ggml="noamx", chunk=2048,
         if line.startswith("{"):
             out.update(json.loads(line))
     return out
+
+
+def hf_chunk(n_prompt, chunk):
+    return chunk if n_prompt <= 8192 else min(chunk, 1024)
 
 
 def run_runner(runner, threads, n_prompt, n_decode, env):
@@ -616,7 +629,9 @@ def fmt_cross(r):
             f"greedy {r['greedy_same']}/{r['steps']} same (common prefix "
             f"{r['greedy_common_prefix']}) | forced: argmax {r['forced_argmax_agree']}/"
             f"{r['steps']}, rel err median {r['forced_rel_err_median']:.2e} max "
-            f"{r['forced_rel_err_max']:.2e} | ref min top-2 gap {r['ref_top2_gap_min']:.3f}")
+            f"{r['forced_rel_err_max']:.2e} | ref min top-2 gap {r['ref_top2_gap_min']:.3f}"
+            + "".join(f" | flip@{f['step']}: ref margin {f['margin']:.3f}, max |dlogit| "
+                      f"{f['logit_err_max']:.3f}" for f in r.get("forced_flips", [])))
 
 
 # ---------------------------------------------------------------- rows
@@ -659,7 +674,7 @@ def fmt_row(r):
             continue
         parts.append(f"{side} {v['tokens_per_s']:8.2f} tok/s ({v['peak_rss_bytes'] / 2**30:.2f} GiB)")
     ratio = r.get("swap_over_llama")
-    return (f"model     {r['kind']:<7} {r['label']:<22} | " + " | ".join(parts)
+    return (f"model     {r['kind']:<7} {r['label']:<40} | " + " | ".join(parts)
             + (f" | hf+swap / llama.cpp x{ratio:.2f}" if ratio else "")
             + f" | runner: {r['runner_note']} | {r['cpu']} {r['threads']}t ({r['rounds']} rounds)")
 
@@ -674,6 +689,7 @@ def measure_rows(root, plan, sides, rounds, threads, ggml, chunk, runner, log=pr
                 raw[s].append(run_side(s, root, threads, n, k, ggml=ggml, chunk=chunk,
                                        runner=runner))
         label = f"N={n}" if kind == "prefill" else f"ctx={n}, {k} steps"
+        label += f" (hf chunks {hf_chunk(n, chunk)})" if n > hf_chunk(n, chunk) else ""
         r = dict(kind=kind, n=n, steps=k, label=label, sides=list(sides), rounds=rounds, raw=raw)
         for s in sides:
             key = "prefill_s" if kind == "prefill" else "decode_s"
