@@ -314,10 +314,33 @@ def set_vocab(self):
 
 DeepseekV4Model.set_vocab = set_vocab
 DeepseekV4Model.get_vocab_base_pre = lambda self, tokenizer: "whitespace"
-if len(sys.argv_extra) and sys.argv_extra[0] == "f32":
+if len(sys.argv_extra) and sys.argv_extra[0] in ("f32", "f32all"):
     # diagnostic variant: every tensor the converter would make Q8_0 / BF16 kept as F32
     import gguf
     DeepseekV4Model.tensor_force_quant = lambda self, *a: gguf.GGMLQuantizationType.F32
+if len(sys.argv_extra) and sys.argv_extra[0] == "f32all":
+    # ... and the FP4 experts dequantized to F32 instead of re-packed as MXFP4 (whose
+    # mul_mat quantizes the activations to Q8_0)
+    import numpy as np
+    import torch
+    from conversion.base import LazyTorchTensor
+    E2M1 = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+
+    def write_f32_experts(self, bid, proj, tensor_key):
+        mats, consumed = [], []
+        for eid in range(self.hparams["n_routed_experts"]):
+            wn = f"layers.{bid}.ffn.experts.{eid}.{proj}.weight"
+            sn = f"layers.{bid}.ffn.experts.{eid}.{proj}.scale"
+            w = LazyTorchTensor.to_eager(self.model_tensors[wn]()).view(torch.uint8)
+            sc = LazyTorchTensor.to_eager(self.model_tensors[sn]()).view(torch.uint8)
+            codes = torch.stack([w & 15, w >> 4], -1).reshape(w.shape[0], -1).long()
+            mats.append(E2M1[codes] * torch.exp2(sc.float() - 127).repeat_interleave(32, 1))
+            consumed += [wn, sn]
+        data = torch.stack(mats).numpy().astype(np.float32)
+        self.gguf_writer.add_tensor(self.format_tensor_name(tensor_key, bid), data)
+        return consumed
+
+    DeepseekV4Model._write_mxfp4_expert_tensor = write_f32_experts
 conv.main()
 """
 
@@ -357,8 +380,9 @@ def convert_gguf(hf_dir, out, py=sys.executable, log=print, variant="default"):
         how = ("llama.cpp convert_hf_to_gguf.py with DeepseekV4Model.set_vocab replaced by "
                "TextModel._set_vocab_whitespace, pre-tokenizer 'whitespace' (the as-is "
                "converter refuses a word-level tokenizer: 'BPE pre-tokenizer was not "
-               "recognized')" + ("; diagnostic variant: Q8_0/BF16 tensors written F32"
-                                 if variant == "f32" else ""))
+               "recognized')" + {"f32": "; diagnostic variant: Q8_0/BF16 tensors written F32",
+                                 "f32all": "; diagnostic variant: Q8_0/BF16 tensors and the FP4 "
+                                           "experts written F32"}.get(variant, ""))
     tmp.rename(out)
     note.write_text(how)
     log(f"model27: {out} ({out.stat().st_size / 2**20:.0f} MiB, {time.time() - t0:.0f} s): {how}")
@@ -577,41 +601,55 @@ def llama_env(ggml):
 
 # ---------------------------------------------------------------- cross-engine row
 LLAMA_VARIANTS = {
-    # name: (gguf file, extra env) -- the first is the row, the rest diagnose it
-    "llama.cpp": ("model.gguf", {}),
-    "llama.cpp F32 weights": ("model-f32.gguf", {}),
-    "llama.cpp F32 weights, F32 K/V": ("model-f32.gguf", {"LLAMACPP_KV": "f32"}),
-    "llama.cpp F32 weights, F32 K/V, no flash-attn": ("model-f32.gguf",
-                                                       {"LLAMACPP_KV": "f32", "LLAMACPP_FA": "0"}),
+    # key: (label, gguf file, extra env) -- "default" is the row, the rest diagnose it
+    "default": ("llama.cpp", "model.gguf", {}),
+    "f32w": ("llama.cpp F32 weights", "model-f32.gguf", {}),
+    "f32w-kv32": ("llama.cpp F32 weights, F32 K/V", "model-f32.gguf", {"LLAMACPP_KV": "f32"}),
+    "f32w-kv32-nofa": ("llama.cpp F32 weights, F32 K/V, no flash-attn", "model-f32.gguf",
+                       {"LLAMACPP_KV": "f32", "LLAMACPP_FA": "0"}),
+    "f32all": ("llama.cpp F32 weights + F32 experts (F16 K/V)", "model-f32all.gguf", {}),
+    "f32all-kv32-nofa": ("llama.cpp F32 weights + F32 experts, F32 K/V, no flash-attn",
+                         "model-f32all.gguf", {"LLAMACPP_KV": "f32", "LLAMACPP_FA": "0"}),
 }
 
 
-def cross_engine(root, threads, prompt_len, steps, ggml, variants, log=print):
+def cross_engine(root, threads, prompt_len, steps, ggml, variants, log=print,
+                 reuse_ref=False, with_swap=True):
     """The cross-engine rows: transformers eager is the reference (DeepSeek's released
     model.py is absent here); each other side is run free (its own greedy tokens) and
-    teacher-forced with the reference's tokens."""
+    teacher-forced with the reference's tokens.  reuse_ref: take eager's logits from the
+    previous run's cache file (root/ref-<prompt>-<steps>.npy) when present."""
     import random
+    import transformers
     rng = random.Random(SEED)
     prompt = [rng.randrange(2, MODEL["vocab_size"]) for _ in range(prompt_len)]
+    cache = root / f"ref-{prompt_len}-{steps}-{transformers.__version__}.npy"
     t0 = time.time()
-    m = load_hf(root / "hf-bf16", threads)
-    ref = hf_logits(m, prompt, steps)
+    m = None
+    if reuse_ref and cache.exists():
+        ref = np.load(cache)
+    else:
+        m = load_hf(root / "hf-bf16", threads)
+        ref = hf_logits(m, prompt, steps)
+        np.save(cache, ref)
     toks = greedy_tokens(ref)[:steps]
     out = [dict(compare("hf eager (reference)", ref, ref, ref, steps),
                 seconds=time.time() - t0)]
     log(fmt_cross(out[-1]))
-    from deepseek_csa.transformers import swap, unswap
-    t0 = time.time()
-    swap(m)
-    sw, swf = hf_logits(m, prompt, steps), hf_logits(m, prompt, steps, forced=toks)
-    unswap(m)
+    if with_swap:
+        from deepseek_csa.transformers import swap, unswap
+        t0 = time.time()
+        m = m or load_hf(root / "hf-bf16", threads)
+        swap(m)
+        sw, swf = hf_logits(m, prompt, steps), hf_logits(m, prompt, steps, forced=toks)
+        unswap(m)
+        out.append(dict(compare("hf + swap", sw, swf, ref, steps), seconds=time.time() - t0))
+        log(fmt_cross(out[-1]))
     del m
-    out.append(dict(compare("hf + swap", sw, swf, ref, steps), seconds=time.time() - t0))
-    log(fmt_cross(out[-1]))
     for name in variants:
-        gg, extra = LLAMA_VARIANTS[name]
+        name, gg, extra = LLAMA_VARIANTS[name]
         if gg != "model.gguf":
-            convert_gguf(root / "hf", root / gg, variant="f32", log=log)
+            convert_gguf(root / "hf", root / gg, variant=gg[len("model-"):-len(".gguf")], log=log)
         env = dict(llama_env(ggml), **extra)
         t0 = time.time()
         ll, _ = llama_logits(root / gg, prompt, steps, threads, env=env)
@@ -752,6 +790,12 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=2304,
                     help="cross-engine prompt (2304: 576 compressed CSA entries > top-512)")
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--variants", default="",
+                    help="comma-separated llama.cpp cross-engine variants (default: the row "
+                         "only with --quick, all without); names: " + ", ".join(LLAMA_VARIANTS))
+    ap.add_argument("--reuse-ref", action="store_true",
+                    help="cross-engine: reuse the cached transformers-eager reference logits")
+    ap.add_argument("--no-swap-check", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ggml", default=None, choices=["noamx", "native", "native-noextra"],
                     help="llama.cpp's ggml (default noamx when built, else native-noextra)")
     ap.add_argument("--chunk", type=int, default=2048, help="transformers prefill chunk")
@@ -804,8 +848,11 @@ def main(argv=None):
                 print(fmt_row(r), flush=True)
             rows += rr
     if not a.no_check:
-        variants = ["llama.cpp"] if a.quick else list(LLAMA_VARIANTS)
-        cross = cross_engine(root, a.threads, a.prompt_len, a.steps, ggml, variants)
+        variants = ["default"] if a.quick else list(LLAMA_VARIANTS)
+        if a.variants:
+            variants = [v.strip() for v in a.variants.split(",")]
+        cross = cross_engine(root, a.threads, a.prompt_len, a.steps, ggml, variants,
+                             reuse_ref=a.reuse_ref, with_swap=not a.no_swap_check)
     formats = weight_formats(root, ggml)
     for k, v in formats.items():
         print(f"formats   {k:<10} {v}")
