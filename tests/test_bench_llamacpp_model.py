@@ -118,3 +118,19 @@ def test_bench_ids_deterministic_and_in_range():
 def test_model_key_depends_on_config():
     assert bm.model_key() == bm.model_key(dict(bm.MODEL))
     assert bm.model_key() != bm.model_key(TINY) != bm.model_key(seed=1)
+
+
+def test_bench_summary():
+    row = {"kind": "decode", "label": "ctx=4096, 16 steps", "llama.cpp": {"tokens_per_s": 10.0},
+           "hf + swap": {"tokens_per_s": 12.0}}
+    flip = {"step": 1, "margin": 0.04, "logit_err_max": 0.5}
+    snap = {"rows": [row, dict(row, **{"hf + swap": {"tokens_per_s": 5.0}})],
+            "cross_engine": [
+                {"side": "hf + swap", "forced_rel_err_max": 8e-7, "greedy_same": 32, "steps": 32},
+                {"side": "llama.cpp", "last_logits_rel_err": 1.6e-2, "forced_argmax_agree": 31,
+                 "steps": 32, "forced_flips": [flip]}]}
+    got = bm.bench_summary(snap)
+    assert [ok for _, ok, _ in got] == [True, False, True]
+    # a flip where the reference was decisive is not explained by rounding: not met
+    snap["cross_engine"][1]["forced_flips"] = [dict(flip, margin=2.0)]
+    assert bm.bench_summary(snap)[-1][1] is False
