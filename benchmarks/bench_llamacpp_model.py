@@ -515,7 +515,9 @@ def hf_worker(side, hf_dir, threads, n_prompt, n_decode, chunk):
     n_prompt tokens in `chunk`-token calls, then n_decode greedy steps.  Prints JSON."""
     import torch
     from transformers import DynamicCache
-    m = load_hf(hf_dir, threads, swapped=(side == "hf+swap"))
+    if side not in ("hf eager", "hf + swap"):
+        raise ValueError(f"unknown side {side!r}")
+    m = load_hf(hf_dir, threads, swapped=(side == "hf + swap"))
     vocab = m.config.vocab_size
     ids = torch.tensor([bench_ids(n_prompt, vocab)])
     with torch.no_grad():
