@@ -2,10 +2,17 @@
 model with random weights run by llama.cpp, by transformers eager and by transformers +
 deepseek_csa.transformers.swap, on the very same weights.
 
-    make peers PEERS_EXTRA_TARGETS="llama"        # once: libllama + benchmarks/llamacpp_model.c
+    PEERS_EXTRA_TARGETS="llama-bench llama" make peers   # once: libllama, llama-bench and
+                                                          # benchmarks/llamacpp_model.c (~15 min)
+    PEERS_GGML_ISA=noamx make peers                       # once, AMX hosts: ggml without AMX (~8 min)
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_llamacpp_model.py          # every row
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_llamacpp_model.py --quick  # decode@4K + cross-engine
-    .venv/bin/python benchmarks/bench_llamacpp_model.py --check-only               # cross-engine row only
+    .venv/bin/python benchmarks/bench_llamacpp_model.py --check-only               # cross-engine rows only
+
+Durations (2 cores): the model and its GGUF are written once (~2 min, ~4 GB under
+build/peers/model27/); --quick ~8 min; --check-only ~15 min (with the diagnostic GGUFs,
+written once, ~2 min more); the full run an estimated 1.5-2 h, most of it transformers
+eager prefilling 32K tokens.  bench_llamacpp.py can call run(argv) and bench_summary().
 
 The model (MODEL below): hidden 4096, 64 heads x 512 (RoPE 64), q_lora 1024, 8 x 1024
 output groups, window 128, 64 index heads x 128, top-512, hyper-connections x4, YaRN on
