@@ -36,7 +36,8 @@ config and the seed, so reruns reuse it):
 Sides: "llama.cpp" = benchmarks/llamacpp_model.c against libllama (a subprocess per run;
 its own thread count = ours), "hf eager" = transformers 5.23 DeepseekV4ForCausalLM,
 attn_implementation eager, float32, "hf + swap" = the same model after
-deepseek_csa.transformers.swap(model).  Our runner (python -m deepseek_csa.generate)
+deepseek_csa.transformers.swap(model), "hf + swap bf16" = the model in bfloat16 (the
+FP8 / FP4 values are exact in bf16; half the weight bytes of float32), swapped.  Our runner (python -m deepseek_csa.generate)
 needs DeepSeek's released inference/model.py, which is not on this machine: its rows say
 so, and --inference-dir DIR (with model.py and convert.py) runs it.
 
@@ -433,14 +434,15 @@ def llama_logits(gguf_path, prompt, steps, threads, forced=None, workdir=None, e
     return lg.reshape(steps + 1, -1), info
 
 
-def load_hf(hf_dir, threads, swapped=False):
-    """transformers' DeepseekV4ForCausalLM (eager attention, float32) from hf_dir, and
-    swapped onto our kernels when asked."""
+def load_hf(hf_dir, threads, swapped=False, bf16=False):
+    """transformers' DeepseekV4ForCausalLM (eager attention, float32 or bfloat16) from
+    hf_dir, and swapped onto our kernels when asked."""
     import torch
     from transformers import DeepseekV4ForCausalLM
     torch.set_num_threads(threads)
-    m = DeepseekV4ForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32,
-                                              attn_implementation="eager").eval()
+    m = DeepseekV4ForCausalLM.from_pretrained(
+        str(hf_dir), dtype=torch.bfloat16 if bf16 else torch.float32,
+        attn_implementation="eager").eval()
     if swapped:
         from deepseek_csa.transformers import swap
         swap(m)
@@ -517,14 +519,17 @@ def bench_ids(n, vocab):
     return out[:n] if n else out
 
 
+HF_SIDES = ("hf eager", "hf + swap", "hf + swap bf16")
+
+
 def hf_worker(side, hf_dir, threads, n_prompt, n_decode, chunk):
     """One timed run in this (fresh) process: load, warm up (64 + 2 tokens), prefill
     n_prompt tokens in `chunk`-token calls, then n_decode greedy steps.  Prints JSON."""
     import torch
     from transformers import DynamicCache
-    if side not in ("hf eager", "hf + swap"):
+    if side not in HF_SIDES:
         raise ValueError(f"unknown side {side!r}")
-    m = load_hf(hf_dir, threads, swapped=(side == "hf + swap"))
+    m = load_hf(hf_dir, threads, swapped=side != "hf eager", bf16=side.endswith("bf16"))
     vocab = m.config.vocab_size
     ids = torch.tensor([bench_ids(n_prompt, vocab)])
     with torch.no_grad():
@@ -654,6 +659,12 @@ def cross_engine(root, threads, prompt_len, steps, ggml, variants, log=print,
         unswap(m)
         out.append(dict(compare("hf + swap", sw, swf, ref, steps), seconds=time.time() - t0))
         log(fmt_cross(out[-1]))
+        del m
+        t0 = time.time()
+        m = load_hf(root / "hf-bf16", threads, swapped=True, bf16=True)
+        sw, swf = hf_logits(m, prompt, steps), hf_logits(m, prompt, steps, forced=toks)
+        out.append(dict(compare("hf + swap bf16", sw, swf, ref, steps), seconds=time.time() - t0))
+        log(fmt_cross(out[-1]))
     del m
     for name in variants:
         name, gg, extra = LLAMA_VARIANTS[name]
@@ -709,6 +720,8 @@ def weight_formats(root, ggml):
                         "K/V float32",
             "hf + swap": "float32 throughout (same module weights); our kernels for "
                          "attention / indexer / compressor",
+            "hf + swap bf16": "bfloat16 weights (the FP8 / FP4 values, exact), activations "
+                              "and K/V; our kernels for attention / indexer / compressor",
             "runner": "FP8 e4m3 and FP4 e2m1 weights in place (fp8_gemm / fp4_gemm), "
                       "bf16 activations, the released model.py's QAT roundings"}
 
@@ -722,7 +735,7 @@ def fmt_row(r):
         parts.append(f"{side} {v['tokens_per_s']:8.2f} tok/s ({v['peak_rss_bytes'] / 2**30:.2f} GiB)")
     ratio = r.get("swap_over_llama")
     return (f"model     {r['kind']:<7} {r['label']:<40} | " + " | ".join(parts)
-            + (f" | hf+swap / llama.cpp x{ratio:.2f}" if ratio else "")
+            + (f" | {r['swap_best']} / llama.cpp x{ratio:.2f}" if ratio else "")
             + f" | runner: {r['runner_note']} | {r['cpu']} {r['threads']}t ({r['rounds']} rounds)")
 
 
@@ -743,8 +756,11 @@ def measure_rows(root, plan, sides, rounds, threads, ggml, chunk, runner, log=pr
             sec = statistics.median(x[key] for x in raw[s])
             r[s] = dict(seconds=sec, tokens_per_s=(n if kind == "prefill" else k) / sec,
                         peak_rss_bytes=max(x["peak_rss_bytes"] for x in raw[s]))
-        if "hf + swap" in r and "llama.cpp" in r:
-            r["swap_over_llama"] = r["hf + swap"]["tokens_per_s"] / r["llama.cpp"]["tokens_per_s"]
+        swaps = [x for x in ("hf + swap", "hf + swap bf16") if x in r]
+        if swaps and "llama.cpp" in r:
+            best = max(swaps, key=lambda x: r[x]["tokens_per_s"])
+            r["swap_over_llama"] = r[best]["tokens_per_s"] / r["llama.cpp"]["tokens_per_s"]
+            r["swap_best"] = best
         rows.append(r)
     return rows
 
@@ -757,6 +773,7 @@ def plot(rows, path, title):
     for ax, kind in zip(axes, ("prefill", "decode")):
         rs = [r for r in rows if r["kind"] == kind]
         for side, mk in (("llama.cpp", "s"), ("hf eager", "o"), ("hf + swap", "^"),
+                         ("hf + swap bf16", "v"),
                          ("runner", "D")):
             pts = [(r["n"], r[side]["tokens_per_s"]) for r in rs if isinstance(r.get(side), dict)]
             if pts:
@@ -796,7 +813,9 @@ def bench_summary(snap):
     near-tie of the reference, margin below llama.cpp's largest logit error there)."""
     out = []
     for r in snap.get("rows", []):
-        ours = "runner" if isinstance(r.get("runner"), dict) else "hf + swap"
+        ours = ("runner" if isinstance(r.get("runner"), dict) else
+                max((x for x in ("hf + swap", "hf + swap bf16") if isinstance(r.get(x), dict)),
+                    key=lambda x: r[x]["tokens_per_s"], default="hf + swap"))
         if isinstance(r.get(ours), dict) and isinstance(r.get("llama.cpp"), dict):
             x = r[ours]["tokens_per_s"] / r["llama.cpp"]["tokens_per_s"]
             out.append((f"model {r['kind']} {r['label']}", x >= 1,
@@ -842,6 +861,8 @@ def run(argv=None):
     ap.add_argument("--ggml", default=None, choices=["noamx", "native", "native-noextra"],
                     help="llama.cpp's ggml (default noamx when built, else native-noextra)")
     ap.add_argument("--chunk", type=int, default=2048, help="transformers prefill chunk")
+    ap.add_argument("--sides", default="", help="comma-separated subset of: llama.cpp, "
+                    "hf eager, hf + swap, hf + swap bf16 (runner is added by --inference-dir)")
     ap.add_argument("--rows", default="", help="custom rows, e.g. prefill:512,decode:4096:16")
     ap.add_argument("--inference-dir", help="DeepSeek's inference/ (model.py): adds our runner")
     ap.add_argument("--runner-ckpt", help="hf/ converted by that folder's convert.py")
@@ -871,7 +892,9 @@ def run(argv=None):
     if a.inference_dir:
         runner = dict(inference_dir=a.inference_dir, ckpt=a.runner_ckpt, config=a.runner_config)
         runner_note = "run"
-    sides = ["llama.cpp", "hf eager", "hf + swap"] + (["runner"] if runner else [])
+    sides = ["llama.cpp", "hf eager", "hf + swap", "hf + swap bf16"] + (["runner"] if runner else [])
+    if a.sides:
+        sides = [x.strip() for x in a.sides.split(",")]
     t_start = time.time()
     print(f"model27: {root} ({json.dumps({k: MODEL[k] for k in ('hidden_size', 'num_hidden_layers', 'compress_ratios', 'n_routed_experts', 'num_experts_per_tok', 'vocab_size')})}); "
           f"GGUF: {how}; llama.cpp ggml: {ggml}; {cpu}, {a.threads} threads", flush=True)
