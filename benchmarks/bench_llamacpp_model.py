@@ -37,15 +37,21 @@ Sides: "llama.cpp" = benchmarks/llamacpp_model.c against libllama (a subprocess 
 its own thread count = ours), "hf eager" = transformers 5.23 DeepseekV4ForCausalLM,
 attn_implementation eager, float32, "hf + swap" = the same model after
 deepseek_csa.transformers.swap(model), "hf + swap bf16" = the model in bfloat16 (the
-FP8 / FP4 values are exact in bf16; half the weight bytes of float32), swapped.  Our runner (python -m deepseek_csa.generate)
-needs DeepSeek's released inference/model.py, which is not on this machine: its rows say
-so, and --inference-dir DIR (with model.py and convert.py) runs it.
+FP8 / FP4 values are exact in bf16; half the weight bytes of float32), swapped.  llama.cpp
+runs over the ggml built without AMX (--ggml noamx, the default when built): with the
+native ggml its defaults abort on an AMX host (docs/peers.md section 7).  Our runner
+(python -m deepseek_csa.generate) needs DeepSeek's released inference/model.py, which is
+not on this machine: its rows say so, and --inference-dir DIR --runner-ckpt CKPT
+--runner-config CFG (the checkpoint made from hf/ by DIR's convert.py) runs it (untested
+here).
 
 Rows: prefill tokens/s at 512 / 2048 / 8192 prompt tokens; decode tokens/s after 4K and
 32K tokens of context; peak resident memory of each run (its own process); the weight
 formats each side multiplies.  Cross-engine row: the same prompt, last-position logits
 relative error against transformers eager (the reference here, released model.py being
-absent) and greedy-token agreement over 32 steps.
+absent) and greedy-token agreement over 32 steps, free-running and teacher-forced; without
+--quick also llama.cpp on diagnostic GGUFs (F32 instead of Q8_0 / BF16, F32 experts
+instead of MXFP4) and K/V settings, which locate its deviation (docs/peers.md section 7).
 """
 from __future__ import annotations
 
@@ -54,8 +60,6 @@ import hashlib
 import json
 import os
 import platform
-import re
-import shutil
 import statistics
 import subprocess
 import sys
@@ -302,7 +306,8 @@ def write_model(root, cfg=None, seed=SEED, log=print):
 # GPT-2 BPE path, which hashes the pre-tokenizer and raises "BPE pre-tokenizer was not
 # recognized").  The fallback runs the same converter with that one method replaced by
 # the tree's own word-level path (TextModel._set_vocab_whitespace: tokenizer model
-# "whitespace", its pre-tokenizer hash check answered with "whitespace") plus a placeholder merge list (llama.cpp's BPE loader requires the key;
+# "whitespace", its pre-tokenizer hash check answered with "whitespace") plus a
+# placeholder merge list (llama.cpp's BPE loader requires the key;
 # nothing here tokenizes text: every engine is given token ids).  Tensors, dtypes and
 # metadata are the converter's own.
 _CONVERT_WORDLEVEL = r"""
@@ -588,7 +593,8 @@ def run_runner(runner, threads, n_prompt, n_decode, env):
     import tempfile
     with tempfile.TemporaryDirectory() as td:
         td = Path(td)
-        (td / "p.txt").write_text(" ".join(map(str, bench_ids(n_prompt, MODEL["vocab_size"]))) + "\n")
+        ids = bench_ids(n_prompt, MODEL["vocab_size"])
+        (td / "p.txt").write_text(" ".join(map(str, ids)) + "\n")
         cmd = [sys.executable, "-m", "deepseek_csa.generate", "--inference-dir",
                runner["inference_dir"], "--ckpt-path", runner["ckpt"], "--config",
                runner["config"], "--input-file", str(td / "p.txt"), "--max-new-tokens",
@@ -703,8 +709,8 @@ def weight_formats(root, ggml):
     t = gguf_tensor_types(root / "model.gguf")
     by = collections.defaultdict(set)
     for name, ty in t.items():
-        kind = ("routed experts" if "_exps" in name else "router" if "tid2eid" in name else "shared experts" if "shexp" in name
-                else "indexer" if "indexer" in name else "embed/head" if name.startswith(
+        kind = ("routed experts" if "_exps" in name else "router" if "tid2eid" in name
+                else "shared experts" if "shexp" in name else "indexer" if "indexer" in name else "embed/head" if name.startswith(
                     ("token_embd", "output.")) else "router" if "gate_inp" in name
                 else "compressors" if "compressor" in name else "hyper-connections"
                 if "hc_" in name else "norms/sinks/bias" if "norm" in name or "sinks" in name
@@ -867,7 +873,8 @@ def run(argv=None):
     ap.add_argument("--inference-dir", help="DeepSeek's inference/ (model.py): adds our runner")
     ap.add_argument("--runner-ckpt", help="hf/ converted by that folder's convert.py")
     ap.add_argument("--runner-config", help="that folder's ModelArgs config.json for this model")
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/llamacpp_model.json)")
+    ap.add_argument("--out", default=None,
+                    help="JSON path (default benchmarks/results/llamacpp_model.json)")
     ap.add_argument("--note", default="")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--n-prompt", type=int, help=argparse.SUPPRESS)
