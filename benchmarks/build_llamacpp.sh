@@ -9,11 +9,16 @@
 #   3. build only the ggml libraries (ggml, ggml-base, ggml-cpu) -- and test-backend-ops
 #      when PEERS_TEST_BACKEND_OPS=1, the targets in PEERS_EXTRA_TARGETS (llama-bench
 #      with LLAMA_BUILD_TOOLS=ON) when set -- under `nice -n 19` with PEERS_JOBS (default 2) jobs;
-#   4. compile benchmarks/llamacpp_ops.c against them into build/peers/libcsa_ggml_ops.so.
+#   4. compile benchmarks/llamacpp_ops.c against them into build/peers/libcsa_ggml_ops.so;
+#   5. when libllama exists (PEERS_EXTRA_TARGETS="llama ..."), compile
+#      benchmarks/llamacpp_model.c against it into build/peers/llamacpp_model (the
+#      whole-model runs of benchmarks/bench_llamacpp_model.py).
 # Each step is skipped when its output exists; PEERS_DIR moves the whole thing.
 # PEERS_GGML_ISA=avx2 builds a second copy limited to AVX2/FMA/F16C (GGML_NATIVE=OFF)
 # into llama-build-avx2/ + libcsa_ggml_ops-avx2.so, to set beside our AVX2 path
 # (DEEPSEEK_CSA_ISA=avx2 ... bench_llamacpp.py --ggml-isa avx2) on an AVX-512 / AMX host.
+# PEERS_GGML_ISA=noamx: AVX-512 (+VNNI, BF16) without AMX into llama-build-noamx/ (only
+# ggml is needed there: bench_llamacpp_model.py loads the native libllama over it).
 set -eu
 
 VERSION=${LLAMACPP_VERSION:-0.3.36}
@@ -29,7 +34,12 @@ case "$GISA" in
             ISAFLAGS="-DGGML_NATIVE=ON" ;;
     avx2)   BLD=$DIR/llama-build-avx2; LIB=$DIR/libcsa_ggml_ops-avx2.so
             ISAFLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" ;;
-    *) echo "make peers: PEERS_GGML_ISA must be native or avx2, not $GISA" >&2; exit 2 ;;
+    # AVX-512 as native but without the AMX extra buffer: on the AMX test host the
+    # whole-model graph with Q8_0 weights in ggml's AMX buffer cannot be scheduled
+    # (docs/peers.md section 7); bench_llamacpp_model.py runs libllama over this ggml.
+    noamx)  BLD=$DIR/llama-build-noamx; LIB=$DIR/libcsa_ggml_ops-noamx.so
+            ISAFLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" ;;
+    *) echo "make peers: PEERS_GGML_ISA must be native, avx2 or noamx, not $GISA" >&2; exit 2 ;;
 esac
 
 missing=""
@@ -87,5 +97,16 @@ if [ ! -f "$LIB" ] || [ "$ROOT/benchmarks/llamacpp_ops.c" -nt "$LIB" ]; then
         -I"$LLAMA/ggml/include" -L"$BLD/bin" -lggml -lggml-base -lggml-cpu \
         -Wl,-rpath,"$BLD/bin" -lm
 fi
+# the whole-model harness (issue 27 items 3-4), when libllama was built
+# (PEERS_EXTRA_TARGETS containing llama or llama-bench)
+HARN=$DIR/llamacpp_model
+[ "$GISA" = native ] || HARN=$DIR/llamacpp_model-$GISA
+if [ -f "$BLD/bin/libllama.so" ] && { [ ! -x "$HARN" ] || [ "$ROOT/benchmarks/llamacpp_model.c" -nt "$HARN" ]; }; then
+    echo "peers: compiling benchmarks/llamacpp_model.c -> $HARN"
+    "$CC" -O2 -o "$HARN" "$ROOT/benchmarks/llamacpp_model.c" -I"$LLAMA/include" \
+        -I"$LLAMA/ggml/include" -L"$BLD/bin" -lllama -lggml -lggml-base \
+        -Wl,-rpath,"$BLD/bin"
+fi
 echo "peers: llama.cpp $VERSION ggml in $BLD/bin, harness $LIB"
+[ -x "$HARN" ] && echo "peers: model harness $HARN; run  .venv/bin/python benchmarks/bench_llamacpp_model.py [--quick]"
 echo "peers: run  .venv/bin/python benchmarks/bench_llamacpp.py [--quick]"
