@@ -621,6 +621,8 @@ def main(argv=None):
     ap.add_argument("--ggml-amx", action="store_true",
                     help="let ggml put Q8_0 weights in its AMX buffer (crashed here for M >= 2)")
     ap.add_argument("--note", default="")
+    ap.add_argument("--no-model", action="store_true",
+                    help="op rows only (skip bench_llamacpp_model.py's whole-model rows)")
     a = ap.parse_args(argv)
     from threadpoolctl import threadpool_limits
     import torch
@@ -672,6 +674,21 @@ def main(argv=None):
                 print(fmt(r), flush=True)
                 rows.append(dict(r))
     met = sum(r["speedup"] >= 1 for r in rows)
+    # the whole-model rows (bench_llamacpp_model.py: llama.cpp, transformers eager and
+    # + swap on one V4-Flash-width model; --quick: decode at 4K and the cross-engine
+    # row), folded into the count; skipped with a note when libllama is not built
+    model_rows = []
+    if not a.tiny and not a.k and not a.no_model:
+        import bench_llamacpp_model as bm
+        msnap = bm.run((["--quick"] if a.quick else []) + ["--threads", str(a.threads)])
+        if isinstance(msnap, dict):
+            model_rows = bm.bench_summary(msnap)
+            for name_, ok, note in model_rows:
+                print(f"{name_:<60} {'>=' if ok else '< '} {note}", flush=True)
+        else:
+            print("model rows: skipped (bench_llamacpp_model.py said why above)", flush=True)
+    met += sum(ok for _, ok, _ in model_rows)
+    n_rows = len(rows) + len(model_rows)
     out_dir = PEERS if a.tiny else harness.RESULTS
     out_dir.mkdir(parents=True, exist_ok=True)
     name = ("llamacpp_tiny" if a.tiny else "llamacpp") + ("_avx2" if a.ggml_isa == "avx2" else "")
@@ -682,15 +699,15 @@ def main(argv=None):
             "llamacpp_version": LLAMACPP_VERSION, "ceilings": peaks,
             "env": harness.environment(a.threads), "host": platform.node(),
             "seconds": time.time() - t_start, "rows": rows,
-            "summary": f"{met}/{len(rows)} rows ours >= llama.cpp",
-            "not_done": ["model-level rows (issue 27 item 3)",
-                         "cross-engine logits row (issue 27 item 4)"]}
+            "summary": f"{met}/{n_rows} rows ours >= llama.cpp",
+            "model_rows": [dict(row=n_, met=bool(ok), note=t_) for n_, ok, t_ in model_rows],
+            "model_rows_json": "benchmarks/results/llamacpp_model.json"}
     (out_dir / f"{name}.json").write_text(json.dumps(snap, indent=1, default=float))
     if rows:
         plot(rows, out_dir / f"{name}.png")
         (out_dir / f"{name}.md").write_text(markdown(rows, peaks))
     print(f"wrote {out_dir / (name + '.json')} and {name}.png ({time.time() - t_start:.0f} s)")
-    print(f"llamacpp: {met}/{len(rows)} rows ours >= llama.cpp")
+    print(f"llamacpp: {met}/{n_rows} rows ours >= llama.cpp")
     return 0
 
 
