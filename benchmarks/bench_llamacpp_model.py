@@ -791,6 +791,9 @@ def plot(rows, path, title):
         ax.set_title(kind)
         if ax.lines:
             ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, f"no {kind} rows in this run", ha="center",
+                    transform=ax.transAxes)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
