@@ -607,6 +607,18 @@ def run_runner(runner, threads, n_prompt, n_decode, env):
                 peak_rss_bytes=max(x["peak_rss"] for x in o["ranks"]))
 
 
+def default_ggml():
+    """noamx when built; else native on a CPU without AMX (llama.cpp's defaults run
+    there), native-noextra on an AMX CPU (its defaults abort, docs/peers.md s. 7)."""
+    if (PEERS / "llama-build-noamx" / "bin" / "libggml-cpu.so").exists():
+        return "noamx"
+    try:
+        amx = "amx_int8" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        amx = False
+    return "native-noextra" if amx else "native"
+
+
 def llama_env(ggml):
     """Environment for the harness: ggml="noamx" loads libllama over the AVX-512 ggml
     built without AMX (PEERS_GGML_ISA=noamx); "native" is the -march=native ggml with
@@ -868,7 +880,8 @@ def run(argv=None):
                     help="cross-engine: reuse the cached transformers-eager reference logits")
     ap.add_argument("--no-swap-check", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ggml", default=None, choices=["noamx", "native", "native-noextra"],
-                    help="llama.cpp's ggml (default noamx when built, else native-noextra)")
+                    help="llama.cpp's ggml (default: noamx when built, else native on a "
+                         "CPU without AMX, native-noextra with AMX)")
     ap.add_argument("--chunk", type=int, default=2048, help="transformers prefill chunk")
     ap.add_argument("--sides", default="", help="comma-separated subset of: llama.cpp, "
                     "hf eager, hf + swap, hf + swap bf16 (runner is added by --inference-dir)")
@@ -893,8 +906,7 @@ def run(argv=None):
     except FileNotFoundError as e:
         print(f"SKIP bench_llamacpp_model: {e}")
         return None
-    ggml = a.ggml or ("noamx" if (PEERS / "llama-build-noamx" / "bin" / "libggml-cpu.so").exists()
-                      else "native-noextra")
+    ggml = a.ggml or default_ggml()
     cpu = harness.cpu_model()
     runner = None
     runner_note = ("not run: DeepSeek's released inference/model.py is not on this machine "
