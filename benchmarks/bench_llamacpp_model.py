@@ -11,8 +11,8 @@ deepseek_csa.transformers.swap, on the very same weights.
 
 Durations (2 cores): the model and its GGUF are written once (~2 min, ~4 GB under
 build/peers/model27/); --quick ~8 min; --check-only ~15 min (with the diagnostic GGUFs,
-written once, ~2 min more); the full run an estimated 1.5-2 h, most of it transformers
-eager prefilling 32K tokens.  bench_llamacpp.py can call run(argv) and bench_summary().
+written once, ~2 min more); the full run an estimated 2 h, most of it the decode row
+after 32K tokens (one round: llama.cpp alone needs ~13 min to prefill them).  bench_llamacpp.py can call run(argv) and bench_summary().
 
 The model (MODEL below): hidden 4096, 64 heads x 512 (RoPE 64), q_lora 1024, 8 x 1024
 output groups, window 128, 64 index heads x 128, top-512, hyper-connections x4, YaRN on
@@ -607,6 +607,18 @@ def run_runner(runner, threads, n_prompt, n_decode, env):
                 peak_rss_bytes=max(x["peak_rss"] for x in o["ranks"]))
 
 
+def default_ggml():
+    """noamx when built; else native on a CPU without AMX (llama.cpp's defaults run
+    there), native-noextra on an AMX CPU (its defaults abort, docs/peers.md s. 7)."""
+    if (PEERS / "llama-build-noamx" / "bin" / "libggml-cpu.so").exists():
+        return "noamx"
+    try:
+        amx = "amx_int8" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        amx = False
+    return "native-noextra" if amx else "native"
+
+
 def llama_env(ggml):
     """Environment for the harness: ggml="noamx" loads libllama over the AVX-512 ggml
     built without AMX (PEERS_GGML_ISA=noamx); "native" is the -march=native ggml with
@@ -791,6 +803,9 @@ def plot(rows, path, title):
         ax.set_title(kind)
         if ax.lines:
             ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, f"no {kind} rows in this run", ha="center",
+                    transform=ax.transAxes)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -865,7 +880,8 @@ def run(argv=None):
                     help="cross-engine: reuse the cached transformers-eager reference logits")
     ap.add_argument("--no-swap-check", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ggml", default=None, choices=["noamx", "native", "native-noextra"],
-                    help="llama.cpp's ggml (default noamx when built, else native-noextra)")
+                    help="llama.cpp's ggml (default: noamx when built, else native on a "
+                         "CPU without AMX, native-noextra with AMX)")
     ap.add_argument("--chunk", type=int, default=2048, help="transformers prefill chunk")
     ap.add_argument("--sides", default="", help="comma-separated subset of: llama.cpp, "
                     "hf eager, hf + swap, hf + swap bf16 (runner is added by --inference-dir)")
@@ -890,8 +906,7 @@ def run(argv=None):
     except FileNotFoundError as e:
         print(f"SKIP bench_llamacpp_model: {e}")
         return None
-    ggml = a.ggml or ("noamx" if (PEERS / "llama-build-noamx" / "bin" / "libggml-cpu.so").exists()
-                      else "native-noextra")
+    ggml = a.ggml or default_ggml()
     cpu = harness.cpu_model()
     runner = None
     runner_note = ("not run: DeepSeek's released inference/model.py is not on this machine "
