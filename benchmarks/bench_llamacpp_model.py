@@ -73,8 +73,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-LLAMACPP_VERSION = "0.3.36"
-PEERS = Path(os.environ.get("PEERS_DIR") or ROOT / "build" / "peers")
+from bench_llamacpp import LLAMACPP_VERSION, PEERS  # noqa: E402  (one pin, one build folder)
+
 LLAMA_TREE = PEERS / f"llama_cpp_python-{LLAMACPP_VERSION}" / "vendor" / "llama.cpp"
 HARNESS = PEERS / "llamacpp_model"
 MODEL_CACHE = PEERS / "model27"
