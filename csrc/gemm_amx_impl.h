@@ -10,7 +10,7 @@
  * within [-GA_EMAX, GA_EMAX].
  *
  * Then every scale is folded into its operand exactly: e4m3 and e2m1 values are bf16
- * values (and e4m3 weights too), and so are they times a power of two as long as the result stays a normal
+ * values, and so are they times a power of two as long as the result stays a normal
  * bf16 -- the exponent bound guarantees that, and that every product a * sa * w * sb
  * (exact in float32) and every partial sum is normal and finite, so the tiles' DAZ / FTZ
  * never change a value.  The whole GEMM is then one bf16 tile GEMM with float32
@@ -23,11 +23,12 @@
  * section 9).  They do not depend on the thread count: each output element is one tile
  * chain over k in increasing order, whatever thread computes it.
  *
- * Layout: the activations are decoded once to bf16 rows (Ab [Mp, K], Mp = M rounded up to
- * GA_MB, pad rows zero).  Each task takes a panel of GA_NP weight rows and decodes it into
- * Bp [K / 2][GA_NP] 32-bit words, the pair (w[n, 2i], w[n, 2i + 1]) as TDPBF16PS's B
- * operand wants it (1 MiB at K = 4096: it stays in L2 while every activation row block
- * sweeps it).  Tiles: 0-3 a 2 x 2 block of 16 x 16 results, 4-5 A (two 16-row slices),
+ * Layout: the activations are decoded once to bf16 in tile blocks (Ab: each A tile, 16
+ * rows x 32 values of one k-step, 1 KiB contiguous; Mp = M rounded up to GA_MB rows, pad
+ * rows zero).  Each task takes a panel of GA_NP weight rows and decodes it into Bp, the
+ * pairs (w[n, 2i], w[n, 2i + 1]) as 32-bit words in 16-column blocks [GA_NP / 16][K / 2][16]
+ * (each B tile 1 KiB contiguous; 1 MiB at K = 4096: it stays in L2 while every activation
+ * row block sweeps it).  Tiles: 0-3 a 2 x 2 block of 16 x 16 results, 4-5 A (two 16-row slices),
  * 6-7 B (two 16-column slices). */
 
 #if defined(__clang__)
