@@ -73,8 +73,9 @@ enum csa_isa {
     CSA_ISA_BASE = 1,    /* x86-64 baseline (SSE2) or whatever the compiler targets */
     CSA_ISA_AVX2 = 2,    /* AVX2 + FMA */
     CSA_ISA_AVX512 = 3,  /* AVX-512 F/BW/DQ/VL */
-    CSA_ISA_AMX = 4,     /* AVX-512 + AVX512_BF16 + AMX-BF16 tiles the OS lets us use:
-                          * the bfloat16 dot products of attention and the indexer */
+    CSA_ISA_AMX = 4,     /* AVX-512 + AVX512_BF16 / VNNI / VBMI + AMX-BF16 tiles the OS
+                          * lets us use: the bfloat16 dot products of attention and the
+                          * indexer, the int8 ones of fp4_gemm's one-row path */
 };
 
 /* The tuned bodies are compiled once per x86 level (csa_isa_variants.h) with

@@ -204,20 +204,21 @@ static inline __attribute__((always_inline)) __m256 CSA_V(g_e2m1_normal)(__m256i
         _mm256_add_epi32(w, _mm256_min_epu32(mag, _mm256_set1_epi32(0x00800000))));
 }
 
-/* The scales of weight rows n0 .. n0 + 7 (rows past nr repeat the last one), transposed
- * to sbt [K / 32][8]: e8m0 as bytes (decoded 8 at a time in the loops: the scalar decode
- * of each was a fifth of the time), float32 as they are. */
-static void CSA_V(g_row8_scales)(const struct csa_gemm_args *g, csa_idx n0, csa_idx nr, float *sbt)
+/* The scales of weight rows n0 .. n0 + R - 1 (rows past nr repeat the last one),
+ * transposed to sbt [K / 32][R]: e8m0 as bytes (decoded R at a time in the loops: the
+ * scalar decode of each was a fifth of the time), float32 as they are. */
+static void CSA_V(g_rows_scales)(const struct csa_gemm_args *g, csa_idx n0, csa_idx nr, int R,
+                                 float *sbt)
 {
     const csa_idx nb = g->K / 32;
     uint8_t *sb8 = (uint8_t *)sbt;
-    for (int r = 0; r < 8; r++) {
+    for (int r = 0; r < R; r++) {
         const csa_idx n = n0 + (r < nr ? r : nr - 1);
         if (g->bs_fmt == CSA_S_E8M0) {
             const uint8_t *q = (const uint8_t *)g->bs + n * g->sbs_row;
-            for (csa_idx j = 0; j < nb; j++) sb8[8 * j + r] = q[j * g->sbs_col];
+            for (csa_idx j = 0; j < nb; j++) sb8[R * j + r] = q[j * g->sbs_col];
         } else {
-            for (csa_idx j = 0; j < nb; j++) sbt[8 * j + r] = g_bscale(g, n, j);
+            for (csa_idx j = 0; j < nb; j++) sbt[R * j + r] = g_bscale(g, n, j);
         }
     }
 }
@@ -248,7 +249,7 @@ static void CSA_V(g_row8_e2m1)(const struct csa_gemm_args *g, const void *act, c
     for (int r = 0; r < 8; r++) rp[r] = g->b + (n0 + (r < nr ? r : nr - 1)) * g->sb_row;
     const int e8 = g->bs_fmt == CSA_S_E8M0;
     const uint8_t *sb8 = (const uint8_t *)sbt;
-    CSA_V(g_row8_scales)(g, n0, nr, sbt);
+    CSA_V(g_rows_scales)(g, n0, nr, 8, sbt);
     const __m256i z = _mm256_setzero_si256(), ff = _mm256_set1_epi32(0xff);
     const __m256i qbit = _mm256_set1_epi32(0x00400000);
     const __m256i keep = _mm256_set1_epi32((int)0x81c00000u);
@@ -306,32 +307,32 @@ static void CSA_V(g_row8_e2m1)(const struct csa_gemm_args *g, const void *act, c
     }
     _mm256_storeu_ps(res, c);
 }
-/* The one-row FP4 driver: groups of 8 weight rows handed out dynamically (a descheduled
- * thread on a shared host does not hold the others), each computed by row8 from the
- * prepared activation row act into its 8 results; sbt is each thread's scratch for 8
- * rows' scales ([K / 32][8] floats).  Shared by this level's float32 kernel
- * (g_row8_e2m1) and the amx level's bf16 dot products (ga_row8). */
-typedef void (*CSA_V(g_row8_fn))(const struct csa_gemm_args *, const void *, const float *,
+/* The one-row FP4 driver: groups of R weight rows (R <= 16) handed out dynamically (a
+ * descheduled thread on a shared host does not hold the others), each computed by
+ * rows_fn from the prepared activation row act into its R results; sbt is each thread's
+ * scratch for R rows' scales ([K / 32][R] floats).  Shared by this level's float32
+ * kernel (g_row8_e2m1, R = 8) and the amx level's int8 dot products (ga_row16, R = 16). */
+typedef void (*CSA_V(g_rows_fn))(const struct csa_gemm_args *, const void *, const float *,
                                  csa_idx, csa_idx, float *, float *);
-static int CSA_V(g_rows8_run)(const struct csa_gemm_args *g, CSA_V(g_row8_fn) row8,
-                              const void *act, const float *as)
+static int CSA_V(g_rows_run)(const struct csa_gemm_args *g, CSA_V(g_rows_fn) rows_fn, int R,
+                             const void *act, const float *as)
 {
-    const csa_idx N = g->N, no = (N + 7) / 8;
-    const int nt = csa_threads(no, 32);
+    const csa_idx N = g->N, no = (N + R - 1) / R;
+    const int nt = csa_threads(no, 256 / R);
     int fail = 0;
 #pragma omp parallel num_threads(nt)
     {
-        float *sbt = malloc((size_t)(g->K / 32 * 8) * sizeof *sbt);
+        float *sbt = malloc((size_t)(g->K / 32 * R) * sizeof *sbt);
         if (!sbt) {
 #pragma omp atomic write
             fail = 1;
         }
-#pragma omp for schedule(dynamic, 8)
+#pragma omp for schedule(dynamic, 64 / R)
         for (csa_idx q = 0; q < no; q++) {
             if (!sbt) continue;
-            float res[8];
-            const csa_idx n0 = 8 * q, nr = N - n0 < 8 ? N - n0 : 8;
-            row8(g, act, as, n0, nr, sbt, res);
+            float res[16];
+            const csa_idx n0 = R * q, nr = N - n0 < R ? N - n0 : R;
+            rows_fn(g, act, as, n0, nr, sbt, res);
             for (csa_idx r = 0; r < nr; r++) g_store(g, 0, n0 + r, res[r]);
         }
         free(sbt);
@@ -704,7 +705,7 @@ static int CSA_V(gemm_tuned)(const struct csa_gemm_args *g)
         const float pre = g->b_fmt == CSA_W_E4M3 ? 0x1p112f : 0x1p117f;
         for (csa_idx k = 0; k < K; k++) Af[k] *= pre;
         if (g->b_fmt == CSA_W_E2M1) {
-            const int st = CSA_V(g_rows8_run)(g, CSA_V(g_row8_e2m1), Af, AS);
+            const int st = CSA_V(g_rows_run)(g, CSA_V(g_row8_e2m1), 8, Af, AS);
             free(Af);
             free(AS);
             return st;

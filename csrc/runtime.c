@@ -14,8 +14,8 @@
 #include <unistd.h>
 #endif
 
-/* AVX512_BF16 and AMX-BF16 in the CPU, tile state enabled by the OS (XCR0 bits 17
- * and 18), and on Linux the per-process permission to use it, which the kernel
+/* AVX512_BF16, AVX512_VNNI, AVX512_VBMI and AMX-BF16 in the CPU, tile state enabled by the OS
+ * (XCR0 bits 17 and 18), and on Linux the per-process permission to use it, which the kernel
  * grants once asked (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); without
  * it the first tile instruction would kill the process with SIGILL. */
 static int amx_usable(void)
@@ -24,9 +24,10 @@ static int amx_usable(void)
     unsigned a, b, c, d;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
     const int amx_tile = (d >> 24) & 1, amx_bf16 = (d >> 22) & 1;
+    const int avx512_vnni = (c >> 11) & 1, avx512_vbmi = (c >> 1) & 1;
     if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return 0;
     const int avx512_bf16 = (a >> 5) & 1;
-    if (!(amx_tile && amx_bf16 && avx512_bf16)) return 0;
+    if (!(amx_tile && amx_bf16 && avx512_bf16 && avx512_vnni && avx512_vbmi)) return 0;
     if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1)) return 0; /* OSXSAVE */
     unsigned lo, hi;
     __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));

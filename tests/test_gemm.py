@@ -133,8 +133,8 @@ def adversarial_fp4(rng, M, N, K):
 @pytest.mark.skipif("amx" not in ISA_LEVELS_BF16, reason="no AMX-BF16 on this CPU")
 def test_gemm_amx_paths(rng):
     """The amx level's GEMM paths (docs/kernels.md section 9).  FP4, one activation row:
-    AVX512_BF16 dot products in the oracle's order, bitwise the oracle even where
-    summation orders disagree.  More rows (FP4 and FP8): the AMX tiles, whose float32 sums run in
+    exact int8 lane sums (VPDPBUSD) in the oracle's lanes, then its tree and FMA -- bitwise
+    the oracle even where summation orders disagree, for every activation code and sign.  More rows (FP4 and FP8): the AMX tiles, whose float32 sums run in
     the tiles' order -- within 2 K 2^-24 sum|a sa w sb| of the float64 value (each of
     two recursive sums of K terms is within (K - 1) 2^-24 of the sum of magnitudes),
     bitwise the same at any thread count; scales the tiles cannot fold exactly (not
@@ -163,6 +163,19 @@ def test_gemm_amx_paths(rng):
                 np.testing.assert_array_equal(
                     dc.fp4_gemm(a, a_s2, b, b_s2, out_dtype="float32").view(np.uint32),
                     at_ref(dc.fp4_gemm, a, a_s2, b, b_s2, out_dtype="float32").view(np.uint32))
+        # one row, every non-NaN activation code (its three bytes of |a| 2^9 and its sign)
+        # against every weight code, K = 4 groups of 128 and a partial one (3 blocks)
+        codes = np.array([v for v in range(256) if v & 0x7F != 0x7F], np.uint8)
+        for K in (512, 608):
+            a = rng.permutation(np.resize(codes, K))[None]
+            b = rng.integers(0, 256, (45, K // 2)).astype(np.uint8)
+            a_s = rng.integers(120, 135, (1, -(-K // 128))).astype(np.uint8)
+            b_s = rng.integers(120, 135, (45, K // 32)).astype(np.uint8)
+            got = dc.fp4_gemm(a, a_s, b, b_s, out_dtype="float32")
+            ref = at_ref(dc.fp4_gemm, a, a_s, b, b_s, out_dtype="float32")
+            np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
+            want, mag = want_fp4(a, a_s, b, b_s)
+            check_close(got, want, mag, ("all codes", K))
         # the extreme exponents the tiles fold (-44 on both sides): the least products
         # stay normal (the tiles flush subnormals), so the budget still holds
         a, a_s, b, b_s = adversarial_fp4(rng, 20, 40, 256)
@@ -240,9 +253,10 @@ def test_gemm_nan_codes_and_strided_views(isa, rng):
 
 @pytest.mark.parametrize("N,K", [(13, 96), (8, 4096), (70, 160), (1, 32)])
 def test_fp4_gemm_one_row_scale_codes_and_strides(isa_bf16, rng, N, K):
-    """The one-row fp4 path (8 weight rows a vector, scales decoded in-register): N not a
-    multiple of 8, an odd number of 32-blocks, e8m0 scale codes 0 (2^-127) and 0xff
-    (NaN), float32 scales through a strided view, padded weight rows."""
+    """The one-row fp4 path (8 weight rows a vector, 16 at the amx level; scales decoded
+    in-register, gathered at amx): N not a multiple of 8 or 16, an odd number of
+    32-blocks, e8m0 scale codes 0 (2^-127) and 0xff (NaN), float32 and e8m0 scales
+    through strided views, padded weight rows."""
     a = rand_e4m3(rng, (1, K))
     a_s = rand_scales(rng, (1, -(-K // 128)), True)
     bb = rng.integers(0, 256, (N, K // 2 + 7)).astype(np.uint8)
@@ -268,6 +282,11 @@ def test_fp4_gemm_one_row_scale_codes_and_strides(isa_bf16, rng, N, K):
     np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
     want, mag = want_fp4(a, a_s, b, sf[:, ::2])
     check_close(got, want, mag, (N, K, "f32 scales"))
+    s8 = np.zeros((N, 3 * (K // 32)), np.uint8)
+    s8[:, ::3] = b_s
+    got = dc.fp4_gemm(a, a_s, b, s8[:, ::3], out_dtype="float32")
+    ref = at_ref(dc.fp4_gemm, a, a_s, b, b_s, out_dtype="float32")
+    np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
 
 
 def test_gemm_torch_dtypes(rng):

@@ -34,7 +34,7 @@ MUTANTS = [
     c("gemm_scale", "CSA_MUTANT_GEMM_SCALE", ["gemm"], ["tests/test_gemm.py"],
       "fp8/fp4 gemm: the last K block uses the previous block's activation scale"),
     c("gemm_amx_order", "CSA_MUTANT_GEMM_AMX_ORDER", [], ["tests/test_gemm.py"],
-      "fp4_gemm one row (amx level): each bf16 pair's products added in the other order"),
+      "fp4_gemm one row (amx level): int8 dot-product lanes hold four of the oracle's lanes each"),
     c("gemm_amx_fold", "CSA_MUTANT_GEMM_AMX_FOLD", [], ["tests/test_gemm.py"],
       "fp4_gemm tiles (amx level): the last K block's weight scales folded as 1"),
     c("gemm_amx_fp8", "CSA_MUTANT_GEMM_AMX_FP8", [], ["tests/test_gemm.py"],
