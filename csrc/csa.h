@@ -74,8 +74,8 @@ enum csa_isa {
     CSA_ISA_AVX2 = 2,    /* AVX2 + FMA */
     CSA_ISA_AVX512 = 3,  /* AVX-512 F/BW/DQ/VL */
     CSA_ISA_AMX = 4,     /* AVX-512 + AVX512_BF16 / VNNI / VBMI + AMX-BF16 tiles the OS
-                          * lets us use: the bfloat16 dot products of attention and the
-                          * indexer, the int8 ones of fp4_gemm's one-row path */
+                          * lets us use: the bfloat16 dot products of attention, the
+                          * indexer and the GEMMs with more than one row */
 };
 
 /* The tuned bodies are compiled once per x86 level (csa_isa_variants.h) with
@@ -98,6 +98,9 @@ int csa_isa_best(void);       /* highest level this CPU supports */
 int csa_isa_get(void);        /* level kernels dispatch to now */
 int csa_isa_set(int level);   /* clamp to [REF, best], set, return the level set */
 const char *csa_isa_name(int level);
+/* The CPU has AVX512_VNNI and AVX512_VBMI (and the OS saves AVX-512 state): the int8
+ * one-row paths that the avx512 and amx levels take when it does. */
+int csa_cpu_vnni_vbmi(void);
 
 /* Threads for a parallel region over `items` independent output rows, so that each
  * thread gets at least `min_items` of them: min(omp_get_max_threads(), items/min_items),

@@ -1,5 +1,5 @@
-/* fp8_gemm / fp4_gemm prefill on AMX-BF16 tiles, and fp4_gemm of one activation row by
- * AVX512_BF16 dot products (ISA level amx).
+/* fp8_gemm / fp4_gemm prefill on AMX-BF16 tiles (ISA level amx; the one-row int8 path
+ * is gemm_row_vnni_impl.h).
  *
  * Included by gemm_impl.h into its AVX-512 variant only, and reached only when the
  * run-time level is amx and the call qualifies (CSA_V(ga_takes)).  Tiles: FP4 weights
@@ -34,7 +34,7 @@
 #if defined(__clang__)
 CSA_TARGET_POP
 #endif
-CSA_TARGET_PUSH512("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c,avx512bf16,avx512vnni,avx512vbmi,amx-tile,amx-bf16")
+CSA_TARGET_PUSH512("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c,avx512bf16,amx-tile,amx-bf16")
 
 #define GA_NP 128  /* weight rows per panel */
 #define GA_MB 32   /* activation rows per tile block */
@@ -292,238 +292,11 @@ static inline void CSA_V(ga_block)(const csa_bf16 *At, csa_idx K, const uint32_t
     _tile_stored(3, T + 16 * 32 + 16, 128);
 }
 
-/* ---- one activation row (decode): exact int8 dot products in the oracle's lanes ----
- *
- * Every product of an e4m3 activation and an e2m1 weight is an integer multiple of
- * 2^-10 (the least, 2^-9 * 0.5), and a lane of the oracle adds four of them: at most
- * 4 * 448 * 6 < 2^14 in magnitude, so each lane sum is exact in float32 and equals the
- * integer sum of a_int * w2, a_int = |a| 2^9 (< 2^18) and w2 = +-2|w| (<= 12; the
- * activation's sign flips the weight's), times 2^-10.  VPDPBUSD adds four unsigned-byte
- * by signed-byte products into an int32 lane: three of them (a_int's bytes 2, 1, 0, the
- * lane shifted by 8 between) give the lane sum exactly.  The lane sums, converted to
- * float32 (exact: < 2^24), then take the oracle's tree in float32 and its scaled FMA, so
- * the bits are the other levels' bits.  The lanes l[2t] and l[2t + 1] share one int32
- * accumulator: their integer sum converted once is the tree's first float32 add (both
- * round to nearest-even the exact sum).  Against the bf16 dot products this replaces
- * (VDPBF16PS, 32 products in 2 cycles on this level's CPUs; VPDPBUSD, 64 in 0.5-0.7):
- * N = 2048, K = 4096, e8m0 scales, Intel Xeon (AMX), 2 threads, 0.295 -> 0.135 ms
- * (1 thread 0.26 ms; about 12 cycles per 16 rows x 128 columns with the weights in L2,
- * 10.5 in L1: the decode and the three byte passes, not memory).
- *
- * A zmm holds 64 bytes of one weight row: 4 blocks of 32 codes (one 128-bit lane each).
- * A byte shuffle puts bytes t, t + 4, t + 8, t + 12 of each block into dword t, so that
- * the low nibbles of dword t are the block's elements 2t + 8q (q < 4: the oracle's lane
- * 2t) and the high nibbles 2t + 1 + 8q (lane 2t + 1).  Each nibble, its sign bit flipped
- * where the activation is negative, becomes w2 by a byte table lookup; the activation
- * bytes are laid out to match (act: per 128 columns, 8 registers: a_int's bytes 0, 1, 2
- * and the sign mask for the low nibbles, then the same for the high ones).  Sixteen
- * rows a task; the tree's first level is the conversion above, its other two levels
- * are shuffles that also gather the rows, four at a time, so that the FMAs into the 16
- * rows' accumulators run a block at a time down one vector. */
-#define GA_ACT_REGS 8 /* activation registers per 128 columns */
 
-/* The activation row as ga_row16 reads it: per 128 columns g, 8 x 64 bytes
- * act[g][reg][b * 16 + t * 4 + q] for column k = 128 g + 32 b + 2 t + 8 q (+ 1 for the
- * high-nibble registers 4-7); regs 0-2 / 4-6: bytes 0-2 of |a| 2^9, regs 3 / 7: 0x08
- * where a is negative.  Columns past K are zero (their weight bytes are loaded as
- * zero).  Two-source byte permutes place the codes and look their bytes up in 128-entry
- * tables (the scalar loop took half of a 16 x 4096 call). */
-static void CSA_V(ga_act16)(const struct csa_gemm_args *g, uint8_t *act)
-{
-    const csa_idx K = g->K, ng = (K + 127) / 128;
-    uint8_t tab[3][128]; /* byte i of |e4m3 code v| * 2^9 as an integer, v < 128 */
-    for (int v = 0; v < 128; v++) {
-        const int e = v >> 3, m = v & 7;
-        const uint32_t x = e ? (uint32_t)(8 + m) << (e - 1) : (uint32_t)m;
-        for (int i = 0; i < 3; i++) tab[i][v] = (uint8_t)(x >> (8 * i));
-    }
-    __m512i T[3][2];
-    for (int i = 0; i < 3; i++) {
-        T[i][0] = _mm512_loadu_si512(tab[i]);
-        T[i][1] = _mm512_loadu_si512(tab[i] + 64);
-    }
-    uint8_t ix[64];
-    for (int p = 0; p < 64; p++) ix[p] = (uint8_t)(32 * (p / 16) + 2 * (p / 4 % 4) + 8 * (p % 4));
-    const __m512i idx_lo = _mm512_loadu_si512(ix);
-    const __m512i idx_hi = _mm512_add_epi8(idx_lo, _mm512_set1_epi8(1));
-    const __m512i m7f = _mm512_set1_epi8(0x7f), m08 = _mm512_set1_epi8(0x08);
-    for (csa_idx gi = 0; gi < ng; gi++) {
-        const csa_idx k0 = 128 * gi, left = K - k0;
-        const __mmask64 m0 = left >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << left) - 1;
-        const __mmask64 m1 = left >= 128 ? ~(__mmask64)0
-                             : left <= 64 ? 0 : ((__mmask64)1 << (left - 64)) - 1;
-        const __m512i v0 = _mm512_maskz_loadu_epi8(m0, g->a + k0);
-        const __m512i v1 = _mm512_maskz_loadu_epi8(m1, g->a + k0 + 64);
-        uint8_t *dst = act + gi * GA_ACT_REGS * 64;
-        for (int h = 0; h < 2; h++) {
-            const __m512i c = _mm512_permutex2var_epi8(v0, h ? idx_hi : idx_lo, v1);
-            const __m512i mag = _mm512_and_si512(c, m7f);
-            for (int i = 0; i < 3; i++)
-                _mm512_storeu_si512(dst + (4 * h + i) * 64, _mm512_permutex2var_epi8(T[i][0], mag, T[i][1]));
-            _mm512_storeu_si512(dst + (4 * h + 3) * 64, _mm512_and_si512(_mm512_srli_epi16(c, 4), m08));
-        }
-    }
-}
-
-/* One activation row against 16 weight rows n0 .. n0 + 15 (rows past nr repeat the last
- * one, their results dropped): res[r] = the oracle's C[0, n0 + r]. */
-static void CSA_V(ga_row16)(const struct csa_gemm_args *g, const void *actv, const float *as,
-                            csa_idx n0, csa_idx nr, float *sbt, float *res)
-{
-    const uint8_t *act = actv;
-    const csa_idx K = g->K, nb = K / 32, ng = (K + 127) / 128;
-    const uint8_t *rp[16];
-    for (int r = 0; r < 16; r++) rp[r] = g->b + (n0 + (r < nr ? r : nr - 1)) * g->sb_row;
-    const int e8 = g->bs_fmt == CSA_S_E8M0;
-    const uint8_t *sb8 = (const uint8_t *)sbt;
-    /* The 16 rows' scales of a block, one a lane: gathered straight from the scale rows
-     * (e8m0 with unit column stride: the 4 bytes of a whole group in one dword gather,
-     * never past the rows' ends; float32: a gather per block).  Transposing them into
-     * sbt first cost a quarter of the time (2048 x 4096, one thread: 0.37 -> 0.27 ms
-     * without it).  Other strides, or offsets beyond int32, take the transposition. */
-    const csa_idx esz = e8 ? 1 : 4;
-    const int gat = (!e8 || g->sbs_col == 1) && 15 * g->sbs_row * esz <= INT32_MAX &&
-                    g->sbs_col * esz * nb <= INT32_MAX;
-    __m512i vidx = _mm512_setzero_si512();
-    const uint8_t *sbase = (const uint8_t *)g->bs + n0 * g->sbs_row * esz;
-    if (gat) {
-        int32_t ix[16];
-        for (int r = 0; r < 16; r++) ix[r] = (int32_t)((r < nr ? r : nr - 1) * g->sbs_row * esz);
-        vidx = _mm512_loadu_si512(ix);
-    } else {
-        CSA_V(g_rows_scales)(g, n0, nr, 16, sbt);
-    }
-    /* dword t of each block <- its bytes t, t + 4, t + 8, t + 12 */
-#ifndef CSA_MUTANT_GEMM_AMX_ORDER
-    const __m512i gather = _mm512_broadcast_i32x4(
-        _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
-#else /* planted (make mutants): the block's bytes left in place, so a dword holds
-       * elements of four different lanes of the oracle */
-    const __m512i gather = _mm512_broadcast_i32x4(
-        _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-#endif
-    /* e2m1 code -> 2 * value as a signed byte */
-    const __m512i w2 = _mm512_broadcast_i32x4(
-        _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12));
-    const __m512i m0f = _mm512_set1_epi8(0x0f);
-    const __m512i z = _mm512_setzero_si512(), ff = _mm512_set1_epi32(0xff);
-    const __m512i qbit = _mm512_set1_epi32(0x00400000);
-    __m512 c = _mm512_setzero_ps();
-    for (csa_idx gi = 0; gi < ng; gi++) {
-        const uint8_t *A = act + gi * GA_ACT_REGS * 64;
-        const __m512i A0l = _mm512_loadu_si512(A), A1l = _mm512_loadu_si512(A + 64);
-        const __m512i A2l = _mm512_loadu_si512(A + 128), Sl = _mm512_loadu_si512(A + 192);
-        const __m512i A0h = _mm512_loadu_si512(A + 256), A1h = _mm512_loadu_si512(A + 320);
-        const __m512i A2h = _mm512_loadu_si512(A + 384), Sh = _mm512_loadu_si512(A + 448);
-        const csa_idx nbg = nb - 4 * gi < 4 ? nb - 4 * gi : 4; /* blocks in this group */
-        const __mmask64 lm = nbg == 4 ? ~(__mmask64)0 : ((__mmask64)1 << (16 * nbg)) - 1;
-        __m512 W[4];
-        for (int qd = 0; qd < 4; qd++) {
-            __m512 X[4];
-            for (int rr = 0; rr < 4; rr++) {
-                const uint8_t *src = rp[4 * qd + rr] + 64 * gi;
-                /* two groups ahead in the row (2048 x 4096, 2 threads: 0.167 ms with the
-                 * next task's rows prefetched instead, 0.151 with this; 1 or 4 ahead: 0.17
-                 * / 0.156; the hardware prefetchers do not keep 16 rows' streams ahead) */
-                _mm_prefetch((const char *)(src + 128), _MM_HINT_T0);
-                const __m512i x = _mm512_shuffle_epi8(_mm512_maskz_loadu_epi8(lm, src), gather);
-                /* (nibble & 15) ^ sign, then the table */
-                const __m512i lo = _mm512_shuffle_epi8(w2, _mm512_ternarylogic_epi32(x, m0f, Sl, 0x6a));
-                const __m512i hi = _mm512_shuffle_epi8(
-                    w2, _mm512_ternarylogic_epi32(_mm512_srli_epi16(x, 4), m0f, Sh, 0x6a));
-                /* lane (b, t): the integer l[2t] + l[2t + 1] of block b (times 2^10; < 2^25),
-                 * one conversion rounding it as the tree's first float32 add would */
-                __m512i s2 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, A2l, lo), A2h, hi);
-                s2 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_slli_epi32(s2, 8), A1l, lo), A1h, hi);
-                s2 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_slli_epi32(s2, 8), A0l, lo), A0h, hi);
-                X[rr] = _mm512_cvtepi32_ps(s2);
-            }
-            /* per block: (X0 + X1, X2 + X3) of rows 0, 1 (and 2, 3), then their sum in
-             * lane rr -- the tree's second and third levels */
-            const __m512 u01 = _mm512_add_ps(_mm512_shuffle_ps(X[0], X[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                             _mm512_shuffle_ps(X[0], X[1], _MM_SHUFFLE(3, 1, 3, 1)));
-            const __m512 u23 = _mm512_add_ps(_mm512_shuffle_ps(X[2], X[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                             _mm512_shuffle_ps(X[2], X[3], _MM_SHUFFLE(3, 1, 3, 1)));
-            W[qd] = _mm512_add_ps(_mm512_shuffle_ps(u01, u23, _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_ps(u01, u23, _MM_SHUFFLE(3, 1, 3, 1)));
-        }
-        /* W[qd] lane (b, rr) -> P[b] lane 4 qd + rr: block b's sums of the 16 rows */
-        const __m512 L01 = _mm512_shuffle_f32x4(W[0], W[1], _MM_SHUFFLE(1, 0, 1, 0));
-        const __m512 H01 = _mm512_shuffle_f32x4(W[0], W[1], _MM_SHUFFLE(3, 2, 3, 2));
-        const __m512 L23 = _mm512_shuffle_f32x4(W[2], W[3], _MM_SHUFFLE(1, 0, 1, 0));
-        const __m512 H23 = _mm512_shuffle_f32x4(W[2], W[3], _MM_SHUFFLE(3, 2, 3, 2));
-        const __m512 P[4] = {_mm512_shuffle_f32x4(L01, L23, _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(L01, L23, _MM_SHUFFLE(3, 1, 3, 1)),
-                             _mm512_shuffle_f32x4(H01, H23, _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(H01, H23, _MM_SHUFFLE(3, 1, 3, 1))};
-        const __m512 sa = _mm512_set1_ps(as[gi]);
-        __m512i sg = _mm512_setzero_si512(); /* e8m0, gathered: block b in byte b */
-        if (e8 && gat) {
-            if (nbg == 4) {
-                sg = _mm512_i32gather_epi32(vidx, sbase + 4 * gi, 1);
-            } else {
-                uint32_t v[16] = {0};
-                for (int r = 0; r < 16; r++)
-                    for (csa_idx b = 0; b < nbg; b++)
-                        v[r] |= (uint32_t)sbase[(r < nr ? r : nr - 1) * g->sbs_row + 4 * gi + b] << (8 * b);
-                sg = _mm512_loadu_si512(v);
-            }
-        }
-        for (csa_idx b = 0; b < nbg; b++) {
-            const csa_idx j = 4 * gi + b;
-            __m512 sb;
-            if (e8) {
-                /* e8m0: v << 23, and 0x00400000 for 0 (2^-127) and 0xff (NaN), as g_e8m0 */
-                const __m512i x = gat ? _mm512_and_si512(_mm512_srli_epi32(sg, (unsigned)(8 * b)), ff)
-                                      : _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sb8 + 16 * j)));
-                const __mmask16 fix = _mm512_cmpeq_epi32_mask(x, z) | _mm512_cmpeq_epi32_mask(x, ff);
-                sb = _mm512_castsi512_ps(_mm512_mask_or_epi32(_mm512_slli_epi32(x, 23), fix,
-                                                              _mm512_slli_epi32(x, 23), qbit));
-            } else {
-                sb = gat ? _mm512_i32gather_ps(vidx, sbase + j * g->sbs_col * 4, 1)
-                         : _mm512_loadu_ps(sbt + 16 * j);
-            }
-            c = _mm512_fmadd_ps(_mm512_mul_ps(P[b], _mm512_set1_ps(0x1p-10f)), _mm512_mul_ps(sa, sb), c);
-        }
-    }
-    _mm512_storeu_ps(res, c);
-}
-
-/* fp4_gemm with one activation row (K a multiple of 32, no NaN code in it). */
-static int CSA_V(gemm_fp4_row_amx)(const struct csa_gemm_args *g)
-{
-    const csa_idx K = g->K, ng = (K + 127) / 128;
-    uint8_t *act = malloc((size_t)(ng * GA_ACT_REGS * 64));
-    float *as = malloc((size_t)ng * sizeof *as);
-    if (!act || !as) {
-        free(act);
-        free(as);
-        return CSA_ENOMEM;
-    }
-    CSA_V(ga_act16)(g, act);
-    for (csa_idx j = 0; j < ng; j++) as[j] = g_scale(g->as, g->as_fmt, j * g->sas_col);
-    const int st = CSA_V(g_rows_run)(g, CSA_V(ga_row16), 16, act, as);
-    free(act);
-    free(as);
-    return st;
-}
-#undef GA_ACT_REGS
-
-/* Which amx-level path computes this call: 1 the one-row FP4 dot products, 2 the tiles,
- * 0 neither (the avx512 paths). */
+/* Whether the amx level's tiles compute this call (else the avx512 paths). */
 static int CSA_V(ga_takes)(const struct csa_gemm_args *g)
 {
-    if (g->M == 1) {
-        if (g->b_fmt != CSA_W_E2M1 || g->K % 32) return 0;
-        const __m512i m7f = _mm512_set1_epi8(0x7f);
-        for (csa_idx k = 0; k < g->K; k += 64) { /* NaN codes: the float32 path */
-            const __mmask64 m = g->K - k >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (g->K - k)) - 1;
-            const __m512i x = _mm512_and_si512(_mm512_maskz_loadu_epi8(m, g->a + k), m7f);
-            if (_mm512_mask_cmpeq_epi8_mask(m, x, m7f)) return 0;
-        }
-        return 1;
-    }
-    return CSA_V(ga_ok)(g) ? 2 : 0;
+    return g->M > 1 && CSA_V(ga_ok)(g);
 }
 
 static int CSA_V(gemm_tiles_amx)(const struct csa_gemm_args *g)

@@ -661,17 +661,19 @@ static void CSA_V(g_panel_t)(const struct csa_gemm_args *g, const float *Af, con
 #endif
 
 #if defined(__AVX512F__) && defined(CSA_HAVE_AMX)
+#include "gemm_row_vnni_impl.h"
 #include "gemm_amx_impl.h"
 #endif
 
 static int CSA_V(gemm_tuned)(const struct csa_gemm_args *g)
 {
 #if defined(__AVX512F__) && defined(CSA_HAVE_AMX)
-    if (csa_isa_get() >= CSA_ISA_AMX) {
-        const int path = CSA_V(ga_takes)(g);
-        if (path == 1) return CSA_V(gemm_fp4_row_amx)(g);
-        if (path == 2) return CSA_V(gemm_tiles_amx)(g);
+    if (g->M == 1 && csa_cpu_vnni_vbmi()) {
+        const int path = CSA_V(gv_takes)(g);
+        if (path == 1) return CSA_V(gemm_fp4_row_vnni)(g);
+        if (path == 2) return CSA_V(gemm_fp8_row_vnni)(g);
     }
+    if (csa_isa_get() >= CSA_ISA_AMX && CSA_V(ga_takes)(g)) return CSA_V(gemm_tiles_amx)(g);
 #endif
     const csa_idx M = g->M, N = g->N, K = g->K, LDA = G_LDA(K);
     const csa_idx KB128 = (K + 127) / 128;

@@ -51,6 +51,21 @@ static int detect_best(void)
     return CSA_ISA_BASE;
 }
 
+int csa_cpu_vnni_vbmi(void)
+{
+    static int has = -1;
+    if (has < 0) {
+        int h = 0;
+#if defined(CSA_X86_VARIANTS)
+        __builtin_cpu_init();
+        h = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
+#endif
+        has = h;
+    }
+    return has;
+}
+
 static int isa_best = -1;
 static int isa_now = -1;
 

@@ -133,8 +133,7 @@ def adversarial_fp4(rng, M, N, K):
 @pytest.mark.skipif("amx" not in ISA_LEVELS_BF16, reason="no AMX-BF16 on this CPU")
 def test_gemm_amx_paths(rng):
     """The amx level's GEMM paths (docs/kernels.md section 9).  FP4, one activation row:
-    exact int8 lane sums (VPDPBUSD) in the oracle's lanes, then its tree and FMA -- bitwise
-    the oracle even where summation orders disagree, for every activation code and sign.  More rows (FP4 and FP8): the AMX tiles, whose float32 sums run in
+    bitwise the oracle even where summation orders disagree.  More rows (FP4 and FP8): the AMX tiles, whose float32 sums run in
     the tiles' order -- within 2 K 2^-24 sum|a sa w sb| of the float64 value (each of
     two recursive sums of K terms is within (K - 1) 2^-24 of the sum of magnitudes),
     bitwise the same at any thread count; scales the tiles cannot fold exactly (not
@@ -163,19 +162,6 @@ def test_gemm_amx_paths(rng):
                 np.testing.assert_array_equal(
                     dc.fp4_gemm(a, a_s2, b, b_s2, out_dtype="float32").view(np.uint32),
                     at_ref(dc.fp4_gemm, a, a_s2, b, b_s2, out_dtype="float32").view(np.uint32))
-        # one row, every non-NaN activation code (its three bytes of |a| 2^9 and its sign)
-        # against every weight code, K = 4 groups of 128 and a partial one (3 blocks)
-        codes = np.array([v for v in range(256) if v & 0x7F != 0x7F], np.uint8)
-        for K in (512, 608):
-            a = rng.permutation(np.resize(codes, K))[None]
-            b = rng.integers(0, 256, (45, K // 2)).astype(np.uint8)
-            a_s = rng.integers(120, 135, (1, -(-K // 128))).astype(np.uint8)
-            b_s = rng.integers(120, 135, (45, K // 32)).astype(np.uint8)
-            got = dc.fp4_gemm(a, a_s, b, b_s, out_dtype="float32")
-            ref = at_ref(dc.fp4_gemm, a, a_s, b, b_s, out_dtype="float32")
-            np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
-            want, mag = want_fp4(a, a_s, b, b_s)
-            check_close(got, want, mag, ("all codes", K))
         # the extreme exponents the tiles fold (-44 on both sides): the least products
         # stay normal (the tiles flush subnormals), so the budget still holds
         a, a_s, b, b_s = adversarial_fp4(rng, 20, 40, 256)
@@ -210,6 +196,32 @@ def test_gemm_amx_paths(rng):
         one = dc.fp4_gemm(a[7:8], a_s[7:8], b, b_s, out_dtype="float32")
         np.testing.assert_array_equal(one.view(np.uint32), at_ref(
             dc.fp4_gemm, a[7:8], a_s[7:8], b, b_s, out_dtype="float32").view(np.uint32))
+
+
+def test_gemm_one_row_every_code(rng):
+    """fp4_gemm of one activation row, every non-NaN activation code (its three bytes of
+    |a| 2^9 and its sign in the int8 path of AVX-512 CPUs with VNNI + VBMI,
+    docs/kernels.md section 9) against every weight code, K = 4 groups of 128 and a
+    partial one (3 blocks): bitwise the oracle at every level, within the float32 budget
+    of the float64 value."""
+    codes = np.array([v for v in range(256) if v & 0x7F != 0x7F], np.uint8)
+    for K in (512, 608):
+        a = rng.permutation(np.resize(codes, K))[None]
+        b = rng.integers(0, 256, (45, K // 2)).astype(np.uint8)
+        a_s = rng.integers(120, 135, (1, -(-K // 128))).astype(np.uint8)
+        b_s = rng.integers(120, 135, (45, K // 32)).astype(np.uint8)
+        ref = at_ref(dc.fp4_gemm, a, a_s, b, b_s, out_dtype="float32")
+        want, mag = want_fp4(a, a_s, b, b_s)
+        check_close(ref, want, mag, ("all codes", K))
+        for level in ISA_LEVELS_BF16:
+            with isa_level(level):
+                got = dc.fp4_gemm(a, a_s, b, b_s, out_dtype="float32")
+            np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32), err_msg=level)
+    # the adversarial blocks, where summation orders disagree
+    a, a_s, b, b_s = adversarial_fp4(rng, 1, 300, 1024)
+    ref = at_ref(dc.fp4_gemm, a, a_s, b, b_s, out_dtype="float32")
+    got = dc.fp4_gemm(a, a_s, b, b_s, out_dtype="float32")
+    np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
 
 
 def test_gemm_threads_bitwise(rng):
