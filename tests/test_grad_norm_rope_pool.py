@@ -597,14 +597,21 @@ def test_compressor_dropin_gradients(r, D, rotate):
 def test_compressor_dropin_streaming_gradient(r, T1):
     """prefill(T1) then decode steps: the entries are the one-shot prefill's (bitwise)
     and so is the gradient (to float32 rounding of the projections' backward, which
-    runs on other row blocks), the tokens held in the state included."""
+    runs on other row blocks), the tokens held in the state included.  The inputs and
+    projection weights sit on a coarse dyadic grid (x: multiples of 1/8, |x| <= 2; w:
+    multiples of 1/16, |w| <= 1), so x @ w is exact in float32 whatever rows torch's BLAS
+    blocks together (on an AMD EPYC Zen 4 it rounds a 1-token slice differently from
+    the same rows of a longer call): the entries' bits are then the drop-in's alone."""
     import deepseek_csa.torch as dct
     T, D = 3 * r + 3, 72
-    x0 = torch.randn(2, T, 24) * 0.8
+    x0 = torch.clamp(torch.round(torch.randn(2, T, 24) * 0.8 * 8), -16, 16) / 8
     wgt = torch.randn(2, T // r, D)
 
     def run(split):
         m = _compressor(r, D, False)
+        with torch.no_grad():
+            for lin in (m.wkv, m.wgate):
+                lin.weight.copy_(torch.clamp(torch.round(lin.weight * 16), -16, 16) / 16)
         x = x0.clone().requires_grad_()
         ents = []
         if split:

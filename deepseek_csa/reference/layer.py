@@ -847,6 +847,16 @@ def norm_err(got, want):
 QAT_TOL = 1e-5
 QAT_FLIP_TOL = 1e-2
 QAT_MAX_FLIP_ROWS = 4
+# A flipped rounding in a KV row or a compressed entry moves every row that reads it: a
+# window of rows, or every later row that selects the entry (with top-512 of a few
+# hundred entries, nearly all).  Where the two sides' projections differ in their last
+# bits (AMD EPYC Zen 4: torch's BLAS and NumPy's round a row block differently) such
+# flips are a few per long call: measured, 16 rows of a window-16 layer up to 2.5e-3
+# (norm-wise 5.8e-4) and 960 of 2064 rows of a V4-Flash-shaped layer up to 1.8e-4
+# (norm-wise 1.5e-4), with the same calls within 1e-6 once QAT is off on both sides.
+# qat_close_reach bounds those norm-wise by QAT_NORM_TOL; a rounding skipped or
+# misplaced moves the output norm-wise by ~1e-2 (an e4m3 step is 2^-3 of the value).
+QAT_NORM_TOL = 1e-3
 
 
 def row_errs(got, want):
@@ -871,6 +881,17 @@ def qat_close(got, want, tol=QAT_TOL, flip_tol=QAT_FLIP_TOL, max_flips=QAT_MAX_F
     import numpy as np
     e = np.nan_to_num(row_errs(got, want), nan=np.inf)
     return int((e > tol).sum()) <= max_flips and bool((e <= flip_tol).all())
+
+
+def qat_close_reach(got, want, flip_tol=QAT_FLIP_TOL, norm_tol=QAT_NORM_TOL):
+    """Every row within flip_tol of the call's largest |want| and the whole call within
+    norm_tol norm-wise: QAT flips in KV rows / compressed entries that many rows read
+    (see QAT_NORM_TOL).  Weaker than qat_close: pair it with a comparison of the same
+    calls with QAT off on both sides (``qat(False)``, ``CSALayer(qat=False)``) held to
+    QAT_TOL on every row."""
+    import numpy as np
+    e = np.nan_to_num(row_errs(got, want), nan=np.inf)
+    return bool((e <= flip_tol).all()) and norm_err(got, want) <= norm_tol
 
 
 def topk_overlap(got, want):
