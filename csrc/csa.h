@@ -72,7 +72,7 @@ enum csa_isa {
     CSA_ISA_REF = 0,
     CSA_ISA_BASE = 1,    /* x86-64 baseline (SSE2) or whatever the compiler targets */
     CSA_ISA_AVX2 = 2,    /* AVX2 + FMA */
-    CSA_ISA_AVX512 = 3,  /* AVX-512 F/BW/DQ/VL */
+    CSA_ISA_AVX512 = 3,  /* AVX-512 F/BW/DQ/VL (and csa_cpu_features() where present) */
     CSA_ISA_AMX = 4,     /* AVX-512 + AVX512_BF16 / VNNI / VBMI + AMX-BF16 tiles the OS
                           * lets us use: the bfloat16 dot products of attention, the
                           * indexer and the GEMMs with more than one row */
@@ -98,9 +98,13 @@ int csa_isa_best(void);       /* highest level this CPU supports */
 int csa_isa_get(void);        /* level kernels dispatch to now */
 int csa_isa_set(int level);   /* clamp to [REF, best], set, return the level set */
 const char *csa_isa_name(int level);
-/* The CPU has AVX512_VNNI and AVX512_VBMI (and the OS saves AVX-512 state): the int8
- * one-row paths that the avx512 and amx levels take when it does. */
-int csa_cpu_vnni_vbmi(void);
+/* Features some paths of the avx512 and amx levels take when the CPU has them (the
+ * results are the same bits either way, or within the stated bound of the bf16 GEMM):
+ * CSA_CPU_VNNI_VBMI, AVX512_VNNI + AVX512_VBMI: the one-row GEMMs (int8 dot products,
+ * byte permutes); CSA_CPU_BF16, AVX512_BF16: the GEMMs of more rows on CPUs without AMX
+ * tiles (docs/kernels.md section 9).  0 where the compiler cannot build them. */
+enum csa_cpu_feature { CSA_CPU_VNNI_VBMI = 1, CSA_CPU_BF16 = 2 };
+int csa_cpu_features(void);
 
 /* Threads for a parallel region over `items` independent output rows, so that each
  * thread gets at least `min_items` of them: min(omp_get_max_threads(), items/min_items),

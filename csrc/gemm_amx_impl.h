@@ -1,13 +1,16 @@
-/* fp8_gemm / fp4_gemm prefill on AMX-BF16 tiles (ISA level amx; the one-row int8 path
- * is gemm_row_vnni_impl.h).
+/* fp8_gemm / fp4_gemm prefill as one bf16 GEMM: on AMX-BF16 tiles (ISA level amx) or by
+ * AVX512_BF16 dot products (level avx512 on CPUs with AVX512_BF16 and no tiles, e.g. AMD
+ * Zen 4).  The one-row paths are gemm_row_vnni_impl.h.
  *
  * Included by gemm_impl.h into its AVX-512 variant only, and reached only when the
- * run-time level is amx and the call qualifies (CSA_V(ga_takes)).  Tiles: FP4 weights
+ * run-time level is amx, or avx512 with csa_cpu_features() & CSA_CPU_BF16, and the call
+ * qualifies (CSA_V(ga_ok)): FP4 weights
  * with e8m0 scales or FP8 weights with power-of-two scales, activations whose scales are
  * powers of two (e8m0, or float32 with an empty
  * mantissa -- what the released act_quant gives with scale_fmt set, as V4 runs it), more
  * than 16 activation rows, K a multiple of 128 (at most 2^20), and every scale exponent
- * within [-GA_EMAX, GA_EMAX].
+ * within [-GA_EMAX, GA_EMAX].  The functions carry the tile target, but only
+ * gemm_bf16's tiles = 1 branch executes a tile instruction.
  *
  * Then every scale is folded into its operand exactly: e4m3 and e2m1 values are bf16
  * values, and so are they times a power of two as long as the result stays a normal
@@ -18,7 +21,7 @@
  *
  * The products are the oracle's; only the order of the float32 additions differs (the
  * oracle sums each 32-block in eight lanes and a tree, scales it and adds it; here
- * TDPBF16PS accumulates pairs of k into the tile), so the bits differ from the other
+ * TDPBF16PS or VDPBF16PS accumulates pairs of k), so the bits differ from the other
  * levels by float32 rounding: |C - oracle| <= 2 K 2^-24 sum_k |a sa w sb| (docs/kernels.md
  * section 9).  They do not depend on the thread count: each output element is one tile
  * chain over k in increasing order, whatever thread computes it.
@@ -58,7 +61,7 @@ static inline int CSA_V(ga_exp)(const void *s, int fmt, csa_idx i)
     return e == 0 || e == 0xff ? 1000 : e - 127;
 }
 
-/* May the tile path compute this call?  A scan of the scales: O(M K / 128 + N K / 32). */
+/* May the bf16 GEMM compute this call?  A scan of the scales: O(M K / 128 + N K / 32). */
 static int CSA_V(ga_ok)(const struct csa_gemm_args *g)
 {
     const int fp8 = g->b_fmt == CSA_W_E4M3;
@@ -293,13 +296,40 @@ static inline void CSA_V(ga_block)(const csa_bf16 *At, csa_idx K, const uint32_t
 }
 
 
-/* Whether the amx level's tiles compute this call (else the avx512 paths). */
-static int CSA_V(ga_takes)(const struct csa_gemm_args *g)
+/* ga_block's product by AVX512_BF16 dot products, for CPUs without tiles (AMD Zen 4):
+ * the same operands in the same layout, each output one chain of VDPBF16PS over the
+ * pairs of k in increasing order.  Eight rows x 32 columns a pass (16 accumulators; a
+ * pass reads its B pairs from L1 / L2 while the A pairs are broadcast); the four passes
+ * of a 32-row block run one after the other. */
+static inline void CSA_V(ga_block_dp)(const csa_bf16 *At, csa_idx K, const uint32_t *Bt, float *T)
 {
-    return g->M > 1 && CSA_V(ga_ok)(g);
+    const csa_idx K2 = K / 2;
+    const uint32_t *B1 = Bt + K2 * 16;
+    for (int r0 = 0; r0 < 32; r0 += 8) {
+        __m512 c[8][2];
+        for (int r = 0; r < 8; r++) c[r][0] = c[r][1] = _mm512_setzero_ps();
+        for (csa_idx t = 0; t < K / 32; t++) {
+            const uint32_t *A = (const uint32_t *)(At + t * 1024 + r0 * 32);
+            for (int p = 0; p < 16; p++) {
+                const __m512bh b0 = (__m512bh)_mm512_loadu_si512(Bt + (16 * t + p) * 16);
+                const __m512bh b1 = (__m512bh)_mm512_loadu_si512(B1 + (16 * t + p) * 16);
+                for (int r = 0; r < 8; r++) {
+                    const __m512bh a = (__m512bh)_mm512_set1_epi32((int)A[r * 16 + p]);
+                    c[r][0] = _mm512_dpbf16_ps(c[r][0], a, b0);
+                    c[r][1] = _mm512_dpbf16_ps(c[r][1], a, b1);
+                }
+            }
+        }
+        for (int r = 0; r < 8; r++) {
+            _mm512_storeu_ps(T + (r0 + r) * 32, c[r][0]);
+            _mm512_storeu_ps(T + (r0 + r) * 32 + 16, c[r][1]);
+        }
+    }
 }
 
-static int CSA_V(gemm_tiles_amx)(const struct csa_gemm_args *g)
+/* The bf16 GEMM, C = (A sa)(B sb)^T: AMX tiles (tiles = 1, the amx level) or
+ * AVX512_BF16 dot products (tiles = 0: the avx512 level on CPUs that have them). */
+static int CSA_V(gemm_bf16)(const struct csa_gemm_args *g, int tiles)
 {
     const csa_idx M = g->M, N = g->N, K = g->K;
     const csa_idx Mp = (M + GA_MB - 1) / GA_MB * GA_MB;
@@ -330,7 +360,7 @@ static int CSA_V(gemm_tiles_amx)(const struct csa_gemm_args *g)
 #pragma omp atomic write
             fail = 1;
         }
-        if (Bp && T) csa_amx_tiles_16x64();
+        if (Bp && T && tiles) csa_amx_tiles_16x64();
 #pragma omp for schedule(dynamic, 1)
         for (csa_idx p = 0; p < npan; p++) {
             if (!Bp || !T) continue;
@@ -342,14 +372,17 @@ static int CSA_V(gemm_tiles_amx)(const struct csa_gemm_args *g)
             for (csa_idx m0 = 0; m0 < Mp; m0 += GA_MB) {
                 const csa_idx mr = M - m0 < GA_MB ? M - m0 : GA_MB;
                 for (csa_idx c0 = 0; c0 < nr; c0 += 32) {
-                    CSA_V(ga_block)(Ab + m0 * K, K, Bp + (c0 / 16) * (K / 2) * 16, T);
+                    if (tiles)
+                        CSA_V(ga_block)(Ab + m0 * K, K, Bp + (c0 / 16) * (K / 2) * 16, T);
+                    else
+                        CSA_V(ga_block_dp)(Ab + m0 * K, K, Bp + (c0 / 16) * (K / 2) * 16, T);
                     const csa_idx cr = nr - c0 < 32 ? nr - c0 : 32;
                     for (csa_idx i = 0; i < mr; i++)
                         for (csa_idx c = 0; c < cr; c++) g_store(g, m0 + i, n0 + c0 + c, T[i * 32 + c]);
                 }
             }
         }
-        if (Bp && T) _tile_release();
+        if (Bp && T && tiles) _tile_release();
         free(Bp);
         free(T);
     }

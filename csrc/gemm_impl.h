@@ -18,7 +18,12 @@
  * at a time) or g_row8_e2m1 (8 rows, one a vector lane): weights decoded straight into
  * registers by shifts, masks and byte shuffles (no conversion instructions, no
  * buffer), each weight byte read once, the row groups handed out dynamically so a
- * descheduled thread on a shared host does not hold the others. */
+ * descheduled thread on a shared host does not hold the others.
+ *
+ * The AVX-512 variant first offers the call to the paths of CPU features beyond the
+ * level's own (csa_cpu_features()): one row on VNNI + VBMI (gemm_row_vnni_impl.h, the
+ * oracle's bits), more rows as one bf16 GEMM (gemm_amx_impl.h: AMX tiles, or AVX512_BF16
+ * dot products; float32 additions in its own order, docs/kernels.md section 9). */
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define G_SIMD 1
@@ -668,12 +673,17 @@ static void CSA_V(g_panel_t)(const struct csa_gemm_args *g, const float *Af, con
 static int CSA_V(gemm_tuned)(const struct csa_gemm_args *g)
 {
 #if defined(__AVX512F__) && defined(CSA_HAVE_AMX)
-    if (g->M == 1 && csa_cpu_vnni_vbmi()) {
+    /* the avx512 and amx levels (docs/kernels.md section 9) */
+    if (g->M == 1 && (csa_cpu_features() & CSA_CPU_VNNI_VBMI)) {
         const int path = CSA_V(gv_takes)(g);
         if (path == 1) return CSA_V(gemm_fp4_row_vnni)(g);
         if (path == 2) return CSA_V(gemm_fp8_row_vnni)(g);
     }
-    if (csa_isa_get() >= CSA_ISA_AMX && CSA_V(ga_takes)(g)) return CSA_V(gemm_tiles_amx)(g);
+    {
+        const int tiles = csa_isa_get() >= CSA_ISA_AMX;
+        if ((tiles || (csa_cpu_features() & CSA_CPU_BF16)) && CSA_V(ga_ok)(g))
+            return CSA_V(gemm_bf16)(g, tiles);
+    }
 #endif
     const csa_idx M = g->M, N = g->N, K = g->K, LDA = G_LDA(K);
     const csa_idx KB128 = (K + 127) / 128;

@@ -3,7 +3,7 @@
  * its codes decoded by VBMI byte permutes.
  *
  * Included by gemm_impl.h into its AVX-512 variant only, and reached when the run-time
- * level is avx512 or amx, the CPU has AVX512_VNNI and AVX512_VBMI (csa_cpu_vnni_vbmi():
+ * level is avx512 or amx, the CPU has AVX512_VNNI and AVX512_VBMI (csa_cpu_features():
  * Intel Ice Lake and later, AMD Zen 4 and later) and the call qualifies
  * (CSA_V(gv_takes)).  The bits are the oracle's, as on every other path. */
 

@@ -51,19 +51,25 @@ static int detect_best(void)
     return CSA_ISA_BASE;
 }
 
-int csa_cpu_vnni_vbmi(void)
+/* CPU features beyond a level's own that some AVX-512 paths use (csa.h); AVX-512
+ * state saved by the OS is part of __builtin_cpu_supports' answer. */
+static int cpu_features = -1;
+
+int csa_cpu_features(void)
 {
-    static int has = -1;
-    if (has < 0) {
-        int h = 0;
-#if defined(CSA_X86_VARIANTS)
+    if (cpu_features < 0) {
+        int f = 0;
+#if defined(CSA_X86_VARIANTS) && defined(CSA_HAVE_AMX)
         __builtin_cpu_init();
-        h = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-            __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
+        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) {
+            if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi"))
+                f |= CSA_CPU_VNNI_VBMI;
+            if (__builtin_cpu_supports("avx512bf16")) f |= CSA_CPU_BF16;
+        }
 #endif
-        has = h;
+        cpu_features = f;
     }
-    return has;
+    return cpu_features;
 }
 
 static int isa_best = -1;

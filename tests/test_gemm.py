@@ -81,11 +81,17 @@ FP8_SHAPES = [(1, 1, 16), (1, 300, 256), (5, 257, 384), (33, 130, 144), (70, 64,
 FP4_SHAPES = [(1, 1, 32), (1, 300, 256), (5, 257, 96), (33, 130, 640), (3, 9, 50), (17, 65, 2)]
 
 
-def amx_tiles_take(M, K, e8m0):
-    """Whether the amx level's tile path computes this fp8_gemm / fp4_gemm (power-of-two
-    scales) (docs/kernels.md
-    section 9): its bits may differ from the oracle's by float32 rounding."""
-    return dc.get_isa() == "amx" and e8m0 and M > 16 and K % 128 == 0
+CPU_FEATURES = dc._core._build_info()["cpu_features"].split()
+# the levels whose GEMMs of more than 16 rows run as one bf16 GEMM (docs/kernels.md s. 9)
+BF16_GEMM_LEVELS = (["amx"] if "amx" in ISA_LEVELS_BF16 else []) + \
+    (["avx512"] if "bf16" in CPU_FEATURES and "avx512" in ISA_LEVELS_BF16 else [])
+
+
+def bf16_gemm_takes(M, K, e8m0):
+    """Whether the bf16 GEMM computes this fp8_gemm / fp4_gemm (power-of-two scales)
+    (docs/kernels.md section 9): its bits may differ from the oracle's by float32
+    rounding."""
+    return dc.get_isa() in BF16_GEMM_LEVELS and e8m0 and M > 16 and K % 128 == 0
 
 
 @pytest.mark.parametrize("M,N,K", FP8_SHAPES)
@@ -97,7 +103,7 @@ def test_fp8_gemm_vs_dequant_matmul(isa_bf16, rng, M, N, K, e8m0):
     got = dc.fp8_gemm(a, a_s, b, b_s, out_dtype="float32")
     want, mag = want_fp8(a, a_s, b, b_s)
     check_close(got, want, mag, (M, N, K))
-    if not amx_tiles_take(M, K, e8m0):
+    if not bf16_gemm_takes(M, K, e8m0):
         ref = at_ref(dc.fp8_gemm, a, a_s, b, b_s, out_dtype="float32")
         np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
     bf = dc.fp8_gemm(a, a_s, b, b_s)           # bfloat16 by default: one rounding
@@ -115,7 +121,7 @@ def test_fp4_gemm_vs_dequant_matmul(isa_bf16, rng, M, N, K, e8m0):
     got = dc.fp4_gemm(a, a_s, b, b_s, out_dtype="float32")
     want, mag = want_fp4(a, a_s, b, b_s)
     check_close(got, want, mag, (M, N, K))
-    if not amx_tiles_take(M, K, e8m0):
+    if not bf16_gemm_takes(M, K, e8m0):
         ref = at_ref(dc.fp4_gemm, a, a_s, b, b_s, out_dtype="float32")
         np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
 
@@ -130,15 +136,18 @@ def adversarial_fp4(rng, M, N, K):
     return a, a_s, b, b_s
 
 
-@pytest.mark.skipif("amx" not in ISA_LEVELS_BF16, reason="no AMX-BF16 on this CPU")
-def test_gemm_amx_paths(rng):
-    """The amx level's GEMM paths (docs/kernels.md section 9).  FP4, one activation row:
-    bitwise the oracle even where summation orders disagree.  More rows (FP4 and FP8): the AMX tiles, whose float32 sums run in
-    the tiles' order -- within 2 K 2^-24 sum|a sa w sb| of the float64 value (each of
-    two recursive sums of K terms is within (K - 1) 2^-24 of the sum of magnitudes),
-    bitwise the same at any thread count; scales the tiles cannot fold exactly (not
-    powers of two, exponents beyond +-44) take the oracle's path."""
-    with isa_level("amx"):
+@pytest.mark.parametrize("level", BF16_GEMM_LEVELS or [
+    pytest.param("none", marks=pytest.mark.skip(reason="no AMX-BF16 or AVX512_BF16 on this CPU"))])
+def test_gemm_bf16_paths(rng, level):
+    """The bf16 GEMM of the amx level (AMX tiles) and of the avx512 level on CPUs with
+    AVX512_BF16 (VDPBF16PS), docs/kernels.md section 9.  FP4, one activation row:
+    bitwise the oracle even where summation orders disagree.  More rows (FP4 and FP8):
+    one bf16 GEMM whose float32 sums run in the tiles' / dot products' order -- within
+    2 K 2^-24 sum|a sa w sb| of the float64 value (each of two recursive sums of K terms
+    is within (K - 1) 2^-24 of the sum of magnitudes), bitwise the same at any thread
+    count; scales that cannot be folded exactly (not powers of two, exponents beyond
+    +-44) take the oracle's path."""
+    with isa_level(level):
         for M, N, K in [(1, 300, 1024), (1, 9, 4096), (37, 70, 1024), (100, 300, 512)]:
             a, a_s, b, b_s = adversarial_fp4(rng, M, N, K)
             got = dc.fp4_gemm(a, a_s, b, b_s, out_dtype="float32")
@@ -147,7 +156,7 @@ def test_gemm_amx_paths(rng):
             if M == 1:
                 np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
                 continue
-            assert (got.view(np.uint32) != ref.view(np.uint32)).any()   # the tiles ran
+            assert (got.view(np.uint32) != ref.view(np.uint32)).any()   # the bf16 GEMM ran
             err = np.abs(got.astype(np.float64) - want)
             assert (err <= 2 * K * 2.0 ** -24 * mag).all(), float((err / mag).max())
             same_bits_at_thread_counts(lambda: dc.fp4_gemm(a, a_s, b, b_s, out_dtype="float32"))

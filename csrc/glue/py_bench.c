@@ -98,14 +98,20 @@ static PyObject *py_build_info(PyObject *self, PyObject *noargs)
     const char *arch = "other", *levels = "ref base";
 #endif
     if (!omp_version) return NULL;
-    return Py_BuildValue("{s:O,s:N,s:s,s:s,s:s}", "openmp", omp, "openmp_version", omp_version,
-                         "compiler", __VERSION__, "arch", arch, "isa_levels", levels);
+    const int f = csa_cpu_features();
+    char features[64];
+    snprintf(features, sizeof features, "%s%s", f & CSA_CPU_VNNI_VBMI ? "vnni_vbmi " : "",
+             f & CSA_CPU_BF16 ? "bf16" : "");
+    return Py_BuildValue("{s:O,s:N,s:s,s:s,s:s,s:s}", "openmp", omp, "openmp_version", omp_version,
+                         "compiler", __VERSION__, "arch", arch, "isa_levels", levels,
+                         "cpu_features", features);
 }
 
 PyMethodDef csa_bench_methods[] = {
     {"_build_info", py_build_info, METH_NOARGS,
      "_build_info() -> dict: openmp (bool), openmp_version (_OPENMP or None), compiler,\n"
-     "arch, isa_levels (space-separated levels compiled in)"},
+     "arch, isa_levels (space-separated levels compiled in), cpu_features (space-separated:\n"
+     "vnni_vbmi, bf16 -- extra paths the avx512 and amx levels take on this CPU)"},
     {"_peak_fma", py_peak_fma, METH_VARARGS, "_peak_fma(iters, threads) -> flops done at the current ISA level"},
     {"_peak_amx_bf16", py_peak_amx_bf16, METH_VARARGS,
      "_peak_amx_bf16(iters, threads) -> flops done, or None below ISA level amx"},
