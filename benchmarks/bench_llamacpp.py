@@ -517,7 +517,12 @@ def isa_label():
         pass
     cpu_isa = ("AMX-INT8/BF16" if {"amx_int8", "amx_bf16"} <= flags else
                "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "base")
-    return dc.get_isa(), cpu_isa
+    # the extra paths the avx512 / amx levels take on this CPU (docs/kernels.md s. 9)
+    extra = dc._core._build_info().get("cpu_features", "").split()
+    isa = dc.get_isa()
+    if extra and isa in ("avx512", "amx"):
+        isa += " + " + " ".join(extra)
+    return isa, cpu_isa
 
 
 # ---------------------------------------------------------------- main

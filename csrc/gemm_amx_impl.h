@@ -308,7 +308,11 @@ static inline void CSA_V(ga_block_dp)(const csa_bf16 *At, csa_idx K, const uint3
     for (int r0 = 0; r0 < 32; r0 += 8) {
         __m512 c[8][2];
         for (int r = 0; r < 8; r++) c[r][0] = c[r][1] = _mm512_setzero_ps();
+#ifndef CSA_MUTANT_GEMM_DP_LAST
         for (csa_idx t = 0; t < K / 32; t++) {
+#else /* planted (make mutants): the last 32 columns of k left out of the dot products */
+        for (csa_idx t = 0; t < K / 32 - 1; t++) {
+#endif
             const uint32_t *A = (const uint32_t *)(At + t * 1024 + r0 * 32);
             for (int p = 0; p < 16; p++) {
                 const __m512bh b0 = (__m512bh)_mm512_loadu_si512(Bt + (16 * t + p) * 16);
