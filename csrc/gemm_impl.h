@@ -108,6 +108,17 @@ static inline __attribute__((always_inline)) void CSA_V(g_w16)(__m256i bb, __m25
     w[1] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(x, 16), m));
 }
 
+/* The oracle's sum of one block [k0, k1) of an e4m3 weight row against the activation
+ * af (held times 2^112): the scalar path of the one-row kernels for blocks with a NaN
+ * code. */
+static float CSA_V(g_e4m3_block)(const float *af, const uint8_t *row, csa_idx k0, csa_idx k1)
+{
+    float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (csa_idx k = k0; k < k1; k++)
+        l[(k - k0) & 7] += (af[k] * 0x1p-112f) * (g_e4m3(row[k]) * (1.0f / 256.0f));
+    return g_tree(l);
+}
+
 /* One activation row against G_R1 rows of e4m3 weights (rows past nr repeat the last
  * one, their results dropped), decoding straight into registers as the bytes stream in:
  * no buffer, each weight byte read once.  af holds the activation times 2^112 (exact),
@@ -163,13 +174,7 @@ static void CSA_V(g_row1)(const struct csa_gemm_args *g, const float *af, const 
         __m128 p0, p1;
         if (__builtin_expect(_mm256_movemask_epi8(_mm256_cmpeq_epi8(mx, s7)) != 0, 0)) {
             float pr[G_R1];
-            for (int r = 0; r < G_R1; r++) {
-                float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-                for (csa_idx k = k0; k < k1; k++)
-                    l[(k - k0) & 7] +=
-                        (af[k] * 0x1p-112f) * (g_e4m3(rp[r][k]) * (1.0f / 256.0f));
-                pr[r] = g_tree(l);
-            }
+            for (int r = 0; r < G_R1; r++) pr[r] = CSA_V(g_e4m3_block)(af, rp[r], k0, k1);
             p0 = _mm_loadu_ps(pr);
             p1 = _mm_loadu_ps(pr + 4);
         } else {
