@@ -19,43 +19,56 @@ CSA_TARGET_PUSH512("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c,avx512vnni,
  * 4 * 448 * 6 < 2^14 in magnitude, so each lane sum is exact in float32 and equals the
  * integer sum of a_int * w2, a_int = |a| 2^9 (< 2^18) and w2 = +-2|w| (<= 12; the
  * activation's sign flips the weight's), times 2^-10.  VPDPBUSD adds four unsigned-byte
- * by signed-byte products into an int32 lane: three of them (a_int's bytes 2, 1, 0, the
- * lane shifted by 8 between) give the lane sum exactly.  The lane sums, converted to
- * float32 (exact: < 2^24), then take the oracle's tree in float32 and its scaled FMA, so
- * the bits are the other levels' bits.  The lanes l[2t] and l[2t + 1] share one int32
- * accumulator: their integer sum converted once is the tree's first float32 add (both
- * round to nearest-even the exact sum).  Against the bf16 dot products this replaces
- * (VDPBF16PS, 32 products in 2 cycles on the Xeon; VPDPBUSD, 64 in 0.5-0.7):
- * N = 2048, K = 4096, e8m0 scales, Intel Xeon (AMX), 2 threads, 0.295 -> 0.135 ms
- * (1 thread 0.26 ms; about 12 cycles per 16 rows x 128 columns with the weights in L2,
- * 10.5 in L1: the decode and the three byte passes, not memory).
+ * by signed-byte products into an int32 lane, and two of them (the lane shifted by 8
+ * between) give the lane sum exactly:
+ * - a_int = M 2^s with M <= 15 (the code's significand) and s <= 14.  The weight byte
+ *   has room for w2 2^j, j <= 3 (12 * 8 < 128), and M 2^(s - j) is a byte for s - j <= 4;
+ *   so one pass takes s = 0 .. 7 (byte M 2^min(s, 4), j = max(s - 4, 0)) and the other,
+ *   counted 2^8 higher, s = 8 .. 14 (byte M 2^min(s - 8, 4), j = max(s - 12, 0)).  A
+ *   column is in one pass, its byte zero in the other; its j rides with the weight
+ *   code into a 64-entry byte table (VBMI VPERMB) that also applies the sign.  Byte
+ *   splits of a_int (pass k = its byte k) need three passes: 6 dot products a 16-row
+ *   block row, against 4 here.
+ * The lane sums, converted to float32 (exact: < 2^24), then take the oracle's tree in
+ * float32 and its scaled FMA, so the bits are the other levels' bits.  The lanes l[2t]
+ * and l[2t + 1] share one int32 accumulator: their integer sum converted once is the
+ * tree's first float32 add (both round to nearest-even the exact sum).  Against the
+ * bf16 dot products this replaces (VDPBF16PS, 32 products in 2 cycles on the Xeon;
+ * VPDPBUSD, 64 in 0.5-0.7): N = 2048, K = 4096, e8m0 scales, Intel Xeon (AMX), 2
+ * threads, 0.295 -> 0.135 ms with three passes.  Two passes, on AMD EPYC (Zen 4), 2
+ * threads, interleaved in one process: 0.173 -> 0.156 ms; with the four 4-row quads
+ * unrolled (the W's stay in registers now that the activation takes 6, not 8) 0.147;
+ * with the scales' gather issued before the rows (its latency was exposed) 0.134.
  *
  * A zmm holds 64 bytes of one weight row: 4 blocks of 32 codes (one 128-bit lane each).
  * A byte shuffle puts bytes t, t + 4, t + 8, t + 12 of each block into dword t, so that
  * the low nibbles of dword t are the block's elements 2t + 8q (q < 4: the oracle's lane
- * 2t) and the high nibbles 2t + 1 + 8q (lane 2t + 1).  Each nibble, its sign bit flipped
- * where the activation is negative, becomes w2 by a byte table lookup; the activation
- * bytes are laid out to match (act: per 128 columns, 8 registers: a_int's bytes 0, 1, 2
- * and the sign mask for the low nibbles, then the same for the high ones).  Sixteen
- * rows a task; the tree's first level is the conversion above, its other two levels
- * are shuffles that also gather the rows, four at a time, so that the FMAs into the 16
- * rows' accumulators run a block at a time down one vector. */
-#define GV_ACT_REGS 8 /* activation registers per 128 columns */
+ * 2t) and the high nibbles 2t + 1 + 8q (lane 2t + 1).  Each nibble, with its column's
+ * sign and j (bits 3 and 4-5 of a byte laid out to match), indexes the table; the
+ * activation bytes are laid out the same way (act: per 128 columns, 6 registers: the
+ * low pass's bytes, the high pass's bytes and the sign/j bytes for the low nibbles,
+ * then the same for the high ones).  Sixteen rows a task; the tree's first level is
+ * the conversion above, its other two levels are shuffles that also gather the rows,
+ * four at a time, so that the FMAs into the 16 rows' accumulators run a block at a time
+ * down one vector. */
+#define GV_ACT_REGS 6 /* activation registers per 128 columns */
 
-/* The activation row as gv_fp4_row16 reads it: per 128 columns g, 8 x 64 bytes
+/* The activation row as gv_fp4_row16 reads it: per 128 columns g, 6 x 64 bytes
  * act[g][reg][b * 16 + t * 4 + q] for column k = 128 g + 32 b + 2 t + 8 q (+ 1 for the
- * high-nibble registers 4-7); regs 0-2 / 4-6: bytes 0-2 of |a| 2^9, regs 3 / 7: 0x08
- * where a is negative.  Columns past K are zero (their weight bytes are loaded as
- * zero).  Two-source byte permutes place the codes and look their bytes up in 128-entry
- * tables (the scalar loop took half of a 16 x 4096 call). */
+ * high-nibble registers 3-5); regs 0 / 3: the low pass's byte, 1 / 4: the high pass's,
+ * 2 / 5: 0x08 where a is negative, or'ed with j << 4.  Columns past K are zero (their
+ * weight bytes are loaded as zero).  Two-source byte permutes place the codes and look
+ * their bytes up in 128-entry tables (the scalar loop took half of a 16 x 4096 call). */
 static void CSA_V(gv_act16)(const struct csa_gemm_args *g, uint8_t *act)
 {
     const csa_idx K = g->K, ng = (K + 127) / 128;
-    uint8_t tab[3][128]; /* byte i of |e4m3 code v| * 2^9 as an integer, v < 128 */
+    uint8_t tab[3][128]; /* |e4m3 code v|: low pass byte, high pass byte, j << 4; v < 128 */
     for (int v = 0; v < 128; v++) {
-        const int e = v >> 3, m = v & 7;
-        const uint32_t x = e ? (uint32_t)(8 + m) << (e - 1) : (uint32_t)m;
-        for (int i = 0; i < 3; i++) tab[i][v] = (uint8_t)(x >> (8 * i));
+        const int e = v >> 3, M = e ? 8 + (v & 7) : v & 7, s = e ? e - 1 : 0;
+        const int hi = s >= 8, sp = hi ? s - 8 : s, j = sp > 4 ? sp - 4 : 0;
+        tab[0][v] = hi ? 0 : (uint8_t)(M << (sp - j));
+        tab[1][v] = hi ? (uint8_t)(M << (sp - j)) : 0;
+        tab[2][v] = (uint8_t)(j << 4);
     }
     __m512i T[3][2];
     for (int i = 0; i < 3; i++) {
@@ -78,9 +91,11 @@ static void CSA_V(gv_act16)(const struct csa_gemm_args *g, uint8_t *act)
         for (int h = 0; h < 2; h++) {
             const __m512i c = _mm512_permutex2var_epi8(v0, h ? idx_hi : idx_lo, v1);
             const __m512i mag = _mm512_and_si512(c, m7f);
-            for (int i = 0; i < 3; i++)
-                _mm512_storeu_si512(dst + (4 * h + i) * 64, _mm512_permutex2var_epi8(T[i][0], mag, T[i][1]));
-            _mm512_storeu_si512(dst + (4 * h + 3) * 64, _mm512_and_si512(_mm512_srli_epi16(c, 4), m08));
+            for (int i = 0; i < 2; i++)
+                _mm512_storeu_si512(dst + (3 * h + i) * 64, _mm512_permutex2var_epi8(T[i][0], mag, T[i][1]));
+            _mm512_storeu_si512(dst + (3 * h + 2) * 64,
+                                _mm512_or_si512(_mm512_permutex2var_epi8(T[2][0], mag, T[2][1]),
+                                                _mm512_and_si512(_mm512_srli_epi16(c, 4), m08)));
         }
     }
 }
@@ -122,22 +137,39 @@ static void CSA_V(gv_fp4_row16)(const struct csa_gemm_args *g, const void *actv,
     const __m512i gather = _mm512_broadcast_i32x4(
         _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
 #endif
-    /* e2m1 code -> 2 * value as a signed byte */
-    const __m512i w2 = _mm512_broadcast_i32x4(
-        _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12));
+    /* byte j << 4 | sign << 3 | e2m1 magnitude -> +-2 |w| 2^j as a signed byte */
+    int8_t wt[64];
+    for (int i = 0; i < 64; i++) {
+        static const int8_t w2[8] = {0, 1, 2, 3, 4, 6, 8, 12};
+        wt[i] = (int8_t)((i & 8 ? -1 : 1) * w2[i & 7] * (1 << (i >> 4)));
+    }
+    const __m512i wtab = _mm512_loadu_si512(wt);
     const __m512i m0f = _mm512_set1_epi8(0x0f);
     const __m512i z = _mm512_setzero_si512(), ff = _mm512_set1_epi32(0xff);
     const __m512i qbit = _mm512_set1_epi32(0x00400000);
     __m512 c = _mm512_setzero_ps();
     for (csa_idx gi = 0; gi < ng; gi++) {
         const uint8_t *A = act + gi * GV_ACT_REGS * 64;
-        const __m512i A0l = _mm512_loadu_si512(A), A1l = _mm512_loadu_si512(A + 64);
-        const __m512i A2l = _mm512_loadu_si512(A + 128), Sl = _mm512_loadu_si512(A + 192);
-        const __m512i A0h = _mm512_loadu_si512(A + 256), A1h = _mm512_loadu_si512(A + 320);
-        const __m512i A2h = _mm512_loadu_si512(A + 384), Sh = _mm512_loadu_si512(A + 448);
+        const __m512i Lol = _mm512_loadu_si512(A), Hil = _mm512_loadu_si512(A + 64);
+        const __m512i Sl = _mm512_loadu_si512(A + 128), Loh = _mm512_loadu_si512(A + 192);
+        const __m512i Hih = _mm512_loadu_si512(A + 256), Sh = _mm512_loadu_si512(A + 320);
         const csa_idx nbg = nb - 4 * gi < 4 ? nb - 4 * gi : 4; /* blocks in this group */
         const __mmask64 lm = nbg == 4 ? ~(__mmask64)0 : ((__mmask64)1 << (16 * nbg)) - 1;
+        __m512i sg = _mm512_setzero_si512(); /* e8m0, gathered: block b in byte b; first,
+                                              * so that its loads overlap the rows' work */
+        if (e8 && gat) {
+            if (nbg == 4) {
+                sg = _mm512_i32gather_epi32(vidx, sbase + 4 * gi, 1);
+            } else {
+                uint32_t v[16] = {0};
+                for (int r = 0; r < 16; r++)
+                    for (csa_idx b = 0; b < nbg; b++)
+                        v[r] |= (uint32_t)sbase[(r < nr ? r : nr - 1) * g->sbs_row + 4 * gi + b] << (8 * b);
+                sg = _mm512_loadu_si512(v);
+            }
+        }
         __m512 W[4];
+#pragma GCC unroll 4 /* see the measurement above */
         for (int qd = 0; qd < 4; qd++) {
             __m512 X[4];
             for (int rr = 0; rr < 4; rr++) {
@@ -147,15 +179,14 @@ static void CSA_V(gv_fp4_row16)(const struct csa_gemm_args *g, const void *actv,
                  * / 0.156; the hardware prefetchers do not keep 16 rows' streams ahead) */
                 _mm_prefetch((const char *)(src + 128), _MM_HINT_T0);
                 const __m512i x = _mm512_shuffle_epi8(_mm512_maskz_loadu_epi8(lm, src), gather);
-                /* (nibble & 15) ^ sign, then the table */
-                const __m512i lo = _mm512_shuffle_epi8(w2, _mm512_ternarylogic_epi32(x, m0f, Sl, 0x6a));
-                const __m512i hi = _mm512_shuffle_epi8(
-                    w2, _mm512_ternarylogic_epi32(_mm512_srli_epi16(x, 4), m0f, Sh, 0x6a));
+                /* (nibble & 15) ^ (sign | j << 4), then the table */
+                const __m512i lo = _mm512_permutexvar_epi8(_mm512_ternarylogic_epi32(x, m0f, Sl, 0x6a), wtab);
+                const __m512i hi = _mm512_permutexvar_epi8(
+                    _mm512_ternarylogic_epi32(_mm512_srli_epi16(x, 4), m0f, Sh, 0x6a), wtab);
                 /* lane (b, t): the integer l[2t] + l[2t + 1] of block b (times 2^10; < 2^25),
                  * one conversion rounding it as the tree's first float32 add would */
-                __m512i s2 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, A2l, lo), A2h, hi);
-                s2 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_slli_epi32(s2, 8), A1l, lo), A1h, hi);
-                s2 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_slli_epi32(s2, 8), A0l, lo), A0h, hi);
+                __m512i s2 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, Hil, lo), Hih, hi);
+                s2 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_slli_epi32(s2, 8), Lol, lo), Loh, hi);
                 X[rr] = _mm512_cvtepi32_ps(s2);
             }
             /* per block: (X0 + X1, X2 + X3) of rows 0, 1 (and 2, 3), then their sum in
@@ -177,18 +208,6 @@ static void CSA_V(gv_fp4_row16)(const struct csa_gemm_args *g, const void *actv,
                              _mm512_shuffle_f32x4(H01, H23, _MM_SHUFFLE(2, 0, 2, 0)),
                              _mm512_shuffle_f32x4(H01, H23, _MM_SHUFFLE(3, 1, 3, 1))};
         const __m512 sa = _mm512_set1_ps(as[gi]);
-        __m512i sg = _mm512_setzero_si512(); /* e8m0, gathered: block b in byte b */
-        if (e8 && gat) {
-            if (nbg == 4) {
-                sg = _mm512_i32gather_epi32(vidx, sbase + 4 * gi, 1);
-            } else {
-                uint32_t v[16] = {0};
-                for (int r = 0; r < 16; r++)
-                    for (csa_idx b = 0; b < nbg; b++)
-                        v[r] |= (uint32_t)sbase[(r < nr ? r : nr - 1) * g->sbs_row + 4 * gi + b] << (8 * b);
-                sg = _mm512_loadu_si512(v);
-            }
-        }
         for (csa_idx b = 0; b < nbg; b++) {
             const csa_idx j = 4 * gi + b;
             __m512 sb;
