@@ -65,7 +65,12 @@ static void CSA_V(gv_act16)(const struct csa_gemm_args *g, uint8_t *act)
     uint8_t tab[3][128]; /* |e4m3 code v|: low pass byte, high pass byte, j << 4; v < 128 */
     for (int v = 0; v < 128; v++) {
         const int e = v >> 3, M = e ? 8 + (v & 7) : v & 7, s = e ? e - 1 : 0;
+#ifndef CSA_MUTANT_GEMM_VNNI_PASS
         const int hi = s >= 8, sp = hi ? s - 8 : s, j = sp > 4 ? sp - 4 : 0;
+#else /* planted (make mutants): one shift too few in the weight, so the byte of a
+       * column with s = 5 .. 7 or 13, 14 wraps */
+        const int hi = s >= 8, sp = hi ? s - 8 : s, j = sp > 5 ? sp - 5 : 0;
+#endif
         tab[0][v] = hi ? 0 : (uint8_t)(M << (sp - j));
         tab[1][v] = hi ? (uint8_t)(M << (sp - j)) : 0;
         tab[2][v] = (uint8_t)(j << 4);

@@ -208,8 +208,9 @@ def test_gemm_bf16_paths(rng, level):
 
 
 def test_gemm_one_row_every_code(rng):
-    """fp4_gemm of one activation row, every non-NaN activation code (its three bytes of
-    |a| 2^9 and its sign in the int8 path of AVX-512 CPUs with VNNI + VBMI,
+    """fp4_gemm of one activation row, every non-NaN activation code (its exponent picks
+    the int8 pass, byte and weight shift j, its sign the table's half, in the int8 path
+    of AVX-512 CPUs with VNNI + VBMI,
     docs/kernels.md section 9) against every weight code, K = 4 groups of 128 and a
     partial one (3 blocks): bitwise the oracle at every level, within the float32 budget
     of the float64 value."""
