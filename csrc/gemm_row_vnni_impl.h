@@ -151,7 +151,7 @@ static void CSA_V(gv_fp4_row16)(const struct csa_gemm_args *g, const void *actv,
     const __m512i wtab = _mm512_loadu_si512(wt);
     const __m512i m0f = _mm512_set1_epi8(0x0f);
     const __m512i z = _mm512_setzero_si512(), ff = _mm512_set1_epi32(0xff);
-    const __m512i qbit = _mm512_set1_epi32(0x00400000);
+    const __m512i qbit = _mm512_set1_epi32(0x00400000), m_ff8 = _mm512_set1_epi8((char)0xff);
     __m512 c = _mm512_setzero_ps();
     for (csa_idx gi = 0; gi < ng; gi++) {
         const uint8_t *A = act + gi * GV_ACT_REGS * 64;
@@ -213,6 +213,22 @@ static void CSA_V(gv_fp4_row16)(const struct csa_gemm_args *g, const void *actv,
                              _mm512_shuffle_f32x4(H01, H23, _MM_SHUFFLE(2, 0, 2, 0)),
                              _mm512_shuffle_f32x4(H01, H23, _MM_SHUFFLE(3, 1, 3, 1))};
         const __m512 sa = _mm512_set1_ps(as[gi]);
+        /* Gathered e8m0 scales none of which is 0 or 0xff (the usual group): each is v << 23
+         * straight from its byte, a shift and a mask where the general decode below takes
+         * six instructions (N = 2048, K = 4096, AMD EPYC Zen 4, 2 threads, interleaved:
+         * 0.159 -> 0.151 ms; the test of special codes and strides takes the general one) */
+        const __mmask64 odd = _mm512_cmpeq_epi8_mask(sg, z) | _mm512_cmpeq_epi8_mask(sg, m_ff8);
+        if (e8 && gat && nbg == 4 && !odd) {
+            const __m512i em = _mm512_set1_epi32(0x7f800000);
+            const __m512i sbs[4] = {_mm512_and_si512(_mm512_slli_epi32(sg, 23), em),
+                                    _mm512_and_si512(_mm512_slli_epi32(sg, 15), em),
+                                    _mm512_and_si512(_mm512_slli_epi32(sg, 7), em),
+                                    _mm512_and_si512(_mm512_srli_epi32(sg, 1), em)};
+            for (int b = 0; b < 4; b++)
+                c = _mm512_fmadd_ps(_mm512_mul_ps(P[b], _mm512_set1_ps(0x1p-10f)),
+                                    _mm512_mul_ps(sa, _mm512_castsi512_ps(sbs[b])), c);
+            continue;
+        }
         for (csa_idx b = 0; b < nbg; b++) {
             const csa_idx j = 4 * gi + b;
             __m512 sb;
