@@ -142,12 +142,14 @@ static void CSA_V(gv_fp4_row16)(const struct csa_gemm_args *g, const void *actv,
     const __m512i gather = _mm512_broadcast_i32x4(
         _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
 #endif
-    /* byte j << 4 | sign << 3 | e2m1 magnitude -> +-2 |w| 2^j as a signed byte */
-    int8_t wt[64];
-    for (int i = 0; i < 64; i++) {
-        static const int8_t w2[8] = {0, 1, 2, 3, 4, 6, 8, 12};
-        wt[i] = (int8_t)((i & 8 ? -1 : 1) * w2[i & 7] * (1 << (i >> 4)));
-    }
+    /* byte j << 4 | sign << 3 | e2m1 magnitude -> +-2 |w| 2^j as a signed byte (a constant:
+     * built by a loop, it ran once per 16-row task) */
+    static const int8_t wt[64] = {
+        0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+        0, 2, 4, 6, 8, 12, 16, 24, 0, -2, -4, -6, -8, -12, -16, -24,
+        0, 4, 8, 12, 16, 24, 32, 48, 0, -4, -8, -12, -16, -24, -32, -48,
+        0, 8, 16, 24, 32, 48, 64, 96, 0, -8, -16, -24, -32, -48, -64, -96,
+    };
     const __m512i wtab = _mm512_loadu_si512(wt);
     const __m512i m0f = _mm512_set1_epi8(0x0f);
     const __m512i z = _mm512_setzero_si512(), ff = _mm512_set1_epi32(0xff);
