@@ -439,9 +439,10 @@ def llama_logits(gguf_path, prompt, steps, threads, forced=None, workdir=None, e
     return lg.reshape(steps + 1, -1), info
 
 
-def load_hf(hf_dir, threads, swapped=False, bf16=False):
+def load_hf(hf_dir, threads, swapped=False, bf16=False, quantized=False):
     """transformers' DeepseekV4ForCausalLM (eager attention, float32 or bfloat16) from
-    hf_dir, and swapped onto our kernels when asked."""
+    hf_dir, swapped onto our kernels when asked, and with quantized=True its projections
+    back on the checkpoint's FP8 / FP4 codes (deepseek_csa.transformers.quantize)."""
     import torch
     from transformers import DeepseekV4ForCausalLM
     torch.set_num_threads(threads)
@@ -451,6 +452,9 @@ def load_hf(hf_dir, threads, swapped=False, bf16=False):
     if swapped:
         from deepseek_csa.transformers import swap
         swap(m)
+    if quantized:
+        from deepseek_csa.transformers import quantize
+        quantize(m)
     return m
 
 
@@ -524,7 +528,7 @@ def bench_ids(n, vocab):
     return out[:n] if n else out
 
 
-HF_SIDES = ("hf eager", "hf + swap", "hf + swap bf16")
+HF_SIDES = ("hf eager", "hf + swap", "hf + swap bf16", "hf + swap fp8")
 
 
 def hf_worker(side, hf_dir, threads, n_prompt, n_decode, chunk):
@@ -534,7 +538,8 @@ def hf_worker(side, hf_dir, threads, n_prompt, n_decode, chunk):
     from transformers import DynamicCache
     if side not in HF_SIDES:
         raise ValueError(f"unknown side {side!r}")
-    m = load_hf(hf_dir, threads, swapped=side != "hf eager", bf16=side.endswith("bf16"))
+    m = load_hf(hf_dir, threads, swapped=side != "hf eager",
+                bf16=side.endswith(("bf16", "fp8")), quantized=side.endswith("fp8"))
     vocab = m.config.vocab_size
     ids = torch.tensor([bench_ids(n_prompt, vocab)])
     with torch.no_grad():
@@ -740,6 +745,10 @@ def weight_formats(root, ggml):
                          "attention / indexer / compressor",
             "hf + swap bf16": "bfloat16 weights (the FP8 / FP4 values, exact), activations "
                               "and K/V; our kernels for attention / indexer / compressor",
+            "hf + swap fp8": "the checkpoint's FP8 e4m3 / FP4 e2m1 codes for its FP8 / FP4 "
+                             "projections (deepseek_csa.transformers.quantize: fp8_gemm / "
+                             "fp4_gemm, activations e4m3 per 128 as the released Linear), "
+                             "the rest bf16; our kernels for attention / indexer / compressor",
             "runner": "FP8 e4m3 and FP4 e2m1 weights in place (fp8_gemm / fp4_gemm), "
                       "bf16 activations, the released model.py's QAT roundings"}
 
@@ -774,7 +783,7 @@ def measure_rows(root, plan, sides, rounds, threads, ggml, chunk, runner, log=pr
             sec = statistics.median(x[key] for x in raw[s])
             r[s] = dict(seconds=sec, tokens_per_s=(n if kind == "prefill" else k) / sec,
                         peak_rss_bytes=max(x["peak_rss_bytes"] for x in raw[s]))
-        swaps = [x for x in ("hf + swap", "hf + swap bf16") if x in r]
+        swaps = [x for x in ("hf + swap", "hf + swap bf16", "hf + swap fp8") if x in r]
         if swaps and "llama.cpp" in r:
             best = max(swaps, key=lambda x: r[x]["tokens_per_s"])
             r["swap_over_llama"] = r[best]["tokens_per_s"] / r["llama.cpp"]["tokens_per_s"]
@@ -835,7 +844,8 @@ def bench_summary(snap):
     out = []
     for r in snap.get("rows", []):
         ours = ("runner" if isinstance(r.get("runner"), dict) else
-                max((x for x in ("hf + swap", "hf + swap bf16") if isinstance(r.get(x), dict)),
+                max((x for x in ("hf + swap", "hf + swap bf16", "hf + swap fp8")
+                     if isinstance(r.get(x), dict)),
                     key=lambda x: r[x]["tokens_per_s"], default="hf + swap"))
         if isinstance(r.get(ours), dict) and isinstance(r.get("llama.cpp"), dict):
             x = r[ours]["tokens_per_s"] / r["llama.cpp"]["tokens_per_s"]
@@ -884,7 +894,8 @@ def run(argv=None):
                          "CPU without AMX, native-noextra with AMX)")
     ap.add_argument("--chunk", type=int, default=2048, help="transformers prefill chunk")
     ap.add_argument("--sides", default="", help="comma-separated subset of: llama.cpp, "
-                    "hf eager, hf + swap, hf + swap bf16 (runner is added by --inference-dir)")
+                    "hf eager, hf + swap, hf + swap bf16, hf + swap fp8 (runner is added by "
+                    "--inference-dir)")
     ap.add_argument("--rows", default="", help="custom rows, e.g. prefill:512,decode:4096:16")
     ap.add_argument("--inference-dir", help="DeepSeek's inference/ (model.py): adds our runner")
     ap.add_argument("--runner-ckpt", help="hf/ converted by that folder's convert.py")
@@ -914,7 +925,8 @@ def run(argv=None):
     if a.inference_dir:
         runner = dict(inference_dir=a.inference_dir, ckpt=a.runner_ckpt, config=a.runner_config)
         runner_note = "run"
-    sides = ["llama.cpp", "hf eager", "hf + swap", "hf + swap bf16"] + (["runner"] if runner else [])
+    sides = (["llama.cpp", "hf eager", "hf + swap", "hf + swap bf16", "hf + swap fp8"]
+             + (["runner"] if runner else []))
     if a.sides:
         sides = [x.strip() for x in a.sides.split(",")]
     t_start = time.time()

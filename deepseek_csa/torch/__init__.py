@@ -44,14 +44,16 @@ swapped layer's forward.
 The package's modules: ``dropins`` (the released-signature functions), ``swap`` (routing a
 loaded model through them), ``kernel_module`` (the released ``kernel`` module on the CPU),
 ``autograd`` (the differentiable ops: ``torch.autograd.Function``s over the forward and
-backward kernels), ``_tensors`` (the tensor <-> NumPy handoff they share).
+backward kernels), ``quantized`` (``FP8Linear`` / ``FP4Experts``: projections over the
+released FP8 / FP4 weights, for inference), ``_tensors`` (the tensor <-> NumPy handoff they share).
 """
 from .dropins import *  # noqa: F401,F403
 from .dropins import _ORIG  # noqa: F401  (the model's own functions, kept by swap)
 from .swap import OPS, Swap, _attention_modules, swap, unswap  # noqa: F401
 from .kernel_module import install_kernels, load_model_py  # noqa: F401
 from .autograd import *  # noqa: F401,F403
-from . import autograd as _autograd, dropins as _dropins
+from .quantized import FP4Experts, FP8Linear, fp4_weight, fp8_weight  # noqa: F401
+from . import autograd as _autograd, dropins as _dropins, quantized as _quantized
 
 __all__ = (["OPS", "swap", "unswap", "Swap"] + _dropins.__all__
-           + ["load_model_py", "install_kernels"] + _autograd.__all__)
+           + ["load_model_py", "install_kernels"] + _autograd.__all__ + _quantized.__all__)

@@ -88,7 +88,29 @@ KM = "tests/test_kernel_module.py::"
 GEN = "tests/test_generate.py::"
 TF = "tests/test_transformers_bridge.py::"
 
+# -------------------------------------------------------------- FP8 / FP4 projections
+def _quant_fp8_1e4():
+    _patch_dc("deepseek_csa.torch.quantized", "fp8_gemm", _output_times(1 + 1e-4))
+
+
+def _quant_act_fp32():
+    # activations quantized with float32 scales (amax / 448), not the released
+    # power-of-two ones
+    import deepseek_csa.torch.quantized as Q
+    Q._act_q = lambda x: Q._dc.fp8_quant(x, Q._BLOCK, scale="fp32")
+
+
+QUANT = "tests/test_quantized.py::"
+
 MUTANTS = [
+    dict(name="quant_fp8_1e4", kind="py", apply=_quant_fp8_1e4,
+         targets=[QUANT + "test_fp8_linear_matches_reference",
+                  QUANT + "test_fp8_grouped_linear_matches_per_group_reference"],
+         what="FP8Linear's GEMM output off by a relative 1e-4"),
+    dict(name="quant_act_fp32", kind="py", apply=_quant_act_fp32,
+         targets=[QUANT + "test_fp4_experts_matches_reference",
+                  QUANT + "test_quantized_model_matches_reference"],
+         what="FP8Linear / FP4Experts quantize activations with float32 scales, not ue8m0"),
     dict(name="kmod_attn_zero", kind="py", apply=_kmod_attn_zero,
          targets=[KM + "test_replay_every_kernel_call",
                   KM + "test_float32_scales_and_fp8_experts",

@@ -1,0 +1,284 @@
+"""Projections held as the released checkpoint holds them and computed as the released
+``model.py`` computes them: ``FP8Linear`` (e4m3 weight codes with one ue8m0 scale per
+128 x 128 block) and ``FP4Experts`` (routed experts as e2m1 codes, two a byte, one ue8m0
+scale per 32 inputs), for inference.
+
+    lin8 = FP8Linear.from_linear(linear)              # nn.Linear [N, K] -> codes + scales
+    y = lin8(x)                                       # x [..., K] -> [..., N], x's dtype
+    lin8 = FP8Linear.from_linear(linear, groups=8)    # transformers' grouped o_a_proj:
+                                                      #   x [..., 8, K] -> [..., 8, N / 8]
+    experts4 = FP4Experts.from_experts(experts)       # transformers' DeepseekV4Experts
+
+A call quantizes its input per 128 features to e4m3 with power-of-two scales (the
+released ``act_quant`` with ``scale_fmt`` set) and runs ``deepseek_csa.fp8_gemm`` /
+``fp4_gemm``: each 128-block's product in float32, scaled and accumulated in float32,
+one rounding to the output dtype.  That is the released Linear's arithmetic for an FP8
+or FP4 weight, not transformers' (a bf16 x bf16 matmul on the dequantized weight): the
+two differ by the activation's e4m3 rounding (relative ~2^-4 per element).
+
+Quantizing the weights is exact for weights that are FP8 / FP4 values to begin with (a
+released checkpoint, dequantized by a loader: a block's values are codes times one power
+of two, and the power of two chosen here from the block's largest value is at most the
+original, so every value is a code again).  Other weights are rounded; ``from_linear`` /
+``from_experts`` record it in ``exact``.  The modules hold no float copy of a weight.
+Inference only: a call that would need a gradient raises.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import deepseek_csa as _dc
+
+from ._tensors import _torch
+
+__all__ = ["FP8Linear", "FP4Experts", "fp8_weight", "fp4_weight"]
+
+_BLOCK = 128       # FP8: weight blocks 128 x 128, activation blocks of 128
+_FP4_BLOCK = 32    # FP4 weights: one scale per 32 inputs
+_E4M3_MAX = 448.0
+
+
+def _module_base():
+    return _torch().nn.Module
+
+
+def fp8_weight(w):
+    """w [N, K] (any float dtype) -> (codes float8_e4m3fn [N, K], scales float8_e8m0fnu
+    [ceil(N/128), ceil(K/128)], exact): per 128 x 128 block s = 2^ceil(log2(amax/448))
+    (amax of an all-zero block taken as 448, s = 1), codes = e4m3(w / s) nearest-even;
+    exact is True when codes * s reproduce w bit for bit."""
+    torch = _torch()
+    if w.dim() != 2:
+        raise ValueError(f"fp8_weight: w must be [N, K], got shape {tuple(w.shape)}")
+    N, K = w.shape
+    nb, kb = -(-N // _BLOCK), -(-K // _BLOCK)
+    wf = w.detach().to("cpu", torch.float32)
+    pad = torch.nn.functional.pad(wf, (0, kb * _BLOCK - K, 0, nb * _BLOCK - N))
+    amax = pad.view(nb, _BLOCK, kb, _BLOCK).abs().amax(dim=(1, 3))
+    if not bool(torch.isfinite(amax).all()):
+        raise ValueError("fp8_weight: w holds inf or NaN; it has no FP8 block scale")
+    amax = torch.where(amax > 0, amax, torch.full_like(amax, _E4M3_MAX))
+    mant, ex = torch.frexp(amax / _E4M3_MAX)             # amax/448 = mant * 2^ex
+    e = torch.where(mant == 0.5, ex - 1, ex)             # ceil(log2(amax / 448))
+    # amax/448 is rounded: one more power of two where amax / 2^e still exceeds 448
+    e = torch.where(amax > _E4M3_MAX * torch.ldexp(torch.ones_like(amax), e), e + 1, e)
+    if bool((e < -127).any()) or bool((e > 127).any()):
+        raise ValueError("fp8_weight: a block's scale is outside e8m0's range 2^-127..2^127")
+    sc = torch.ldexp(torch.ones_like(amax), e)
+    full = sc.repeat_interleave(_BLOCK, 0).repeat_interleave(_BLOCK, 1)[:N, :K]
+    codes = (wf / full).to(torch.float8_e4m3fn)
+    exact = bool(torch.equal(codes.float() * full, wf))
+    scales = (e + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+    return codes, scales, exact
+
+
+def fp4_weight(w):
+    """w [N, K] (K a multiple of 32) -> (codes uint8 [N, K/2], element 2i in the low
+    nibble; scales float8_e8m0fnu [N, K/32]; exact): the released FP4 rounding
+    (``deepseek_csa.fp4_quant``), exact as for fp8_weight."""
+    torch = _torch()
+    if w.dim() != 2 or w.shape[1] % _FP4_BLOCK:
+        raise ValueError(f"fp4_weight: w must be [N, K] with K a multiple of 32, got shape "
+                         f"{tuple(w.shape)}")
+    wf = np.ascontiguousarray(w.detach().to("cpu", torch.float32).numpy())
+    q, s = _dc.fp4_quant(wf, _FP4_BLOCK)
+    codes = np.stack([q & 15, q >> 4], -1).reshape(wf.shape)
+    e2m1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+    deq = e2m1[codes] * np.repeat(np.ldexp(np.float32(1), s.astype(np.int32) - 127), _FP4_BLOCK, 1)
+    exact = bool(np.array_equal(deq, wf))
+    return torch.from_numpy(q), torch.from_numpy(s).view(torch.float8_e8m0fnu), exact
+
+
+def _no_grad_check(x, who):
+    torch = _torch()
+    if torch.is_grad_enabled() and x.requires_grad:
+        raise RuntimeError(f"{who}: FP8 / FP4 weights are for inference; run under "
+                           "torch.no_grad() (training needs the float weights)")
+
+
+def _act_q(x):
+    """The released act_quant (scale_fmt set): e4m3 codes + e8m0 scales per 128."""
+    return _dc.fp8_quant(x, _BLOCK, scale="ue8m0", scale_dtype="e8m0")
+
+
+def _out_dtype(x):
+    torch = _torch()
+    return x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+
+
+def _as_kernel_input(x):
+    torch = _torch()
+    x = x.detach()
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        x = x.to("cpu", torch.float32)
+    return x
+
+
+class FP8Linear(_module_base()):
+    """A bias-free linear layer over FP8 weights (see the module docstring).
+
+    weight_codes  : float8_e4m3fn [N, K]
+    weight_scale  : float8_e8m0fnu [ceil(N/128), ceil(K/128)]
+    groups        : 1, or G for a block-diagonal grouped layer (transformers'
+                    DeepseekV4GroupedLinear): x [..., G, K/G] -> [..., G, N/G], group g
+                    using weight rows g*N/G .. (g+1)*N/G - 1 (N/G and K/G multiples of 128).
+    Forward: x [..., K] (or [..., G, K/G]) float32 / bfloat16 -> same dtype [..., N].
+    """
+
+    def __init__(self, codes, scales, groups=1, exact=True):
+        super().__init__()
+        N, K = codes.shape
+        self.out_features, self.groups = int(N), int(groups)
+        self.in_features = int(K) // self.groups if self.groups > 1 else int(K)
+        self.exact = bool(exact)
+        self.register_buffer("weight_codes", codes)
+        self.register_buffer("weight_scale", scales)
+
+    @classmethod
+    def from_linear(cls, linear, groups=1):
+        """From an ``nn.Linear`` (no bias) whose weight is [N, K] (grouped: [N, K/G]
+        stacked per group, transformers' layout)."""
+        if getattr(linear, "bias", None) is not None:
+            raise ValueError(f"FP8Linear.from_linear: {type(linear).__name__} has a bias; "
+                             "the released FP8 layers have none")
+        w = linear.weight
+        N, Kin = w.shape
+        G = int(groups)
+        if G > 1:
+            if N % G or (N // G) % _BLOCK or Kin % _BLOCK:
+                raise ValueError(f"FP8Linear.from_linear: a grouped weight needs N/groups and "
+                                 f"K multiples of 128, got N={N}, groups={G}, K={Kin}")
+        elif Kin % _BLOCK:
+            raise ValueError(f"FP8Linear.from_linear: in_features must be a multiple of 128 "
+                             f"(the activation blocks), got {Kin}")
+        codes, scales, exact = fp8_weight(w)
+        m = cls(codes, scales, G, exact)
+        m.in_features = Kin
+        return m
+
+    def extra_repr(self):
+        g = f", groups={self.groups}" if self.groups > 1 else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}{g}, "
+                "e4m3 weights, ue8m0 128x128 scales")
+
+    def dequantized_weight(self):
+        """The weight as float32 [N, K] (codes times their block's scale)."""
+        torch = _torch()
+        sc = self.weight_scale.view(torch.uint8).to(torch.int32) - 127
+        full = torch.ldexp(torch.ones(sc.shape), sc)
+        full = full.repeat_interleave(_BLOCK, 0).repeat_interleave(_BLOCK, 1)
+        N, K = self.weight_codes.shape
+        return self.weight_codes.float() * full[:N, :K]
+
+    def forward(self, x):
+        torch = _torch()
+        _no_grad_check(x, "FP8Linear")
+        dt = _out_dtype(x)
+        xin = _as_kernel_input(x)
+        G = self.groups
+        if G == 1:
+            if xin.shape[-1] != self.in_features:
+                raise ValueError(f"FP8Linear: x's last dim must be {self.in_features}, got "
+                                 f"shape {tuple(x.shape)}")
+            lead = xin.shape[:-1]
+            x2 = xin.reshape(-1, self.in_features)
+            q, s = _act_q(x2)
+            out = torch.empty(x2.shape[0], self.out_features, dtype=dt)
+            _dc.fp8_gemm(q, s, self.weight_codes, self.weight_scale, out=out)
+            return out.view(*lead, self.out_features)
+        if xin.dim() < 2 or xin.shape[-2] != G or xin.shape[-1] != self.in_features:
+            raise ValueError(f"FP8Linear: a grouped layer takes x [..., {G}, "
+                             f"{self.in_features}], got shape {tuple(x.shape)}")
+        lead = xin.shape[:-2]
+        x2 = xin.reshape(-1, G * self.in_features)   # per-128 blocks never cross a group
+        q, s = _act_q(x2)
+        M, Kg, Ng = x2.shape[0], self.in_features, self.out_features // G
+        kb, nb = Kg // _BLOCK, Ng // _BLOCK
+        out = torch.empty(G, M, Ng, dtype=dt)
+        for g in range(G):
+            _dc.fp8_gemm(q[:, g * Kg:(g + 1) * Kg], s[:, g * kb:(g + 1) * kb],
+                         self.weight_codes[g * Ng:(g + 1) * Ng],
+                         self.weight_scale[g * nb:(g + 1) * nb], out=out[g])
+        return out.transpose(0, 1).reshape(*lead, G, Ng)
+
+
+class FP4Experts(_module_base()):
+    """Routed experts over FP4 weights, with transformers' ``DeepseekV4Experts`` call:
+    ``forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``.
+
+    gate_up_codes [E, 2I, H/2], gate_up_scale [E, 2I, H/32], down_codes [E, H, I/2],
+    down_scale [E, H, I/32]: uint8 e2m1 pairs and float8_e8m0fnu scales.  Per expert that any token
+    chose (ascending expert order, as transformers): the gate/up GEMM, transformers' own
+    gate (``_apply_gate``: clamps and SiLU), the down GEMM, times the routing weight,
+    added into the tokens' rows.  Indices outside 0..E-1 are skipped (transformers' mask
+    slot E)."""
+
+    def __init__(self, experts, gu, gus, dn, dns, exact):
+        super().__init__()
+        self.num_experts = int(gu.shape[0])
+        self.hidden_dim = int(dn.shape[1])
+        self.intermediate_dim = int(gu.shape[1]) // 2
+        self.act_fn, self.limit = experts.act_fn, experts.limit
+        self._gate_fn = type(experts)._apply_gate
+        self.exact = bool(exact)
+        self.register_buffer("gate_up_codes", gu)
+        self.register_buffer("gate_up_scale", gus)
+        self.register_buffer("down_codes", dn)
+        self.register_buffer("down_scale", dns)
+
+    @classmethod
+    def from_experts(cls, experts):
+        """From transformers' DeepseekV4Experts (gate_up_proj [E, 2I, H], down_proj
+        [E, H, I]; H and I multiples of 128)."""
+        torch = _torch()
+        gu_w, dn_w = experts.gate_up_proj, experts.down_proj
+        E, I2, H = gu_w.shape
+        if H % _BLOCK or (I2 // 2) % _BLOCK:
+            raise ValueError(f"FP4Experts.from_experts: hidden and intermediate sizes must be "
+                             f"multiples of 128, got {H} and {I2 // 2}")
+        parts, exact = [[], [], [], []], True
+        for e in range(E):
+            for j, w in ((0, gu_w[e]), (2, dn_w[e])):
+                q, s, ex = fp4_weight(w)
+                parts[j].append(q)
+                parts[j + 1].append(s)
+                exact &= ex
+        return cls(experts, *(torch.stack(p) for p in parts), exact)
+
+    def extra_repr(self):
+        return (f"num_experts={self.num_experts}, hidden={self.hidden_dim}, "
+                f"intermediate={self.intermediate_dim}, e2m1 weights, ue8m0 scales per 32")
+
+    def _apply_gate(self, gate_up):
+        return self._gate_fn(self, gate_up)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        torch = _torch()
+        _no_grad_check(hidden_states, "FP4Experts")
+        final = torch.zeros_like(hidden_states)
+        x_all = _as_kernel_input(hidden_states)
+        dt = _out_dtype(hidden_states)
+        k = top_k_index.shape[-1]
+        flat = top_k_index.reshape(-1)
+        # one stable sort groups the (token, slot) pairs by expert: a handful of torch
+        # calls per MoE block instead of a mask and a where per expert
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat[order].clamp(0, self.num_experts),
+                                minlength=self.num_experts + 1)[:self.num_experts].tolist()
+        lo = int((flat < 0).sum())                           # negatives sort first
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            sel = order[lo:lo + n]
+            lo += n
+            tok, pos = sel // k, sel % k
+            q, s = _act_q(x_all[tok])
+            gu = torch.empty(n, 2 * self.intermediate_dim, dtype=dt)
+            _dc.fp4_gemm(q, s, self.gate_up_codes[e], self.gate_up_scale[e], out=gu)
+            h = self._apply_gate(gu)
+            q, s = _act_q(_as_kernel_input(h))
+            y = torch.empty(n, self.hidden_dim, dtype=dt)
+            _dc.fp4_gemm(q, s, self.down_codes[e], self.down_scale[e], out=y)
+            y = y * top_k_weights[tok, pos, None]
+            final.index_add_(0, tok, y.to(final.dtype))
+        return final
