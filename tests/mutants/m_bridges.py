@@ -100,9 +100,17 @@ def _quant_act_fp32():
     Q._act_q = lambda x: Q._dc.fp8_quant(x, Q._BLOCK, scale="fp32")
 
 
+def _tf_hc_iters():
+    _patch_dc("deepseek_csa.transformers", "hc_split_sinkhorn",
+              lambda fn: lambda m, sc, b, h, iters, eps: fn(m, sc, b, h, iters - 1, eps))
+
+
 QUANT = "tests/test_quantized.py::"
 
 MUTANTS = [
+    dict(name="tf_hc_iters", kind="py", apply=_tf_hc_iters,
+         targets=["tests/test_transformers_bridge.py::test_decode_steps"],
+         what="the swapped hyper-connections run one Sinkhorn iteration fewer"),
     dict(name="quant_fp8_1e4", kind="py", apply=_quant_fp8_1e4,
          targets=[QUANT + "test_fp8_linear_matches_reference",
                   QUANT + "test_fp8_grouped_linear_matches_per_group_reference"],
