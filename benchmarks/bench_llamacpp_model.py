@@ -519,6 +519,14 @@ def _hwm():
     return 0
 
 
+def _rss():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def bench_ids(n, vocab):
     """The same deterministic pseudo-random prompt ids as llamacpp_model.c's bench mode."""
     s, out = 12345, []
@@ -541,6 +549,7 @@ def hf_worker(side, hf_dir, threads, n_prompt, n_decode, chunk):
     m = load_hf(hf_dir, threads, swapped=side != "hf eager",
                 bf16=side.endswith(("bf16", "fp8")), quantized=side.endswith("fp8"))
     vocab = m.config.vocab_size
+    rss_loaded = _rss()
     ids = torch.tensor([bench_ids(n_prompt, vocab)])
     with torch.no_grad():
         cache = DynamicCache(config=m.config)
@@ -557,7 +566,8 @@ def hf_worker(side, hf_dir, threads, n_prompt, n_decode, chunk):
         for _ in range(n_decode):
             lg = m(lg[:, -1:].argmax(-1), past_key_values=cache, use_cache=True).logits
         t2 = time.perf_counter()
-    print(json.dumps(dict(prefill_s=t1 - t0, decode_s=t2 - t1, peak_rss_bytes=_hwm())))
+    print(json.dumps(dict(prefill_s=t1 - t0, decode_s=t2 - t1, peak_rss_bytes=_hwm(),
+                          rss_loaded_bytes=rss_loaded, rss_end_bytes=_rss())))
 
 
 def run_side(side, root, threads, n_prompt, n_decode, ggml="noamx", chunk=2048,
@@ -759,7 +769,10 @@ def fmt_row(r):
         v = r.get(side)
         if not v:
             continue
-        parts.append(f"{side} {v['tokens_per_s']:8.2f} tok/s ({v['peak_rss_bytes'] / 2**30:.2f} GiB)")
+        rss = (f", {v['rss_end_bytes'] / 2**30:.2f} at the end" if v.get("rss_end_bytes")
+               else "")
+        parts.append(f"{side} {v['tokens_per_s']:8.2f} tok/s ({v['peak_rss_bytes'] / 2**30:.2f} GiB"
+                     f"{rss})")
     ratio = r.get("swap_over_llama")
     return (f"model     {r['kind']:<7} {r['label']:<40} | " + " | ".join(parts)
             + (f" | {r['swap_best']} / llama.cpp x{ratio:.2f}" if ratio else "")
@@ -783,6 +796,8 @@ def measure_rows(root, plan, sides, rounds, threads, ggml, chunk, runner, log=pr
             sec = statistics.median(x[key] for x in raw[s])
             r[s] = dict(seconds=sec, tokens_per_s=(n if kind == "prefill" else k) / sec,
                         peak_rss_bytes=max(x["peak_rss_bytes"] for x in raw[s]))
+            if all("rss_end_bytes" in x for x in raw[s]):     # transformers sides
+                r[s]["rss_end_bytes"] = max(x["rss_end_bytes"] for x in raw[s])
         swaps = [x for x in ("hf + swap", "hf + swap bf16", "hf + swap fp8") if x in r]
         if swaps and "llama.cpp" in r:
             best = max(swaps, key=lambda x: r[x]["tokens_per_s"])

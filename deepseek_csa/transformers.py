@@ -1281,7 +1281,8 @@ _FP8_ATTN = ("q_a_proj", "q_b_proj", "kv_proj", "o_a_proj", "o_b_proj")
 _FP8_MLP = ("gate_proj", "up_proj", "down_proj")
 
 
-def quantize(model, layers: Optional[Iterable[int]] = None) -> dict:
+def quantize(model, layers: Optional[Iterable[int]] = None, *,
+             own_memory: bool = True) -> dict:
     """Holds the chosen decoder layers' (None: all) projections as the released checkpoint
     holds them and computes them as the released model.py does: attention projections
     (``q_a_proj``, ``q_b_proj``, ``kv_proj``, the grouped ``o_a_proj``, ``o_b_proj``), the
@@ -1294,8 +1295,14 @@ def quantize(model, layers: Optional[Iterable[int]] = None) -> dict:
     dequantizes it; the codes come back bit for bit); other float weights are rounded to
     FP8 / FP4, with one warning naming how many modules were.  The outputs differ from
     transformers' own by the activation's e4m3 rounding in front of each projection (the
-    released Linear's).  Returns ``{"fp8": [module names], "fp4": [...], "rounded":
-    [...], "bytes_before": n, "bytes_after": n}`` (the weights' bytes)."""
+    released Linear's).
+
+    ``own_memory`` (default): afterwards every parameter and buffer left in float is
+    copied into memory of its own.  transformers memory-maps the checkpoint and its
+    parameters are views of that file: the map, and every page of it the quantization
+    read, stayed resident while any view was alive (3.2 GB RSS on the 3-layer bench
+    model; 1.1 GB after the copies).  Returns ``{"fp8": [module names], "fp4": [...],
+    "rounded": [...], "bytes_before": n, "bytes_after": n}`` (the weights' bytes)."""
     from .torch.quantized import FP4Experts, FP8Linear
     base = _base(model)
     if not hasattr(base, "layers"):
@@ -1346,6 +1353,16 @@ def quantize(model, layers: Optional[Iterable[int]] = None) -> dict:
         report[kind].append(name)
         if not new.exact:
             report["rounded"].append(name)
+    plan.clear()
+    if own_memory:
+        torch = _torch()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data = p.data.clone()
+            for mod in model.modules():
+                for key, b in list(mod._buffers.items()):
+                    if b is not None:
+                        mod._buffers[key] = b.clone()
     if report["rounded"]:
         warnings.warn(f"quantize(): {len(report['rounded'])} modules' weights were not FP8 / "
                       f"FP4 values and were rounded (first: {report['rounded'][0]}); the "

@@ -86,7 +86,7 @@ def assert_budget(y, ref, mag, bf16=False):
 
 
 # ---------------------------------------------------------------- weights
-@pytest.mark.parametrize("N,K", [(200, 384), (128, 128), (1, 256), (257, 130)])
+@pytest.mark.parametrize("N,K", [(200, 384), (128, 128), (1, 256), (257, 130), (2100, 256)])
 def test_fp8_weight_exact_on_fp8_values(N, K):
     w = fp8_valued(N, K, seed=N + K)
     codes, scales, exact = fp8_weight(w)
