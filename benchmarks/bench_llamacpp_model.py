@@ -698,6 +698,14 @@ def cross_engine(root, threads, prompt_len, steps, ggml, variants, log=print,
         sw, swf = hf_logits(m, prompt, steps), hf_logits(m, prompt, steps, forced=toks)
         out.append(dict(compare("hf + swap bf16", sw, swf, ref, steps), seconds=time.time() - t0))
         log(fmt_cross(out[-1]))
+        # the same model on the checkpoint's FP8 / FP4 codes: the released Linear's
+        # arithmetic (e4m3 activations), so its distance from eager is that rounding's
+        from deepseek_csa.transformers import quantize
+        t0 = time.time()
+        quantize(m)
+        sw, swf = hf_logits(m, prompt, steps), hf_logits(m, prompt, steps, forced=toks)
+        out.append(dict(compare("hf + swap fp8", sw, swf, ref, steps), seconds=time.time() - t0))
+        log(fmt_cross(out[-1]))
     del m
     for name in variants:
         name, gg, extra = LLAMA_VARIANTS[name]
