@@ -134,3 +134,30 @@ def test_bench_summary():
     # a flip where the reference was decisive is not explained by rounding: not met
     snap["cross_engine"][1]["forced_flips"] = [dict(flip, margin=2.0)]
     assert bm.bench_summary(snap)[-1][1] is False
+
+
+def test_quantize_gives_back_the_released_codes(tmp_path):
+    """transformers' loader dequantizes the released FP8 / FP4 tensors (and fuses the
+    experts' w1 / w3); deepseek_csa.transformers.quantize puts every one back on codes
+    without rounding anything, and its FP8 weights are the file's values."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    import deepseek_csa.transformers as dch
+    if not dch._supported(__import__("transformers").__version__):
+        pytest.skip("transformers version not supported by the bridge")
+    from safetensors import safe_open
+    from transformers import DeepseekV4ForCausalLM
+    cfg = dict(TINY, o_lora_rank=128, moe_intermediate_size=128)   # the 128 blocks
+    hf, hb = bm.write_model(tmp_path, cfg, log=lambda *a: None)
+    m = DeepseekV4ForCausalLM.from_pretrained(str(hb), dtype=torch.bfloat16).eval()
+    rep = dch.quantize(m)
+    assert rep["rounded"] == [] and len(rep["fp4"]) == 3 and len(rep["fp8"]) == 3 * 8 + 1
+    with safe_open(str(hf / "model.safetensors"), "pt") as f:
+        codes = f.get_tensor("layers.1.attn.wq_b.weight").float()
+        e = f.get_tensor("layers.1.attn.wq_b.scale").view(torch.uint8).long() - 127
+    sc = torch.ldexp(torch.ones(e.shape), e).repeat_interleave(128, 0).repeat_interleave(128, 1)
+    want = codes * sc[:codes.shape[0], :codes.shape[1]]
+    assert torch.equal(m.model.layers[1].self_attn.q_b_proj.dequantized_weight(), want)
+    with torch.no_grad():
+        lg = m(torch.arange(2, 30)[None]).logits
+    assert torch.isfinite(lg).all()
