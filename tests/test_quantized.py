@@ -392,3 +392,21 @@ def test_quantized_model_refuses_training():
     ids = torch.randint(0, 97, (1, 9))
     with pytest.raises(RuntimeError, match="inference"):
         m(ids).logits.sum()
+
+
+def test_fp4_experts_adds_experts_in_transformers_order():
+    """bf16: a token's expert outputs are added one expert at a time, ascending, each
+    sum rounded to bf16 (transformers' loop); one scatter over all pairs would round
+    differently when tokens repeat."""
+    m = make_model128(dtype=torch.bfloat16)
+    q = FP4Experts.from_experts(m.model.layers[1].mlp.experts)
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(7, 128, generator=g).bfloat16()
+    idx = torch.stack([torch.randperm(4, generator=g)[:3] for _ in range(7)])
+    w = torch.rand(7, 3, generator=g)
+    with torch.no_grad():
+        got = q(x, idx, w)
+        want = torch.zeros_like(x)
+        for e in range(4):                     # only expert e: the others -> mask slot 4
+            want += q(x, torch.where(idx == e, idx, torch.full_like(idx, 4)), w)
+    assert torch.equal(got, want)

@@ -274,9 +274,9 @@ class FP4Experts(_module_base()):
         flat = top_k_index.reshape(-1)
         # The (token, slot) pairs sorted by expert (stable: tokens ascending within one):
         # each expert's rows are one contiguous slice, so the row-wise steps -- the
-        # activation rounding, transformers' gate, the routing weight, the scatter-add
-        # -- run once over all pairs (same per-element arithmetic as one expert at a
-        # time: 6 -> 1 call each at decode) and only the GEMMs loop over experts.
+        # activation rounding, transformers' gate, the routing weight -- run once over
+        # all pairs (same per-element arithmetic as one expert at a time: 6 -> 1 call
+        # each at decode); the GEMMs and the scatter-add loop over experts.
         order = torch.argsort(flat, stable=True)
         e_sorted = flat[order]
         keep = (e_sorted >= 0) & (e_sorted < self.num_experts)
@@ -303,7 +303,9 @@ class FP4Experts(_module_base()):
         y = torch.empty(P, H, dtype=dt)
         for e, a, b in spans:
             _dc.fp4_gemm(hq[a:b], hs[a:b], self.down_codes[e], self.down_scale[e], out=y[a:b])
-        y = y * top_k_weights[tok, pos, None]
-        # index_add_ adds the pairs in order: per token, experts ascending (transformers')
-        final.index_add_(0, tok, y.to(final.dtype))
+        y = (y * top_k_weights[tok, pos, None]).to(final.dtype)
+        # one scatter-add per expert, experts ascending, as transformers adds them (one
+        # index_add_ over all pairs rounds bf16 sums differently when a token repeats)
+        for e, a, b in spans:
+            final.index_add_(0, tok[a:b], y[a:b])
         return final
