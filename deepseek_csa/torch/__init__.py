@@ -52,8 +52,15 @@ from .dropins import _ORIG  # noqa: F401  (the model's own functions, kept by sw
 from .swap import OPS, Swap, _attention_modules, swap, unswap  # noqa: F401
 from .kernel_module import install_kernels, load_model_py  # noqa: F401
 from .autograd import *  # noqa: F401,F403
-from .quantized import FP4Experts, FP8Linear, fp4_weight, fp8_weight  # noqa: F401
+from .quantized import fp4_weight, fp8_weight  # noqa: F401
 from . import autograd as _autograd, dropins as _dropins, quantized as _quantized
 
 __all__ = (["OPS", "swap", "unswap", "Swap"] + _dropins.__all__
            + ["load_model_py", "install_kernels"] + _autograd.__all__ + _quantized.__all__)
+
+
+def __getattr__(name):
+    # FP8Linear / FP4Experts are nn.Modules, made when first asked for (torch stays lazy)
+    if name in ("FP8Linear", "FP4Experts"):
+        return getattr(_quantized, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -38,10 +38,6 @@ _FP4_BLOCK = 32    # FP4 weights: one scale per 32 inputs
 _E4M3_MAX = 448.0
 
 
-def _module_base():
-    return _torch().nn.Module
-
-
 def fp8_weight(w):
     """w [N, K] (any float dtype) -> (codes float8_e4m3fn [N, K], scales float8_e8m0fnu
     [ceil(N/128), ceil(K/128)], exact): per 128 x 128 block s = 2^ceil(log2(amax/448))
@@ -126,186 +122,206 @@ def _as_kernel_input(x):
     return x
 
 
-class FP8Linear(_module_base()):
-    """A bias-free linear layer over FP8 weights (see the module docstring).
+# The nn.Module classes are made on first use: importing deepseek_csa.torch must not
+# import torch (tests/test_grad_index.py::test_torch_import_stays_lazy).
+_CLASSES = {}
 
-    weight_codes  : float8_e4m3fn [N, K]
-    weight_scale  : float8_e8m0fnu [ceil(N/128), ceil(K/128)]
-    groups        : 1, or G for a block-diagonal grouped layer (transformers'
-                    DeepseekV4GroupedLinear): x [..., G, K/G] -> [..., G, N/G], group g
-                    using weight rows g*N/G .. (g+1)*N/G - 1 (N/G and K/G multiples of 128).
-    Forward: x [..., K] (or [..., G, K/G]) float32 / bfloat16 -> same dtype [..., N].
-    """
 
-    def __init__(self, codes, scales, groups=1, exact=True):
-        super().__init__()
-        N, K = codes.shape
-        self.out_features, self.groups = int(N), int(groups)
-        self.in_features = int(K) // self.groups if self.groups > 1 else int(K)
-        self.exact = bool(exact)
-        self.register_buffer("weight_codes", codes)
-        self.register_buffer("weight_scale", scales)
+def __getattr__(name):
+    if name in ("FP8Linear", "FP4Experts"):
+        if not _CLASSES:
+            _define_classes()
+        return _CLASSES[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-    @classmethod
-    def from_linear(cls, linear, groups=1):
-        """From an ``nn.Linear`` (no bias) whose weight is [N, K] (grouped: [N, K/G]
-        stacked per group, transformers' layout)."""
-        if getattr(linear, "bias", None) is not None:
-            raise ValueError(f"FP8Linear.from_linear: {type(linear).__name__} has a bias; "
-                             "the released FP8 layers have none")
-        w = linear.weight
-        N, Kin = w.shape
-        G = int(groups)
-        if G > 1:
-            if N % G or (N // G) % _BLOCK or Kin % _BLOCK:
-                raise ValueError(f"FP8Linear.from_linear: a grouped weight needs N/groups and "
-                                 f"K multiples of 128, got N={N}, groups={G}, K={Kin}")
-        elif Kin % _BLOCK:
-            raise ValueError(f"FP8Linear.from_linear: in_features must be a multiple of 128 "
-                             f"(the activation blocks), got {Kin}")
-        codes, scales, exact = fp8_weight(w)
-        m = cls(codes, scales, G, exact)
-        m.in_features = Kin
-        return m
 
-    def extra_repr(self):
-        g = f", groups={self.groups}" if self.groups > 1 else ""
-        return (f"in_features={self.in_features}, out_features={self.out_features}{g}, "
-                "e4m3 weights, ue8m0 128x128 scales")
+def _define_classes():
+    torch = _torch()
 
-    def dequantized_weight(self):
-        """The weight as float32 [N, K] (codes times their block's scale)."""
-        torch = _torch()
-        sc = self.weight_scale.view(torch.uint8).to(torch.int32) - 127
-        full = torch.ldexp(torch.ones(sc.shape), sc)
-        full = full.repeat_interleave(_BLOCK, 0).repeat_interleave(_BLOCK, 1)
-        N, K = self.weight_codes.shape
-        return self.weight_codes.float() * full[:N, :K]
+    class FP8Linear(torch.nn.Module):
+        """A bias-free linear layer over FP8 weights (see the module docstring).
 
-    def forward(self, x):
-        torch = _torch()
-        _no_grad_check(x, "FP8Linear")
-        dt = _out_dtype(x)
-        xin = _as_kernel_input(x)
-        G = self.groups
-        if G == 1:
-            if xin.shape[-1] != self.in_features:
-                raise ValueError(f"FP8Linear: x's last dim must be {self.in_features}, got "
-                                 f"shape {tuple(x.shape)}")
-            lead = xin.shape[:-1]
-            x2 = xin.reshape(-1, self.in_features)
+        weight_codes  : float8_e4m3fn [N, K]
+        weight_scale  : float8_e8m0fnu [ceil(N/128), ceil(K/128)]
+        groups        : 1, or G for a block-diagonal grouped layer (transformers'
+                        DeepseekV4GroupedLinear): x [..., G, K/G] -> [..., G, N/G], group g
+                        using weight rows g*N/G .. (g+1)*N/G - 1 (N/G and K/G multiples of 128).
+        Forward: x [..., K] (or [..., G, K/G]) float32 / bfloat16 -> same dtype [..., N].
+        """
+
+        def __init__(self, codes, scales, groups=1, exact=True):
+            super().__init__()
+            N, K = codes.shape
+            self.out_features, self.groups = int(N), int(groups)
+            self.in_features = int(K) // self.groups if self.groups > 1 else int(K)
+            self.exact = bool(exact)
+            self.register_buffer("weight_codes", codes)
+            self.register_buffer("weight_scale", scales)
+
+        @classmethod
+        def from_linear(cls, linear, groups=1):
+            """From an ``nn.Linear`` (no bias) whose weight is [N, K] (grouped: [N, K/G]
+            stacked per group, transformers' layout)."""
+            if getattr(linear, "bias", None) is not None:
+                raise ValueError(f"FP8Linear.from_linear: {type(linear).__name__} has a bias; "
+                                 "the released FP8 layers have none")
+            w = linear.weight
+            N, Kin = w.shape
+            G = int(groups)
+            if G > 1:
+                if N % G or (N // G) % _BLOCK or Kin % _BLOCK:
+                    raise ValueError(f"FP8Linear.from_linear: a grouped weight needs N/groups and "
+                                     f"K multiples of 128, got N={N}, groups={G}, K={Kin}")
+            elif Kin % _BLOCK:
+                raise ValueError(f"FP8Linear.from_linear: in_features must be a multiple of 128 "
+                                 f"(the activation blocks), got {Kin}")
+            codes, scales, exact = fp8_weight(w)
+            m = cls(codes, scales, G, exact)
+            m.in_features = Kin
+            return m
+
+        def extra_repr(self):
+            g = f", groups={self.groups}" if self.groups > 1 else ""
+            return (f"in_features={self.in_features}, out_features={self.out_features}{g}, "
+                    "e4m3 weights, ue8m0 128x128 scales")
+
+        def dequantized_weight(self):
+            """The weight as float32 [N, K] (codes times their block's scale)."""
+            torch = _torch()
+            sc = self.weight_scale.view(torch.uint8).to(torch.int32) - 127
+            full = torch.ldexp(torch.ones(sc.shape), sc)
+            full = full.repeat_interleave(_BLOCK, 0).repeat_interleave(_BLOCK, 1)
+            N, K = self.weight_codes.shape
+            return self.weight_codes.float() * full[:N, :K]
+
+        def forward(self, x):
+            torch = _torch()
+            _no_grad_check(x, "FP8Linear")
+            dt = _out_dtype(x)
+            xin = _as_kernel_input(x)
+            G = self.groups
+            if G == 1:
+                if xin.shape[-1] != self.in_features:
+                    raise ValueError(f"FP8Linear: x's last dim must be {self.in_features}, got "
+                                     f"shape {tuple(x.shape)}")
+                lead = xin.shape[:-1]
+                x2 = xin.reshape(-1, self.in_features)
+                q, s = _act_q(x2)
+                out = torch.empty(x2.shape[0], self.out_features, dtype=dt)
+                _dc.fp8_gemm(q, s, self.weight_codes, self.weight_scale, out=out)
+                return out.view(*lead, self.out_features)
+            if xin.dim() < 2 or xin.shape[-2] != G or xin.shape[-1] != self.in_features:
+                raise ValueError(f"FP8Linear: a grouped layer takes x [..., {G}, "
+                                 f"{self.in_features}], got shape {tuple(x.shape)}")
+            lead = xin.shape[:-2]
+            x2 = xin.reshape(-1, G * self.in_features)   # per-128 blocks never cross a group
             q, s = _act_q(x2)
-            out = torch.empty(x2.shape[0], self.out_features, dtype=dt)
-            _dc.fp8_gemm(q, s, self.weight_codes, self.weight_scale, out=out)
-            return out.view(*lead, self.out_features)
-        if xin.dim() < 2 or xin.shape[-2] != G or xin.shape[-1] != self.in_features:
-            raise ValueError(f"FP8Linear: a grouped layer takes x [..., {G}, "
-                             f"{self.in_features}], got shape {tuple(x.shape)}")
-        lead = xin.shape[:-2]
-        x2 = xin.reshape(-1, G * self.in_features)   # per-128 blocks never cross a group
-        q, s = _act_q(x2)
-        M, Kg, Ng = x2.shape[0], self.in_features, self.out_features // G
-        kb, nb = Kg // _BLOCK, Ng // _BLOCK
-        out = torch.empty(G, M, Ng, dtype=dt)
-        for g in range(G):
-            _dc.fp8_gemm(q[:, g * Kg:(g + 1) * Kg], s[:, g * kb:(g + 1) * kb],
-                         self.weight_codes[g * Ng:(g + 1) * Ng],
-                         self.weight_scale[g * nb:(g + 1) * nb], out=out[g])
-        return out.transpose(0, 1).reshape(*lead, G, Ng)
+            M, Kg, Ng = x2.shape[0], self.in_features, self.out_features // G
+            kb, nb = Kg // _BLOCK, Ng // _BLOCK
+            out = torch.empty(G, M, Ng, dtype=dt)
+            for g in range(G):
+                _dc.fp8_gemm(q[:, g * Kg:(g + 1) * Kg], s[:, g * kb:(g + 1) * kb],
+                             self.weight_codes[g * Ng:(g + 1) * Ng],
+                             self.weight_scale[g * nb:(g + 1) * nb], out=out[g])
+            return out.transpose(0, 1).reshape(*lead, G, Ng)
 
 
-class FP4Experts(_module_base()):
-    """Routed experts over FP4 weights, with transformers' ``DeepseekV4Experts`` call:
-    ``forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``.
+    class FP4Experts(torch.nn.Module):
+        """Routed experts over FP4 weights, with transformers' ``DeepseekV4Experts`` call:
+        ``forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``.
 
-    gate_up_codes [E, 2I, H/2], gate_up_scale [E, 2I, H/32], down_codes [E, H, I/2],
-    down_scale [E, H, I/32]: uint8 e2m1 pairs and float8_e8m0fnu scales.  Per expert that any token
-    chose (ascending expert order, as transformers): the gate/up GEMM, transformers' own
-    gate (``_apply_gate``: clamps and SiLU), the down GEMM, times the routing weight,
-    added into the tokens' rows.  Indices outside 0..E-1 are skipped (transformers' mask
-    slot E)."""
+        gate_up_codes [E, 2I, H/2], gate_up_scale [E, 2I, H/32], down_codes [E, H, I/2],
+        down_scale [E, H, I/32]: uint8 e2m1 pairs and float8_e8m0fnu scales.  Per expert that any token
+        chose (ascending expert order, as transformers): the gate/up GEMM, transformers' own
+        gate (``_apply_gate``: clamps and SiLU), the down GEMM, times the routing weight,
+        added into the tokens' rows.  Indices outside 0..E-1 are skipped (transformers' mask
+        slot E)."""
 
-    def __init__(self, experts, gu, gus, dn, dns, exact):
-        super().__init__()
-        self.num_experts = int(gu.shape[0])
-        self.hidden_dim = int(dn.shape[1])
-        self.intermediate_dim = int(gu.shape[1]) // 2
-        self.act_fn, self.limit = experts.act_fn, experts.limit
-        self._gate_fn = type(experts)._apply_gate
-        self.exact = bool(exact)
-        self.register_buffer("gate_up_codes", gu)
-        self.register_buffer("gate_up_scale", gus)
-        self.register_buffer("down_codes", dn)
-        self.register_buffer("down_scale", dns)
+        def __init__(self, experts, gu, gus, dn, dns, exact):
+            super().__init__()
+            self.num_experts = int(gu.shape[0])
+            self.hidden_dim = int(dn.shape[1])
+            self.intermediate_dim = int(gu.shape[1]) // 2
+            self.act_fn, self.limit = experts.act_fn, experts.limit
+            self._gate_fn = type(experts)._apply_gate
+            self.exact = bool(exact)
+            self.register_buffer("gate_up_codes", gu)
+            self.register_buffer("gate_up_scale", gus)
+            self.register_buffer("down_codes", dn)
+            self.register_buffer("down_scale", dns)
 
-    @classmethod
-    def from_experts(cls, experts):
-        """From transformers' DeepseekV4Experts (gate_up_proj [E, 2I, H], down_proj
-        [E, H, I]; H and I multiples of 128)."""
-        torch = _torch()
-        gu_w, dn_w = experts.gate_up_proj, experts.down_proj
-        E, I2, H = gu_w.shape
-        if H % _BLOCK or (I2 // 2) % _BLOCK:
-            raise ValueError(f"FP4Experts.from_experts: hidden and intermediate sizes must be "
-                             f"multiples of 128, got {H} and {I2 // 2}")
-        parts, exact = [[], [], [], []], True
-        for e in range(E):
-            for j, w in ((0, gu_w[e]), (2, dn_w[e])):
-                q, s, ex = fp4_weight(w)
-                parts[j].append(q)
-                parts[j + 1].append(s)
-                exact &= ex
-        return cls(experts, *(torch.stack(p) for p in parts), exact)
+        @classmethod
+        def from_experts(cls, experts):
+            """From transformers' DeepseekV4Experts (gate_up_proj [E, 2I, H], down_proj
+            [E, H, I]; H and I multiples of 128)."""
+            torch = _torch()
+            gu_w, dn_w = experts.gate_up_proj, experts.down_proj
+            E, I2, H = gu_w.shape
+            if H % _BLOCK or (I2 // 2) % _BLOCK:
+                raise ValueError(f"FP4Experts.from_experts: hidden and intermediate sizes must be "
+                                 f"multiples of 128, got {H} and {I2 // 2}")
+            parts, exact = [[], [], [], []], True
+            for e in range(E):
+                for j, w in ((0, gu_w[e]), (2, dn_w[e])):
+                    q, s, ex = fp4_weight(w)
+                    parts[j].append(q)
+                    parts[j + 1].append(s)
+                    exact &= ex
+            return cls(experts, *(torch.stack(p) for p in parts), exact)
 
-    def extra_repr(self):
-        return (f"num_experts={self.num_experts}, hidden={self.hidden_dim}, "
-                f"intermediate={self.intermediate_dim}, e2m1 weights, ue8m0 scales per 32")
+        def extra_repr(self):
+            return (f"num_experts={self.num_experts}, hidden={self.hidden_dim}, "
+                    f"intermediate={self.intermediate_dim}, e2m1 weights, ue8m0 scales per 32")
 
-    def _apply_gate(self, gate_up):
-        return self._gate_fn(self, gate_up)
+        def _apply_gate(self, gate_up):
+            return self._gate_fn(self, gate_up)
 
-    def forward(self, hidden_states, top_k_index, top_k_weights):
-        torch = _torch()
-        _no_grad_check(hidden_states, "FP4Experts")
-        final = torch.zeros_like(hidden_states)
-        x_all = _as_kernel_input(hidden_states)
-        dt = _out_dtype(hidden_states)
-        k = top_k_index.shape[-1]
-        flat = top_k_index.reshape(-1)
-        # The (token, slot) pairs sorted by expert (stable: tokens ascending within one):
-        # each expert's rows are one contiguous slice, so the row-wise steps -- the
-        # activation rounding, transformers' gate, the routing weight -- run once over
-        # all pairs (same per-element arithmetic as one expert at a time: 6 -> 1 call
-        # each at decode); the GEMMs and the scatter-add loop over experts.
-        order = torch.argsort(flat, stable=True)
-        e_sorted = flat[order]
-        keep = (e_sorted >= 0) & (e_sorted < self.num_experts)
-        order, e_sorted = order[keep], e_sorted[keep]
-        if order.numel() == 0:
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            torch = _torch()
+            _no_grad_check(hidden_states, "FP4Experts")
+            final = torch.zeros_like(hidden_states)
+            x_all = _as_kernel_input(hidden_states)
+            dt = _out_dtype(hidden_states)
+            k = top_k_index.shape[-1]
+            flat = top_k_index.reshape(-1)
+            # The (token, slot) pairs sorted by expert (stable: tokens ascending within one):
+            # each expert's rows are one contiguous slice, so the row-wise steps -- the
+            # activation rounding, transformers' gate, the routing weight -- run once over
+            # all pairs (same per-element arithmetic as one expert at a time: 6 -> 1 call
+            # each at decode); the GEMMs and the scatter-add loop over experts.
+            order = torch.argsort(flat, stable=True)
+            e_sorted = flat[order]
+            keep = (e_sorted >= 0) & (e_sorted < self.num_experts)
+            order, e_sorted = order[keep], e_sorted[keep]
+            if order.numel() == 0:
+                return final
+            counts = torch.bincount(e_sorted, minlength=self.num_experts).tolist()
+            tok, pos = order // k, order % k
+            xq, xs = _act_q(x_all)                   # per row: round once, gather the pairs
+            ti = tok.numpy()
+            xq, xs = xq[ti], xs[ti]
+            P, I2, H = order.numel(), 2 * self.intermediate_dim, self.hidden_dim
+            gu = torch.empty(P, I2, dtype=dt)
+            spans = []
+            lo = 0
+            for e, n in enumerate(counts):
+                if n:
+                    spans.append((e, lo, lo + n))
+                    lo += n
+            for e, a, b in spans:
+                _dc.fp4_gemm(xq[a:b], xs[a:b], self.gate_up_codes[e], self.gate_up_scale[e],
+                             out=gu[a:b])
+            hq, hs = _act_q(_as_kernel_input(self._apply_gate(gu)))
+            y = torch.empty(P, H, dtype=dt)
+            for e, a, b in spans:
+                _dc.fp4_gemm(hq[a:b], hs[a:b], self.down_codes[e], self.down_scale[e], out=y[a:b])
+            y = (y * top_k_weights[tok, pos, None]).to(final.dtype)
+            # one scatter-add per expert, experts ascending, as transformers adds them (one
+            # index_add_ over all pairs rounds bf16 sums differently when a token repeats)
+            for e, a, b in spans:
+                final.index_add_(0, tok[a:b], y[a:b])
             return final
-        counts = torch.bincount(e_sorted, minlength=self.num_experts).tolist()
-        tok, pos = order // k, order % k
-        xq, xs = _act_q(x_all)                   # per row: round once, gather the pairs
-        ti = tok.numpy()
-        xq, xs = xq[ti], xs[ti]
-        P, I2, H = order.numel(), 2 * self.intermediate_dim, self.hidden_dim
-        gu = torch.empty(P, I2, dtype=dt)
-        spans = []
-        lo = 0
-        for e, n in enumerate(counts):
-            if n:
-                spans.append((e, lo, lo + n))
-                lo += n
-        for e, a, b in spans:
-            _dc.fp4_gemm(xq[a:b], xs[a:b], self.gate_up_codes[e], self.gate_up_scale[e],
-                         out=gu[a:b])
-        hq, hs = _act_q(_as_kernel_input(self._apply_gate(gu)))
-        y = torch.empty(P, H, dtype=dt)
-        for e, a, b in spans:
-            _dc.fp4_gemm(hq[a:b], hs[a:b], self.down_codes[e], self.down_scale[e], out=y[a:b])
-        y = (y * top_k_weights[tok, pos, None]).to(final.dtype)
-        # one scatter-add per expert, experts ascending, as transformers adds them (one
-        # index_add_ over all pairs rounds bf16 sums differently when a token repeats)
-        for e, a, b in spans:
-            final.index_add_(0, tok[a:b], y[a:b])
-        return final
+
+    for c in (FP8Linear, FP4Experts):
+        c.__qualname__ = c.__name__          # importable (and picklable) by this name
+    _CLASSES.update(FP8Linear=FP8Linear, FP4Experts=FP4Experts)
