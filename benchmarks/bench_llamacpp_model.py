@@ -511,20 +511,20 @@ def compare(name, lg_free, lg_forced, ref_free, steps):
 
 
 # ---------------------------------------------------------------- timing workers
-def _hwm():
+def _status_bytes(field):
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def _hwm():
+    return _status_bytes("VmHWM")
 
 
 def _rss():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return _status_bytes("VmRSS")
 
 
 def bench_ids(n, vocab):

@@ -30,6 +30,7 @@ import numpy as np
 import deepseek_csa as _dc
 
 from ._tensors import _torch
+from .kernel_module import _act as _as_kernel_input   # CPU float32 / bf16 as they are
 
 __all__ = ["FP8Linear", "FP4Experts", "fp8_weight", "fp4_weight"]
 
@@ -112,14 +113,6 @@ def _act_q(x):
 def _out_dtype(x):
     torch = _torch()
     return x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
-
-
-def _as_kernel_input(x):
-    torch = _torch()
-    x = x.detach()
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
-        x = x.to("cpu", torch.float32)
-    return x
 
 
 # The nn.Module classes are made on first use: importing deepseek_csa.torch must not
