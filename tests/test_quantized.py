@@ -210,34 +210,25 @@ if not dch._supported(transformers.__version__):
     pytest.skip(f"deepseek_csa.transformers supports {dch.SUPPORTED_VERSIONS}",
                 allow_module_level=True)
 
-from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, DynamicCache  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
 
 LAYERS3 = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
 
 
 def make_model128(seed=0, dtype=torch.float32):
-    """A small DeepseekV4ForCausalLM whose projections fit the 128 blocks (hidden 128,
-    q / o ranks 128, experts 128 wide), its FP8 / FP4 weights on the grids already (the
+    """A small DeepseekV4ForCausalLM (test_transformers_bridge.make_model, sinks and
+    position biases randomized) whose projections fit the 128 blocks (hidden 128, q / o
+    ranks 128, experts 128 wide), its FP8 / FP4 weights on the grids already (the
     reference rounding), as a released checkpoint loaded by transformers would be."""
-    cfg = DeepseekV4Config(
-        vocab_size=97, hidden_size=128, num_hidden_layers=3, num_attention_heads=2,
-        head_dim=64, partial_rotary_factor=16 / 64, q_lora_rank=128, o_groups=1,
-        o_lora_rank=128, moe_intermediate_size=128, n_routed_experts=4,
-        num_experts_per_tok=2, n_shared_experts=1, layer_types=LAYERS3,
-        mlp_layer_types=["moe"] * 3,
-        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
-        sliding_window=8, hc_mult=2, hc_sinkhorn_iters=3, index_n_heads=4,
-        index_head_dim=32, index_topk=3, num_nextn_predict_layers=0,
-        max_position_embeddings=512)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    m = DeepseekV4ForCausalLM(cfg).eval()
-    g = torch.Generator().manual_seed(seed + 1)
+    from test_transformers_bridge import make_model
+    m = make_model(LAYERS3, index_n_heads=4, index_topk=3, hca_ratio=8, window=8, seed=seed,
+                   hidden_size=128, head_dim=64, partial_rotary_factor=16 / 64,
+                   q_lora_rank=128, o_groups=1, o_lora_rank=128, moe_intermediate_size=128,
+                   index_head_dim=32)
+    g = torch.Generator().manual_seed(seed + 2)
     with torch.no_grad():
         for name, p in m.named_parameters():
-            if name.endswith(("position_bias", "sinks")):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-            elif name.endswith(("gate_up_proj", "down_proj")) and ".experts." in name:
+            if name.endswith(("gate_up_proj", "down_proj")) and ".experts." in name:
                 p.copy_(R.fp4_round(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5, 32))
             elif p.dim() == 2 and name.split(".")[-2] in FP8_NAMES:
                 p.copy_(ref_fp8_grid(torch.randn(p.shape, generator=g) * p.shape[1] ** -0.5))

@@ -91,10 +91,9 @@ def fp4_weight(w):
                          f"{tuple(w.shape)}")
     wf = np.ascontiguousarray(w.detach().to("cpu", torch.float32).numpy())
     q, s = _dc.fp4_quant(wf, _FP4_BLOCK)
-    codes = np.stack([q & 15, q >> 4], -1).reshape(wf.shape)
-    e2m1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
-    deq = e2m1[codes] * np.repeat(np.ldexp(np.float32(1), s.astype(np.int32) - 127), _FP4_BLOCK, 1)
-    exact = bool(np.array_equal(deq, wf))
+    rounded = wf.copy()                          # fp4_round: the same scales and rounding
+    _dc.fp4_round(rounded, _FP4_BLOCK)
+    exact = bool(np.array_equal(rounded, wf))
     return torch.from_numpy(q), torch.from_numpy(s).view(torch.float8_e8m0fnu), exact
 
 
