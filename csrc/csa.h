@@ -102,7 +102,8 @@ const char *csa_isa_name(int level);
  * results are the same bits either way, or within the stated bound of the bf16 GEMM):
  * CSA_CPU_VNNI_VBMI, AVX512_VNNI + AVX512_VBMI: the one-row GEMMs (int8 dot products,
  * byte permutes); CSA_CPU_BF16, AVX512_BF16: the GEMMs of more rows on CPUs without AMX
- * tiles (docs/kernels.md section 9).  0 where the compiler cannot build them. */
+ * tiles, and the one-row FP8 GEMM by bf16 dot products (docs/kernels.md section 9).  0
+ * where the compiler cannot build them; DEEPSEEK_CSA_CPU_FEATURES masks them (runtime.c). */
 enum csa_cpu_feature { CSA_CPU_VNNI_VBMI = 1, CSA_CPU_BF16 = 2 };
 int csa_cpu_features(void);
 

@@ -67,6 +67,16 @@ int csa_cpu_features(void)
             if (__builtin_cpu_supports("avx512bf16")) f |= CSA_CPU_BF16;
         }
 #endif
+        /* DEEPSEEK_CSA_CPU_FEATURES=<names> keeps only the features named (vnni_vbmi,
+         * bf16; "none" or empty keeps none): e.g. to test on a Zen 4 the paths an Ice
+         * Lake takes.  It never adds a feature the CPU lacks. */
+        const char *s = getenv("DEEPSEEK_CSA_CPU_FEATURES");
+        if (s) {
+            int keep = 0;
+            if (strstr(s, "vnni_vbmi")) keep |= CSA_CPU_VNNI_VBMI;
+            if (strstr(s, "bf16")) keep |= CSA_CPU_BF16;
+            f &= keep;
+        }
         cpu_features = f;
     }
     return cpu_features;

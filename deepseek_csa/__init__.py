@@ -50,6 +50,15 @@ if _env_isa and _env_isa not in ISA_LEVELS:
                    RuntimeWarning, stacklevel=2)
 del _env_isa
 
+_env_features = _os.environ.get("DEEPSEEK_CSA_CPU_FEATURES")
+if _env_features is not None and set(_env_features.replace(",", " ").split()) - {
+        "vnni_vbmi", "bf16", "none"}:
+    _warnings.warn(f"DEEPSEEK_CSA_CPU_FEATURES={_env_features!r} names something other than "
+                   f"'vnni_vbmi', 'bf16' or 'none'; only those are kept, and only where the CPU "
+                   f"has them (now: {_core._build_info()['cpu_features']!r})",
+                   RuntimeWarning, stacklevel=2)
+del _env_features
+
 __all__ = (["apply_rope", "rms_norm", "rms_norm_backward", "rope_table", "get_isa", "set_isa", "best_isa",
             "max_threads", "build_info", "ISA_LEVELS", "V4_FLASH", "V4_PRO", "V41_FLASH",
             "CSAConfig"] + _c.__all__ + _i.__all__ + _a.__all__ + _q.__all__ + _g.__all__)

@@ -234,6 +234,109 @@ def test_gemm_one_row_every_code(rng):
     np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
 
 
+def adversarial_fp8(rng, N, K):
+    """Activations and weights mixing codes of magnitude 2^7..448 with ones below 2^-4
+    (subnormals too): block sums float32 cannot hold, so that another order of the
+    additions gives other bits (a third of the outputs when two neighbouring steps
+    of every lane swap)."""
+    codes = np.arange(256, dtype=np.uint8)
+    pick = codes[((codes & 0x7F) >= 0x70) & ((codes & 0x7F) != 0x7F) | ((codes & 0x7F) < 0x20)]
+    a, b = rng.choice(pick, (1, K)), rng.choice(pick, (N, K))
+    KB = -(-K // 128)
+    return a, rand_scales(rng, (1, KB), True), b, rand_scales(rng, (-(-N // 128), KB), True)
+
+
+def bits(x):
+    """float32 bits, every NaN as one (NaN payloads are not part of the contract)."""
+    return np.where(np.isnan(x), np.uint32(0x7FC00000), np.asarray(x, np.float32).view(np.uint32))
+
+
+FP8_ONE_ROW_CODE = """
+import sys, numpy as np, deepseek_csa as dc
+z = np.load(sys.argv[1])
+outs = {}
+for i in range(int(z["n"])):
+    a, a_s, b, b_s = (z[f"{k}{i}"] for k in ("a", "as", "b", "bs"))
+    for level in dc.ISA_LEVELS:
+        if dc.ISA_LEVELS.index(level) <= dc.ISA_LEVELS.index(dc.best_isa()):
+            dc.set_isa(level)
+            outs[f"{level}{i}"] = dc.fp8_gemm(a, a_s, b, b_s, out_dtype="float32")
+outs["features"] = np.array(dc._core._build_info()["cpu_features"])
+np.savez(sys.argv[2], **outs)
+"""
+
+
+def test_fp8_gemm_one_row_every_code_and_order(rng, tmp_path):
+    """fp8_gemm of one activation row: every activation code against every weight code (NaN
+    codes too: their rows are NaN), K = 4 groups of 128 and a partial one, N not a
+    multiple of 8, and the adversarial blocks where the order of the additions shows:
+    bitwise the oracle at every level, with every set of CPU features
+    (DEEPSEEK_CSA_CPU_FEATURES: the one-row path by bf16 dot products where the CPU has
+    AVX512_BF16, the byte-permute float32 decode where it has only VNNI + VBMI, the AVX2
+    decode below; docs/kernels.md section 9)."""
+    import subprocess
+    import sys
+    cases = []
+    codes = np.arange(256, dtype=np.uint8)
+    for K in (512, 608):
+        a = rng.permutation(np.resize(codes[(codes & 0x7F) != 0x7F], K))[None]
+        b = rng.permutation(np.resize(codes, 45 * K)).reshape(45, K)
+        b[(b & 0x7F) == 0x7F] ^= 1
+        b[40, 3], b[41, K - 1], b[44, 130] = 0x7F, 0xFF, 0x7F  # NaN codes: NaN rows
+        KB = -(-K // 128)
+        cases.append((a, rand_scales(rng, (1, KB), True), b, rand_scales(rng, (1, KB), False)))
+    cases.append(adversarial_fp8(rng, 300, 1024))
+    cases.append(adversarial_fp8(rng, 13, 160))
+    for a, a_s, b, b_s in cases:
+        ref = at_ref(dc.fp8_gemm, a, a_s, b, b_s, out_dtype="float32")
+        nan_rows = ((b & 0x7F) == 0x7F).any(1)
+        assert np.isnan(ref[0, nan_rows]).all() and np.isfinite(ref[0, ~nan_rows]).all()
+        want, mag = want_fp8(a, a_s, b, b_s)
+        check_close(ref[:, ~nan_rows], want[:, ~nan_rows], mag[:, ~nan_rows], a.shape)
+    # the adversarial blocks do tell orders apart: pairs of steps swapped give other bits
+    a, a_s, b, b_s = cases[2]
+    sw = np.arange(1024).reshape(8, 8, 2, 8)[:, :, ::-1].reshape(-1)  # steps 2s <-> 2s + 1
+    swapped = at_ref(dc.fp8_gemm, a[:, sw], a_s, np.ascontiguousarray(b[:, sw]), b_s, out_dtype="float32")
+    assert (swapped != at_ref(dc.fp8_gemm, a, a_s, b, b_s, out_dtype="float32")).mean() > 0.1
+    z = {"n": len(cases)}
+    for i, (a, a_s, b, b_s) in enumerate(cases):
+        z.update({f"a{i}": a, f"as{i}": a_s, f"b{i}": b, f"bs{i}": b_s})
+    np.savez(tmp_path / "in.npz", **z)
+    for feat in (None, "vnni_vbmi", "none"):
+        env = {k: v for k, v in __import__("os").environ.items() if k != "DEEPSEEK_CSA_CPU_FEATURES"}
+        if feat is not None:
+            env["DEEPSEEK_CSA_CPU_FEATURES"] = feat
+        out = tmp_path / f"out-{feat}.npz"
+        subprocess.run([sys.executable, "-c", FP8_ONE_ROW_CODE, str(tmp_path / "in.npz"), str(out)],
+                       env=env, check=True)
+        got = np.load(out)
+        if feat is not None:  # the mask took
+            assert set(str(got["features"]).split()) <= set(feat.split()) - {"none"}
+        for i, (a, a_s, b, b_s) in enumerate(cases):
+            ref = at_ref(dc.fp8_gemm, a, a_s, b, b_s, out_dtype="float32")
+            for level in dc.ISA_LEVELS:
+                if f"{level}{i}" in got:
+                    np.testing.assert_array_equal(bits(got[f"{level}{i}"]), bits(ref),
+                                                  err_msg=f"{level}, case {i}, features {got['features']}")
+
+
+def test_cpu_features_env_names_what_it_ignores():
+    """DEEPSEEK_CSA_CPU_FEATURES keeps only what it names and the CPU has; a name it does
+    not know is said once on import (the C runtime cannot print)."""
+    import os
+    import subprocess
+    import sys
+    code = ("import warnings; warnings.simplefilter('always')\n"
+            "import deepseek_csa as dc; print(repr(dc._core._build_info()['cpu_features']))")
+    env = dict(os.environ, DEEPSEEK_CSA_CPU_FEATURES="bf16, avx10")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert "DEEPSEEK_CSA_CPU_FEATURES='bf16, avx10'" in r.stderr and "RuntimeWarning" in r.stderr
+    assert eval(r.stdout.strip()).split() in ([], ["bf16"])
+    env["DEEPSEEK_CSA_CPU_FEATURES"] = "none"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert "DEEPSEEK_CSA_CPU_FEATURES" not in r.stderr and eval(r.stdout.strip()) == ""
+
+
 def test_gemm_threads_bitwise(rng):
     a, b = rand_e4m3(rng, (37, 512)), rand_e4m3(rng, (300, 512))
     a_s, b_s = rand_scales(rng, (37, 4), True), rand_scales(rng, (3, 4), True)

@@ -37,6 +37,8 @@ MUTANTS = [
       "fp4_gemm one row (int8 path, AVX-512 VNNI + VBMI): dot-product lanes hold four of the oracle's lanes each"),
     c("gemm_vnni_pass", "CSA_MUTANT_GEMM_VNNI_PASS", [], ["tests/test_gemm.py"],
       "fp4_gemm one row (int8 path): activation columns with s = 5..7 or 13..14 wrap their pass byte"),
+    c("gemm_dp_order", "CSA_MUTANT_GEMM_DP_ORDER", [], ["tests/test_gemm.py"],
+      "fp8_gemm one row (AVX512_BF16 dot products): each pair of the oracle's steps added in the wrong order"),
     c("gemm_amx_fold", "CSA_MUTANT_GEMM_AMX_FOLD", [], ["tests/test_gemm.py"],
       "fp4_gemm bf16 GEMM (tiles or AVX512_BF16): the last K block's weight scales folded as 1"),
     c("gemm_amx_fp8", "CSA_MUTANT_GEMM_AMX_FP8", [], ["tests/test_gemm.py"],
