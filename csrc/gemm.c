@@ -97,10 +97,22 @@ int csa_gemm_ref(const struct csa_gemm_args *g)
 
 /* ------------------------------------------------------------ tuned entry */
 
-/* Software prefetch distance of the one-row e4m3 path, in weight rows (the quads the
- * same thread takes next): single thread, N = 32768, K = 1024, 13.1 -> 7.9 ms (p20 of 40
- * calls, load average 6; 4, 8 and 16 rows within noise of each other). */
-#define G_PF 8
+/* Software prefetches of the one-row e4m3 paths (g_row1, gemm_row_vnni_impl.h's
+ * gv_fp8_row8*): each row G_PF_L1 bytes ahead into L1, and the rows G_PF_TASKS tasks
+ * (of 8 rows) on into L2.  The rows are 1-8 KiB, too short a stream for the hardware
+ * prefetchers to train on: single thread, N = 32768, K = 1024, 13.1 -> 7.9 ms with
+ * the next task's rows prefetched into L1 (AVX2; p20 of 40 calls, load average 6), and
+ * 2.9 -> 1.46 ms with that and L2 three tasks on (AVX-512 VBMI, 2 threads).  But the
+ * next task into L1 fills L1 once rows are 4 KiB (K = 4096); this scheme instead, AMD
+ * EPYC (Zen 4), 2 threads, interleaved in one process, weights from memory:
+ * - level avx2 (g_row1): N = 1024, K = 4096 0.24 -> 0.19 ms; N = 4096, K = 8192 1.71 ->
+ *   1.33; N = 2048, K = 4096 0.45 -> 0.36; N = 32768, K = 1024 1.75 -> 1.44-1.61;
+ * - avx512 with VBMI (gv_fp8_row8): 0.25 -> 0.21, 1.96 -> 1.52, 0.46 -> 0.38, within
+ *   noise; with AVX512_BF16 too (gv_fp8_row8_dp): 0.19-0.21 -> 0.15-0.16, 1.24-1.55 ->
+ *   1.05-1.12, 0.32-0.37 -> 0.28-0.30, within noise.
+ * 128 to 384 bytes ahead and one to four tasks on were within noise of each other. */
+#define G_PF_L1 256
+#define G_PF_TASKS 2
 
 /* Columns of the weight panel one task decodes (rows of b), and the K slice it
  * decodes at a time (prefill: a 64-row panel in L2 that every row pair of the

@@ -22,7 +22,8 @@
  *
  * The AVX-512 variant first offers the call to the paths of CPU features beyond the
  * level's own (csa_cpu_features()): one row on VNNI + VBMI (gemm_row_vnni_impl.h, the
- * oracle's bits), more rows as one bf16 GEMM (gemm_amx_impl.h: AMX tiles, or AVX512_BF16
+ * oracle's bits; FP8 by bf16 dot products in the oracle's order where AVX512_BF16 is
+ * there too), more rows as one bf16 GEMM (gemm_amx_impl.h: AMX tiles, or AVX512_BF16
  * dot products; float32 additions in its own order, docs/kernels.md section 9). */
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -140,7 +141,7 @@ static void CSA_V(g_row1)(const struct csa_gemm_args *g, const float *af, const 
                                           -128, 11, -128, 3, -128, 12, -128, 4, -128, 13, -128,
                                           5, -128, 14, -128, 6, -128, 15, -128, 7);
     const __m256i s7 = _mm256_set1_epi8(0x7f);
-    const csa_idx pfd = G_PF * g->sb_row;
+    const csa_idx pfd2 = G_PF_TASKS * G_R1 * g->sb_row;
     for (csa_idx k0 = 0, j = 0; k0 < K; k0 += 128, j++) {
         const csa_idx k1 = K - k0 < 128 ? K : k0 + 128;
         __m256 acc[G_R1];
@@ -154,7 +155,10 @@ static void CSA_V(g_row1)(const struct csa_gemm_args *g, const float *af, const 
             const __m256 x2 = _mm256_loadu_ps(af + k + 16), x3 = _mm256_loadu_ps(af + k + 24);
             for (int r = 0; r < G_R1; r++) {
                 const uint8_t *p = rp[r] + k;
-                if (!(k & 32)) _mm_prefetch((const char *)(p + pfd), _MM_HINT_T0);
+                if (!(k & 32)) {
+                    _mm_prefetch((const char *)(p + G_PF_L1), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(p + pfd2), _MM_HINT_T1);
+                }
                 mx = _mm256_max_epu8(mx, _mm256_and_si256(
                                              _mm256_loadu_si256((const __m256i *)p), s7));
                 const __m256i b0 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));

@@ -298,23 +298,11 @@ static int CSA_V(gemm_fp4_row_vnni)(const struct csa_gemm_args *g)
  *   times its values, so each FMA adds the oracle's product a * b / 256, step s then
  *   step s + 1: 16 products for about 2.5 instructions besides the FMA (g_w16: 8 for
  *   about 3).
- * - 8 rows a task, read together 32 columns at a time, prefetched as GV_PF_L1 and
- *   GV_PF_TASKS below say; the tree's first two levels are shuffles across the 4 pair
+ * - 8 rows a task, read together 32 columns at a time, prefetched as G_PF_L1 and
+ *   G_PF_TASKS say (gemm.c); the tree's first two levels are shuffles across the 4 pair
  *   registers, its last the two 128-bit halves of each row.
  * NaN weight codes are noted by a running byte maximum; a block that has one is redone
  * by the scalar loop. */
-/* Prefetches of the FP8 one-row kernels: each row GV_PF_L1 bytes ahead into L1, and the
- * rows GV_PF_TASKS tasks on into L2.  The rows are 1-8 KiB: too short a stream for the
- * hardware prefetchers to train on (N = 32768, K = 1024, AMD EPYC Zen 4, 2 threads: no
- * prefetch 2.9 ms, 1.46 with).  The next task's rows into L1 instead, as g_row1 does,
- * fill L1 once a task is 32 KiB (K = 4096): interleaved in one process, 2 threads,
- * weights from memory, gv_fp8_row8_dp (gv_fp8_row8) N = 1024, K = 4096 0.19-0.21 ->
- * 0.15-0.16 ms (0.25 -> 0.21); N = 4096, K = 8192 1.24-1.55 -> 1.05-1.12 (1.96 -> 1.52);
- * N = 2048, K = 4096 0.32-0.37 -> 0.28-0.30 (0.46 -> 0.38); N = 32768, K = 1024 within
- * noise.  128 to 384 bytes ahead and one to four tasks on were within noise. */
-#define GV_PF_L1 256
-#define GV_PF_TASKS 2
-
 static void CSA_V(gv_fp8_row8)(const struct csa_gemm_args *g, const void *actv, const float *as,
                                csa_idx n0, csa_idx nr, float *sbt, float *res)
 {
@@ -334,8 +322,7 @@ static void CSA_V(gv_fp8_row8)(const struct csa_gemm_args *g, const void *actv, 
         }
     const __m512i J0 = _mm512_loadu_si512(jx[0]), J1 = _mm512_loadu_si512(jx[1]);
     const __m512i M = _mm512_set1_epi32((int)0x87f00000u), s7 = _mm512_set1_epi8(0x7f);
-
-    const csa_idx pfd2 = GV_PF_TASKS * 8 * g->sb_row;
+    const csa_idx pfd2 = G_PF_TASKS * 8 * g->sb_row;
     __m128 c0 = _mm_setzero_ps(), c1 = _mm_setzero_ps();
     for (csa_idx k0 = 0, j = 0; k0 < K; k0 += 128, j++) {
         const csa_idx k1 = K - k0 < 128 ? K : k0 + 128;
@@ -350,8 +337,8 @@ static void CSA_V(gv_fp8_row8)(const struct csa_gemm_args *g, const void *actv, 
             for (int p = 0; p < 4; p++) {
                 const uint8_t *pa = rp[2 * p] + k, *pb = rp[2 * p + 1] + k;
                 if (!(k & 32)) {
-                    _mm_prefetch((const char *)(pa + GV_PF_L1), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(pb + GV_PF_L1), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(pa + G_PF_L1), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(pb + G_PF_L1), _MM_HINT_T0);
                     _mm_prefetch((const char *)(pa + pfd2), _MM_HINT_T1);
                     _mm_prefetch((const char *)(pb + pfd2), _MM_HINT_T1);
                 }
@@ -426,8 +413,8 @@ CSA_TARGET_PUSH512("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c,avx512vnni,
  * 0.17 -> 0.16 (with the tables built in each task instead of once a call, K = 1024 was
  * 0.94x of gv_fp8_row8). */
 
-/* What gv_fp8_row8_dp reads, laid out once a call (per task, the tables' set-up took
- * a tenth of an N = 32768, K = 1024 call): */
+/* What gv_fp8_row8_dp reads, laid out once a call (built in each 8-row task, the
+ * tables took about a third of an N = 32768, K = 1024 call): */
 struct gv_dp_act {
     /* the bf16 of e4m3 code v < 128: low byte, high byte (the sign bit is or'ed in after) */
     uint8_t tlo[128], thi[128];
@@ -493,7 +480,7 @@ static void CSA_V(gv_fp8_row8_dp)(const struct csa_gemm_args *g, const void *act
     const __m512i TH0 = _mm512_loadu_si512(t->thi), TH1 = _mm512_loadu_si512(t->thi + 64);
     const __m512i I0 = _mm512_loadu_si512(t->ix[0]), I1 = _mm512_loadu_si512(t->ix[1]);
     const __m512i m80 = _mm512_set1_epi8((char)0x80);
-    const csa_idx pfd2 = GV_PF_TASKS * 8 * g->sb_row; /* as gv_fp8_row8 */
+    const csa_idx pfd2 = G_PF_TASKS * 8 * g->sb_row; /* as gv_fp8_row8 */
     __m128 c0 = _mm_setzero_ps(), c1 = _mm_setzero_ps();
     for (csa_idx k0 = 0, j = 0; k0 < K; k0 += 128, j++) {
         const csa_idx k1 = K - k0 < 128 ? K : k0 + 128;
@@ -505,8 +492,8 @@ static void CSA_V(gv_fp8_row8_dp)(const struct csa_gemm_args *g, const void *act
             for (int p = 0; p < 4; p++) {
                 const uint8_t *pa = rp[2 * p] + k, *pb = rp[2 * p + 1] + k;
                 if (!(k & 32)) {
-                    _mm_prefetch((const char *)(pa + GV_PF_L1), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(pb + GV_PF_L1), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(pa + G_PF_L1), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(pb + G_PF_L1), _MM_HINT_T0);
                     _mm_prefetch((const char *)(pa + pfd2), _MM_HINT_T1);
                     _mm_prefetch((const char *)(pb + pfd2), _MM_HINT_T1);
                 }
@@ -607,9 +594,6 @@ static int CSA_V(gv_takes)(const struct csa_gemm_args *g)
     }
     return 1;
 }
-
-#undef GV_PF_L1
-#undef GV_PF_TASKS
 
 CSA_TARGET_POP
 #if defined(__clang__)
