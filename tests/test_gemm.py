@@ -274,6 +274,7 @@ def test_fp8_gemm_one_row_every_code_and_order(rng, tmp_path):
     (DEEPSEEK_CSA_CPU_FEATURES: the one-row path by bf16 dot products where the CPU has
     AVX512_BF16, the byte-permute float32 decode where it has only VNNI + VBMI, the AVX2
     decode below; docs/kernels.md section 9)."""
+    import os
     import subprocess
     import sys
     cases = []
@@ -303,7 +304,7 @@ def test_fp8_gemm_one_row_every_code_and_order(rng, tmp_path):
         z.update({f"a{i}": a, f"as{i}": a_s, f"b{i}": b, f"bs{i}": b_s})
     np.savez(tmp_path / "in.npz", **z)
     for feat in (None, "vnni_vbmi", "none"):
-        env = {k: v for k, v in __import__("os").environ.items() if k != "DEEPSEEK_CSA_CPU_FEATURES"}
+        env = {k: v for k, v in os.environ.items() if k != "DEEPSEEK_CSA_CPU_FEATURES"}
         if feat is not None:
             env["DEEPSEEK_CSA_CPU_FEATURES"] = feat
         out = tmp_path / f"out-{feat}.npz"
