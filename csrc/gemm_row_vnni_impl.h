@@ -303,6 +303,35 @@ static int CSA_V(gemm_fp4_row_vnni)(const struct csa_gemm_args *g)
  *   registers, its last the two 128-bit halves of each row.
  * NaN weight codes are noted by a running byte maximum; a block that has one is redone
  * by the scalar loop. */
+/* Rows pa, pb: 32 bytes of each, pa's in the low half (with the prefetches of gemm.c's
+ * G_PF_L1 / G_PF_TASKS once a 64-byte line, when pf). */
+static inline __attribute__((always_inline)) __m512i CSA_V(gv_pair)(const uint8_t *pa, const uint8_t *pb,
+                                                                   int pf, csa_idx pfd2)
+{
+    if (pf) {
+        _mm_prefetch((const char *)(pa + G_PF_L1), _MM_HINT_T0);
+        _mm_prefetch((const char *)(pb + G_PF_L1), _MM_HINT_T0);
+        _mm_prefetch((const char *)(pa + pfd2), _MM_HINT_T1);
+        _mm_prefetch((const char *)(pb + pfd2), _MM_HINT_T1);
+    }
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)pa)),
+                              _mm256_loadu_si256((const __m256i *)pb), 1);
+}
+
+/* The oracle's tree, ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), of the 8 rows
+ * whose lanes acc[p] holds (128-bit chunk c of acc[p]: lanes 4 (c & 1) .. + 3 of row
+ * 2p + c / 2): rows 0, 2, 4, 6 in lanes 0-3 of the result, rows 1, 3, 5, 7 in 8-11. */
+static inline __attribute__((always_inline)) __m512 CSA_V(gv_tree8)(const __m512 acc[4])
+{
+    const __m512 u0 = _mm512_add_ps(_mm512_shuffle_ps(acc[0], acc[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_ps(acc[0], acc[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 u1 = _mm512_add_ps(_mm512_shuffle_ps(acc[2], acc[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_ps(acc[2], acc[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 v = _mm512_add_ps(_mm512_shuffle_ps(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_ps(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
+}
+
 static void CSA_V(gv_fp8_row8)(const struct csa_gemm_args *g, const void *actv, const float *as,
                                csa_idx n0, csa_idx nr, float *sbt, float *res)
 {
@@ -335,16 +364,7 @@ static void CSA_V(gv_fp8_row8)(const struct csa_gemm_args *g, const void *actv, 
             const __m512 x2 = _mm512_broadcast_f32x8(_mm256_loadu_ps(af + k + 16));
             const __m512 x3 = _mm512_broadcast_f32x8(_mm256_loadu_ps(af + k + 24));
             for (int p = 0; p < 4; p++) {
-                const uint8_t *pa = rp[2 * p] + k, *pb = rp[2 * p + 1] + k;
-                if (!(k & 32)) {
-                    _mm_prefetch((const char *)(pa + G_PF_L1), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(pb + G_PF_L1), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(pa + pfd2), _MM_HINT_T1);
-                    _mm_prefetch((const char *)(pb + pfd2), _MM_HINT_T1);
-                }
-                const __m512i Z = _mm512_inserti64x4(
-                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)pa)),
-                    _mm256_loadu_si256((const __m256i *)pb), 1);
+                const __m512i Z = CSA_V(gv_pair)(rp[2 * p] + k, rp[2 * p + 1] + k, !(k & 32), pfd2);
                 mx = _mm512_max_epu8(mx, _mm512_and_si512(Z, s7));
                 const __m512i q0 = _mm512_srai_epi16(_mm512_permutexvar_epi8(J0, Z), 4);
                 const __m512i q1 = _mm512_srai_epi16(_mm512_permutexvar_epi8(J1, Z), 4);
@@ -363,15 +383,7 @@ static void CSA_V(gv_fp8_row8)(const struct csa_gemm_args *g, const void *actv, 
             p0 = _mm_setr_ps(pr[0], pr[2], pr[4], pr[6]);
             p1 = _mm_setr_ps(pr[1], pr[3], pr[5], pr[7]);
         } else {
-            /* ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) of each row: 128-bit
-             * chunk c of acc[p] is lanes 4 (c & 1) .. + 3 of row 2p + c / 2 */
-            const __m512 u0 = _mm512_add_ps(_mm512_shuffle_ps(acc[0], acc[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                             _mm512_shuffle_ps(acc[0], acc[1], _MM_SHUFFLE(3, 1, 3, 1)));
-            const __m512 u1 = _mm512_add_ps(_mm512_shuffle_ps(acc[2], acc[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                             _mm512_shuffle_ps(acc[2], acc[3], _MM_SHUFFLE(3, 1, 3, 1)));
-            const __m512 v = _mm512_add_ps(_mm512_shuffle_ps(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
-                                           _mm512_shuffle_ps(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
-            const __m512 w = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
+            const __m512 w = CSA_V(gv_tree8)(acc);
             p0 = _mm512_castps512_ps128(w);
             p1 = _mm512_extractf32x4_ps(w, 2);
         }
@@ -490,30 +502,14 @@ static void CSA_V(gv_fp8_row8_dp)(const struct csa_gemm_args *g, const void *act
             const __m512bh x0 = (__m512bh)_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(ab + k)));
             const __m512bh x1 = (__m512bh)_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(ab + k + 16)));
             for (int p = 0; p < 4; p++) {
-                const uint8_t *pa = rp[2 * p] + k, *pb = rp[2 * p + 1] + k;
-                if (!(k & 32)) {
-                    _mm_prefetch((const char *)(pa + G_PF_L1), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(pb + G_PF_L1), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(pa + pfd2), _MM_HINT_T1);
-                    _mm_prefetch((const char *)(pb + pfd2), _MM_HINT_T1);
-                }
-                const __m512i Z = _mm512_inserti64x4(
-                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)pa)),
-                    _mm256_loadu_si256((const __m256i *)pb), 1);
+                const __m512i Z = CSA_V(gv_pair)(rp[2 * p] + k, rp[2 * p + 1] + k, !(k & 32), pfd2);
                 const __m512i L = _mm512_permutex2var_epi8(TL0, Z, TL1);
                 const __m512i H = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(TH0, Z, TH1), Z, m80, 0xf8);
                 acc[p] = _mm512_dpbf16_ps(acc[p], (__m512bh)_mm512_permutex2var_epi8(L, I0, H), x0);
                 acc[p] = _mm512_dpbf16_ps(acc[p], (__m512bh)_mm512_permutex2var_epi8(L, I1, H), x1);
             }
         }
-        /* the tree of gv_fp8_row8 */
-        const __m512 u0 = _mm512_add_ps(_mm512_shuffle_ps(acc[0], acc[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                         _mm512_shuffle_ps(acc[0], acc[1], _MM_SHUFFLE(3, 1, 3, 1)));
-        const __m512 u1 = _mm512_add_ps(_mm512_shuffle_ps(acc[2], acc[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                         _mm512_shuffle_ps(acc[2], acc[3], _MM_SHUFFLE(3, 1, 3, 1)));
-        const __m512 v = _mm512_add_ps(_mm512_shuffle_ps(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
-                                       _mm512_shuffle_ps(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
-        const __m512 w = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
+        const __m512 w = CSA_V(gv_tree8)(acc);
         const __m128 s = _mm_set1_ps(as[j] * g_bscale(g, n0, j));
         c0 = _mm_fmadd_ps(_mm512_castps512_ps128(w), s, c0);
         c1 = _mm_fmadd_ps(_mm512_extractf32x4_ps(w, 2), s, c1);
