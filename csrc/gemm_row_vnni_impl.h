@@ -332,6 +332,13 @@ static inline __attribute__((always_inline)) __m512 CSA_V(gv_tree8)(const __m512
     return _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
 }
 
+/* The 8 rows' results: rows 0, 2, 4, 6 in c0, rows 1, 3, 5, 7 in c1. */
+static inline __attribute__((always_inline)) void CSA_V(gv_store8)(__m128 c0, __m128 c1, float *res)
+{
+    _mm_storeu_ps(res, _mm_unpacklo_ps(c0, c1));
+    _mm_storeu_ps(res + 4, _mm_unpackhi_ps(c0, c1));
+}
+
 static void CSA_V(gv_fp8_row8)(const struct csa_gemm_args *g, const void *actv, const float *as,
                                csa_idx n0, csa_idx nr, float *sbt, float *res)
 {
@@ -392,13 +399,7 @@ static void CSA_V(gv_fp8_row8)(const struct csa_gemm_args *g, const void *actv, 
         c0 = _mm_fmadd_ps(p0, s, c0);
         c1 = _mm_fmadd_ps(p1, s, c1);
     }
-    float e[4], o[4];
-    _mm_storeu_ps(e, c0);
-    _mm_storeu_ps(o, c1);
-    for (int i = 0; i < 4; i++) {
-        res[2 * i] = e[i];
-        res[2 * i + 1] = o[i];
-    }
+    CSA_V(gv_store8)(c0, c1, res);
 }
 
 CSA_TARGET_POP
@@ -514,13 +515,7 @@ static void CSA_V(gv_fp8_row8_dp)(const struct csa_gemm_args *g, const void *act
         c0 = _mm_fmadd_ps(_mm512_castps512_ps128(w), s, c0);
         c1 = _mm_fmadd_ps(_mm512_extractf32x4_ps(w, 2), s, c1);
     }
-    float e[4], o[4];
-    _mm_storeu_ps(e, c0);
-    _mm_storeu_ps(o, c1);
-    for (int i = 0; i < 4; i++) {
-        res[2 * i] = e[i];
-        res[2 * i + 1] = o[i];
-    }
+    CSA_V(gv_store8)(c0, c1, res);
 }
 
 /* 1 when VDPBF16PS adds its two products as Intel defines it (high element first, each
