@@ -54,6 +54,14 @@ struct csa_gemm_args {
 int csa_gemm(const struct csa_gemm_args *g);
 int csa_gemm_ref(const struct csa_gemm_args *g);
 
+/* count independent GEMMs (a model's grouped output projection, or its routed experts
+ * at decode: a few weights with one activation row each), each output element the
+ * bits csa_gemm gives for its own problem.  The one-activation-row problems share one
+ * parallel region, their row groups handed out together: one thread start-up instead
+ * of one a problem, and no thread waiting at a problem's end while work is left
+ * (gemm.c has the measurement).  The others run one after another. */
+int csa_gemm_batch(const struct csa_gemm_args *gs, csa_idx count);
+
 /* Scalar decoders (the oracle's), for the tests and other kernels. */
 float csa_e4m3_to_f32(uint8_t v);
 float csa_e2m1_to_f32(uint8_t nibble);

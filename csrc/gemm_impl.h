@@ -14,11 +14,12 @@
  * transposed, 16 columns a strip, and g_pk multiplies 6 broadcast activation rows by
  * 2 vectors of 8 columns, one residue of the block at a time (g_panel_t).
  *
- * One activation row (decode) takes a path of its own, g_row1 (e4m3: 4 weight rows
+ * One activation row (decode) takes a path of its own, g_row1 (e4m3: 8 weight rows
  * at a time) or g_row8_e2m1 (8 rows, one a vector lane): weights decoded straight into
  * registers by shifts, masks and byte shuffles (no conversion instructions, no
  * buffer), each weight byte read once, the row groups handed out dynamically so a
- * descheduled thread on a shared host does not hold the others.
+ * descheduled thread on a shared host does not hold the others (g_rows_run, which
+ * also runs the one-row problems of a csa_gemm_batch together).
  *
  * The AVX-512 variant first offers the call to the paths of CPU features beyond the
  * level's own (csa_cpu_features()): one row on VNNI + VBMI (gemm_row_vnni_impl.h, the
@@ -37,6 +38,88 @@ static void CSA_V(g_dec_a)(const uint8_t *CSA_RESTRICT a, float *CSA_RESTRICT f,
 {
 #pragma omp simd
     for (csa_idx k = 0; k < K; k++) f[k] = g_e4m3(a[k]);
+}
+
+/* ---- one activation row: the row-group driver ----
+ *
+ * A one-row problem, prepared (g_prepare_row): its weight rows in groups of R (R <= 16),
+ * each group computed by fn from the prepared activation act and its per-128 scales as
+ * into its R results; sbt is each thread's scratch for R rows' scales ([K / 32][R]
+ * floats).  act and as belong to the job (g_jobs_free). */
+typedef void (*CSA_V(g_rows_fn))(const struct csa_gemm_args *, const void *, const float *,
+                                 csa_idx, csa_idx, float *, float *);
+struct CSA_V(g_job) {
+    const struct csa_gemm_args *g;
+    CSA_V(g_rows_fn) fn;
+    int R;
+    void *act;
+    float *as;
+};
+
+static void CSA_V(g_jobs_free)(struct CSA_V(g_job) *jobs, csa_idx nj)
+{
+    for (csa_idx i = 0; i < nj; i++) {
+        free(jobs[i].act);
+        free(jobs[i].as);
+    }
+}
+
+/* The row groups of every job, one parallel region (used by this level's float32 paths
+ * and gemm_row_vnni_impl.h's).  The groups are handed out dynamically (a descheduled
+ * thread on a shared host does not hold the others) in guided chunks, long runs of rows
+ * first: AMD EPYC (Zen 4), fp8_gemm N = 32768, K = 1024, 2 threads, interleaved: chunks
+ * of 64 / R groups 1.12-1.32 ms, guided 0.86-0.95, static halves 0.92-0.98 (each
+ * thread's rows one stream, and the prefetch of the next group seldom into the other
+ * thread's rows); FP4, N = 2048, K = 4096: no change.  The AVX2 level's FP8 path (g_row1)
+ * had chunks of 64 / R until it came here: N = 32768, K = 1024 1.37-1.40 -> 0.96-0.99
+ * ms, N = 4096, K = 4096 0.61 -> 0.54, N = 2048, K = 4096 0.31 -> 0.28 (same CPU,
+ * DEEPSEEK_CSA_ISA=avx2, the two builds in alternating processes, three rounds).  Several jobs (csa_gemm_batch)
+ * are one sequence of groups, job after job: a thread that finishes its share of one
+ * problem goes on to the next instead of waiting for the others to finish this one. */
+static int CSA_V(g_rows_run)(const struct CSA_V(g_job) *jobs, csa_idx nj)
+{
+    csa_idx first_small[17];
+    csa_idx *first = nj < 17 ? first_small : malloc((size_t)(nj + 1) * sizeof *first);
+    if (!first) return CSA_ENOMEM;
+    csa_idx total = 0, sbt_n = 1;
+    int rmax = 1;
+    for (csa_idx i = 0; i < nj; i++) {
+        first[i] = total;
+        total += (jobs[i].g->N + jobs[i].R - 1) / jobs[i].R;
+        if (jobs[i].g->K / 32 * jobs[i].R > sbt_n) sbt_n = jobs[i].g->K / 32 * jobs[i].R;
+        if (jobs[i].R > rmax) rmax = jobs[i].R;
+    }
+    first[nj] = total;
+    const int nt = csa_threads(total, 256 / rmax);
+    int fail = 0;
+#pragma omp parallel num_threads(nt)
+    {
+        float *sbt = malloc((size_t)sbt_n * sizeof *sbt);
+        if (!sbt) {
+#pragma omp atomic write
+            fail = 1;
+        }
+        csa_idx p = 0; /* this thread's job: its chunks come in increasing order */
+#pragma omp for schedule(guided, 64 / rmax)
+        for (csa_idx q = 0; q < total; q++) {
+            if (!sbt) continue;
+            if (q < first[p]) p = 0;
+            while (q >= first[p + 1]) p++;
+            const struct CSA_V(g_job) *jb = jobs + p;
+            float res[16];
+            const csa_idx n0 = jb->R * (q - first[p]), left = jb->g->N - n0;
+            const csa_idx nr = left < jb->R ? left : jb->R;
+#ifndef CSA_MUTANT_GEMM_BATCH
+            jb->fn(jb->g, jb->act, jb->as, n0, nr, sbt, res);
+#else /* planted (make mutants): every job takes the first job's activation scales */
+            jb->fn(jb->g, jb->act, jobs[0].as, n0, nr, sbt, res);
+#endif
+            for (csa_idx r = 0; r < nr; r++) g_store(jb->g, 0, n0 + r, res[r]);
+        }
+        free(sbt);
+    }
+    if (first != first_small) free(first);
+    return fail ? CSA_ENOMEM : CSA_OK;
 }
 
 #if G_SIMD
@@ -320,43 +403,6 @@ static void CSA_V(g_row8_e2m1)(const struct csa_gemm_args *g, const void *act, c
                             _mm256_mul_ps(_mm256_set1_ps(as[j / 4]), sb), c);
     }
     _mm256_storeu_ps(res, c);
-}
-/* The one-row driver: groups of R weight rows (R <= 16), each computed by rows_fn from
- * the prepared activation row act into its R results; sbt is each thread's scratch for
- * R rows' scales ([K / 32][R] floats).  Shared by this level's float32 kernel
- * (g_row8_e2m1, R = 8) and gemm_row_vnni_impl.h's (R = 8, 16).  The groups are handed
- * out dynamically (a descheduled thread on a shared host does not hold the others) in
- * guided chunks, long runs of rows first: AMD EPYC (Zen 4), fp8_gemm N = 32768,
- * K = 1024, 2 threads, interleaved: chunks of 64 / R groups 1.12-1.32 ms, guided
- * 0.86-0.95, static halves 0.92-0.98 (each thread's rows one stream, and the prefetch of
- * the next group seldom into the other thread's rows); FP4, N = 2048, K = 4096: no
- * change. */
-typedef void (*CSA_V(g_rows_fn))(const struct csa_gemm_args *, const void *, const float *,
-                                 csa_idx, csa_idx, float *, float *);
-static int CSA_V(g_rows_run)(const struct csa_gemm_args *g, CSA_V(g_rows_fn) rows_fn, int R,
-                             const void *act, const float *as)
-{
-    const csa_idx N = g->N, no = (N + R - 1) / R;
-    const int nt = csa_threads(no, 256 / R);
-    int fail = 0;
-#pragma omp parallel num_threads(nt)
-    {
-        float *sbt = malloc((size_t)(g->K / 32 * R) * sizeof *sbt);
-        if (!sbt) {
-#pragma omp atomic write
-            fail = 1;
-        }
-#pragma omp for schedule(guided, 64 / R)
-        for (csa_idx q = 0; q < no; q++) {
-            if (!sbt) continue;
-            float res[16];
-            const csa_idx n0 = R * q, nr = N - n0 < R ? N - n0 : R;
-            rows_fn(g, act, as, n0, nr, sbt, res);
-            for (csa_idx r = 0; r < nr; r++) g_store(g, 0, n0 + r, res[r]);
-        }
-        free(sbt);
-    }
-    return fail ? CSA_ENOMEM : CSA_OK;
 }
 #endif
 
@@ -684,15 +730,80 @@ static void CSA_V(g_panel_t)(const struct csa_gemm_args *g, const float *Af, con
 #include "gemm_amx_impl.h"
 #endif
 
-static int CSA_V(gemm_tuned)(const struct csa_gemm_args *g)
+/* The activation rows decoded to float32 (true values; row stride lda) and their
+ * per-128 scales (KB128 a row). */
+static void CSA_V(g_dec_rows)(const struct csa_gemm_args *g, float *Af, float *AS, csa_idx lda)
+{
+    const csa_idx M = g->M, K = g->K, KB128 = (K + 127) / 128;
+    const int nt = csa_threads(M, 1 + 65536 / K);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (csa_idx m = 0; m < M; m++) {
+        CSA_V(g_dec_a)(g->a + m * g->sa_row, Af + m * lda, K);
+        for (csa_idx j = 0; j < KB128; j++)
+            AS[m * KB128 + j] = g_scale(g->as, g->as_fmt, m * g->sas_row + j * g->sas_col);
+#ifdef CSA_MUTANT_GEMM_SCALE /* planted (make mutants): the last K block's activation scale
+                              * taken from the block before */
+        if (KB128 > 1)
+            AS[m * KB128 + KB128 - 1] = AS[m * KB128 + KB128 - 2];
+#endif
+    }
+}
+
+#if G_SIMD
+static void CSA_V(g_row1_rows)(const struct csa_gemm_args *g, const void *af, const float *as,
+                               csa_idx n0, csa_idx nr, float *sbt, float *res)
+{
+    (void)sbt;
+    CSA_V(g_row1)(g, af, as, n0, nr, res);
+}
+#endif
+
+/* A one-row problem this level computes by g_rows_run: 1 with *jb prepared, 0 when the
+ * call takes another path, -1 when an allocation failed. */
+static int CSA_V(g_prepare_row)(const struct csa_gemm_args *g, struct CSA_V(g_job) *jb)
 {
 #if defined(__AVX512F__) && defined(CSA_HAVE_AMX)
     /* the avx512 and amx levels (docs/kernels.md section 9) */
     if (g->M == 1 && (csa_cpu_features() & CSA_CPU_VNNI_VBMI)) {
         const int path = CSA_V(gv_takes)(g);
-        if (path == 1) return CSA_V(gemm_fp4_row_vnni)(g);
-        if (path == 2) return CSA_V(gemm_fp8_row_vnni)(g);
+        if (path)
+            return (path == 1 ? CSA_V(gv_prepare_fp4)(g, jb) : CSA_V(gv_prepare_fp8)(g, jb))
+                       ? -1 : 1;
     }
+#endif
+#if G_SIMD
+    /* One activation row, K a multiple of 32 (e4m3: 16): the fused paths. */
+    if (g->M == 1 && g->K % 32 == 0) {
+        const csa_idx K = g->K;
+        float *Af = malloc((size_t)K * sizeof *Af);
+        float *AS = malloc((size_t)((K + 127) / 128) * sizeof *AS);
+        if (!Af || !AS) {
+            free(Af);
+            free(AS);
+            return -1;
+        }
+        CSA_V(g_dec_rows)(g, Af, AS, K);
+        /* the exact power of two that meets the weight decoder's: e4m3 2^112 (g_w16:
+         * 2^-120 times the value, products a * b / 256), e2m1 2^117 (g_row8_e2m1: 2^-125,
+         * products a * b * 2^-8) */
+        const float pre = g->b_fmt == CSA_W_E4M3 ? 0x1p112f : 0x1p117f;
+        for (csa_idx k = 0; k < K; k++) Af[k] *= pre;
+        if (g->b_fmt == CSA_W_E2M1)
+            *jb = (struct CSA_V(g_job)){g, CSA_V(g_row8_e2m1), 8, Af, AS};
+        else
+            *jb = (struct CSA_V(g_job)){g, CSA_V(g_row1_rows), G_R1, Af, AS};
+        return 1;
+    }
+#endif
+    (void)g;
+    (void)jb;
+    return 0;
+}
+
+/* Every path but the one-row ones. */
+static int CSA_V(gemm_rows)(const struct csa_gemm_args *g)
+{
+#if defined(__AVX512F__) && defined(CSA_HAVE_AMX)
     {
         const int tiles = csa_isa_get() >= CSA_ISA_AMX;
         if ((tiles || (csa_cpu_features() & CSA_CPU_BF16)) && CSA_V(ga_ok)(g))
@@ -708,48 +819,7 @@ static int CSA_V(gemm_tuned)(const struct csa_gemm_args *g)
         free(AS);
         return CSA_ENOMEM;
     }
-    {
-        const int nt = csa_threads(M, 1 + 65536 / K);
-#pragma omp parallel for num_threads(nt) schedule(static)
-        for (csa_idx m = 0; m < M; m++) {
-            CSA_V(g_dec_a)(g->a + m * g->sa_row, Af + m * LDA, K);
-            for (csa_idx j = 0; j < KB128; j++)
-                AS[m * KB128 + j] = g_scale(g->as, g->as_fmt, m * g->sas_row + j * g->sas_col);
-#ifdef CSA_MUTANT_GEMM_SCALE /* planted (make mutants): the last K block's activation scale
-                              * taken from the block before */
-            if (KB128 > 1)
-                AS[m * KB128 + KB128 - 1] = AS[m * KB128 + KB128 - 2];
-#endif
-        }
-    }
-#if G_SIMD
-    /* One activation row, K a multiple of 32 (e4m3: 16): the fused path. */
-    if (M == 1 && K % 32 == 0) {
-        /* the exact power of two that meets the weight decoder's: e4m3 2^112 (g_w16:
-         * 2^-120 times the value, products a * b / 256), e2m1 2^117 (g_row8_e2m1: 2^-125,
-         * products a * b * 2^-8) */
-        const float pre = g->b_fmt == CSA_W_E4M3 ? 0x1p112f : 0x1p117f;
-        for (csa_idx k = 0; k < K; k++) Af[k] *= pre;
-        if (g->b_fmt == CSA_W_E2M1) {
-            const int st = CSA_V(g_rows_run)(g, CSA_V(g_row8_e2m1), 8, Af, AS);
-            free(Af);
-            free(AS);
-            return st;
-        }
-        const csa_idx nq = (N + G_R1 - 1) / G_R1;
-        const int nt1 = csa_threads(nq, 256 / G_R1);
-#pragma omp parallel for num_threads(nt1) schedule(dynamic, 64 / G_R1)
-        for (csa_idx q = 0; q < nq; q++) {
-            float res[G_R1];
-            const csa_idx n0 = G_R1 * q, nr = N - n0 < G_R1 ? N - n0 : G_R1;
-            CSA_V(g_row1)(g, Af, AS, n0, nr, res);
-            for (csa_idx r = 0; r < nr; r++) g_store(g, 0, n0 + r, res[r]);
-        }
-        free(Af);
-        free(AS);
-        return CSA_OK;
-    }
-#endif
+    CSA_V(g_dec_rows)(g, Af, AS, LDA);
     /* Decode shapes: panels of one quad of whole rows (the weight bytes are read in
      * address order, 4 rows = one contiguous run); prefill: 64 rows x G_KC columns. */
     const int small = M <= 16;
@@ -789,6 +859,34 @@ static int CSA_V(gemm_tuned)(const struct csa_gemm_args *g)
     free(Af);
     free(AS);
     return fail ? CSA_ENOMEM : CSA_OK;
+}
+
+/* csa_gemm_batch at this level (csa_gemm is a batch of one): the one-row problems
+ * prepared, then run together by g_rows_run; the others one by one. */
+static int CSA_V(gemm_tuned_batch)(const struct csa_gemm_args *gs, csa_idx count)
+{
+    struct CSA_V(g_job) job1;
+    struct CSA_V(g_job) *jobs = count == 1 ? &job1 : malloc((size_t)count * sizeof *jobs);
+    if (!jobs) return CSA_ENOMEM;
+    csa_idx nj = 0;
+    int st = CSA_OK;
+    for (csa_idx i = 0; i < count && st == CSA_OK; i++) {
+        const struct csa_gemm_args *g = gs + i;
+        if (g->M == 0 || g->N == 0) continue;
+        if (g->K == 0 || g->K % (g->b_fmt == CSA_W_E4M3 ? 16 : 32)) {
+            st = csa_gemm_ref(g);
+            continue;
+        }
+        const int r = CSA_V(g_prepare_row)(g, jobs + nj);
+        if (r > 0)
+            nj++;
+        else
+            st = r < 0 ? CSA_ENOMEM : CSA_V(gemm_rows)(g);
+    }
+    if (st == CSA_OK && nj) st = CSA_V(g_rows_run)(jobs, nj);
+    CSA_V(g_jobs_free)(jobs, nj);
+    if (jobs != &job1) free(jobs);
+    return st;
 }
 
 #undef G_R1

@@ -264,8 +264,9 @@ static void CSA_V(gv_fp4_row16)(const struct csa_gemm_args *g, const void *actv,
     _mm512_storeu_ps(res, c);
 }
 
-/* fp4_gemm with one activation row (K a multiple of 32, no NaN code in it). */
-static int CSA_V(gemm_fp4_row_vnni)(const struct csa_gemm_args *g)
+/* The job of fp4_gemm with one activation row (K a multiple of 32, no NaN code in it):
+ * the activation laid out by gv_act16.  CSA_OK, or CSA_ENOMEM. */
+static int CSA_V(gv_prepare_fp4)(const struct csa_gemm_args *g, struct CSA_V(g_job) *jb)
 {
     const csa_idx K = g->K, ng = (K + 127) / 128;
     uint8_t *act = malloc((size_t)(ng * GV_ACT_REGS * 64));
@@ -277,10 +278,8 @@ static int CSA_V(gemm_fp4_row_vnni)(const struct csa_gemm_args *g)
     }
     CSA_V(gv_act16)(g, act);
     for (csa_idx j = 0; j < ng; j++) as[j] = g_scale(g->as, g->as_fmt, j * g->sas_col);
-    const int st = CSA_V(g_rows_run)(g, CSA_V(gv_fp4_row16), 16, act, as);
-    free(act);
-    free(as);
-    return st;
+    *jb = (struct CSA_V(g_job)){g, CSA_V(gv_fp4_row16), 16, act, as};
+    return CSA_OK;
 }
 #undef GV_ACT_REGS
 
@@ -544,11 +543,12 @@ static int CSA_V(gv_dp_in_order)(void)
 CSA_TARGET_POP
 CSA_TARGET_PUSH512("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c,avx512vnni,avx512vbmi")
 
-/* fp8_gemm with one activation row (K a multiple of 32). */
-static int CSA_V(gemm_fp8_row_vnni)(const struct csa_gemm_args *g)
+/* The job of fp8_gemm with one activation row (K a multiple of 32): the bf16 dot
+ * products' tables and activation where they add in the oracle's order, else the
+ * float32 activation (times 2^112, g_w16's scale).  CSA_OK, or CSA_ENOMEM. */
+static int CSA_V(gv_prepare_fp8)(const struct csa_gemm_args *g, struct CSA_V(g_job) *jb)
 {
     const csa_idx K = g->K, nb = (K + 127) / 128;
-    /* the float32 activation, or the dot products' tables and bf16 activation */
     float *afr = malloc(sizeof(struct gv_dp_act) + (size_t)K * sizeof *afr);
     float *as = malloc((size_t)nb * sizeof *as);
     if (!afr || !as) {
@@ -557,17 +557,14 @@ static int CSA_V(gemm_fp8_row_vnni)(const struct csa_gemm_args *g)
         return CSA_ENOMEM;
     }
     for (csa_idx j = 0; j < nb; j++) as[j] = g_scale(g->as, g->as_fmt, j * g->sas_col);
-    int st;
     if ((csa_cpu_features() & CSA_CPU_BF16) && CSA_V(gv_dp_in_order)()) {
         CSA_V(gv_act_dp)(g, (struct gv_dp_act *)afr);
-        st = CSA_V(g_rows_run)(g, CSA_V(gv_fp8_row8_dp), 8, afr, as);
+        *jb = (struct CSA_V(g_job)){g, CSA_V(gv_fp8_row8_dp), 8, afr, as};
     } else {
         for (csa_idx k = 0; k < K; k++) afr[k] = g_e4m3(g->a[k]) * 0x1p112f;
-        st = CSA_V(g_rows_run)(g, CSA_V(gv_fp8_row8), 8, afr, as);
+        *jb = (struct CSA_V(g_job)){g, CSA_V(gv_fp8_row8), 8, afr, as};
     }
-    free(afr);
-    free(as);
-    return st;
+    return CSA_OK;
 }
 
 /* Which one-row path computes this call: 1 FP4 weights (int8 dot products; not when an

@@ -669,9 +669,12 @@ def _hc_derive(s):
 # Arrays the glue reads with a unit last stride only (documented: weights are read as
 # they are stored): a layout variant that changes the last stride must raise naming them
 # (hardening_cases.py applies this to its "same" layout cases).
-UNIT_LAST_STRIDE = {"fp8_gemm": ("b",), "fp4_gemm": ("b",)}
+_GEMMS = ("fp8_gemm", "fp4_gemm", "fp8_gemm_indexed", "fp4_gemm_indexed")
+UNIT_LAST_STRIDE = {name: ("b",) for name in _GEMMS}
 # out= dtypes an entry accepts besides its canonical float32 (the GEMMs store bfloat16).
-OUT_ALSO = {"fp8_gemm": ("bfloat16",), "fp4_gemm": ("bfloat16",)}
+OUT_ALSO = {name: ("bfloat16",) for name in _GEMMS}
+# b_index: row i of a against weight b[b_index[i]] of E stacked ones
+_B_INDEX = Arr(("M",), dtype=np.int32, index=lambda s: (0, s["E"] - 1), optional=True)
 
 ENTRIES += [
     Entry("fp8_gemm", "fp8_gemm",
@@ -696,6 +699,30 @@ ENTRIES += [
           sizes=dict(M=(1, 6), N=(1, 70), K32=(0, 10), Kodd=(0, 1)),
           derive=_gemm4_derive, zero_ok=("M", "N", "K32", "Kodd"),
           medium=dict(M=32, N=2048, K32=64, Kodd=0)),
+    Entry("fp8_gemm_indexed", "fp8_gemm",
+          dict(a=Arr(("M", "K"), dtype=np.uint8, fill=_e4m3_codes),
+               a_s=Arr(("M", "KB"), fill=_pos_scales, also=("uint8",)),
+               b=Arr(("E", "N", "K"), dtype=np.uint8, fill=_e4m3_codes),
+               b_s=Arr(("E", "NB", "KB"), fill=_pos_scales, also=("uint8",)),
+               b_index=_B_INDEX,
+               out_dtype=Choice(_C(None), ("bfloat16", "float32"), none_ok=True),
+               out=Arr(("M", "N"), role="out", also=("bfloat16",))),
+          positional=("a", "a_s", "b", "b_s"),
+          sizes=dict(M=(1, 6), N=(1, 140), K16=(0, 20), Kodd=(0, 1), E=(1, 4)),
+          derive=_gemm8_derive, zero_ok=("M", "N", "K16", "Kodd"),
+          medium=dict(M=64, N=2048, K16=64, Kodd=0, E=4)),
+    Entry("fp4_gemm_indexed", "fp4_gemm",
+          dict(a=Arr(("M", "K"), dtype=np.uint8, fill=_e4m3_codes),
+               a_s=Arr(("M", "KB"), fill=_pos_scales, also=("uint8",)),
+               b=Arr(("E", "N", "K2"), dtype=np.uint8, fill=_bytes),
+               b_s=Arr(("E", "N", "KB32"), fill=_pos_scales, also=("uint8",)),
+               b_index=_B_INDEX,
+               out_dtype=Choice(_C(None), ("bfloat16", "float32"), none_ok=True),
+               out=Arr(("M", "N"), role="out", also=("bfloat16",))),
+          positional=("a", "a_s", "b", "b_s"),
+          sizes=dict(M=(1, 6), N=(1, 70), K32=(0, 10), Kodd=(0, 1), E=(1, 4)),
+          derive=_gemm4_derive, zero_ok=("M", "N", "K32", "Kodd"),
+          medium=dict(M=32, N=2048, K32=64, Kodd=0, E=4)),
     Entry("fp8_quant", "fp8_quant",
           dict(x=Arr(("R", "L"), ndim=(1, None), also=("bfloat16",)),
                block=Int(_S("blk"), lo=1, hi=1 << 40, huge_ok=True, optional=True),

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import deepseek_csa as dc
-from conftest import ISA_LEVELS_BF16, isa_level, same_bits_at_thread_counts
+from conftest import ISA_LEVELS_BF16, isa_level, same_bits_at_thread_counts, unchanged
 
 E4M3, E8M0, FP4 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e8m0fnu, ml_dtypes.float4_e2m1fn
 
@@ -349,6 +349,103 @@ def test_gemm_threads_bitwise(rng):
         dc.fp4_gemm(a, a_s, b4, b4s, out_dtype="float32"),
         dc.fp4_gemm(a[:1], a_s[:1], b4, b4s, out_dtype="float32"),
         dc.fp4_gemm(a[:3], a_s[:3], b4, b4s, out_dtype="float32")))
+
+
+# b_index: row i of a against weight b[b_index[i]] of E stacked ones.  The glue runs the
+# evenly spaced rows of one weight as one GEMM and the one-row GEMMs in one parallel
+# region (csrc/gemm.h, csa_gemm_batch); the reference is the dequantized matmul per row.
+def _index_cases(rng, M, E):
+    return {"sorted runs": np.sort(rng.integers(0, E, M)).astype(np.int32),
+            "grouped t*G+g": np.tile(np.arange(E, dtype=np.int32), -(-M // E))[:M],
+            "random": rng.integers(0, E, M).astype(np.int32),
+            "one weight": np.full(M, E - 1, np.int32)}
+
+
+def _indexed_gemm_case(rng, fmt, M, N, K, E, e8m0):
+    a, a_s = rand_e4m3(rng, (M, K)), rand_scales(rng, (M, -(-K // 128)), e8m0)
+    if fmt == "fp8":
+        b = rand_e4m3(rng, (E, N, K))
+        b_s = rand_scales(rng, (E, -(-N // 128), -(-K // 128)), e8m0)
+        return dc.fp8_gemm, want_fp8, a, a_s, b, b_s
+    b = rng.integers(0, 256, (E, N, K // 2)).astype(np.uint8)
+    b_s = rand_scales(rng, (E, N, -(-K // 32)), e8m0)
+    return dc.fp4_gemm, want_fp4, a, a_s, b, b_s
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+@pytest.mark.parametrize("M,N,K,E", [(1, 260, 256, 3), (6, 136, 512, 4), (40, 64, 384, 8),
+                                     (7, 33, 96, 2)])
+def test_gemm_b_index_rows_take_their_weight(isa_bf16, rng, fmt, M, N, K, E):
+    e8m0 = bool(M % 2)
+    fn, want_fn, a, a_s, b, b_s = _indexed_gemm_case(rng, fmt, M, N, K, E, e8m0)
+    for label, ix in _index_cases(rng, M, E).items():
+        with unchanged(a, a_s, b, b_s, ix):
+            got = fn(a, a_s, b, b_s, b_index=ix, out_dtype="float32")
+        want = np.empty((M, N))
+        mag = np.empty((M, N))
+        for i in range(M):
+            w, m_ = want_fn(a[i:i + 1], a_s[i:i + 1], b[ix[i]], b_s[ix[i]])
+            want[i], mag[i] = w[0], m_[0]
+        check_close(got, want, mag, (label, fmt, M, N, K))
+        # the bits: those of fp8_gemm / fp4_gemm on each weight's rows, which are the
+        # oracle's for up to 16 rows on every path (larger groups may take the bf16 GEMM)
+        for e in range(E):
+            rows = np.flatnonzero(ix == e)
+            if rows.size and rows.size <= 16:
+                alone = fn(a[rows], a_s[rows], b[e], b_s[e], out_dtype="float32")
+                assert np.array_equal(bits(got[rows]), bits(alone)), (label, e)
+
+
+def test_gemm_b_index_grouped_projection_layout(rng):
+    """The grouped output projection as one call: x [T, G, K] -> [T, G, N] with rows
+    t * G + g against weight g equals a call per group on the strided rows x[:, g]."""
+    T, G, N, K = 20, 4, 256, 512
+    a, a_s = rand_e4m3(rng, (T, G, K)), rand_scales(rng, (T, G, K // 128), True)
+    b, b_s = rand_e4m3(rng, (G, N, K)), rand_scales(rng, (G, N // 128, K // 128), True)
+    ix = np.tile(np.arange(G, dtype=np.int32), (T, 1))
+    got = dc.fp8_gemm(a, a_s, b, b_s, b_index=ix)
+    assert got.shape == (T, G, N)
+    for g in range(G):
+        assert np.array_equal(bits(got[:, g]), bits(dc.fp8_gemm(a[:, g], a_s[:, g], b[g], b_s[g])))
+
+
+def test_gemm_b_index_threads_bitwise(rng):
+    """One parallel region over several one-row problems: the same bits at any thread
+    count, and the bits of one call a row."""
+    K, N, E = 512, 300, 5
+    ix = np.array([3, 0, 4, 4, 1, 3], np.int32)
+    a, a_s = rand_e4m3(rng, (6, K)), rand_scales(rng, (6, K // 128), True)
+    b8, b8s = rand_e4m3(rng, (E, N, K)), rand_scales(rng, (E, 3, K // 128), True)
+    b4 = rng.integers(0, 256, (E, N, K // 2)).astype(np.uint8)
+    b4s = rand_scales(rng, (E, N, K // 32), True)
+    g8, g4 = same_bits_at_thread_counts(lambda: (
+        dc.fp8_gemm(a, a_s, b8, b8s, b_index=ix, out_dtype="float32"),
+        dc.fp4_gemm(a, a_s, b4, b4s, b_index=ix, out_dtype="float32")))
+    for i, e in enumerate(ix):
+        assert np.array_equal(bits(g8[i:i + 1]), bits(dc.fp8_gemm(a[i:i + 1], a_s[i:i + 1], b8[e],
+                                                                  b8s[e], out_dtype="float32")))
+        assert np.array_equal(bits(g4[i:i + 1]), bits(dc.fp4_gemm(a[i:i + 1], a_s[i:i + 1], b4[e],
+                                                                  b4s[e], out_dtype="float32")))
+
+
+def test_gemm_b_index_bad_inputs_name_it(rng):
+    a, a_s = rand_e4m3(rng, (3, 256)), rand_scales(rng, (3, 2), True)
+    b, b_s = rand_e4m3(rng, (2, 128, 256)), rand_scales(rng, (2, 1, 2), True)
+    ix = np.array([0, 1, 1], np.int32)
+    out = np.full((3, 128), 7.0, np.float32)
+    with unchanged(a, a_s, b, b_s, ix, out):
+        for bad, exc in ((np.array([0, 2, 1], np.int32), ValueError),
+                         (np.array([0, -1, 1], np.int32), ValueError),
+                         (ix.astype(np.int64), TypeError), (ix[:2], ValueError),
+                         (ix[None], ValueError)):
+            with pytest.raises(exc, match="b_index"):
+                dc.fp8_gemm(a, a_s, b, b_s, b_index=bad, out=out)
+        with pytest.raises(ValueError, match="'b'"):
+            dc.fp8_gemm(a, a_s, b[0], b_s[0], b_index=ix, out=out)    # 2-D weights
+        with pytest.raises(ValueError, match="b_s"):
+            dc.fp8_gemm(a, a_s, b, b_s[:1], b_index=ix, out=out)      # scales of one weight
+    with pytest.raises(ValueError, match="'b'"):
+        dc.fp8_gemm(a, a_s, b, b_s)                                   # stacked, no index
 
 
 def test_gemm_nan_codes_and_strided_views(isa, rng):

@@ -196,17 +196,81 @@ static int g_out_dtype(PyObject *o, const char *fn)
 
 /* ------------------------------------------------------------ fp8_gemm / fp4_gemm */
 
+static int g_by_weight(const void *x, const void *y)
+{
+    const csa_idx *p = x, *q = y;   /* (weight, row) pairs */
+    if (p[0] != q[0]) return p[0] < q[0] ? -1 : 1;
+    return p[1] < q[1] ? -1 : p[1] > q[1];
+}
+
+/* b_index: row m of a (g's M rows) against weight ix[m] of the E stacked at b +
+ * e * b_e bytes (scales at bs + e * bs_e bytes).  The rows of one weight, in increasing
+ * order, split into runs of evenly spaced rows (a model's grouped projection, rows
+ * t * G + g: one run a group; experts with their tokens sorted: one a weight), and each
+ * run is one problem, so each weight is read once a run.  *subs: the problems (at most
+ * M), *order scratch; returns their count, or -1 when an allocation failed. */
+static csa_idx g_index_problems(const struct csa_gemm_args *g, const int32_t *ix,
+                                npy_intp b_e, npy_intp bs_e, int as_size, int out_size,
+                                struct csa_gemm_args **subs, csa_idx **order)
+{
+    const csa_idx M = g->M;
+    *subs = malloc((size_t)(M > 0 ? M : 1) * sizeof **subs);
+    *order = malloc((size_t)(M > 0 ? 2 * M : 1) * sizeof **order);
+    if (!*subs || !*order) return -1;
+    /* the rows sorted by weight, increasing within one (E never sizes a buffer: a
+     * stack of empty weights may be as long as NumPy allows) */
+    csa_idx *pair = *order;
+    for (csa_idx m = 0; m < M; m++) {
+        pair[2 * m] = ix[m];
+        pair[2 * m + 1] = m;
+    }
+    qsort(pair, (size_t)M, 2 * sizeof *pair, g_by_weight);
+    csa_idx n = 0;
+    for (csa_idx i = 0; i < M;) {
+        const csa_idx e = pair[2 * i], r0 = pair[2 * i + 1];
+        csa_idx len = 1, step = 1;
+        if (i + 1 < M && pair[2 * (i + 1)] == e) {
+            step = pair[2 * (i + 1) + 1] - r0;
+            while (i + len < M && pair[2 * (i + len)] == e &&
+                   pair[2 * (i + len) + 1] - pair[2 * (i + len - 1) + 1] == step)
+                len++;
+        }
+        struct csa_gemm_args *p = *subs + n++;
+        *p = *g;
+        p->M = len;
+        p->a = g->a + r0 * g->sa_row;
+        p->sa_row = step * g->sa_row;
+        p->as = (const char *)g->as + (size_t)(r0 * g->sas_row) * as_size;
+        p->sas_row = step * g->sas_row;
+        p->b = g->b + e * b_e;
+        p->bs = (const char *)g->bs + e * bs_e;
+        p->out = (char *)g->out + (size_t)(r0 * g->so_row) * out_size;
+#ifndef CSA_MUTANT_GEMM_INDEX_STEP
+        p->so_row = step * g->so_row;
+#else /* planted (make mutants): a run's output rows written as if adjacent */
+        p->so_row = g->so_row;
+#endif
+        i += len;
+    }
+    return n;
+}
+
 static PyObject *g_gemm(PyObject *args, PyObject *kw, const char *fn, int wfmt)
 {
-    static char *kwlist[] = {"a", "a_s", "b", "b_s", "out_dtype", "out", NULL};
-    PyObject *ao, *aso, *bo, *bso, *odo = Py_None, *oo = Py_None;
+    static char *kwlist[] = {"a", "a_s", "b", "b_s", "b_index", "out_dtype", "out", NULL};
+    PyObject *ao, *aso, *bo, *bso, *bio = Py_None, *odo = Py_None, *oo = Py_None;
     char spec[40];
-    snprintf(spec, sizeof spec, "OOOO|$OO:%s", fn);
-    if (!PyArg_ParseTupleAndKeywords(args, kw, spec, kwlist, &ao, &aso, &bo, &bso, &odo, &oo))
+    snprintf(spec, sizeof spec, "OOOO|$OOO:%s", fn);
+    if (!PyArg_ParseTupleAndKeywords(args, kw, spec, kwlist, &ao, &aso, &bo, &bso, &bio, &odo,
+                                     &oo))
         return NULL;
     PyArrayObject *a = NULL, *as = NULL, *b = NULL, *bs = NULL, *out = NULL, *ac = NULL,
-                  *asc = NULL, *tmp = NULL;
+                  *asc = NULL, *tmp = NULL, *bi = NULL, *bic = NULL;
+    struct csa_gemm_args *subs = NULL;
+    csa_idx *order = NULL;
     PyObject *ret = NULL;
+    /* with b_index, b and b_s stack E weights: their dimensions shift by one */
+    const int o = bio != Py_None;
     char b1[256], b2[256];
     int by;
     const int fp8 = wfmt == CSA_W_E4M3;
@@ -215,25 +279,28 @@ static PyObject *g_gemm(PyObject *args, PyObject *kw, const char *fn, int wfmt)
     int as_bytes, bs_bytes;
     if (!(a = g_arr(ao, fn, "a", G_E4M3, 1, NPY_MAXDIMS, &by))) goto done;
     if (!(as = g_arr(aso, fn, "a_s", CSA_F32 | G_E8M0, 1, NPY_MAXDIMS, &as_bytes))) goto done;
-    if (!(b = g_arr(bo, fn, "b", fp8 ? G_E4M3 : G_FP4X2, 2, 2, &by))) goto done;
-    if (!(bs = g_arr(bso, fn, "b_s", CSA_F32 | G_E8M0, 2, 2, &bs_bytes))) goto done;
+    if (!(b = g_arr(bo, fn, "b", fp8 ? G_E4M3 : G_FP4X2, 2 + o, 2 + o, &by))) goto done;
+    if (!(bs = g_arr(bso, fn, "b_s", CSA_F32 | G_E8M0, 2 + o, 2 + o, &bs_bytes))) goto done;
     const int nd = PyArray_NDIM(a);
-    const npy_intp K = PyArray_DIM(a, nd - 1), N = PyArray_DIM(b, 0);
+    const npy_intp K = PyArray_DIM(a, nd - 1), N = PyArray_DIM(b, o), E = o ? PyArray_DIM(b, 0) : 1;
     const npy_intp KB = (K + 127) / 128;
+    if (o && csa_check_dim(bs, fn, "b_s", 0, E, "E = b.shape[0], one scale array a weight"))
+        goto done;
     if (fp8) {
-        if (csa_check_dim(b, fn, "b", 1, K, "K = a.shape[-1]")) goto done;
-        if (csa_check_dim(bs, fn, "b_s", 0, (N + 127) / 128, "ceil(N / 128)")) goto done;
-        if (csa_check_dim(bs, fn, "b_s", 1, KB, "ceil(K / 128)")) goto done;
+        if (csa_check_dim(b, fn, "b", o + 1, K, "K = a.shape[-1]")) goto done;
+        if (csa_check_dim(bs, fn, "b_s", o, (N + 127) / 128, "ceil(N / 128)")) goto done;
+        if (csa_check_dim(bs, fn, "b_s", o + 1, KB, "ceil(K / 128)")) goto done;
     } else {
         if (K % 2) {
             PyErr_Format(PyExc_ValueError, "%s(): 'a' must have an even K (shape %s): FP4 "
                          "weights pack two values a byte", fn, csa_shape_str(a, b1, sizeof b1));
             goto done;
         }
-        if (csa_check_dim(b, fn, "b", 1, K / 2, "K / 2 = a.shape[-1] / 2, two values a byte"))
+        if (csa_check_dim(b, fn, "b", o + 1, K / 2, "K / 2 = a.shape[-1] / 2, two values a byte"))
             goto done;
-        if (csa_check_dim(bs, fn, "b_s", 0, N, "N = b.shape[0]")) goto done;
-        if (csa_check_dim(bs, fn, "b_s", 1, (K + 31) / 32, "ceil(K / 32)")) goto done;
+        if (csa_check_dim(bs, fn, "b_s", o, N, o ? "N = b.shape[1]" : "N = b.shape[0]"))
+            goto done;
+        if (csa_check_dim(bs, fn, "b_s", o + 1, (K + 31) / 32, "ceil(K / 32)")) goto done;
     }
     if (PyArray_NDIM(as) != nd) {
         PyErr_Format(PyExc_ValueError, "%s(): 'a_s' must have the rank of 'a' (shape %s), got "
@@ -244,11 +311,27 @@ static PyObject *g_gemm(PyObject *args, PyObject *kw, const char *fn, int wfmt)
         if (csa_check_dim(as, fn, "a_s", i, PyArray_DIM(a, i), "a's leading dims")) goto done;
     if (csa_check_dim(as, fn, "a_s", nd - 1, KB, "ceil(K / 128), one scale per 128 of K"))
         goto done;
-    if (PyArray_DIM(b, 1) > 1 && csa_stride(b, 1) != 1) {
+    if (PyArray_DIM(b, o + 1) > 1 && csa_stride(b, o + 1) != 1) {
         PyErr_Format(PyExc_ValueError, "%s(): 'b' must have contiguous rows (unit last stride), "
-                     "got strides (%lld, %lld) bytes; weights are read as they are stored",
-                     fn, (long long)PyArray_STRIDE(b, 0), (long long)PyArray_STRIDE(b, 1));
+                     "got a last stride of %lld bytes; weights are read as they are stored",
+                     fn, (long long)PyArray_STRIDE(b, o + 1));
         goto done;
+    }
+    if (o) {
+        if (!(bi = csa_array(bio, fn, "b_index", CSA_I32, nd - 1, nd - 1, 0))) goto done;
+        for (int i = 0; i < nd - 1; i++)
+            if (csa_check_dim(bi, fn, "b_index", i, PyArray_DIM(a, i), "a.shape[:-1]")) goto done;
+        if (!(bic = (PyArrayObject *)PyArray_FROMANY((PyObject *)bi, NPY_INT32, 0, 0,
+                                                     NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED)))
+            goto done;
+        const int32_t *ix = PyArray_DATA(bic);
+        for (npy_intp i = 0; i < PyArray_SIZE(bic); i++)
+            if (ix[i] < 0 || ix[i] >= E) {
+                PyErr_Format(PyExc_ValueError, "%s(): 'b_index' must be in [0, %lld) (E = "
+                             "b.shape[0] weights), got %d at flat position %lld", fn,
+                             (long long)E, (int)ix[i], (long long)i);
+                goto done;
+            }
     }
     npy_intp shape[NPY_MAXDIMS];
     g_shape(a, N, shape);
@@ -273,9 +356,9 @@ static PyObject *g_gemm(PyObject *args, PyObject *kw, const char *fn, int wfmt)
                              "(N,), got %s", fn, csa_shape_str(out, b1, sizeof b1));
                 goto done;
             }
-        PyArrayObject *ins[4] = {a, as, b, bs};
-        for (int i = 0; i < 4; i++)
-            if (csa_may_overlap(out, ins[i])) {
+        PyArrayObject *ins[5] = {a, as, b, bs, bi};
+        for (int i = 0; i < 5; i++)
+            if (ins[i] && csa_may_overlap(out, ins[i])) {
                 PyErr_Format(PyExc_ValueError, "%s(): 'out' overlaps an input; pass a separate "
                              "array", fn);
                 goto done;
@@ -294,14 +377,24 @@ static PyObject *g_gemm(PyObject *args, PyObject *kw, const char *fn, int wfmt)
         .a = PyArray_DATA(ac), .M = rows, .K = K, .sa_row = sa_row,
         .as = PyArray_DATA(asc), .as_fmt = as_bytes ? CSA_S_E8M0 : CSA_S_F32,
         .sas_row = sas_row, .sas_col = csa_stride(asc, nd - 1),
-        .b = PyArray_DATA(b), .b_fmt = wfmt, .N = N, .sb_row = PyArray_STRIDE(b, 0),
+        .b = PyArray_DATA(b), .b_fmt = wfmt, .N = N, .sb_row = PyArray_STRIDE(b, o),
         .bs = PyArray_DATA(bs), .bs_fmt = bs_bytes ? CSA_S_E8M0 : CSA_S_F32,
-        .sbs_row = csa_stride(bs, 0), .sbs_col = csa_stride(bs, 1),
+        .sbs_row = csa_stride(bs, o), .sbs_col = csa_stride(bs, o + 1),
         .out = PyArray_DATA(dst), .out_bf16 = bf16, .so_row = so_row,
     };
+    csa_idx nsub = 1;
+    if (o) {
+        nsub = g_index_problems(&g, PyArray_DATA(bic), PyArray_STRIDE(b, 0),
+                                PyArray_STRIDE(bs, 0), as_bytes ? 1 : 4, bf16 ? 2 : 4, &subs,
+                                &order);
+        if (nsub < 0) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
     int st;
     Py_BEGIN_ALLOW_THREADS
-    st = csa_gemm(&g);
+    st = o ? csa_gemm_batch(subs, nsub) : csa_gemm(&g);
     Py_END_ALLOW_THREADS
     ret = csa_finish(st, fn, oo, out, tmp);
 done:
@@ -313,11 +406,15 @@ done:
     Py_XDECREF(ac);
     Py_XDECREF(asc);
     Py_XDECREF(tmp);
+    Py_XDECREF(bi);
+    Py_XDECREF(bic);
+    free(subs);
+    free(order);
     return ret;
 }
 
 PyDoc_STRVAR(fp8_gemm_doc,
-"fp8_gemm(a, a_s, b, b_s, *, out_dtype=None, out=None)\n--\n\n"
+"fp8_gemm(a, a_s, b, b_s, *, b_index=None, out_dtype=None, out=None)\n--\n\n"
 "Block-scaled FP8 GEMM, the released kernel.fp8_gemm (docs/kernels.md section 9):\n"
 "C[m, n] = sum over 128-blocks kb of (sum_k a[m, k] b[n, k]) * a_s[m, kb] *\n"
 "b_s[n // 128, kb], each block's partial sum in float32, scaled and added into a\n"
@@ -327,18 +424,24 @@ PyDoc_STRVAR(fp8_gemm_doc,
 "b   : [N, K] float8_e4m3fn or uint8 codes, rows with a unit last stride.\n"
 "b_s : [ceil(N/128), ceil(K/128)] float32 or e8m0.\n"
 "out_dtype : 'bfloat16' (default) or 'float32'; out: [..., N] of that dtype or None.\n"
+"b_index : None, or int32 [...] (a.shape[:-1]) with b [E, N, K] and b_s [E, ceil(N/128),\n"
+"    ceil(K/128)] stacking E weights: row a[i] is multiplied by weight b[b_index[i]]\n"
+"    (routed experts; a grouped projection as rows t * G + g against weight g).  The\n"
+"    evenly spaced rows of one weight run as one GEMM and the one-row GEMMs share one\n"
+"    parallel region; the bits are those of fp8_gemm on each such group of rows.\n"
 "The block sums have one fixed order (csrc/gemm.h), so the bits are the same at every\n"
 "ISA level and thread count.  Returns out (new when None).");
 
 G_ENTRY(fp8_gemm, g_gemm, CSA_W_E4M3)
 
 PyDoc_STRVAR(fp4_gemm_doc,
-"fp4_gemm(a, a_s, b, b_s, *, out_dtype=None, out=None)\n--\n\n"
+"fp4_gemm(a, a_s, b, b_s, *, b_index=None, out_dtype=None, out=None)\n--\n\n"
 "FP8 activations times FP4 (e2m1) weights, the released kernel.fp4_gemm: as fp8_gemm\n"
 "with b [N, K/2] two e2m1 values a byte (element 2i in the low nibble, torch's\n"
 "float4_e2m1fn_x2; uint8 accepted) and b_s [N, ceil(K/32)] (float32 or e8m0), one\n"
 "scale per 32 along K; the partial sums are per 32-block, each scaled by\n"
-"a_s[m, k // 128] * b_s[n, k // 32].  Returns out (bfloat16 by default).");
+"a_s[m, k // 128] * b_s[n, k // 32].  b_index as fp8_gemm's, with b [E, N, K/2] and\n"
+"b_s [E, N, ceil(K/32)].  Returns out (bfloat16 by default).");
 
 G_ENTRY(fp4_gemm, g_gemm, CSA_W_E2M1)
 

@@ -209,13 +209,14 @@ def _define_classes():
             x2 = xin.reshape(-1, G * self.in_features)   # per-128 blocks never cross a group
             q, s = _act_q(x2)
             M, Kg, Ng = x2.shape[0], self.in_features, self.out_features // G
-            kb, nb = Kg // _BLOCK, Ng // _BLOCK
-            out = torch.empty(G, M, Ng, dtype=dt)
-            for g in range(G):
-                _dc.fp8_gemm(q[:, g * Kg:(g + 1) * Kg], s[:, g * kb:(g + 1) * kb],
-                             self.weight_codes[g * Ng:(g + 1) * Ng],
-                             self.weight_scale[g * nb:(g + 1) * nb], out=out[g])
-            return out.transpose(0, 1).reshape(*lead, G, Ng)
+            # one call: row t * G + g of the [M * G, Kg] activations against group g's
+            # weight (fp8_gemm's b_index; the same bits as one call a group)
+            out = torch.empty(M * G, Ng, dtype=dt)
+            _dc.fp8_gemm(q.reshape(M * G, Kg), s.reshape(M * G, Kg // _BLOCK),
+                         self.weight_codes.view(G, Ng, Kg),
+                         self.weight_scale.view(G, Ng // _BLOCK, Kg // _BLOCK),
+                         b_index=np.tile(np.arange(G, dtype=np.int32), M), out=out)
+            return out.view(*lead, G, Ng)
 
 
     class FP4Experts(torch.nn.Module):
@@ -293,20 +294,21 @@ def _define_classes():
             ti = tok.numpy()
             xq, xs = xq[ti], xs[ti]
             P, I2, H = order.numel(), 2 * self.intermediate_dim, self.hidden_dim
-            gu = torch.empty(P, I2, dtype=dt)
             spans = []
             lo = 0
             for e, n in enumerate(counts):
                 if n:
                     spans.append((e, lo, lo + n))
                     lo += n
-            for e, a, b in spans:
-                _dc.fp4_gemm(xq[a:b], xs[a:b], self.gate_up_codes[e], self.gate_up_scale[e],
-                             out=gu[a:b])
+            # each GEMM one call over every expert (fp4_gemm's b_index; each expert's rows
+            # one GEMM, as one call an expert)
+            experts = e_sorted.to(torch.int32).numpy()
+            gu = torch.empty(P, I2, dtype=dt)
+            _dc.fp4_gemm(xq, xs, self.gate_up_codes, self.gate_up_scale, b_index=experts,
+                         out=gu)
             hq, hs = _act_q(_as_kernel_input(self._apply_gate(gu)))
             y = torch.empty(P, H, dtype=dt)
-            for e, a, b in spans:
-                _dc.fp4_gemm(hq[a:b], hs[a:b], self.down_codes[e], self.down_scale[e], out=y[a:b])
+            _dc.fp4_gemm(hq, hs, self.down_codes, self.down_scale, b_index=experts, out=y)
             y = (y * top_k_weights[tok, pos, None]).to(final.dtype)
             # one scatter-add per expert, experts ascending, as transformers adds them (one
             # index_add_ over all pairs rounds bf16 sums differently when a token repeats)

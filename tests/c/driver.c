@@ -834,6 +834,38 @@ static int run_gemm(const tcase *c, void *out)
 }
 static const kernel K_GEMM = {"gemm", init_gemm, run_gemm, NULL};
 
+/* csa_gemm_batch: gemm's problem cut into problems of p[5] weight rows each (FP8: a
+ * multiple of 128, the weight scales' rows), each with its slice of b, its scales and
+ * its output columns -- and, unless p[6], of one activation row each (one-row problems
+ * with different activations, run together); its output is the whole problem's. */
+static int run_gemm_batch(const tcase *c, void *out)
+{
+    const long M = c->p[0], N = c->p[1], K = c->p[2], fp8 = c->p[3] == CSA_W_E4M3;
+    const long KB = (K + 127) / 128, bw = fp8 ? K : K / 2, sr = fp8 ? KB : (K + 31) / 32;
+    const long chunk = c->p[5], rows = c->p[6] ? M : 1;
+    const int e8 = c->p[4] != 0, bf16 = (c->flags & F_BF16) != 0;
+    struct csa_gemm_args g[64];
+    int n = 0;
+    for (long m = 0; m < M; m += rows)
+        for (long n0 = 0; n0 < N; n0 += chunk) {
+            if (n == 64) return CSA_EINVAL;   /* a table entry with too many problems */
+            const uint8_t *as = e8 ? (const uint8_t *)c->buf[1] + m * KB
+                                   : (const uint8_t *)c->buf[2] + m * KB * 4;
+            g[n++] = (struct csa_gemm_args){
+                .a = (const uint8_t *)c->buf[0] + m * (K + 5), .M = rows, .K = K,
+                .sa_row = K + 5, .as = as, .as_fmt = e8 ? CSA_S_E8M0 : CSA_S_F32,
+                .sas_row = KB, .sas_col = 1,
+                .b = (const uint8_t *)c->buf[3] + n0 * (bw + 3), .b_fmt = (int)c->p[3],
+                .N = N - n0 < chunk ? N - n0 : chunk, .sb_row = bw + 3,
+                .bs = (const uint8_t *)c->buf[4] + (fp8 ? n0 / 128 : n0) * sr,
+                .bs_fmt = CSA_S_E8M0, .sbs_row = sr, .sbs_col = 1,
+                .out = (char *)out + (m * N + n0) * (bf16 ? 2 : 4), .out_bf16 = bf16, .so_row = N,
+            };
+        }
+    return csa_gemm_batch(g, n);
+}
+static const kernel K_GEMM_BATCH = {"gemm_batch", init_gemm, run_gemm_batch, NULL};
+
 /* ------------------------------------------------------------------ the table */
 
 #define BF F_BF16
@@ -933,6 +965,10 @@ static tcase cases[] = {
     {&K_GEMM, {200, 70, 272, CSA_W_E4M3, 1}, 0, 0, 0, "fp8 prefill 2 row tiles, K slices"},
     {&K_GEMM, {197, 40, 288, CSA_W_E2M1, 0}, F_BF16, 0, 0, "fp4 prefill 2 row tiles, K slices"},
     {&K_GEMM, {1, 13, 96, CSA_W_E2M1, 0}, 0, 0, 0, "fp4 decode N % 8, odd blocks"},
+    /* gemm_batch: as gemm, then the weight rows of each problem, then 1: rows kept together */
+    {&K_GEMM_BATCH, {3, 301, 1024, CSA_W_E4M3, 1, 128, 0}, 0, 0, 0, "fp8 decode, 9 one-row problems"},
+    {&K_GEMM_BATCH, {2, 257, 512, CSA_W_E2M1, 0, 40, 0}, F_BF16, 0, 0, "fp4 decode, 14 one-row problems"},
+    {&K_GEMM_BATCH, {3, 70, 160, CSA_W_E2M1, 1, 16, 1}, 0, 0, 0, "fp4 M=3, 5 problems one by one"},
 };
 
 int main(int argc, char **argv)
