@@ -279,7 +279,19 @@ static PyObject *g_gemm(PyObject *args, PyObject *kw, const char *fn, int wfmt)
     int as_bytes, bs_bytes;
     if (!(a = g_arr(ao, fn, "a", G_E4M3, 1, NPY_MAXDIMS, &by))) goto done;
     if (!(as = g_arr(aso, fn, "a_s", CSA_F32 | G_E8M0, 1, NPY_MAXDIMS, &as_bytes))) goto done;
-    if (!(b = g_arr(bo, fn, "b", fp8 ? G_E4M3 : G_FP4X2, 2 + o, 2 + o, &by))) goto done;
+    if (!(b = g_arr(bo, fn, "b", fp8 ? G_E4M3 : G_FP4X2, 2 + o, 2 + o, &by))) {
+        if (PyErr_ExceptionMatches(PyExc_ValueError)) {   /* the rank: say what the other one means */
+            PyObject *t, *v, *tb;
+            PyErr_Fetch(&t, &v, &tb);
+            PyErr_Format(PyExc_ValueError, "%S (%s)", v ? v : Py_None,
+                         o ? "with b_index, b stacks E weights: [E, N, K]"
+                           : "a stack of weights [E, N, K] takes b_index");
+            Py_XDECREF(t);
+            Py_XDECREF(v);
+            Py_XDECREF(tb);
+        }
+        goto done;
+    }
     if (!(bs = g_arr(bso, fn, "b_s", CSA_F32 | G_E8M0, 2 + o, 2 + o, &bs_bytes))) goto done;
     const int nd = PyArray_NDIM(a);
     const npy_intp K = PyArray_DIM(a, nd - 1), N = PyArray_DIM(b, o), E = o ? PyArray_DIM(b, 0) : 1;
