@@ -70,12 +70,13 @@ static void CSA_V(g_jobs_free)(struct CSA_V(g_job) *jobs, csa_idx nj)
  * first: AMD EPYC (Zen 4), fp8_gemm N = 32768, K = 1024, 2 threads, interleaved: chunks
  * of 64 / R groups 1.12-1.32 ms, guided 0.86-0.95, static halves 0.92-0.98 (each
  * thread's rows one stream, and the prefetch of the next group seldom into the other
- * thread's rows); FP4, N = 2048, K = 4096: no change.  The AVX2 level's FP8 path (g_row1)
- * had chunks of 64 / R until it came here: N = 32768, K = 1024 1.37-1.40 -> 0.96-0.99
- * ms, N = 4096, K = 4096 0.61 -> 0.54, N = 2048, K = 4096 0.31 -> 0.28 (same CPU,
- * DEEPSEEK_CSA_ISA=avx2, the two builds in alternating processes, three rounds).  Several jobs (csa_gemm_batch)
- * are one sequence of groups, job after job: a thread that finishes its share of one
- * problem goes on to the next instead of waiting for the others to finish this one. */
+ * thread's rows); FP4, N = 2048, K = 4096: no change.  The AVX2 level's FP8 path
+ * (g_row1) had chunks of 64 / R until it came here: N = 32768, K = 1024 1.37-1.40 ->
+ * 0.96-0.99 ms, N = 4096, K = 4096 0.61 -> 0.54, N = 2048, K = 4096 0.31 -> 0.28 (same
+ * CPU, DEEPSEEK_CSA_ISA=avx2, the two builds in alternating processes, three rounds).
+ * Several jobs (csa_gemm_batch) are one sequence of groups, job after job: a thread
+ * that finishes its share of one problem goes on to the next instead of waiting for
+ * the others to finish this one. */
 static int CSA_V(g_rows_run)(const struct CSA_V(g_job) *jobs, csa_idx nj)
 {
     csa_idx first_small[17];
