@@ -676,53 +676,34 @@ OUT_ALSO = {name: ("bfloat16",) for name in _GEMMS}
 # b_index: row i of a against weight b[b_index[i]] of E stacked ones
 _B_INDEX = Arr(("M",), dtype=np.int32, index=lambda s: (0, s["E"] - 1), optional=True)
 
+def _gemm_entry(fmt, indexed):
+    """fp8_gemm / fp4_gemm; indexed: b and b_s stack E weights and b_index picks one a
+    row (then a keeps its canonical rank: b_index has a's leading shape)."""
+    fp8 = fmt == "fp8"
+    lead = ("E",) if indexed else ()
+    rank = {} if indexed else dict(ndim=(1, None))     # leading dims of a: any, unindexed
+    kdim, ksym = ("K16", "K") if fp8 else ("K32", "K2")
+    params = dict(a=Arr(("M", "K"), dtype=np.uint8, fill=_e4m3_codes, **rank),
+                  a_s=Arr(("M", "KB"), fill=_pos_scales, also=("uint8",), **rank),
+                  b=Arr(lead + ("N", ksym), dtype=np.uint8, fill=_e4m3_codes if fp8 else _bytes),
+                  b_s=Arr(lead + (("NB", "KB") if fp8 else ("N", "KB32")), fill=_pos_scales,
+                          also=("uint8",)))
+    if indexed:
+        params["b_index"] = _B_INDEX
+    params.update(out_dtype=Choice(_C(None), ("bfloat16", "float32"), none_ok=True),
+                  out=Arr(("M", "N"), role="out", also=("bfloat16",), **rank))
+    sizes = dict(M=(1, 6), N=(1, 140 if fp8 else 70), Kodd=(0, 1), **{kdim: (0, 20 if fp8 else 10)})
+    medium = dict(M=64 if fp8 else 32, N=2048, Kodd=0, **{kdim: 64})
+    if indexed:
+        sizes["E"], medium["E"] = (1, 4), 4
+    return Entry(f"{fmt}_gemm" + ("_indexed" if indexed else ""), f"{fmt}_gemm", params,
+                 positional=("a", "a_s", "b", "b_s"), sizes=sizes,
+                 derive=_gemm8_derive if fp8 else _gemm4_derive,
+                 zero_ok=("M", "N", kdim, "Kodd"), medium=medium)
+
+
+ENTRIES += [_gemm_entry(fmt, indexed) for indexed in (False, True) for fmt in ("fp8", "fp4")]
 ENTRIES += [
-    Entry("fp8_gemm", "fp8_gemm",
-          dict(a=Arr(("M", "K"), dtype=np.uint8, ndim=(1, None), fill=_e4m3_codes),
-               a_s=Arr(("M", "KB"), ndim=(1, None), fill=_pos_scales, also=("uint8",)),
-               b=Arr(("N", "K"), dtype=np.uint8, fill=_e4m3_codes),
-               b_s=Arr(("NB", "KB"), fill=_pos_scales, also=("uint8",)),
-               out_dtype=Choice(_C(None), ("bfloat16", "float32"), none_ok=True),
-               out=Arr(("M", "N"), role="out", ndim=(1, None), also=("bfloat16",))),
-          positional=("a", "a_s", "b", "b_s"),
-          sizes=dict(M=(1, 6), N=(1, 140), K16=(0, 20), Kodd=(0, 1)),
-          derive=_gemm8_derive, zero_ok=("M", "N", "K16", "Kodd"),
-          medium=dict(M=64, N=2048, K16=64, Kodd=0)),
-    Entry("fp4_gemm", "fp4_gemm",
-          dict(a=Arr(("M", "K"), dtype=np.uint8, ndim=(1, None), fill=_e4m3_codes),
-               a_s=Arr(("M", "KB"), ndim=(1, None), fill=_pos_scales, also=("uint8",)),
-               b=Arr(("N", "K2"), dtype=np.uint8, fill=_bytes),
-               b_s=Arr(("N", "KB32"), fill=_pos_scales, also=("uint8",)),
-               out_dtype=Choice(_C(None), ("bfloat16", "float32"), none_ok=True),
-               out=Arr(("M", "N"), role="out", ndim=(1, None), also=("bfloat16",))),
-          positional=("a", "a_s", "b", "b_s"),
-          sizes=dict(M=(1, 6), N=(1, 70), K32=(0, 10), Kodd=(0, 1)),
-          derive=_gemm4_derive, zero_ok=("M", "N", "K32", "Kodd"),
-          medium=dict(M=32, N=2048, K32=64, Kodd=0)),
-    Entry("fp8_gemm_indexed", "fp8_gemm",
-          dict(a=Arr(("M", "K"), dtype=np.uint8, fill=_e4m3_codes),
-               a_s=Arr(("M", "KB"), fill=_pos_scales, also=("uint8",)),
-               b=Arr(("E", "N", "K"), dtype=np.uint8, fill=_e4m3_codes),
-               b_s=Arr(("E", "NB", "KB"), fill=_pos_scales, also=("uint8",)),
-               b_index=_B_INDEX,
-               out_dtype=Choice(_C(None), ("bfloat16", "float32"), none_ok=True),
-               out=Arr(("M", "N"), role="out", also=("bfloat16",))),
-          positional=("a", "a_s", "b", "b_s"),
-          sizes=dict(M=(1, 6), N=(1, 140), K16=(0, 20), Kodd=(0, 1), E=(1, 4)),
-          derive=_gemm8_derive, zero_ok=("M", "N", "K16", "Kodd"),
-          medium=dict(M=64, N=2048, K16=64, Kodd=0, E=4)),
-    Entry("fp4_gemm_indexed", "fp4_gemm",
-          dict(a=Arr(("M", "K"), dtype=np.uint8, fill=_e4m3_codes),
-               a_s=Arr(("M", "KB"), fill=_pos_scales, also=("uint8",)),
-               b=Arr(("E", "N", "K2"), dtype=np.uint8, fill=_bytes),
-               b_s=Arr(("E", "N", "KB32"), fill=_pos_scales, also=("uint8",)),
-               b_index=_B_INDEX,
-               out_dtype=Choice(_C(None), ("bfloat16", "float32"), none_ok=True),
-               out=Arr(("M", "N"), role="out", also=("bfloat16",))),
-          positional=("a", "a_s", "b", "b_s"),
-          sizes=dict(M=(1, 6), N=(1, 70), K32=(0, 10), Kodd=(0, 1), E=(1, 4)),
-          derive=_gemm4_derive, zero_ok=("M", "N", "K32", "Kodd"),
-          medium=dict(M=32, N=2048, K32=64, Kodd=0, E=4)),
     Entry("fp8_quant", "fp8_quant",
           dict(x=Arr(("R", "L"), ndim=(1, None), also=("bfloat16",)),
                block=Int(_S("blk"), lo=1, hi=1 << 40, huge_ok=True, optional=True),
