@@ -14,12 +14,12 @@
  * transposed, 16 columns a strip, and g_pk multiplies 6 broadcast activation rows by
  * 2 vectors of 8 columns, one residue of the block at a time (g_panel_t).
  *
- * One activation row (decode) takes a path of its own, g_row1 (e4m3: 8 weight rows
- * at a time) or g_row8_e2m1 (8 rows, one a vector lane): weights decoded straight into
- * registers by shifts, masks and byte shuffles (no conversion instructions, no
- * buffer), each weight byte read once, the row groups handed out dynamically so a
- * descheduled thread on a shared host does not hold the others (g_rows_run, which
- * also runs the one-row problems of a csa_gemm_batch together).
+ * One activation row (decode) takes a path of its own: g_row1 (e4m3, 8 weight rows
+ * at a time: weights decoded straight into registers by shifts, masks and byte
+ * shuffles, no conversion instructions, no buffer) or gemm_row_i8_impl.h (e2m1: exact
+ * 8-bit dot products, VPMADDUBSW), each weight byte read once, the row groups handed
+ * out dynamically so a descheduled thread on a shared host does not hold the others
+ * (g_rows_run, which also runs the one-row problems of a csa_gemm_batch together).
  *
  * The AVX-512 variant first offers the call to the paths of CPU features beyond the
  * level's own (csa_cpu_features()): one row on VNNI + VBMI (gemm_row_vnni_impl.h, the
@@ -286,22 +286,6 @@ static void CSA_V(g_row1)(const struct csa_gemm_args *g, const float *af, const 
 #endif
 
 #if G_SIMD
-/* The float32 bits of an e2m1 weight times 2^-126 (sign at bit 31, e2m1's two exponent
- * bits on float32's lowest two, its mantissa bit on float32's top one: 0.5 lands on the
- * subnormal 2^-127) -> that weight times 2^-125, a normal float: one added to the
- * exponent when it is nonzero, the magnitude doubled as an integer when it is zero (0.5
- * becomes 2^-126, 0 stays 0).  Both are "add min(magnitude, 2^23)": the magnitude is at
- * most 2^22 exactly when the exponent is zero.  Intel cores take a microcode assist for
- * every FMA with a subnormal operand (Zen 3 does not): fp4_gemm at M = 1, N = 2048,
- * K = 4096, weights with 21% of codes +-0.5, one thread, Intel Xeon (AVX-512, AMX):
- * 79 ms with subnormal weights, 0.6 ms without. */
-static inline __attribute__((always_inline)) __m256 CSA_V(g_e2m1_normal)(__m256i w)
-{
-    const __m256i mag = _mm256_and_si256(w, _mm256_set1_epi32(0x01c00000));
-    return _mm256_castsi256_ps(
-        _mm256_add_epi32(w, _mm256_min_epu32(mag, _mm256_set1_epi32(0x00800000))));
-}
-
 /* The scales of weight rows n0 .. n0 + R - 1 (rows past nr repeat the last one),
  * transposed to sbt [K / 32][R]: e8m0 as bytes (decoded R at a time in the loops: the
  * scalar decode of each was a fifth of the time), float32 as they are. */
@@ -321,90 +305,7 @@ static void CSA_V(g_rows_scales)(const struct csa_gemm_args *g, csa_idx n0, csa_
     }
 }
 
-/* One activation row against 8 rows of packed e2m1 weights (rows past nr repeat the
- * last one, their results dropped), one vector lane per weight row: the 16 bytes of a
- * 32-block of each row are loaded and transposed (4 x 4 dwords per 128-bit half), so
- * that dword t of lane r holds the block's elements 8t .. 8t + 7 of row r, element
- * 8t + e in bits 4e .. 4e + 3.  The code of element e, shifted to the top of the lane
- * (sign at bit 31), shifted right arithmetically by 6 and masked to 0x81c00000 is the
- * float32 of value * 2^-126 (e2m1's exponent and mantissa bits land on float32's
- * lowest exponent bits and top mantissa bit; 0.5 on the subnormal 2^-127), and
- * CSA_V(g_e2m1_normal) makes it value * 2^-125, never subnormal: shifts, masks and integer
- * adds only, no table, no conversion.  af holds a * 2^117, so each
- * product is the oracle's a * value times 2^-8 exactly (the least nonzero, 2^-18, is
- * normal) and so is every lane sum; lane sums over t in increasing k and the tree
- * over e are vertical adds, in the oracle's order, and one multiply by 2^8 a block
- * gives its partial sum back.  Against the 4-row fp16-table path this replaces, one
- * thread, N = 512, K = 4096 (weights in L2/L3, the decode cost alone; CPU time, 2-core
- * AMD EPYC Zen 3, AVX2): 0.245 -> 0.181 ms.  sbt: scratch for the 8 rows' scales,
- * [K / 32][8]. */
-static void CSA_V(g_row8_e2m1)(const struct csa_gemm_args *g, const void *act, const float *as,
-                               csa_idx n0, csa_idx nr, float *sbt, float *res)
-{
-    const float *af = act;
-    const csa_idx nb = g->K / 32;
-    const uint8_t *rp[8];
-    for (int r = 0; r < 8; r++) rp[r] = g->b + (n0 + (r < nr ? r : nr - 1)) * g->sb_row;
-    const int e8 = g->bs_fmt == CSA_S_E8M0;
-    const uint8_t *sb8 = (const uint8_t *)sbt;
-    CSA_V(g_rows_scales)(g, n0, nr, 8, sbt);
-    const __m256i z = _mm256_setzero_si256(), ff = _mm256_set1_epi32(0xff);
-    const __m256i qbit = _mm256_set1_epi32(0x00400000);
-    const __m256i keep = _mm256_set1_epi32((int)0x81c00000u);
-    __m256 c = _mm256_setzero_ps();
-    /* the same bytes of the next 8 rows (the next task of this thread, mostly), a cache
-     * line a row every 4 blocks: the rows of a task are otherwise cold when it starts */
-    const csa_idx pfd = 8 * g->sb_row;
-    for (csa_idx j = 0; j < nb; j++) {
-        const csa_idx o = 16 * j;
-        if (!(j & 3))
-            for (int r = 0; r < 8; r++) _mm_prefetch((const char *)(rp[r] + o + pfd), _MM_HINT_T0);
-        const __m256i y0 = _mm256_loadu2_m128i((const __m128i *)(rp[4] + o), (const __m128i *)(rp[0] + o));
-        const __m256i y1 = _mm256_loadu2_m128i((const __m128i *)(rp[5] + o), (const __m128i *)(rp[1] + o));
-        const __m256i y2 = _mm256_loadu2_m128i((const __m128i *)(rp[6] + o), (const __m128i *)(rp[2] + o));
-        const __m256i y3 = _mm256_loadu2_m128i((const __m128i *)(rp[7] + o), (const __m128i *)(rp[3] + o));
-        const __m256i t0 = _mm256_unpacklo_epi32(y0, y1), t1 = _mm256_unpackhi_epi32(y0, y1);
-        const __m256i t2 = _mm256_unpacklo_epi32(y2, y3), t3 = _mm256_unpackhi_epi32(y2, y3);
-        const __m256i v[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
-                              _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
-        const float *ap = af + 32 * j;
-        /* residues e and e + 4 at once: 16-bit shifts move nibble e of the low half and
-         * nibble e + 4 of the high half of every dword to the top of their halves, an
-         * arithmetic 16-bit shift by 6 puts sign and eem in place in both; the high half
-         * masked is the weight of residue e + 4, the low half shifted up and masked that
-         * of e (5 instructions for 16 weights instead of 6), then g_e2m1_normal. */
-        __m256 l[8];
-        for (int e = 0; e < 4; e++) {
-            __m256 lo = _mm256_setzero_ps(), hi = lo;
-            for (int t = 0; t < 4; t++) {
-                const __m256i x = _mm256_srai_epi16(
-                    e == 3 ? v[t] : _mm256_slli_epi16(v[t], 12 - 4 * e), 6);
-                const __m256i wh = _mm256_and_si256(x, keep);
-                const __m256i wl = _mm256_and_si256(_mm256_slli_epi32(x, 16), keep);
-                hi = _mm256_fmadd_ps(_mm256_set1_ps(ap[8 * t + 4 + e]), CSA_V(g_e2m1_normal)(wh), hi);
-                lo = _mm256_fmadd_ps(_mm256_set1_ps(ap[8 * t + e]), CSA_V(g_e2m1_normal)(wl), lo);
-            }
-            l[e] = lo;
-            l[4 + e] = hi;
-        }
-        const __m256 p = _mm256_add_ps(
-            _mm256_add_ps(_mm256_add_ps(l[0], l[1]), _mm256_add_ps(l[2], l[3])),
-            _mm256_add_ps(_mm256_add_ps(l[4], l[5]), _mm256_add_ps(l[6], l[7])));
-        __m256 sb;
-        if (e8) {
-            /* e8m0: v << 23, and 0x00400000 added for 0 (2^-127) and 0xff (NaN) */
-            const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sb8 + 8 * j)));
-            const __m256i fix = _mm256_and_si256(
-                _mm256_or_si256(_mm256_cmpeq_epi32(x, z), _mm256_cmpeq_epi32(x, ff)), qbit);
-            sb = _mm256_castsi256_ps(_mm256_or_si256(_mm256_slli_epi32(x, 23), fix));
-        } else {
-            sb = _mm256_loadu_ps(sbt + 8 * j);
-        }
-        c = _mm256_fmadd_ps(_mm256_mul_ps(p, _mm256_set1_ps(0x1p8f)),
-                            _mm256_mul_ps(_mm256_set1_ps(as[j / 4]), sb), c);
-    }
-    _mm256_storeu_ps(res, c);
-}
+#include "gemm_row_i8_impl.h"
 #endif
 
 /* Weight row slice [k0, k0 + kl) of row n into dst (floats; e4m3 as value / 256). */
@@ -773,8 +674,11 @@ static int CSA_V(g_prepare_row)(const struct csa_gemm_args *g, struct CSA_V(g_jo
     }
 #endif
 #if G_SIMD
-    /* One activation row, K a multiple of 32 (e4m3: 16): the fused paths. */
-    if (g->M == 1 && g->K % 32 == 0) {
+    /* One activation row, K a multiple of 32: FP4 by exact 8-bit dot products
+     * (gemm_row_i8_impl.h) unless a code of the row is NaN (then every output is NaN
+     * and the general path takes it); e4m3 by the fused float32 path (g_row1). */
+    if (g->M == 1 && g->K % 32 == 0 && g->b_fmt == CSA_W_E2M1) return CSA_V(gi_prepare_fp4)(g, jb);
+    if (g->M == 1 && g->K % 32 == 0 && g->b_fmt == CSA_W_E4M3) {
         const csa_idx K = g->K;
         float *Af = malloc((size_t)K * sizeof *Af);
         float *AS = malloc((size_t)((K + 127) / 128) * sizeof *AS);
@@ -784,15 +688,10 @@ static int CSA_V(g_prepare_row)(const struct csa_gemm_args *g, struct CSA_V(g_jo
             return -1;
         }
         CSA_V(g_dec_rows)(g, Af, AS, K);
-        /* the exact power of two that meets the weight decoder's: e4m3 2^112 (g_w16:
-         * 2^-120 times the value, products a * b / 256), e2m1 2^117 (g_row8_e2m1: 2^-125,
-         * products a * b * 2^-8) */
-        const float pre = g->b_fmt == CSA_W_E4M3 ? 0x1p112f : 0x1p117f;
-        for (csa_idx k = 0; k < K; k++) Af[k] *= pre;
-        if (g->b_fmt == CSA_W_E2M1)
-            *jb = (struct CSA_V(g_job)){g, CSA_V(g_row8_e2m1), 8, Af, AS};
-        else
-            *jb = (struct CSA_V(g_job)){g, CSA_V(g_row1_rows), G_R1, Af, AS};
+        /* the exact power of two that meets the weight decoder's (g_w16: 2^-120 times
+         * the value, so products a * b / 256) */
+        for (csa_idx k = 0; k < K; k++) Af[k] *= 0x1p112f;
+        *jb = (struct CSA_V(g_job)){g, CSA_V(g_row1_rows), G_R1, Af, AS};
         return 1;
     }
 #endif

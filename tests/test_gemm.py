@@ -251,19 +251,49 @@ def bits(x):
     return np.where(np.isnan(x), np.uint32(0x7FC00000), np.asarray(x, np.float32).view(np.uint32))
 
 
-FP8_ONE_ROW_CODE = """
+ONE_ROW_CODE = """
 import sys, numpy as np, deepseek_csa as dc
 z = np.load(sys.argv[1])
+fn = getattr(dc, str(z["fn"]))
 outs = {}
 for i in range(int(z["n"])):
     a, a_s, b, b_s = (z[f"{k}{i}"] for k in ("a", "as", "b", "bs"))
     for level in dc.ISA_LEVELS:
         if dc.ISA_LEVELS.index(level) <= dc.ISA_LEVELS.index(dc.best_isa()):
             dc.set_isa(level)
-            outs[f"{level}{i}"] = dc.fp8_gemm(a, a_s, b, b_s, out_dtype="float32")
+            outs[f"{level}{i}"] = fn(a, a_s, b, b_s, out_dtype="float32")
 outs["features"] = np.array(dc._core._build_info()["cpu_features"])
 np.savez(sys.argv[2], **outs)
 """
+
+
+def check_every_level_and_feature_set(tmp_path, fn, cases):
+    """fn on each case (a, a_s, b, b_s) at every level, in a process per set of CPU
+    features (DEEPSEEK_CSA_CPU_FEATURES: all, VNNI + VBMI alone, none): bitwise the
+    oracle's output."""
+    import os
+    import subprocess
+    import sys
+    z = {"n": len(cases), "fn": fn.__name__}
+    for i, (a, a_s, b, b_s) in enumerate(cases):
+        z.update({f"a{i}": a, f"as{i}": a_s, f"b{i}": b, f"bs{i}": b_s})
+    np.savez(tmp_path / "in.npz", **z)
+    for feat in (None, "vnni_vbmi", "none"):
+        env = {k: v for k, v in os.environ.items() if k != "DEEPSEEK_CSA_CPU_FEATURES"}
+        if feat is not None:
+            env["DEEPSEEK_CSA_CPU_FEATURES"] = feat
+        out = tmp_path / f"out-{feat}.npz"
+        subprocess.run([sys.executable, "-c", ONE_ROW_CODE, str(tmp_path / "in.npz"), str(out)],
+                       env=env, check=True)
+        got = np.load(out)
+        if feat is not None:  # the mask took
+            assert set(str(got["features"]).split()) <= set(feat.split()) - {"none"}
+        for i, (a, a_s, b, b_s) in enumerate(cases):
+            ref = at_ref(fn, a, a_s, b, b_s, out_dtype="float32")
+            for level in dc.ISA_LEVELS:
+                if f"{level}{i}" in got:
+                    np.testing.assert_array_equal(bits(got[f"{level}{i}"]), bits(ref),
+                                                  err_msg=f"{level}, case {i}, features {got['features']}")
 
 
 def test_fp8_gemm_one_row_every_code_and_order(rng, tmp_path):
@@ -274,9 +304,6 @@ def test_fp8_gemm_one_row_every_code_and_order(rng, tmp_path):
     (DEEPSEEK_CSA_CPU_FEATURES: the one-row path by bf16 dot products where the CPU has
     AVX512_BF16, the byte-permute float32 decode where it has only VNNI + VBMI, the AVX2
     decode below; docs/kernels.md section 9)."""
-    import os
-    import subprocess
-    import sys
     cases = []
     codes = np.arange(256, dtype=np.uint8)
     for K in (512, 608):
@@ -299,26 +326,50 @@ def test_fp8_gemm_one_row_every_code_and_order(rng, tmp_path):
     sw = np.arange(1024).reshape(8, 8, 2, 8)[:, :, ::-1].reshape(-1)  # steps 2s <-> 2s + 1
     swapped = at_ref(dc.fp8_gemm, a[:, sw], a_s, np.ascontiguousarray(b[:, sw]), b_s, out_dtype="float32")
     assert (swapped != at_ref(dc.fp8_gemm, a, a_s, b, b_s, out_dtype="float32")).mean() > 0.1
-    z = {"n": len(cases)}
-    for i, (a, a_s, b, b_s) in enumerate(cases):
-        z.update({f"a{i}": a, f"as{i}": a_s, f"b{i}": b, f"bs{i}": b_s})
-    np.savez(tmp_path / "in.npz", **z)
-    for feat in (None, "vnni_vbmi", "none"):
-        env = {k: v for k, v in os.environ.items() if k != "DEEPSEEK_CSA_CPU_FEATURES"}
-        if feat is not None:
-            env["DEEPSEEK_CSA_CPU_FEATURES"] = feat
-        out = tmp_path / f"out-{feat}.npz"
-        subprocess.run([sys.executable, "-c", FP8_ONE_ROW_CODE, str(tmp_path / "in.npz"), str(out)],
-                       env=env, check=True)
-        got = np.load(out)
-        if feat is not None:  # the mask took
-            assert set(str(got["features"]).split()) <= set(feat.split()) - {"none"}
-        for i, (a, a_s, b, b_s) in enumerate(cases):
-            ref = at_ref(dc.fp8_gemm, a, a_s, b, b_s, out_dtype="float32")
-            for level in dc.ISA_LEVELS:
-                if f"{level}{i}" in got:
-                    np.testing.assert_array_equal(bits(got[f"{level}{i}"]), bits(ref),
-                                                  err_msg=f"{level}, case {i}, features {got['features']}")
+    check_every_level_and_feature_set(tmp_path, dc.fp8_gemm, cases)
+
+
+def int8_pass_chunks(rng, K):
+    """One activation row whose 64-column chunks (the int8 paths' unit, docs/kernels.md
+    section 9) take every pass structure: all zero (and -0), only tiny codes (one pass at
+    the bottom), the largest codes with codes of every exponent below (three passes,
+    columns straddling two), one exponent only (one pass at the top), negative only,
+    then random codes; K = 64 c + 32 ends on a chunk with one block."""
+    codes = np.array([v for v in range(256) if v & 0x7F != 0x7F], np.uint8)
+    tiny = codes[(codes & 0x7F) < 0x10]                         # e4m3 exponent field 0, 1
+    one_exp = codes[(codes & 0x78) == 0x68]                     # one exponent, both signs
+    patterns = [np.zeros(64, np.uint8), np.full(64, 0x80, np.uint8), rng.choice(tiny, 64),
+                rng.choice(codes, 64), rng.choice(one_exp, 64), rng.choice(codes[codes >= 0x80], 64)]
+    # 448 (the top), then a code of every exponent field with a random mantissa and sign
+    patterns[3][:17] = [0x7E] + [8 * e + int(rng.integers(0, 7)) | int(rng.integers(0, 2)) << 7
+                                 for e in range(16)]
+    a = np.concatenate(patterns + [rng.choice(codes, K - 64 * len(patterns))])
+    return a[None]
+
+
+@pytest.mark.parametrize("N,K", [(13, 416), (64, 4096), (8, 384)])
+def test_fp4_gemm_one_row_int8_passes(rng, tmp_path, N, K):
+    """fp4_gemm of one activation row on the exact 8-bit paths (AVX2's VPMADDUBSW, with
+    the byte passes each 64-column chunk needs; AVX-512 VNNI's two passes): every pass
+    structure of a chunk (int8_pass_chunks), N not a multiple of 8, a last chunk of one
+    block, e8m0 scales with codes 0 and 0xff (the general decode) and without (the
+    shift), float32 and strided scales: bitwise the oracle at every level and set of CPU
+    features, within the float32 budget of the float64 value."""
+    a = int8_pass_chunks(rng, K)
+    a_s = rng.integers(118, 137, (1, -(-K // 128))).astype(np.uint8)
+    b = rng.integers(0, 256, (N, K // 2)).astype(np.uint8)
+    plain = rng.integers(110, 140, (N, K // 32)).astype(np.uint8)
+    special = plain.copy()
+    special[0, 1], special[N - 1, -1] = 0, 0xFF
+    s8 = np.zeros((N, 2 * (K // 32)), np.uint8)
+    s8[:, ::2] = plain
+    sf = rand_scales(rng, (N, K // 32), False)
+    cases = [(a, a_s, b, plain), (a, a_s, b, special), (a, a_s, b, s8[:, ::2]), (a, a_s, b, sf)]
+    for a_, as_, b_, bs_ in cases:
+        want, mag = want_fp4(a_, as_, b_, bs_)
+        fin = np.isfinite(want)
+        check_close(at_ref(dc.fp4_gemm, a_, as_, b_, bs_, out_dtype="float32")[fin], want[fin], mag[fin], (N, K))
+    check_every_level_and_feature_set(tmp_path, dc.fp4_gemm, cases)
 
 
 def test_cpu_features_env_names_what_it_ignores():
