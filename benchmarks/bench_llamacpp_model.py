@@ -636,11 +636,13 @@ def default_ggml():
 
 def llama_env(ggml):
     """Environment for the harness: ggml="noamx" loads libllama over the AVX-512 ggml
-    built without AMX (PEERS_GGML_ISA=noamx); "native" is the -march=native ggml with
+    built without AMX (PEERS_GGML_ISA=noamx), "avx2" over the one limited to AVX2
+    (PEERS_GGML_ISA=avx2: with DEEPSEEK_CSA_ISA=avx2, what an AVX2-only CPU gets on both
+    sides); "native" is the -march=native ggml with
     llama.cpp's defaults (crashes on an AMX host, docs/peers.md section 7);
     "native-noextra" keeps every weight in plain CPU buffers (no CPU_REPACK, no AMX)."""
-    if ggml == "noamx":
-        return {"LD_LIBRARY_PATH": str(PEERS / "llama-build-noamx" / "bin")}
+    if ggml in ("noamx", "avx2"):
+        return {"LD_LIBRARY_PATH": str(PEERS / f"llama-build-{ggml}" / "bin")}
     if ggml == "native-noextra":
         return {"LLAMACPP_EXTRA_BUFTS": "0"}
     return {}
@@ -754,7 +756,8 @@ def weight_formats(root, ggml):
     llama = "; ".join(f"{k} {'/'.join(sorted(v))}" for k, v in sorted(by.items()))
     buf = {"noamx": "MXFP4 in CPU_REPACK, the rest plain CPU buffers (ggml AVX-512 without AMX)",
            "native": "llama.cpp's default buffers (AMX for Q8_0, CPU_REPACK for MXFP4)",
-           "native-noextra": "every weight in plain CPU buffers"}[ggml]
+           "native-noextra": "every weight in plain CPU buffers",
+           "avx2": "MXFP4 in CPU_REPACK, the rest plain CPU buffers (ggml limited to AVX2)"}[ggml]
     return {"llama.cpp": f"{llama}; {buf}; K/V cache F16 (default); activations into "
                          "Q8_0 / MXFP4 mul_mat quantized to Q8_0",
             "hf eager": "float32 throughout (FP8 / FP4 weights dequantized exactly); "
@@ -912,7 +915,7 @@ def run(argv=None):
     ap.add_argument("--reuse-ref", action="store_true",
                     help="cross-engine: reuse the cached transformers-eager reference logits")
     ap.add_argument("--no-swap-check", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--ggml", default=None, choices=["noamx", "native", "native-noextra"],
+    ap.add_argument("--ggml", default=None, choices=["noamx", "native", "native-noextra", "avx2"],
                     help="llama.cpp's ggml (default: noamx when built, else native on a "
                          "CPU without AMX, native-noextra with AMX)")
     ap.add_argument("--chunk", type=int, default=2048, help="transformers prefill chunk")

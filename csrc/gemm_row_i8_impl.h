@@ -89,11 +89,11 @@ static int CSA_V(gi_act)(const struct csa_gemm_args *g, struct CSA_V(gi_chunk) *
             Y[b] = _mm256_shuffle_epi8(x, C3);
         }
         /* the low-nibble columns' codes, then the high-nibble columns' */
+        const __m256i lo = _mm256_permute2x128_si256(Y[0], Y[1], 0x20);
+        const __m256i hi = _mm256_permute2x128_si256(Y[0], Y[1], 0x31);
         uint8_t code[64];
-        _mm256_storeu_si256((__m256i *)code, _mm256_permute2x128_si256(Y[0], Y[1], 0x20));
-        _mm256_storeu_si256((__m256i *)(code + 32), _mm256_permute2x128_si256(Y[0], Y[1], 0x31));
-        const __m256i lo = _mm256_loadu_si256((const __m256i *)code);
-        const __m256i hi = _mm256_loadu_si256((const __m256i *)(code + 32));
+        _mm256_storeu_si256((__m256i *)code, lo);
+        _mm256_storeu_si256((__m256i *)(code + 32), hi);
 #ifndef CSA_MUTANT_GEMM_I8_SIGN
         _mm256_storeu_si256((__m256i *)ch[c].sign,
                             _mm256_or_si256(_mm256_srli_epi16(_mm256_and_si256(lo, m80), 4),
