@@ -826,7 +826,7 @@ def plot(rows, path, title):
     for ax, kind in zip(axes, ("prefill", "decode")):
         rs = [r for r in rows if r["kind"] == kind]
         for side, mk in (("llama.cpp", "s"), ("hf eager", "o"), ("hf + swap", "^"),
-                         ("hf + swap bf16", "v"),
+                         ("hf + swap bf16", "v"), ("hf + swap fp8", "P"),
                          ("runner", "D")):
             pts = [(r["n"], r[side]["tokens_per_s"]) for r in rs if isinstance(r.get(side), dict)]
             if pts:
@@ -845,6 +845,12 @@ def plot(rows, path, title):
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_snapshot(snap, path):
+    plot(snap["rows"], path,
+         f"V4-Flash-width 3-layer model, {snap['cpu']}, {snap['threads']} threads: llama.cpp "
+         f"{snap['llamacpp_version']} ({snap['ggml']}) vs transformers eager / + deepseek_csa swap")
 
 
 # ---------------------------------------------------------------- main
@@ -929,10 +935,17 @@ def run(argv=None):
     ap.add_argument("--out", default=None,
                     help="JSON path (default benchmarks/results/llamacpp_model.json)")
     ap.add_argument("--note", default="")
+    ap.add_argument("--replot", metavar="JSON",
+                    help="only redraw the PNG of a snapshot this script wrote (next to it)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--n-prompt", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--n-decode", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.replot:
+        snap = json.loads(Path(a.replot).read_text())
+        plot_snapshot(snap, Path(a.replot).with_suffix(".png"))
+        print(f"wrote {Path(a.replot).with_suffix('.png')}")
+        return snap
     if a.worker:
         hf_worker(a.worker, MODEL_CACHE / model_key() / "hf-bf16", a.threads, a.n_prompt,
                   a.n_decode, a.chunk)
@@ -996,9 +1009,7 @@ def run(argv=None):
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(snap, indent=1, default=float))
     if rows:
-        plot(rows, out.with_suffix(".png"),
-             f"V4-Flash-width 3-layer model, {cpu}, {a.threads} threads: llama.cpp "
-             f"{LLAMACPP_VERSION} ({ggml}) vs transformers eager / + deepseek_csa swap")
+        plot_snapshot(snap, out.with_suffix(".png"))
     print(f"wrote {out} ({time.time() - t_start:.0f} s)")
     summ = bench_summary(snap)
     for name, ok, note in summ:
