@@ -126,11 +126,11 @@ static int CSA_V(gi_act)(const struct csa_gemm_args *g, struct CSA_V(gi_chunk) *
         }
         int kept = 0;
         for (int p = 0; p < np; p++) {
-            /* bits [base[p], top) of each a_int, packed back to the layout's bytes */
-            const int top = p ? base[p - 1] : 32;
+            /* bits [base[p], top) of each a_int (at most 8), packed back to the layout's
+             * bytes */
+            const int top = p ? base[p - 1] : base[0] + 8;
             const __m128i sh = _mm_cvtsi32_si128(base[p]);
-            const __m256i mask = _mm256_set1_epi32((int)((top - base[p] >= 31 ? 0x7fffffffu
-                                                          : (1u << (top - base[p])) - 1)));
+            const __m256i mask = _mm256_set1_epi32((1 << (top - base[p])) - 1);
             __m256i bytes[2];
             for (int h = 0; h < 2; h++) {
                 __m256i w[4];
