@@ -281,11 +281,11 @@ def _torch_ref(q, kv, sink, idx, scale):
 
 def test_torch_function_matches_float64_autograd(rng):
     torch = pytest.importorskip("torch")
-    from deepseek_csa.torch.autograd_attn import _SparseAttnFn
+    import deepseek_csa.torch as dct
     q, kv, sink, idx, dout = make(rng, 2, 7, 5, 12, 9, 11, dead_rows=[(1, 3)])
     tq, tkv, ts = (torch.tensor(a, requires_grad=True) for a in (q, kv, sink))
     ti = torch.from_numpy(idx)
-    o = _SparseAttnFn.apply(tq, tkv, ts, ti, 0.3)
+    o = dct.sparse_attn(tq, tkv, ts, ti, 0.3)
     o.backward(torch.from_numpy(dout))
     rq, rkv, rs = (torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in (q, kv, sink))
     ro = _torch_ref(rq, rkv, rs, ti, 0.3)
@@ -360,12 +360,12 @@ def test_torch_bf16_and_weights(rng):
 
 def test_torch_gradcheck(rng):
     torch = pytest.importorskip("torch")
-    from deepseek_csa.torch.autograd_attn import _SparseAttnFn
+    import deepseek_csa.torch as dct
     q, kv, sink, idx, _ = make(rng, 1, 3, 2, 5, 6, 7, dead_rows=[(0, 1)])
     args = [torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in (q, kv, sink)]
     ti = torch.from_numpy(idx)
     # the kernels run in float32: finite differences with eps 1e-3 carry ~1e-4 noise
-    assert torch.autograd.gradcheck(lambda a, b, c: _SparseAttnFn.apply(a, b, c, ti, 0.5), args,
+    assert torch.autograd.gradcheck(lambda a, b, c: dct.sparse_attn(a, b, c, ti, 0.5), args,
                                     eps=1e-3, atol=2e-3, rtol=2e-2)
 
 

@@ -7,7 +7,10 @@ through them one at a time.
         logits = model(tokens, 0)                 # layers 2 and 3 run on deepseek_csa
     dct.swap(model, ops=["sparse_attn"])          # only one op, every layer; dct.unswap(model)
 
-torch is imported lazily (``import deepseek_csa`` never needs it).
+Importing this package imports torch and registers the kernels as PyTorch operators,
+``torch.ops.deepseek_csa.<name>`` (``ops``: schemas, fake kernels for torch.compile /
+torch.export, autograd formulas); ``import deepseek_csa`` alone never imports torch.
+Every function here runs through those operators.
 
 Drop-in functions (same arguments and results as the released ones):
 ``sparse_attn``, ``apply_rotary_emb``, ``rms_norm`` / ``rms_norm_forward`` (RMSNorm.forward),
@@ -43,10 +46,11 @@ swapped layer's forward.
 
 The package's modules: ``dropins`` (the released-signature functions), ``swap`` (routing a
 loaded model through them), ``kernel_module`` (the released ``kernel`` module on the CPU),
-``autograd`` (the differentiable ops: ``torch.autograd.Function``s over the forward and
-backward kernels), ``quantized`` (``FP8Linear`` / ``FP4Experts``: projections over the
-released FP8 / FP4 weights, for inference), ``_tensors`` (the tensor <-> NumPy handoff they share).
+``ops`` (the operators), ``autograd`` (the differentiable functions without a released
+counterpart), ``compressor_grad`` (the differentiable Compressor.forward), ``quantized`` (``FP8Linear`` / ``FP4Experts``: projections over the
+released FP8 / FP4 weights, for inference), ``_tensors`` (bringing arguments to the kernels' dtypes).
 """
+from . import ops  # noqa: F401  (registers torch.ops.deepseek_csa)
 from .dropins import *  # noqa: F401,F403
 from .dropins import _ORIG  # noqa: F401  (the model's own functions, kept by swap)
 from .swap import OPS, Swap, _attention_modules, swap, unswap  # noqa: F401

@@ -1,46 +1,46 @@
-"""Tensor <-> NumPy handoff shared by the torch bridge's modules: CPU float32 and
-bfloat16 tensors reach the kernels as views of the same memory, results come back as
-tensors over the kernels' buffers.  torch is imported lazily."""
+"""Arguments brought to the kernels' dtypes, shared by the torch bridge's modules.
+
+The operators (ops.py) read CPU float32 and bfloat16 tensors in place; these helpers
+hand such tensors on unchanged and convert anything else (another dtype or device)
+with differentiable torch conversions, so they trace under torch.compile and
+gradients reach each input in its own dtype."""
+import torch
+
+_KERNEL = (torch.float32, torch.bfloat16)
 
 
-def _torch():
-    import torch
-    return torch
+def kernel_dtype(t):
+    """t itself when it is a CPU float32 / bfloat16 tensor, else a CPU float32 copy."""
+    if t.device.type == "cpu" and t.dtype in _KERNEL:
+        return t
+    return t.to("cpu", torch.float32)
 
 
-# ----------------------------------------------------------------------------- tensors
-def _f32(t):
-    """NumPy float32 view of a CPU float32 tensor, else a float32 copy."""
-    torch = _torch()
-    t = t.detach()
-    if t.dtype == torch.float32 and t.device.type == "cpu":
-        return t.numpy()
-    return t.to("cpu", torch.float32).numpy()
+def kernel_f32(t):
+    """t itself when it is a CPU float32 tensor, else a CPU float32 copy."""
+    if t.device.type == "cpu" and t.dtype == torch.float32:
+        return t
+    return t.to("cpu", torch.float32)
 
 
-def _out(a, like):
-    """Tensor over the NumPy result, in like's dtype (a copy only when that is not f32)."""
-    torch = _torch()
-    t = torch.from_numpy(a)
-    if like.dtype != torch.float32 or like.device.type != "cpu":
-        t = t.to(like.device, like.dtype)
-    return t
+def kernel_pair(a, b):
+    """Two operands that must share a dtype (q and kv; q and k): bfloat16 both when
+    both are, else float32 both."""
+    a, b = kernel_dtype(a), kernel_dtype(b)
+    if a.dtype != b.dtype:
+        a, b = kernel_f32(a), kernel_f32(b)
+    return a, b
 
 
-def _native_bf16(*ts):
-    """True when every tensor is a CPU bfloat16 one: the kernels then read them in place."""
-    torch = _torch()
-    return all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in ts)
+def kernel_i32(t):
+    """Index lists as CPU int32 (the released ones are int64)."""
+    if t.device.type == "cpu" and t.dtype == torch.int32:
+        return t
+    return t.to("cpu", torch.int32)
 
 
-def _inplace(x, fn):
-    """Runs fn in place on x: CPU float32 and bfloat16 tensors directly (the kernels
-    write them), others through a float32 copy written back."""
-    torch = _torch()
-    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
-        fn(x.detach())
-    else:
-        tmp = x.detach().to("cpu", torch.float32)
-        fn(tmp.numpy())
-        x.copy_(tmp)
-    return x
+def to_like(t, like):
+    """t in like's dtype and device (no copy when it already is)."""
+    if t.dtype == like.dtype and t.device == like.device:
+        return t
+    return t.to(like.device, like.dtype)

@@ -1,34 +1,75 @@
-"""Differentiable CSA ops: ``torch.autograd.Function``s over the C forward and backward
-kernels (docs/kernels.md, "Gradients").
+"""The differentiable CSA functions of ``deepseek_csa.torch`` that have no released
+counterpart: pooling, the indexer's scores and training objective, and the attention
+weights the objective is fitted to.  Each is one ``torch.ops.deepseek_csa`` operator
+(deepseek_csa/torch/ops.py), whose registered autograd formula calls the backward
+kernels as operators too; these functions only bring arguments to the kernels' dtypes
+(float32 / bfloat16 CPU tensors as they are, anything else as a float32 copy -- a
+differentiable conversion, so gradients come back in each input's dtype).
 
-One convention for every op here:
-
-- ``_<Op>Fn(torch.autograd.Function)``: ``forward`` hands the tensors to the NumPy entry
-  point (CPU float32 / bfloat16 tensors as views, no copies) and saves with
-  ``ctx.save_for_backward`` exactly what the backward kernel reads -- the inputs it needs
-  and the forward's own by-products (e.g. sparse attention's row log-sum-exp) -- never a
-  recomputable intermediate; non-tensor arguments go on ``ctx`` as plain attributes.
-  ``backward`` calls the ``<op>_backward`` entry point and returns each gradient in its
-  input's dtype (``None`` for inputs that do not need one: ``ctx.needs_input_grad``).
-- The public function ``<op>(...)`` calls ``_<Op>Fn.apply`` when autograd will record
-  (grad enabled and an input requires grad), else the forward alone (nothing saved).
-- Gradients are deterministic: the kernels sum scattered contributions in a fixed order,
-  so the bits do not depend on the thread count.
-- QAT roundings are straight-through (identity gradient).
+Gradients are deterministic: the kernels sum scattered contributions in a fixed order,
+so the bits do not depend on the thread count.
 """
 from __future__ import annotations
 
-from .autograd_attn import *  # noqa: F401,F403  sparse attention and its weights
-from .autograd_norm_pool import *  # noqa: F401,F403  rms_norm, apply_rotary_emb, gated_pool
-from .autograd_index import *  # noqa: F401,F403  index_scores, indexer_kl_loss
-from . import autograd_attn as _a, autograd_norm_pool as _n, autograd_index as _i
+import torch
 
-__all__ = _a.__all__ + _n.__all__ + _i.__all__
+from . import ops
+from ._tensors import kernel_dtype, kernel_f32, kernel_pair, kernel_i32
+
+__all__ = ["gated_pool", "sparse_attn_weights", "index_scores", "indexer_kl_loss"]
 
 
-def _records(*tensors):
-    """True when autograd would record a call on these tensors (grad enabled and one of
-    them requires grad): the public functions then go through their Function."""
-    import torch
-    return torch.is_grad_enabled() and any(
-        t is not None and getattr(t, "requires_grad", False) for t in tensors)
+def gated_pool(kv, score, ratio, *, ape=None, overlap=False):
+    """``deepseek_csa.gated_pool`` on tensors, differentiable in kv, score and ape.
+
+    kv, score : [B, T, c*D] float32 / bfloat16 tensors (c = 2 with overlap); score may
+                be None at ratio 1 without overlap (the ungated entry: out = kv).
+    ape       : [ratio, c*D] or None.
+    Returns [B, T // ratio, D] in kv's dtype.  Backward (docs/kernels.md, section 11.2):
+    d(kv_j) = w_j dy, d(score_j) = w_j dy (kv_j - y), d(ape) summed over rows and groups
+    in a fixed order; the T % ratio trailing tokens get 0.  Pooling a prefill and then
+    the decode tokens is pooling the concatenation, so its gradient is this one's on the
+    whole sequence (the Compressor's streaming state only holds the open group)."""
+    k = kernel_dtype(kv)
+    out = ops.call("gated_pool", k, None if score is None else kernel_dtype(score), int(ratio),
+                   None if ape is None else kernel_f32(ape), bool(overlap))
+    return out if out.dtype == kv.dtype and out.device == kv.device else out.to(kv.device, kv.dtype)
+
+
+def sparse_attn_weights(q, kv, attn_sink, topk_idxs, softmax_scale):
+    """float32 [B, S, K]: per slot of topk_idxs the attention probability of sparse_attn
+    summed over heads (0 for a -1 slot; the sink's share is what a row does not sum to).
+    Computed by the forward's kernel pass, no gradient (a constant target)."""
+    qk, kvk = kernel_pair(q, kv)
+    w = ops.call("sparse_attn_weights", qk.detach(), kvk.detach(), kernel_f32(attn_sink).detach(),
+                 kernel_i32(topk_idxs), float(softmax_scale))
+    return w if q.device.type == "cpu" else w.to(q.device)
+
+
+def index_scores(q, k, weights, *, ratio, start_pos=0):
+    """Indexer scores ``sum_h weights[b,s,h] relu(q[b,s,h] . k[b,t])`` for the entries
+    query s can see (t < (start_pos + s + 1) // ratio; -inf elsewhere), float32
+    [B, S, Tc]; differentiable in q, k and weights (the backward kernel recomputes the
+    products; nothing of size [S, Tc, H] is saved).  The backward reads float32: a
+    bfloat16 q / k takes the float32 path when a gradient is recorded."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, weights)):
+        qk, kk, wk = kernel_f32(q), kernel_f32(k), kernel_f32(weights)
+    else:
+        qk, kk = kernel_pair(q, k)
+        wk = kernel_dtype(weights)
+    s = ops.call("index_scores", qk, kk, wk, int(ratio), int(start_pos))
+    return s if q.device.type == "cpu" else s.to(q.device)
+
+
+def indexer_kl_loss(q, k, weights, topk_idxs, attn_target, *, ratio, start_pos=0):
+    """The indexer's KL objective (docs/kernels.md, section 11.3): the mean over query
+    rows with slots and nonzero target mass of KL(p || softmax(I)) over the row's slots
+    (``topk_idxs`` >= 0, or every visible entry when ``topk_idxs`` is None), p the
+    L1-normalized ``attn_target``.  A 0-dim float32 tensor, differentiable in q, k and
+    weights; the kernel computes the loss and its gradients in one pass (memory
+    O(S K)), and the backward scales them by the incoming gradient."""
+    idx = None if topk_idxs is None else kernel_i32(torch.as_tensor(topk_idxs))
+    tgt = kernel_f32(torch.as_tensor(attn_target)).detach()
+    loss = ops.call("indexer_kl_loss", kernel_f32(q), kernel_f32(k), kernel_f32(weights), idx,
+                    tgt, int(ratio), int(start_pos))[0]
+    return loss if q.device.type == "cpu" else loss.to(q.device)

@@ -2,11 +2,12 @@
 (see the package docstring of ``deepseek_csa.torch``)."""
 from __future__ import annotations
 
-import numpy as np
+import torch
 
 import deepseek_csa as _dc
 
-from ._tensors import _f32, _inplace, _native_bf16, _out, _torch
+from . import ops
+from ._tensors import kernel_dtype, kernel_f32, kernel_i32, kernel_pair, to_like
 
 __all__ = ["sparse_attn", "apply_rotary_emb", "rms_norm", "rms_norm_forward", "act_quant",
            "fp4_act_quant", "rotate_activation", "get_window_topk_idxs",
@@ -17,59 +18,45 @@ __all__ = ["sparse_attn", "apply_rotary_emb", "rms_norm", "rms_norm_forward", "a
 def sparse_attn(q, kv, attn_sink, topk_idxs, softmax_scale):
     """Released ``sparse_attn(q, kv, attn_sink, topk_idxs, softmax_scale)``: q [B,S,H,D],
     kv [B,N,D], attn_sink [H] float32, topk_idxs [B,S,K] (-1 = none) -> [B,S,H,D] in q's
-    dtype.  Differentiable in q, kv and attn_sink (autograd_attn._SparseAttnFn) when
-    autograd records."""
-    from .autograd import _records
-    if _records(q, kv, attn_sink):
-        from . import autograd_attn
-        return autograd_attn._SparseAttnFn.apply(q, kv, attn_sink, topk_idxs, softmax_scale)
-    torch = _torch()
-    idx = topk_idxs.detach()
-    idx = idx.numpy() if idx.dtype == torch.int32 else idx.to(torch.int32).numpy()
-    if _native_bf16(q, kv):
-        out = torch.empty(q.shape, dtype=torch.bfloat16)
-        _dc.sparse_attn(q.detach(), kv.detach(), _f32(attn_sink), idx, float(softmax_scale),
-                        out=out)
-        return out
-    o = _dc.sparse_attn(_f32(q), _f32(kv), _f32(attn_sink), idx, float(softmax_scale))
-    return _out(o, q)
+    dtype (``torch.ops.deepseek_csa.sparse_attn``; differentiable in q, kv and
+    attn_sink).  bfloat16 q and kv are read as they are; other dtypes as float32."""
+    qk, kvk = kernel_pair(q, kv)
+    out = ops.call("sparse_attn", qk, kvk, kernel_f32(attn_sink), kernel_i32(topk_idxs),
+                   float(softmax_scale))[0]
+    return to_like(out, q)
 
 
 def _cos_sin(freqs_cis):
-    torch = _torch()
+    """cos and sin [S, n/2] as strided float32 views of the complex table."""
     fc = freqs_cis.detach()
     if fc.dtype != torch.complex64:
         fc = fc.to(torch.complex64)
-    re = torch.view_as_real(fc).numpy()         # [S, half, 2] view of the complex table
+    re = torch.view_as_real(fc)
     return re[..., 0], re[..., 1]
 
 
 def apply_rotary_emb(x, freqs_cis, inverse=False):
     """Released ``apply_rotary_emb(x, freqs_cis, inverse=False)``: rotates x ([B,S,n] or
-    [B,S,H,n], n = 2 * freqs_cis.shape[-1], e.g. ``q[..., -64:]``) in place; returns x."""
-    torch = _torch()
+    [B,S,H,n], n = 2 * freqs_cis.shape[-1], e.g. ``q[..., -64:]``) in place; returns x.
+    When autograd records, the rotation is the differentiable ``apply_rope`` operator
+    copied back into x (its backward rotates the gradient back)."""
     cos, sin = _cos_sin(freqs_cis)
-    if torch.is_grad_enabled() and x.requires_grad:   # differentiable (autograd_norm_pool)
-        from .autograd_norm_pool import apply_rotary
-        return apply_rotary(x, cos, sin, bool(inverse))
-    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
-        _dc.apply_rope(x.detach(), cos, sin, inverse=bool(inverse))   # in place, no copy
-        return x
-    return _inplace(x, lambda a: _dc.apply_rope(a, cos, sin, inverse=bool(inverse)))
+    inverse = bool(inverse)
+    if torch.is_grad_enabled() and x.requires_grad:
+        x.copy_(ops.call("apply_rope", kernel_dtype(x), cos, sin, inverse))
+    elif x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+        ops.call("apply_rope_", x, cos, sin, inverse)      # in place, no copy
+    else:
+        t = kernel_f32(x)
+        ops.call("apply_rope_", t, cos, sin, inverse)
+        x.copy_(t)
+    return x
 
 
 def rms_norm(x, weight=None, eps=1e-6):
     """RMSNorm in float32, result in x's dtype; differentiable in x and weight."""
-    torch = _torch()
-    if torch.is_grad_enabled() and (x.requires_grad or getattr(weight, "requires_grad", False)):
-        from .autograd_norm_pool import rms_norm as _rms_norm_grad
-        return _rms_norm_grad(x, weight, eps)
-    w = None if weight is None else _f32(weight)
-    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        _dc.rms_norm(x.detach(), w, float(eps), out=out)
-        return out
-    return _out(_dc.rms_norm(_f32(x), w, float(eps)), x)
+    w = None if weight is None else kernel_f32(weight)
+    return to_like(ops.call("rms_norm", kernel_dtype(x), w, float(eps)), x)
 
 
 def rms_norm_forward(self, x):
@@ -78,6 +65,21 @@ def rms_norm_forward(self, x):
 
 
 _ORIG = {}   # the model module's own functions, for the modes the drop-ins do not cover
+
+
+def _round_inplace(name, x, block_size, scale):
+    """A QAT rounding of x in place, as the released functions do it.  When autograd
+    records, the rounding is the straight-through operator (identity gradient) copied
+    back into x."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        x.copy_(ops.call(name, kernel_dtype(x), int(block_size), scale))
+    elif x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+        ops.call(name + "_", x, int(block_size), scale)
+    else:
+        t = kernel_f32(x)
+        ops.call(name + "_", t, int(block_size), scale)
+        x.copy_(t)
+    return x
 
 
 def act_quant(x, block_size=128, scale_fmt=None, scale_dtype=None, inplace=False):
@@ -90,11 +92,10 @@ def act_quant(x, block_size=128, scale_fmt=None, scale_dtype=None, inplace=False
         if orig is None:
             raise NotImplementedError("deepseek_csa.torch.act_quant: only inplace=True")
         return orig(x, block_size, scale_fmt, scale_dtype)
-    torch = _torch()
     e8 = getattr(torch, "float8_e8m0fnu", None)
     scale = "ue8m0" if (scale_fmt is not None or (e8 is not None and scale_dtype == e8)) \
         else "fp32"
-    return _inplace(x, lambda a: _dc.fp8_round(a, int(block_size), scale=scale))
+    return _round_inplace("fp8_round", x, block_size, scale)
 
 
 def fp4_act_quant(x, block_size=32, inplace=True, scale_dtype=None):
@@ -109,7 +110,6 @@ def fp4_act_quant(x, block_size=32, inplace=True, scale_dtype=None):
         if scale_dtype is None:
             return orig(x, block_size, inplace)
         return orig(x, block_size, inplace, scale_dtype=scale_dtype)
-    torch = _torch()
     if scale_dtype is None or scale_dtype == getattr(torch, "float8_e8m0fnu", None):
         scale = "ue8m0"
     elif scale_dtype == torch.float8_e4m3fn:
@@ -117,28 +117,24 @@ def fp4_act_quant(x, block_size=32, inplace=True, scale_dtype=None):
     else:
         raise ValueError(f"deepseek_csa.torch.fp4_act_quant: 'scale_dtype' must be None, "
                          f"torch.float8_e8m0fnu or torch.float8_e4m3fn, got {scale_dtype}")
-    return _inplace(x, lambda a: _dc.fp4_round(a, int(block_size), scale=scale))
+    return _round_inplace("fp4_round", x, block_size, scale)
 
 
 def rotate_activation(x):
     """Released ``rotate_activation``: normalised Hadamard transform of the last dim
-    (any float dtype; the released one asserts bfloat16)."""
-    torch = _torch()
-    if _native_bf16(x):
-        out = torch.empty(x.shape, dtype=torch.bfloat16)
-        _dc.hadamard(x.detach(), out=out)
-        return out
-    return _out(_dc.hadamard(_f32(x)), x)
+    (any float dtype; the released one asserts bfloat16); differentiable."""
+    return to_like(ops.call("hadamard", kernel_dtype(x), None), x)
 
 
 def get_window_topk_idxs(window_size, bsz, seqlen, start_pos):
     """Released window index lists (int32 here; the released ones are int64)."""
-    return _torch().from_numpy(_dc.window_topk_idxs(window_size, bsz, seqlen, start_pos))
+    return ops.call("window_topk_idxs", int(window_size), int(bsz), int(seqlen), int(start_pos))
 
 
 def get_compress_topk_idxs(ratio, bsz, seqlen, start_pos, offset):
     """Released HCA index lists (int32 here; the released ones are int64)."""
-    return _torch().from_numpy(_dc.compress_topk_idxs(ratio, bsz, seqlen, start_pos, offset))
+    return ops.call("compress_topk_idxs", int(ratio), int(bsz), int(seqlen), int(start_pos),
+                    int(offset))
 
 
 def _mod_globals(module):
@@ -157,21 +153,20 @@ def compressor_forward(self, x, start_pos):
     v4 = hasattr(self, "ape")
     if not v4 and r == 1:
         return self.norm(self.wkv(x))
-    if _torch().is_grad_enabled() and (x.requires_grad or any(
+    if torch.is_grad_enabled() and (x.requires_grad or any(
             p.requires_grad for p in self.parameters())):     # differentiable (QAT: STE)
-        from .autograd_norm_pool import compressor_forward_grad
+        from .compressor_grad import compressor_forward_grad
         return compressor_forward_grad(self, G, x, start_pos)
     xf = x.float()
-    kv_t, sc_t = self.wkv(xf), self.wgate(xf)
-    kv, sc = _f32(kv_t), _f32(sc_t)
+    kv, sc = self.wkv(xf), self.wgate(xf)
     ov = bool(getattr(self, "overlap", False))
-    ape = _f32(self.ape) if v4 else None
+    ape = kernel_f32(self.ape) if v4 else None
     # Not the Compressor's C state on these buffers: that state is separate C-contiguous
     # [B, r, c*D] / [B, r, D] arrays plus a position per row, while the released module
     # keeps previous and open group in one [B, c*r, c*D] buffer (the previous group's
     # first halves interleaved with unused columns) and no positions, and its epilogue
     # must call the module's own norm / RoPE / act_quant (which other drop-ins replace).
-    st_kv, st_sc = _f32(self.kv_state), _f32(self.score_state)
+    st_kv, st_sc = self.kv_state, self.score_state      # float32, as the released module
     if start_pos == 0:
         whole = s - s % r
         left = s - whole
@@ -181,28 +176,28 @@ def compressor_forward(self, x, start_pos):
         if left:
             at = r if ov else 0
             st_kv[:b, at:at + left] = kv[:, whole:]
-            st_sc[:b, at:at + left] = sc[:, whole:] + (ape[:left] if v4 else 0)
+            st_sc[:b, at:at + left] = (sc[:, whole:] + ape[:left]) if v4 else sc[:, whole:]
         if whole == 0:
             return None
-        pooled = _dc.gated_pool(kv[:, :whole], sc[:, :whole], r, ape=ape, overlap=ov)
+        pooled = ops.call("gated_pool", kv[:, :whole], sc[:, :whole], r, ape, ov)
         rows = slice(0, whole, r)
     else:
         slot = start_pos % r
         row = r + slot if ov else slot
         st_kv[:b, row] = kv[:, 0]
-        st_sc[:b, row] = sc[:, 0] + (ape[slot] if v4 else 0)
+        st_sc[:b, row] = (sc[:, 0] + ape[slot]) if v4 else sc[:, 0]
         if (start_pos + 1) % r:
             return None
         if ov:
             # previous group (rows :r) + this group (rows r:) pooled as two overlapping
             # groups; the second entry is the one this step completes
-            pooled = _dc.gated_pool(st_kv[:b], st_sc[:b], r, overlap=True)[:, 1:]
+            pooled = ops.call("gated_pool", st_kv[:b], st_sc[:b], r, None, True)[:, 1:]
             st_kv[:b, :r] = st_kv[:b, r:]
             st_sc[:b, :r] = st_sc[:b, r:]
         else:
-            pooled = _dc.gated_pool(st_kv[:b], st_sc[:b], r)
+            pooled = ops.call("gated_pool", st_kv[:b], st_sc[:b], r, None, False)
         rows = slice(start_pos + 1 - r, start_pos + 2 - r)
-    ent = self.norm(_out(pooled, xf).to(dtype))
+    ent = self.norm(pooled.to(dtype))
     if not v4:
         return ent
     rd = self.rope_head_dim
@@ -222,7 +217,6 @@ def indexer_forward(self, x, qr, start_pos, offset):
     Hadamard, FP4), its compressor, then deepseek_csa.index_topk (fused scoring + top-k in
     descending score order; ties go to the lower position).  Under tensor parallelism the
     partial scores are all-reduced before the top-k, as the released code does."""
-    torch = _torch()
     G = _mod_globals(self)
     b, s, _ = x.shape
     r, rd = self.compress_ratio, self.rope_head_dim
@@ -240,13 +234,12 @@ def indexer_forward(self, x, qr, start_pos, offset):
     kn = _fp4_keys(self, kn, b, 0 if start_pos == 0 else start_pos // r)
     k = self.index_topk                       # the kernels take min(k, visible) themselves
     if G.get("world_size", 1) > 1:
-        sc = torch.from_numpy(_dc.index_scores(qn, kn, wn, ratio=r, start_pos=start_pos))
+        sc = ops.call("index_scores", qn, kn, wn, r, start_pos)
         G["dist"].all_reduce(sc)
-        idx = _dc.topk_indices(sc.numpy(), k, ratio=r, start_pos=start_pos, offset=offset)
+        idx = ops.call("topk_indices", sc, k, r, start_pos, offset, "score", None, 0)
     else:
-        idx = _dc.index_topk(qn, kn, wn, k, ratio=r, start_pos=start_pos, offset=offset,
-                             order="score")
-    return torch.from_numpy(idx).long()
+        idx = ops.call("index_topk", qn, kn, wn, k, r, start_pos, offset, "score", None, 0)
+    return idx.long()
 
 
 def _fp4_keys(owner, kn, b, first):
@@ -262,8 +255,8 @@ def _fp4_keys(owner, kn, b, first):
     first = min(first, getattr(owner, "_csa_fp4_valid", 0))
     if st is None or st.shape[0] < b or st.shape[1] < n:
         rows = max(n, 2 * st.shape[1]) if st is not None else n
-        new = np.zeros((max(b, st.shape[0] if st is not None else 0), rows, Di // 2 + Di // 32),
-                       np.uint8)
+        new = torch.zeros((max(b, st.shape[0] if st is not None else 0), rows,
+                           Di // 2 + Di // 32), dtype=torch.uint8)
         st, first = new, 0
     try:
         _dc.fp4_pack(kn[:, first:n], out=st[:b, first:n])
@@ -275,11 +268,10 @@ def _fp4_keys(owner, kn, b, first):
 
 
 def _index_operands(q, kc, w):
-    """NumPy views of the indexer's q, keys and weights: bf16 tensors as they are (the
-    kernels read them in place), float32 ones as views, others as float32 copies."""
-    if _native_bf16(q, kc):
-        return q.detach(), kc.detach(), (w.detach() if _native_bf16(w) else _f32(w))
-    return _f32(q), _f32(kc), _f32(w)
+    """The indexer's q, keys and weights for the kernels (no gradient: the selection is
+    an integer result): bf16 q and keys as they are when both are, else float32."""
+    qk, kk = kernel_pair(q.detach(), kc.detach())
+    return qk, kk, kernel_dtype(w.detach())
 
 
 def indexer_forward_v41(self, x, qr, latent, start_pos, offset):
@@ -297,7 +289,6 @@ def indexer_forward_v41(self, x, qr, latent, start_pos, offset):
     through deepseek_csa.index_topk / select_candidate_blocks / topk_indices in position
     order (ties to the lower position); int32 [B, S, K] + offset, -1 for none.  Under
     tensor parallelism the partial scores are all-reduced before selection."""
-    torch = _torch()
     G = _mod_globals(self)
     sh = G["shared_attn"]
     b, s, _ = x.shape
@@ -316,7 +307,7 @@ def indexer_forward_v41(self, x, qr, latent, start_pos, offset):
         # FP4 rows of the new keys beside k_cache, published with it (_fp4_keys)
         kf = _fp4_keys(self, _index_operands(k, self.k_cache[:b, :first + g], k)[1], b, first)
         sh._csa_index_fp4 = ((self.k_cache, self._csa_fp4_keys, first + g)
-                             if kf.dtype == np.uint8 else None)
+                             if kf.dtype == torch.uint8 else None)
     q = self.wq_b(qr).unflatten(-1, (self.n_local_heads, self.index_head_dim))
     G["apply_rotary_emb"](q[..., -rd:], self.freqs_cis[start_pos:end])
     G["fp4_act_quant"](q, fp4_block, True)
@@ -326,23 +317,20 @@ def indexer_forward_v41(self, x, qr, latent, start_pos, offset):
     if pub is not None and pub[0] is sh.index_k and pub[2] >= n and pub[1].shape[0] >= b:
         kn = pub[1][:b, :n]
     bs = self.candidate_block_size
-    kw = {}
     if self.uses_candidates and not self.is_candidate_source:
         # the released entry mask [b, s, n] is constant over each block: one column a block
-        kw = dict(candidates=np.ascontiguousarray(sh.candidates.numpy()[..., ::bs]),
-                  block_size=bs)
+        cand = sh.candidates[..., ::bs].contiguous()
+    else:
+        cand, bs = None, 0
     k = self.index_topk
     if self.is_candidate_source or G.get("world_size", 1) > 1:
-        sc = torch.from_numpy(_dc.index_scores(qn, kn, wn, ratio=r, start_pos=start_pos))
+        sc = ops.call("index_scores", qn, kn, wn, r, start_pos)
         if G.get("world_size", 1) > 1:
             G["dist"].all_reduce(sc)
         if self.is_candidate_source:
-            blocks = _dc.select_candidate_blocks(sc.numpy(), self.candidate_topk_blocks, bs,
-                                                 ratio=r, start_pos=start_pos)
-            sh.candidates = torch.from_numpy(blocks).repeat_interleave(bs, -1)[..., :n]
-        idx = _dc.topk_indices(sc.numpy(), k, ratio=r, start_pos=start_pos, offset=offset,
-                               order="position", **kw)
-    else:
-        idx = _dc.index_topk(qn, kn, wn, k, ratio=r, start_pos=start_pos, offset=offset,
-                             order="position", **kw)
-    return torch.from_numpy(idx)
+            bsz = self.candidate_block_size
+            blocks = ops.call("select_candidate_blocks", sc, self.candidate_topk_blocks, bsz, r,
+                              start_pos)
+            sh.candidates = blocks.repeat_interleave(bsz, -1)[..., :n]
+        return ops.call("topk_indices", sc, k, r, start_pos, offset, "position", cand, bs)
+    return ops.call("index_topk", qn, kn, wn, k, r, start_pos, offset, "position", cand, bs)

@@ -33,31 +33,18 @@ import sys
 import types
 
 
-import deepseek_csa as _dc
+import torch
 
-from ._tensors import _f32, _torch
-from .dropins import sparse_attn as _sparse_attn
+from . import ops
+from ._tensors import kernel_dtype, kernel_f32, to_like
+from .dropins import _round_inplace, sparse_attn as _sparse_attn
 
 __all__ = ["load_model_py", "install_kernels", "kernel_module", "hadamard_module"]
 
 
 # ----------------------------------------------------------------------------- helpers
-def _act(x):
-    """x as the kernels read it: CPU float32 / bf16 tensors as they are."""
-    torch = _torch()
-    x = x.detach()
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
-        x = x.to("cpu", torch.float32)
-    return x
-
-
 def _is_e8m0(dtype):
-    return dtype is not None and dtype == getattr(_torch(), "float8_e8m0fnu", None)
-
-
-def _bytes_as(a, dtype):
-    torch = _torch()
-    return torch.from_numpy(a).view(dtype)
+    return dtype is not None and dtype == getattr(torch, "float8_e8m0fnu", None)
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -67,22 +54,13 @@ def act_quant(x, block_size=128, scale_fmt=None, scale_dtype=None, inplace=False
     ``inplace=True``: x becomes its quantize-dequantize (QAT rounding), returned.
     Otherwise returns ``(float8_e4m3fn [..., N], scales [..., N / block] in scale_dtype)``
     (float32 unless e8m0)."""
-    torch = _torch()
     pow2 = scale_fmt is not None or _is_e8m0(scale_dtype)
     scale = "ue8m0" if pow2 else "fp32"
     if inplace:
-        if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
-            _dc.fp8_round(x.detach(), int(block_size), scale=scale)
-        else:
-            t = x.detach().to("cpu", torch.float32)
-            _dc.fp8_round(t.numpy(), int(block_size), scale=scale)
-            x.copy_(t)
-        return x
+        return _round_inplace("fp8_round", x, block_size, scale)
     e8 = _is_e8m0(scale_dtype)
-    q, s = _dc.fp8_quant(_act(x), int(block_size), scale=scale,
-                         scale_dtype="e8m0" if e8 else "float32")
-    y = _bytes_as(q, torch.float8_e4m3fn)
-    st = _bytes_as(s, torch.float8_e8m0fnu) if e8 else torch.from_numpy(s)
+    y, st = ops.call("fp8_quant", kernel_dtype(x.detach()), int(block_size), scale,
+                     "e8m0" if e8 else "float32")
     if not e8 and scale_dtype is not None and scale_dtype != torch.float32:
         st = st.to(scale_dtype)
     return y, st
@@ -92,64 +70,46 @@ def fp4_act_quant(x, block_size=32, inplace=True, scale_dtype=None):
     """Released ``fp4_act_quant``: FP4 e2m1 over blocks of ``block_size`` with e8m0
     scales (``scale_dtype=torch.float8_e4m3fn``: V4.1's e4m3 scales).  In place: the
     quantize-dequantize of x.  Otherwise ``(float4_e2m1fn_x2 [..., N / 2], scales)``."""
-    torch = _torch()
     e4 = scale_dtype is not None and scale_dtype == torch.float8_e4m3fn
     scale = "e4m3" if e4 else "ue8m0"
     if inplace:
-        if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
-            _dc.fp4_round(x.detach(), int(block_size), scale=scale)
-        else:
-            t = x.detach().to("cpu", torch.float32)
-            _dc.fp4_round(t.numpy(), int(block_size), scale=scale)
-            x.copy_(t)
-        return x
+        return _round_inplace("fp4_round", x, block_size, scale)
     f32 = scale_dtype is not None and scale_dtype == torch.float32
-    q, s = _dc.fp4_quant(_act(x), int(block_size), scale=scale,
-                         scale_dtype="float32" if f32 else None)
-    st = torch.from_numpy(s) if f32 else _bytes_as(
-        s, torch.float8_e4m3fn if e4 else torch.float8_e8m0fnu)
-    return _bytes_as(q, torch.float4_e2m1fn_x2), st
+    return ops.call("fp4_quant", kernel_dtype(x.detach()), int(block_size), scale,
+                    "float32" if f32 else ("e4m3" if e4 else "e8m0"))
 
 
 def fp4_act_quant_e4m3(x, block_size=16, inplace=True):
     """FP4 with e4m3 scales (V4.1 compressed KV)."""
-    return fp4_act_quant(x, block_size, inplace, scale_dtype=_torch().float8_e4m3fn)
+    return fp4_act_quant(x, block_size, inplace, scale_dtype=torch.float8_e4m3fn)
 
 
-def _gemm(fn, a, a_s, b, b_s):
-    # the GEMMs read tensors that require grad (the model's nn.Parameters) detached
-    # themselves, without copies
-    torch = _torch()
+def _gemm(name, a, a_s, b, b_s):
+    # the GEMMs read weights that require grad (the model's nn.Parameters) detached,
+    # without copies; the result is in the default dtype, as the released kernels give
     dt = torch.get_default_dtype()
-    shape = tuple(a.shape[:-1]) + (b.shape[0],)
-    if dt in (torch.bfloat16, torch.float32):
-        out = torch.empty(shape, dtype=dt)
-        fn(a, a_s, b, b_s, out=out)
-        return out
-    out = torch.empty(shape, dtype=torch.float32)
-    fn(a, a_s, b, b_s, out=out)
-    return out.to(dt)
+    out = ops.call(name, a.detach(), a_s.detach(), b.detach(), b_s.detach(),
+                   dt if dt in (torch.bfloat16, torch.float32) else torch.float32, None)
+    return out if out.dtype == dt else out.to(dt)
 
 
 def fp8_gemm(a, a_s, b, b_s, scale_dtype=None):
     """Released ``fp8_gemm``: ``a [..., K]`` float8_e4m3fn with ``a_s [..., K/128]``,
     ``b [N, K]`` float8_e4m3fn with ``b_s [ceil(N/128), K/128]`` (e8m0 or float32) ->
     ``[..., N]`` in ``torch.get_default_dtype()`` (deepseek_csa.fp8_gemm)."""
-    return _gemm(_dc.fp8_gemm, a, a_s, b, b_s)
+    return _gemm("fp8_gemm", a, a_s, b, b_s)
 
 
 def fp4_gemm(a, a_s, b, b_s, scale_dtype=None):
     """Released ``fp4_gemm``: FP8 activations against ``b [N, K/2]``
     float4_e2m1fn_x2 with ``b_s [N, K/32]`` e8m0 (deepseek_csa.fp4_gemm)."""
-    return _gemm(_dc.fp4_gemm, a, a_s, b, b_s)
+    return _gemm("fp4_gemm", a, a_s, b, b_s)
 
 
 def hc_split_sinkhorn(mixes, hc_scale, hc_base, hc_mult=4, sinkhorn_iters=20, eps=1e-6):
     """Released ``hc_split_sinkhorn`` -> (pre, post, comb), float32."""
-    torch = _torch()
-    pre, post, comb = _dc.hc_split_sinkhorn(_f32(mixes), _f32(hc_scale), _f32(hc_base),
-                                            int(hc_mult), int(sinkhorn_iters), float(eps))
-    return torch.from_numpy(pre), torch.from_numpy(post), torch.from_numpy(comb)
+    return ops.call("hc_split_sinkhorn", kernel_f32(mixes.detach()), kernel_f32(hc_scale.detach()),
+                    kernel_f32(hc_base.detach()), int(hc_mult), int(sinkhorn_iters), float(eps))
 
 
 def sparse_attn(q, kv, attn_sink, topk_idxs, softmax_scale):
@@ -160,13 +120,7 @@ def sparse_attn(q, kv, attn_sink, topk_idxs, softmax_scale):
 def hadamard_transform(x, scale=1.0):
     """``fast_hadamard_transform.hadamard_transform(x, scale)``: the (unnormalized)
     Walsh-Hadamard transform of the last dim times ``scale``, in x's dtype."""
-    torch = _torch()
-    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
-        out = torch.empty(x.shape, dtype=x.dtype)
-        _dc.hadamard(x.detach(), scale=float(scale), out=out)
-        return out
-    t = x.detach().to("cpu", torch.float32)
-    return torch.from_numpy(_dc.hadamard(t.numpy(), scale=float(scale))).to(x.device, x.dtype)
+    return to_like(ops.call("hadamard", kernel_dtype(x), float(scale)), x)
 
 
 _KERNEL_NAMES = ("act_quant", "fp4_act_quant", "fp8_gemm", "fp4_gemm", "sparse_attn",

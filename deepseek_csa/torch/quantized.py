@@ -29,8 +29,12 @@ import numpy as np
 
 import deepseek_csa as _dc
 
-from ._tensors import _torch
-from .kernel_module import _act as _as_kernel_input   # CPU float32 / bf16 as they are
+
+
+def _torch():
+    import torch
+    return torch
+from ._tensors import kernel_dtype as _as_kernel_input   # CPU float32 / bf16 as they are
 
 __all__ = ["FP8Linear", "FP4Experts", "fp8_weight", "fp4_weight"]
 

@@ -1,26 +1,28 @@
 """Planted bugs in the gradients of sparse attention (C: `#ifdef CSA_MUTANT_*` in the
-tuned bodies of attn_impl.h / attn_bwd_impl.h; Python: the torch Function of
-deepseek_csa/torch/autograd_attn.py and the drop-in's routing).  Format: tests/mutants/run.py."""
+tuned bodies of attn_impl.h / attn_bwd_impl.h; Python: the autograd formula of the
+deepseek_csa::sparse_attn operator and the drop-in's routing).  Format: tests/mutants/run.py."""
 
 T = "tests/test_grad_attn.py"
 
 
 def _dropin_not_differentiable():
-    """The sparse_attn drop-in never takes the autograd Function (no gradients)."""
-    import deepseek_csa.torch.autograd as A
-    A._records = lambda *tensors: False
+    """The sparse_attn drop-in hands the operator detached q and kv (no gradients)."""
+    import deepseek_csa.torch.dropins as D
+    orig = D.kernel_pair
+    D.kernel_pair = lambda a, b: orig(a.detach(), b.detach())
 
 
 def _backward_default_scale():
-    """The torch backward uses D**-0.5 instead of the forward's softmax_scale."""
-    import deepseek_csa.torch.autograd_attn as m
-    Fn = m._SparseAttnFn
-    orig = Fn.backward
+    """The operator's backward uses D**-0.5 instead of the forward's softmax_scale."""
+    import torch
+    import deepseek_csa.torch.ops as O
+    orig = O._attn_backward
 
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_lse):
         ctx.scale = ctx.saved_tensors[0].shape[-1] ** -0.5
-        return orig(ctx, grad_out)
-    Fn.backward = staticmethod(backward)
+        return orig(ctx, grad_out, grad_lse)
+    torch.library.register_autograd("deepseek_csa::sparse_attn", backward,
+                                    setup_context=O._attn_setup, lib=O.LIB)
 
 
 MUTANTS = [

@@ -24,15 +24,15 @@ def _loss_sum_not_mean():
 
 
 def _torch_kl_ignores_grad_output():
-    """The torch KL Function's backward forgets to scale by the incoming gradient."""
-    import deepseek_csa.torch.autograd_index as ai
-    fns = ai._functions()
-    kl = fns["kl"]
+    """The indexer_kl_loss operator's backward forgets to scale by the incoming gradient."""
+    import torch
+    import deepseek_csa.torch.ops as O
 
-    def backward(ctx, grad):
+    def backward(ctx, grad, *_):
         gq, gk, gw = ctx.saved_tensors
         return gq, gk, gw, None, None, None, None
-    kl.backward = staticmethod(backward)
+    torch.library.register_autograd("deepseek_csa::indexer_kl_loss", backward,
+                                    setup_context=O._kl_setup, lib=O.LIB)
 
 
 MUTANTS = [

@@ -1,41 +1,40 @@
 """Planted bugs in the backward of RMSNorm, RoPE and gated pooling (C: `#ifdef
-CSA_MUTANT_*` in the tuned bodies of pool_impl.h / norm_impl.h; Python: the torch
-Functions of deepseek_csa/torch/autograd_norm_pool.py).  Format: tests/mutants/run.py."""
+CSA_MUTANT_*` in the tuned bodies of pool_impl.h / norm_impl.h; Python: the autograd
+formulas of the deepseek_csa operators and the differentiable compressor).  Format: tests/mutants/run.py."""
 
 T = "tests/test_grad_norm_rope_pool.py"
 
 
 def _rotary_forward_in_backward():
-    """_RotaryFn's backward rotates the gradient forward instead of back."""
-    import deepseek_csa.torch.autograd_norm_pool as m
-    Fn = m._rotary_fn()
+    """apply_rope's backward rotates the gradient forward instead of back."""
+    import torch
+    import deepseek_csa.torch.ops as O
 
     def backward(ctx, grad):
-        import torch
-        import deepseek_csa as dc
-        g = grad.detach().to("cpu", torch.float32, copy=True).contiguous()
-        dc.apply_rope(g.numpy(), ctx.cos, ctx.sin, inverse=ctx.inverse)
-        return g, None, None, None
-    Fn.backward = staticmethod(backward)
+        cos, sin = ctx.saved_tensors
+        return O.OPS["apply_rope"](grad, cos, sin, ctx.inverse), None, None, None
+    torch.library.register_autograd("deepseek_csa::apply_rope", backward,
+                                    setup_context=O._rope_setup, lib=O.LIB)
 
 
 def _pool_ape_grad_dropped():
-    """The torch gated_pool returns no gradient for ape."""
-    import deepseek_csa.torch.autograd_norm_pool as m
-    Fn = m._gated_pool_fn()
-    orig = Fn.backward
+    """The gated_pool operator returns no gradient for ape."""
+    import torch
+    import deepseek_csa.torch.ops as O
+    orig = O._pool_backward
 
     def backward(ctx, grad):
-        gk, gs, ga, a, b = orig(ctx, grad)
-        return gk, gs, None, a, b
-    Fn.backward = staticmethod(backward)
+        gk, gs, r, ga, ov = orig(ctx, grad)
+        return gk, gs, r, None, ov
+    torch.library.register_autograd("deepseek_csa::gated_pool", backward,
+                                    setup_context=O._pool_setup, lib=O.LIB)
 
 
 def _compressor_state_detached():
     """The differentiable compressor drops its graph-carrying streaming state (decode
     entries read the released buffers, detached): the prefill's tail tokens lose the
     gradient of the entries that later complete."""
-    import deepseek_csa.torch.autograd_norm_pool as m
+    import deepseek_csa.torch.compressor_grad as m
     orig = m.compressor_forward_grad
 
     def f(mod, G, x, start_pos):
