@@ -56,6 +56,8 @@ Xeon), which a decode step pays hundreds of times.
 """
 from __future__ import annotations
 
+import ml_dtypes
+import numpy as np
 import torch
 
 import deepseek_csa as _dc
@@ -70,6 +72,16 @@ _IMPLS = {}       # name -> the CPU implementation (the direct eager path)
 _f32 = torch.float32
 _bf16 = torch.bfloat16
 _i32 = torch.int32
+_NP_BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _tensor(a):
+    """The tensor over a kernel's result array, without a copy: the NumPy entries
+    allocate their outputs more cheaply than torch.empty + an out= view (rms_norm
+    [1, 4096]: 2.5 us less per call), bfloat16 ones as ml_dtypes arrays viewed back."""
+    if a.dtype == _NP_BF16:
+        return torch.from_numpy(a.view(np.int16)).view(_bf16)
+    return torch.from_numpy(a)
 
 
 def _define(schema, impl, fake, *, backward=None, setup_context=None, key="CPU"):
@@ -119,9 +131,7 @@ def call(name, *args):
 
 # ----------------------------------------------------------------------------- RMSNorm
 def _rms_norm_impl(x, weight, eps):
-    out = torch.empty(x.shape, dtype=x.dtype)
-    _dc.rms_norm(x, weight, eps, out=out)
-    return out
+    return _tensor(_dc.rms_norm(x, weight, eps))
 
 
 def _rms_norm_fake(x, weight, eps):
@@ -209,9 +219,7 @@ def _pool_shape(kv, ratio, overlap):
 
 
 def _pool_impl(kv, score, ratio, ape, overlap):
-    out = torch.empty(_pool_shape(kv, ratio, overlap), dtype=kv.dtype)
-    _dc.gated_pool(kv, score, ratio, ape=ape, overlap=overlap, out=out)
-    return out
+    return _tensor(_dc.gated_pool(kv, score, ratio, ape=ape, overlap=overlap))
 
 
 def _pool_fake(kv, score, ratio, ape, overlap):
@@ -368,10 +376,8 @@ _define("compress_topk_idxs(int ratio, int bsz, int seqlen, int start_pos, int o
 
 # ----------------------------------------------------------------------------- attention
 def _attn_impl(q, kv, attn_sink, topk_idxs, softmax_scale):
-    out = torch.empty(q.shape, dtype=q.dtype)
-    _, lse = _dc.sparse_attn(q, kv, attn_sink, topk_idxs, softmax_scale, out=out,
-                             return_lse=True)
-    return out, torch.from_numpy(lse)
+    out, lse = _dc.sparse_attn(q, kv, attn_sink, topk_idxs, softmax_scale, return_lse=True)
+    return _tensor(out), torch.from_numpy(lse)
 
 
 def _attn_fake(q, kv, attn_sink, topk_idxs, softmax_scale):
@@ -495,9 +501,7 @@ for _name, _kernel in (("fp8_round", _dc.fp8_round), ("fp4_round", _dc.fp4_round
 
 
 def _hadamard_impl(x, scale):
-    out = torch.empty(x.shape, dtype=x.dtype)
-    _dc.hadamard(x, scale=scale, out=out)
-    return out
+    return _tensor(_dc.hadamard(x, scale=scale))
 
 
 def _hadamard_fake(x, scale):

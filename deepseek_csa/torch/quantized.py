@@ -34,6 +34,7 @@ import deepseek_csa as _dc
 def _torch():
     import torch
     return torch
+from . import ops
 from ._tensors import kernel_dtype as _as_kernel_input   # CPU float32 / bf16 as they are
 
 __all__ = ["FP8Linear", "FP4Experts", "fp8_weight", "fp4_weight"]
@@ -109,8 +110,9 @@ def _no_grad_check(x, who):
 
 
 def _act_q(x):
-    """The released act_quant (scale_fmt set): e4m3 codes + e8m0 scales per 128."""
-    return _dc.fp8_quant(x, _BLOCK, scale="ue8m0", scale_dtype="e8m0")
+    """The released act_quant (scale_fmt set): e4m3 codes + e8m0 scales per 128, as
+    float8_e4m3fn / float8_e8m0fnu tensors (the fp8_quant operator)."""
+    return ops.call("fp8_quant", x, _BLOCK, "ue8m0", "e8m0")
 
 
 def _out_dtype(x):
@@ -118,8 +120,7 @@ def _out_dtype(x):
     return x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
 
 
-# The nn.Module classes are made on first use: importing deepseek_csa.torch must not
-# import torch (tests/test_grad_index.py::test_torch_import_stays_lazy).
+# The nn.Module classes are made on first use (the module's __getattr__).
 _CLASSES = {}
 
 
@@ -203,8 +204,7 @@ def _define_classes():
                 lead = xin.shape[:-1]
                 x2 = xin.reshape(-1, self.in_features)
                 q, s = _act_q(x2)
-                out = torch.empty(x2.shape[0], self.out_features, dtype=dt)
-                _dc.fp8_gemm(q, s, self.weight_codes, self.weight_scale, out=out)
+                out = ops.call("fp8_gemm", q, s, self.weight_codes, self.weight_scale, dt, None)
                 return out.view(*lead, self.out_features)
             if xin.dim() < 2 or xin.shape[-2] != G or xin.shape[-1] != self.in_features:
                 raise ValueError(f"FP8Linear: a grouped layer takes x [..., {G}, "
@@ -215,11 +215,10 @@ def _define_classes():
             M, Kg, Ng = x2.shape[0], self.in_features, self.out_features // G
             # one call: row t * G + g of the [M * G, Kg] activations against group g's
             # weight (fp8_gemm's b_index; the same bits as one call a group)
-            out = torch.empty(M * G, Ng, dtype=dt)
-            _dc.fp8_gemm(q.reshape(M * G, Kg), s.reshape(M * G, Kg // _BLOCK),
-                         self.weight_codes.view(G, Ng, Kg),
-                         self.weight_scale.view(G, Ng // _BLOCK, Kg // _BLOCK),
-                         b_index=np.tile(np.arange(G, dtype=np.int32), M), out=out)
+            groups = torch.arange(G, dtype=torch.int32).repeat(M)
+            out = ops.call("fp8_gemm", q.reshape(M * G, Kg), s.reshape(M * G, Kg // _BLOCK),
+                           self.weight_codes.view(G, Ng, Kg),
+                           self.weight_scale.view(G, Ng // _BLOCK, Kg // _BLOCK), dt, groups)
             return out.view(*lead, G, Ng)
 
 
@@ -295,9 +294,7 @@ def _define_classes():
             counts = torch.bincount(e_sorted, minlength=self.num_experts).tolist()
             tok, pos = order // k, order % k
             xq, xs = _act_q(x_all)                   # per row: round once, gather the pairs
-            ti = tok.numpy()
-            xq, xs = xq[ti], xs[ti]
-            P, I2, H = order.numel(), 2 * self.intermediate_dim, self.hidden_dim
+            xq, xs = xq.view(torch.uint8)[tok], xs.view(torch.uint8)[tok]
             spans = []
             lo = 0
             for e, n in enumerate(counts):
@@ -306,13 +303,11 @@ def _define_classes():
                     lo += n
             # each GEMM one call over every expert (fp4_gemm's b_index; each expert's rows
             # one GEMM, as one call an expert)
-            experts = e_sorted.to(torch.int32).numpy()
-            gu = torch.empty(P, I2, dtype=dt)
-            _dc.fp4_gemm(xq, xs, self.gate_up_codes, self.gate_up_scale, b_index=experts,
-                         out=gu)
+            experts = e_sorted.to(torch.int32)
+            gu = ops.call("fp4_gemm", xq, xs, self.gate_up_codes, self.gate_up_scale, dt,
+                          experts)
             hq, hs = _act_q(_as_kernel_input(self._apply_gate(gu)))
-            y = torch.empty(P, H, dtype=dt)
-            _dc.fp4_gemm(hq, hs, self.down_codes, self.down_scale, b_index=experts, out=y)
+            y = ops.call("fp4_gemm", hq, hs, self.down_codes, self.down_scale, dt, experts)
             y = (y * top_k_weights[tok, pos, None]).to(final.dtype)
             # one scatter-add per expert, experts ascending, as transformers adds them (one
             # index_add_ over all pairs rounds bf16 sums differently when a token repeats)
