@@ -1,5 +1,5 @@
 """Hugging Face transformers bridge: run ``DeepseekV4Attention`` layers of a
-``DeepseekV4ForCausalLM`` / ``DeepseekV4Model`` (transformers 5.23 / 5.24) through deepseek_csa.
+``DeepseekV4ForCausalLM`` / ``DeepseekV4Model`` (transformers 5.23 - 5.25) through deepseek_csa.
 
     import deepseek_csa.transformers as dch
     with torch.no_grad(), dch.swapped(model):          # every attention layer
@@ -107,7 +107,7 @@ __all__ = ["SUPPORTED_VERSIONS", "swap", "unswap", "swapped", "is_swapped", "qua
 # (`make test-hf-versions` runs the bridge tests on each, in its own environment).  A
 # release in the same major.minor series as one of these (a patch release) is accepted
 # too.  The next release: add it here and to pyproject's range, run the target.
-SUPPORTED_VERSIONS = ("5.23.0", "5.24.0")
+SUPPORTED_VERSIONS = ("5.23.0", "5.24.0", "5.25.0")
 
 _ATTR = "_deepseek_csa_swap"
 
@@ -307,6 +307,14 @@ def _adopt_layer(cache, idx):
 
 
 # ----------------------------------------------------------------------------- helpers
+def _norm_eps(norm):
+    """The epsilon of an RMSNorm module: transformers 5.25 renamed the unweighted norm's
+    ``eps`` (``q_b_norm``, the hyper-connections' ``input_norm``) ``variance_epsilon``,
+    the weighted norms' name."""
+    eps = getattr(norm, "variance_epsilon", None)
+    return norm.eps if eps is None else eps
+
+
 def _f32np(t):
     """A float32 NumPy array of a (CPU) tensor: a view when it already is one."""
     torch = _torch()
@@ -647,7 +655,7 @@ def _attention(st, m, h, position_embeddings, position_ids, cache, grad_mode=Fal
     qr = m.q_a_proj(h)
     _dc.rms_norm(qr, m.q_a_norm.weight.detach().float(), eps, out=qr)
     q = m.q_b_proj(qr).view(B, S, H, D)
-    _dc.rms_norm(q, None, m.q_b_norm.eps, out=q)
+    _dc.rms_norm(q, None, _norm_eps(m.q_b_norm), out=q)
     _rope_rows(q[..., D - rd:], cos, sin)
 
     kv = m.kv_proj(h)
@@ -991,7 +999,7 @@ def _attention_grad(st, m, h, position_embeddings, position_ids, cache):
     idx_t = torch.from_numpy(idx)
 
     def query(q_pre):
-        q = dct.rms_norm(q_pre, None, m.q_b_norm.eps)
+        q = dct.rms_norm(q_pre, None, _norm_eps(m.q_b_norm))
         return _rope_tail_rows(dct, q, freqs, rd, own=True)
 
     def core(q_pre, kvbuf, sinks):
