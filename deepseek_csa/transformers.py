@@ -42,16 +42,16 @@ layers, whose class is switched on first use to our subclasses ``CSACacheLayer``
 ``HCACacheLayer`` (same fields, so a layer can be unswapped mid-generation and
 transformers' own forward continues from our state, and vice versa).  Ours add ``crop``
 (after ``activate_past_recording()``, as for transformers' sliding layers) and keep
-``reset`` / ``reorder_cache`` (beam search) working.
+``reset`` / ``reorder_cache`` (beam search) working.  Chunked prefill (a multi-token
+call at ``start_pos > 0``) and ``generate()`` from ``past_key_values`` work.
 
-Assisted decoding (``generate(assistant_model=...)``): 5.23 / 5.24 refuse it for the
-model class.  5.25 runs it when every layer of the main model's cache can be cropped
-(``is_croppable``: ours can, transformers' own CSA/HCA layers cannot), so with every
-compressed layer swapped it gives greedy decoding's tokens, and with one unswapped
+Assisted decoding (``generate(assistant_model=...)``, prompt lookup): 5.23 / 5.24 refuse
+it for the model class.  5.25 runs it when every layer of the main model's cache can be
+cropped (``is_croppable``: ours can, transformers' own CSA/HCA layers cannot), so with
+every compressed layer swapped it gives greedy decoding's tokens, and with one unswapped
 transformers refuses after the prefill.  transformers crops an assistant's cache
 unchecked, so a swapped model's ``generate`` refuses (``ValueError``) a DeepseekV4
-assistant whose compressed layers are not swapped too.  Chunked prefill (a multi-token
-call at ``start_pos > 0``) and ``generate()`` from ``past_key_values`` work.
+assistant whose compressed layers are not swapped too (docs/transformers.md).
 
 Semantics are transformers' (not DeepSeek's model.py): no QAT (``qat=True`` adds
 model.py's FP8 rounding of the KV rows and compressed entries in front of the rope tail

@@ -169,14 +169,22 @@ def drafter(m, scale, seed=7):
 
 @pytest.mark.skipif(REFUSES, reason="this transformers refuses assisted decoding for "
                     "DeepseekV4 (test_assisted_refused_by_transformers)")
-@pytest.mark.parametrize("assistant", ["itself", "close"])
+@pytest.mark.parametrize("assistant", ["itself", "close", "prompt lookup"])
 def test_assisted_generate_is_greedy(model4, assistant, monkeypatch):
     """generate(assistant_model=...) on a swapped model gives greedy decoding's tokens.
     A close assistant's 12-token drafts are cut at every length (measured: crops of 1 to
-    12 tokens), so the crops land at every offset of the compressor groups."""
+    12 tokens), so the crops land at every offset of the compressor groups.  Prompt
+    lookup (drafts copied from the prompt, ``prompt_lookup_num_tokens``) crops the same
+    way."""
     m = model4
     ids = ids_for(1, 50, seed=3)
-    a = m if assistant == "itself" else drafter(m, 0.3)
+    kw = dict(max_new_tokens=NEW, do_sample=False)
+    a = None
+    if assistant == "prompt lookup":
+        ids = torch.cat([ids[:, :12]] * 4 + [ids[:, :5]], 1)      # something to look up
+        kw["prompt_lookup_num_tokens"] = 6
+    else:
+        a = kw["assistant_model"] = m if assistant == "itself" else drafter(m, 0.3)
     crops = []
     hca, csa = dch._cache_classes()
     for cls in (hca, csa):
@@ -188,11 +196,13 @@ def test_assisted_generate_is_greedy(model4, assistant, monkeypatch):
         monkeypatch.setattr(cls, "crop", rec)
     with torch.no_grad():
         ref = m.generate(ids, max_new_tokens=NEW, do_sample=False)
-        with dch.swapped(m), dch.swapped(a):
-            got = m.generate(ids, max_new_tokens=NEW, do_sample=False, assistant_model=a)
+        with dch.swapped(m), (dch.swapped(a) if a is not None else _null()):
+            got = m.generate(ids, **kw)
     assert torch.equal(got, ref)
-    if assistant != "itself":
+    if assistant == "close":
         assert len(set(crops) - {0}) >= 8 and max(crops) > 8, sorted(set(crops))
+    elif assistant == "prompt lookup":
+        assert set(crops) - {0}, sorted(set(crops))              # drafts were rolled back
 
 
 @pytest.mark.skipif(REFUSES, reason="this transformers refuses assisted decoding for "
