@@ -48,7 +48,7 @@ peers:
 # The transformers bridge tests under every release in
 # deepseek_csa.transformers.SUPPORTED_VERSIONS (`make test` runs them on the venv's
 # pinned one): each other release is pip-installed once into build/hf-versions/<v> and
-# laid over the venv on PYTHONPATH (see tests/hf_versions.py).  About 30 s.
+# laid over the venv on PYTHONPATH (see tests/hf_versions.py).  About 40 s CPU.
 test-hf-versions: build
 	$(VPY) tests/hf_versions.py
 

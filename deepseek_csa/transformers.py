@@ -1,5 +1,5 @@
 """Hugging Face transformers bridge: run ``DeepseekV4Attention`` layers of a
-``DeepseekV4ForCausalLM`` / ``DeepseekV4Model`` (transformers 5.23 / 5.24) through deepseek_csa.
+``DeepseekV4ForCausalLM`` / ``DeepseekV4Model`` (transformers 5.23 - 5.25) through deepseek_csa.
 
     import deepseek_csa.transformers as dch
     with torch.no_grad(), dch.swapped(model):          # every attention layer
@@ -7,11 +7,13 @@
     dch.swap(model, layers=[1, 3]); ...; dch.unswap(model)
 
 torch and transformers are imported lazily; only the transformers releases in
-``SUPPORTED_VERSIONS`` (5.23.0, 5.24.0) and patch releases of their series are accepted,
-other versions raise ``RuntimeError`` naming both (the modeling code of this young model
-still changes between releases, and equivalence is only tested there; ``make
+``SUPPORTED_VERSIONS`` (5.23.0, 5.24.0, 5.25.0) and patch releases of their series are
+accepted, other versions raise ``RuntimeError`` naming both (the modeling code of this
+young model still changes between releases, and equivalence is only tested there; ``make
 test-hf-versions`` runs the bridge tests under each).  5.24 names the cache argument
-``cache`` (``past_key_values`` is its deprecated alias): both are accepted.
+``cache`` (``past_key_values`` is its deprecated alias): both are accepted.  5.25 renames
+the unweighted norms' ``eps`` ``variance_epsilon`` (read whichever the module has) and
+opens assisted decoding to models whose cache can be cropped (below).
 
 How a layer is swapped: the chosen ``DeepseekV4Attention`` modules get an instance
 ``forward`` with the module's signature that keeps the module's own projections
@@ -42,6 +44,14 @@ transformers' own forward continues from our state, and vice versa).  Ours add `
 (after ``activate_past_recording()``, as for transformers' sliding layers) and keep
 ``reset`` / ``reorder_cache`` (beam search) working.  Chunked prefill (a multi-token
 call at ``start_pos > 0``) and ``generate()`` from ``past_key_values`` work.
+
+Assisted decoding (``generate(assistant_model=...)``, prompt lookup): 5.23 / 5.24 refuse
+it for the model class.  5.25 runs it when every layer of the main model's cache can be
+cropped (``is_croppable``: ours can, transformers' own CSA/HCA layers cannot), so with
+every compressed layer swapped it gives greedy decoding's tokens, and with one unswapped
+transformers refuses after the prefill.  transformers crops an assistant's cache
+unchecked, so a swapped model's ``generate`` refuses (``ValueError``) a DeepseekV4
+assistant whose compressed layers are not swapped too (docs/transformers.md).
 
 Semantics are transformers' (not DeepSeek's model.py): no QAT (``qat=True`` adds
 model.py's FP8 rounding of the KV rows and compressed entries in front of the rope tail
@@ -107,7 +117,7 @@ __all__ = ["SUPPORTED_VERSIONS", "swap", "unswap", "swapped", "is_swapped", "qua
 # (`make test-hf-versions` runs the bridge tests on each, in its own environment).  A
 # release in the same major.minor series as one of these (a patch release) is accepted
 # too.  The next release: add it here and to pyproject's range, run the target.
-SUPPORTED_VERSIONS = ("5.23.0", "5.24.0")
+SUPPORTED_VERSIONS = ("5.23.0", "5.24.0", "5.25.0")
 
 _ATTR = "_deepseek_csa_swap"
 
@@ -307,6 +317,14 @@ def _adopt_layer(cache, idx):
 
 
 # ----------------------------------------------------------------------------- helpers
+def _norm_eps(norm):
+    """The epsilon of an RMSNorm module: transformers 5.25 renamed the unweighted norm's
+    ``eps`` (``q_b_norm``, the hyper-connections' ``input_norm``) ``variance_epsilon``,
+    the weighted norms' name."""
+    eps = getattr(norm, "variance_epsilon", None)
+    return norm.eps if eps is None else eps
+
+
 def _f32np(t):
     """A float32 NumPy array of a (CPU) tensor: a view when it already is one."""
     torch = _torch()
@@ -647,7 +665,7 @@ def _attention(st, m, h, position_embeddings, position_ids, cache, grad_mode=Fal
     qr = m.q_a_proj(h)
     _dc.rms_norm(qr, m.q_a_norm.weight.detach().float(), eps, out=qr)
     q = m.q_b_proj(qr).view(B, S, H, D)
-    _dc.rms_norm(q, None, m.q_b_norm.eps, out=q)
+    _dc.rms_norm(q, None, _norm_eps(m.q_b_norm), out=q)
     _rope_rows(q[..., D - rd:], cos, sin)
 
     kv = m.kv_proj(h)
@@ -991,7 +1009,7 @@ def _attention_grad(st, m, h, position_embeddings, position_ids, cache):
     idx_t = torch.from_numpy(idx)
 
     def query(q_pre):
-        q = dct.rms_norm(q_pre, None, m.q_b_norm.eps)
+        q = dct.rms_norm(q_pre, None, _norm_eps(m.q_b_norm))
         return _rope_tail_rows(dct, q, freqs, rd, own=True)
 
     def core(q_pre, kvbuf, sinks):
@@ -1180,6 +1198,46 @@ def _make_model_forward(st, base):
     return forward
 
 
+def _unrollable(model):
+    """The compressed (CSA / HCA) layers of a DeepseekV4 model that are not swapped:
+    transformers' own cache layers of these cannot roll back rejected draft tokens
+    (their ``crop`` is the sliding window's: the pooled entries and buffers keep them)."""
+    mdl = _check_version()
+    if not isinstance(model, (mdl.DeepseekV4ForCausalLM, mdl.DeepseekV4Model)):
+        return []
+    base = _base(model)
+    st = getattr(base, _ATTR, None)
+    rates = getattr(base.config, "compress_rates", None) or {}
+    return [i for i, t in enumerate(base.config.layer_types)
+            if t in rates and (st is None or i not in st.layers)]
+
+
+def _make_generate(model):
+    """The swapped model's ``generate``: refuses a DeepseekV4 assistant whose compressed
+    layers are not swapped.  transformers (5.25) checks that the main model's cache can be
+    cropped but crops the assistant's cache unchecked, and a draft computed from the
+    unrolled compressor state makes eager's mask and cache disagree (measured: a
+    RuntimeError on the mask's size after a 12-token draft) or drafts from a wrong state."""
+    import inspect
+    orig = type(model).generate
+    sig = inspect.signature(orig)
+
+    def generate(*args, **kwargs):
+        a = sig.bind_partial(model, *args, **kwargs).arguments.get("assistant_model")
+        bad = _unrollable(a) if a is not None else []
+        if bad:
+            raise ValueError(
+                f"deepseek_csa.transformers: the assistant model's compressed attention "
+                f"layers {bad} are not swapped: transformers' own CSA / HCA cache layers "
+                f"cannot roll back the compressor state of rejected draft tokens, so the "
+                f"assistant would draft from a wrong state or fail; swap the assistant too "
+                f"(deepseek_csa.transformers.swap(assistant_model))")
+        return orig(model, *args, **kwargs)
+
+    generate._deepseek_csa = True
+    return generate
+
+
 # ----------------------------------------------------------------------------- public API
 def _base(model):
     mdl = _check_version()
@@ -1239,6 +1297,8 @@ def swap(model, layers: Optional[Iterable[int]] = None, *, qat: bool = False):
         for hcm in _hc_modules(base.layers[i]):
             hcm.forward = _make_hc_forward(st, hcm)
     base.forward = _make_model_forward(st, base)
+    if model is not base and hasattr(model, "generate"):
+        model.generate = _make_generate(model)
     setattr(base, _ATTR, st)
     return model
 
@@ -1258,6 +1318,8 @@ def unswap(model):
             del attn.forward
     if getattr(base.__dict__.get("forward"), "_deepseek_csa", False):
         del base.forward
+    if getattr(st.model.__dict__.get("generate"), "_deepseek_csa", False):
+        del st.model.generate
     delattr(base, _ATTR)
     return model
 

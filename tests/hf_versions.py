@@ -1,14 +1,19 @@
-"""`make test-hf-versions`: the transformers bridge tests under every release in
-deepseek_csa.transformers.SUPPORTED_VERSIONS.
+"""`make test-hf-versions`: the transformers bridge tests (every tests/test_*transformers*.py)
+under every release in deepseek_csa.transformers.SUPPORTED_VERSIONS but the venv's own,
+which `make test` covers.
 
 Each release is installed once (``pip install --no-deps --target``) into its own
 directory under build/hf-versions/<version> and put first on PYTHONPATH, so it shadows the
 venv's transformers while torch, tokenizers, huggingface-hub, ... come from the venv
-(installing torch again per version would cost minutes and gigabytes).  Before a run the
-release's own requirements are checked against what the venv has, so a release needing
-newer dependencies fails with their names instead of a confusing test failure.  The venv's
-own release runs without the overlay.  Usage: python tests/hf_versions.py [version ...]
+(installing torch again per version would cost minutes and gigabytes).  A requirement the
+venv lacks altogether (5.25 requires ``kernels``, which requires ``tomlkit``) is installed
+into the same directory, again without its dependencies, until every requirement of what
+the directory holds is met by it or by the venv.  A requirement the venv has at a version
+the release does not accept fails with its name instead of a confusing test failure (the
+overlay never shadows a package of the venv).  The venv's own release, when named, runs
+without the overlay.  Usage: python tests/hf_versions.py [version ...]
 """
+import glob
 import os
 import subprocess
 import sys
@@ -16,7 +21,9 @@ from importlib import metadata
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE = os.path.join(ROOT, "build", "hf-versions")
-TESTS = ["tests/test_transformers_bridge.py", "tests/test_transformers_padding.py"]
+# every test file of the bridge (test_transformers_*.py, test_grad_transformers.py, ...)
+TESTS = sorted(os.path.relpath(p, ROOT)
+               for p in glob.glob(os.path.join(ROOT, "tests", "test_*transformers*.py")))
 
 
 def supported():
@@ -25,48 +32,73 @@ def supported():
     return list(dch.SUPPORTED_VERSIONS)
 
 
+def _pip_target(d, reqs):
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                    "--disable-pip-version-check", "--target", d] + reqs, check=True)
+
+
 def overlay(v):
     d = os.path.join(CACHE, v)
     if not os.path.exists(os.path.join(d, ".complete")):
         subprocess.run(["rm", "-rf", d], check=True)
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                        "--disable-pip-version-check", "--target", d, f"transformers=={v}"],
-                       check=True)
+        _pip_target(d, [f"transformers=={v}"])
         open(os.path.join(d, ".complete"), "w").close()
+    # what the venv lacks altogether, one level of requirements at a time (a few rounds:
+    # transformers -> kernels -> tomlkit)
+    for _ in range(5):
+        absent, _bad = unmet(d)
+        if not absent:
+            break
+        _pip_target(d, absent)
     return d
 
 
-def unmet(d, v):
-    """Requirements of transformers==v (from its metadata in d) the venv does not meet."""
+def _version(d, name):
+    """The version of `name` in the overlay d, else in the venv, else None."""
+    for dist in metadata.distributions(path=[d], name=name):
+        return dist.version
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def unmet(d):
+    """(absent, bad): the requirements of the distributions in d that neither d nor the
+    venv has (as requirement strings for pip), and those met by neither (explained)."""
     from packaging.requirements import Requirement
-    dist = next(metadata.distributions(path=[d], name="transformers"))
-    bad = []
-    for r in dist.requires or []:
-        req = Requirement(r)
-        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
-            continue
-        try:
-            have = metadata.version(req.name)
-        except metadata.PackageNotFoundError:
-            bad.append(f"{req} (not installed)")
-            continue
-        if have not in req.specifier:
-            bad.append(f"{req} (venv has {have})")
-    return bad
+    absent, bad = [], []
+    for dist in metadata.distributions(path=[d]):
+        for r in dist.requires or []:
+            req = Requirement(r)
+            if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+                continue
+            have = _version(d, req.name)
+            if have is None:
+                absent.append(f"{req.name}{req.specifier}")
+                bad.append(f"{req} (not installed)")
+            elif have not in req.specifier:
+                bad.append(f"{req} (found {have})")
+    return sorted(set(absent)), bad
 
 
 def main(argv):
-    versions = argv or supported()
     try:
         here = metadata.version("transformers")
     except metadata.PackageNotFoundError:
         here = None
+    versions = argv or supported()
+    if not argv and here in versions:
+        # `make test` runs the same files on the venv's own release (CI runs both targets)
+        print(f"== transformers {here}: the venv's own release, tested by `make test` "
+              f"(python tests/hf_versions.py {here} runs it here)", flush=True)
+        versions = [v for v in versions if v != here]
     failed = []
     for v in versions:
         env = dict(os.environ)
         if v != here:
             d = overlay(v)
-            bad = unmet(d, v)
+            _absent, bad = unmet(d)
             if bad:
                 print(f"== transformers {v}: the venv lacks {', '.join(bad)}", flush=True)
                 failed.append(v)

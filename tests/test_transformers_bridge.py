@@ -159,6 +159,22 @@ def test_each_layer_alone(model4, layer):
         assert rel(g, r) < 1e-5
 
 
+def test_unweighted_norm_eps():
+    """The unweighted norms' epsilon (``eps`` up to 5.24, ``variance_epsilon`` from 5.25)
+    is read from the module: a large one on q_b_norm and the hyper-connections' norms
+    changes the logits by far more than the bar (a fixed 1e-6 instead: 0.35 relative)."""
+    m = make_model(seed=2)
+    for mod in m.modules():
+        if type(mod).__name__ == "DeepseekV4UnweightedRMSNorm":
+            setattr(mod, "variance_epsilon" if hasattr(mod, "variance_epsilon") else "eps", 0.5)
+    ids = ids_for(2, 40, seed=12)
+    with torch.no_grad():
+        ref = m(ids).logits
+        with dch.swapped(m):
+            got = m(ids).logits
+    assert rel(got, ref) < 1e-5
+
+
 def test_beam_search(model4):
     ids = ids_for(2, 40, seed=9)
     kw = dict(max_new_tokens=12, num_beams=3, do_sample=False, early_stopping=False)
@@ -379,12 +395,12 @@ def test_unswap_and_registry_untouched(model4):
 def test_refuses_other_versions(monkeypatch):
     import sys
     m = make_model(layer_types=["sliding_attention"])
-    for bad in ("5.22.0", "5.25.0", "5.24.0rc1", "6.0.0"):
+    for bad in ("5.22.0", "5.26.0", "5.25.0rc1", "6.0.0"):
         monkeypatch.setattr(sys.modules["transformers"], "__version__", bad)
         with pytest.raises(RuntimeError, match=r"found %s.*transformers==%s" % (
                 bad.replace(".", r"\."), dch.SUPPORTED_VERSIONS[-1].replace(".", r"\."))):
             dch.swap(m)
-    for ok in dch.SUPPORTED_VERSIONS + ("5.23.7", "5.24.3"):
+    for ok in dch.SUPPORTED_VERSIONS + ("5.23.7", "5.24.3", "5.25.1"):
         monkeypatch.setattr(sys.modules["transformers"], "__version__", ok)
         dch.unswap(dch.swap(m))
 

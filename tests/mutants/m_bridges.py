@@ -105,9 +105,46 @@ def _tf_hc_iters():
               lambda fn: lambda m, sc, b, h, iters, eps: fn(m, sc, b, h, iters - 1, eps))
 
 
+def _tf_crop_keeps_overlap():
+    """CSACacheLayer.crop rolls the entries and buffers back but keeps the overlap state
+    (the previous group's rows the next CSA entry pools with) of the rejected tokens."""
+    import deepseek_csa.transformers as T
+    csa = T._cache_classes()[1]
+    orig = csa.crop
+
+    def crop(self, r):
+        ov = dict(self.overlap_kv), dict(self.overlap_gate)
+        orig(self, r)
+        self.overlap_kv.update(ov[0])
+        self.overlap_gate.update(ov[1])
+    csa.crop = crop
+
+
+def _tf_crop_window_stale():
+    """The CSA/HCA layers' crop keeps the newest window rows (the rejected tokens')
+    instead of those before them."""
+    import deepseek_csa.transformers as T
+    for c in T._cache_classes():
+        def crop(self, r, orig=c.crop):
+            keys = self.keys
+            orig(self, r)
+            if r and self.keys is not None and self.keys.shape[2]:
+                self.keys = self.values = keys[:, :, keys.shape[2] - self.keys.shape[2]:]
+        c.crop = crop
+
+
 QUANT = "tests/test_quantized.py::"
+ASSISTED = "tests/test_transformers_assisted.py::"
 
 MUTANTS = [
+    dict(name="tf_crop_keeps_overlap", kind="py", apply=_tf_crop_keeps_overlap,
+         targets=[ASSISTED + "test_crop_every_offset",
+                  ASSISTED + "test_crop_into_the_prefill_and_across_calls"],
+         what="transformers bridge: a crop keeps the CSA overlap state of rejected tokens"),
+    dict(name="tf_crop_window_stale", kind="py", apply=_tf_crop_window_stale,
+         targets=[ASSISTED + "test_crop_every_offset",
+                  ASSISTED + "test_crop_into_the_prefill_and_across_calls"],
+         what="transformers bridge: a crop keeps the rejected tokens' window rows"),
     dict(name="tf_hc_iters", kind="py", apply=_tf_hc_iters,
          targets=["tests/test_transformers_bridge.py::test_decode_steps"],
          what="the swapped hyper-connections run one Sinkhorn iteration fewer"),
