@@ -294,8 +294,18 @@ def bf16_ulp(x):
 
 def test_replay_every_kernel_call(tiny):
     model = build(tiny, seed=11, dtype="fp8", expert_dtype="fp4", scale_fmt="ue8m0")
+    replay_every_kernel_call(tiny, model, TOKENS, 13, 2)
+
+
+def replay_every_kernel_call(mod, model, tokens, S, steps):
+    """Runs ``model`` (of the loaded model.py ``mod``) over a prefill of S tokens and
+    ``steps`` decode steps on the float32 reference kernels, recording every kernel call,
+    then replays each call on deepseek_csa's kernel module: quantizers bit for bit, GEMMs
+    within one bf16 ulp, Sinkhorn within 1e-5, attention and Hadamard within bf16
+    rounding.  Every kernel the module imports must have been called.  Returns the
+    reference run's outputs."""
     log = []
-    G = vars(tiny)
+    G = vars(mod)
     saved = {n: G[n] for n in REFS if n in G}
     fht = sys.modules["fast_hadamard_transform"]
     rec_fht = K.hadamard_module()
@@ -304,7 +314,7 @@ def test_replay_every_kernel_call(tiny):
         for n in saved:
             G[n] = recorder(n, REFS[n], log)
         sys.modules["fast_hadamard_transform"] = rec_fht
-        outs = run(model, TOKENS, 13, 2)
+        outs = run(model, tokens, S, steps)
     finally:
         G.update(saved)
         sys.modules["fast_hadamard_transform"] = fht
@@ -346,3 +356,4 @@ def test_replay_every_kernel_call(tiny):
             assert ((got.float() - want.float()).abs() <= tol * 1.001).all(), what
         else:   # hadamard_transform
             assert ((got.float() - want.float()).abs() <= bf16_ulp(want) * 1.001).all(), what
+    return outs

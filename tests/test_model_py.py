@@ -1,13 +1,17 @@
-"""Layer-by-layer swaps into DeepSeek's released inference/model.py.
+"""Layer-by-layer swaps into DeepSeek's released V4 inference/model.py.
 
-Set DEEPSEEK_MODEL_PY to a released ``inference/model.py`` (DeepSeek-V4-Flash / V4-Pro; a
-V4.1 file is tried as well).  The file is loaded from that path on the CPU through
+The file is found by ``released_files.v4_model_py()``: ``<repo>/../shared/reference/
+deepseek-v4/inference/model.py`` or the path in DEEPSEEK_MODEL_PY (V4-Flash / V4-Pro
+share it; the tests skip, saying where they looked, when it is absent; the V4.1 file has
+its own tests, test_model_py_v41.py).  The file is loaded from that path on the CPU through
 ``deepseek_csa.torch.load_model_py``, i.e. with the package's own CPU implementations of
 its GPU-only imports: the ``kernel`` module (act_quant, fp4_act_quant, fp8_gemm, fp4_gemm,
 sparse_attn, hc_split_sinkhorn) and ``fast_hadamard_transform``.  A small random-weight
 Transformer is built and run in float32 (prefill, then decode steps); then each attention layer in turn is swapped onto
 deepseek_csa (``deepseek_csa.torch.swap``) and every layer's output and every indexer
-top-k is compared with the unswapped run: the swapped layer row by row within
+top-k is compared with the unswapped run (a window-only layer, a ratio-4 CSA layer with
+its indexer, a ratio-128 HCA layer and a ratio-8 one, over a prefill and decode steps
+that complete groups of every ratio, the 128 one included): the swapped layer row by row within
 QAT_TOL = 1e-5 relative (a few rows a flipped QAT rounding explains within 1e-2:
 deepseek_csa.reference.layer.qat_close), the others unchanged, top-k sets identical.  The swapped layer's output is handed on as the
 unswapped one's (deepseek_csa.reference.layer ``swap_report``) so that QAT rounding and top-k
@@ -25,22 +29,18 @@ import contextlib
 import sys
 import copy
 import dataclasses
-import os
 import re
 
 import pytest
 import torch
 
 import ref_layer as R
+import released_files as rf
 
 import deepseek_csa.torch as dct
 from deepseek_csa.torch import kernel_module as K
 from deepseek_csa.reference import kernel_module as KM
 
-MODEL_PY = os.environ.get("DEEPSEEK_MODEL_PY")
-pytestmark = pytest.mark.skipif(
-    not MODEL_PY, reason="DEEPSEEK_MODEL_PY is not set: point it at a released DeepSeek-V4 "
-                         "inference/model.py to swap deepseek_csa into it layer by layer")
 
 
 # ----------------------------------------------------------------------------- loading
@@ -54,17 +54,27 @@ def _hadamard(x):
     return KM.hadamard_transform(x, scale=x.shape[-1] ** -0.5)
 
 
+def _no_round(x, *a, **kw):
+    """act_quant / fp4_act_quant with the QAT rounding off (the in-place forms, the only
+    ones a float32 model with bf16-dtype weights calls)."""
+    return x
+
+
 @contextlib.contextmanager
-def reference_kernels(mod):
+def reference_kernels(mod, qat=True):
     """model.py's ``kernel`` functions and ``fast_hadamard_transform`` replaced by the
     float32 references (deepseek_csa.reference.kernel_module) while the block runs; a
-    swapped layer still routes its ops to deepseek_csa."""
+    swapped layer still routes its ops to deepseek_csa.  ``qat=False``: the in-place
+    FP8 / FP4 roundings leave their input as it is."""
     G = vars(mod)
-    saved = {n: G[n] for n in KM.REFS if n in G}
+    refs = dict(KM.REFS)
+    if not qat:
+        refs.update(act_quant=_no_round, fp4_act_quant=_no_round)
+    saved = {n: G[n] for n in refs if n in G}
     fht = sys.modules.get("fast_hadamard_transform")
     ref_fht = K.hadamard_module()
     ref_fht.hadamard_transform = KM.hadamard_transform
-    G.update({n: KM.REFS[n] for n in saved})
+    G.update({n: refs[n] for n in saved})
     sys.modules["fast_hadamard_transform"] = ref_fht
     try:
         yield
@@ -76,6 +86,7 @@ def reference_kernels(mod):
 
 @pytest.fixture(scope="module")
 def model_py():
+    MODEL_PY = rf.v4_model_py()
     text = open(MODEL_PY).read()
     provided = K.kernel_module()
     wanted = set()
@@ -93,7 +104,12 @@ def model_py():
         yield mod
 
 
-def _build(mod, seed=0, bf16=False):
+# Narrower than the layers above (dim 128, 4 heads) for the runs over 130 tokens that
+# an HCA layer's ratio 128 needs.
+NARROW = dict(dim=128, n_heads=4, o_groups=2, index_n_heads=8, moe_inter_dim=64)
+
+
+def _build(mod, seed=0, bf16=False, **kw):
     fields = {f.name for f in dataclasses.fields(mod.ModelArgs)}
     want = dict(max_batch_size=2, max_seq_len=256, dtype="bf16", vocab_size=256, dim=256,
                 moe_inter_dim=128, n_hash_layers=0, n_mtp_layers=0, n_heads=8,
@@ -101,11 +117,9 @@ def _build(mod, seed=0, bf16=False):
                 rope_head_dim=64, o_groups=4, o_lora_rank=32, window_size=16,
                 compress_rope_theta=160000.0, original_seq_len=65536, rope_factor=16,
                 index_n_heads=16, index_head_dim=64, index_topk=16, hc_mult=2)
-    if "kv_source_layers" in fields:  # V4.1
-        want.update(n_layers=5, compress_ratios=(0, 2, 2, 1, 1), kv_source_layers=(1, 3),
-                    index_source_layers=(1, 3, 4))
-    else:
-        want.update(n_layers=4, compress_ratios=(0, 4, 128, 4))
+    # window-only, CSA (ratio 4, indexer), HCA (ratio 128) and a ratio-8 compressed layer
+    want.update(n_layers=4, compress_ratios=(0, 4, 128, 8))
+    want.update(kw)
     args = mod.ModelArgs(**{k: v for k, v in want.items() if k in fields})
     torch.manual_seed(seed)
     prev = torch.get_default_dtype()
@@ -144,9 +158,11 @@ def _build(mod, seed=0, bf16=False):
 
 
 def test_swap_each_layer_into_released_model(model_py):
-    base, args = _build(model_py)
-    tokens = torch.randint(0, args.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
-    S, steps = 57, 7
+    base, args = _build(model_py, **NARROW)
+    # a 122-token prefill (ratio-4 / -8 / -128 groups left open) and decode steps
+    # 122 .. 129, which complete groups of every ratio (the 128 one at position 127)
+    tokens = torch.randint(0, args.vocab_size, (2, 130), generator=torch.Generator().manual_seed(1))
+    S, steps = 122, 8
 
     def run(m):
         m(tokens[:, :S], 0)
@@ -212,3 +228,66 @@ def test_swap_bf16_released_model(model_py):
                     assert same >= 0.99 * (w >= 0).sum(), (lid, l)
     finally:
         model_py.rotate_activation = saved
+
+
+# ----------------------------------------------------------------------------- whole model
+# A tiny FP8 / FP4 configuration of the released V4 Transformer (FP8 dense linears with
+# e8m0 block scales, FP4 routed experts), a CSA layer with its indexer and a ratio-8
+# compressed layer behind a window-only one; run in bfloat16 as the released generate.py
+# runs it.
+V4_FP8 = dict(max_batch_size=2, max_seq_len=64, dtype="fp8", expert_dtype="fp4",
+              scale_fmt="ue8m0", scale_dtype="fp8", vocab_size=128, dim=256,
+              moe_inter_dim=256, n_layers=3, n_hash_layers=0, n_mtp_layers=0, n_heads=4,
+              n_routed_experts=4, n_activated_experts=2, q_lora_rank=128, head_dim=128,
+              rope_head_dim=64, o_groups=2, o_lora_rank=64, window_size=8,
+              compress_ratios=(0, 4, 8), index_n_heads=4, index_head_dim=64, index_topk=4,
+              hc_mult=2, hc_sinkhorn_iters=6)
+
+
+def test_released_transformer_fp8_fp4_on_our_kernel_module(model_py):
+    """The whole released Transformer, FP8 / FP4 weights kept, on deepseek_csa's
+    ``kernel`` module: every kernel call of a prefill of 13 tokens and 3 decode steps
+    (completing ratio-4 and ratio-8 groups) replayed on ours against the float32
+    reference kernels (quantizers bit for bit, GEMMs within one bf16 ulp, ...:
+    test_kernel_module.replay_every_kernel_call), and the run on our kernels within
+    test_kernel_module.E2E_TOL of the reference run's logits."""
+    import test_kernel_module as TK
+    saved = model_py.rotate_activation
+    try:
+        # bfloat16 run: the released rotate_activation (asserting bfloat16) as it is
+        model_py.rotate_activation = model_py._released_rotate_activation
+        # built twice (deepcopy drops the ``weight.scale`` attribute the released
+        # Linear hangs on its FP8 / FP4 weights)
+        model = TK.build(model_py, seed=5, **V4_FP8)
+        assert model.layers[0].ffn.experts[0].w1.weight.dtype == torch.float4_e2m1fn_x2
+        assert model.layers[1].attn.wq_a.weight.dtype == torch.float8_e4m3fn
+        assert model.layers[1].attn.indexer.wq_b.weight.dtype == torch.float8_e4m3fn
+        tokens = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(6))
+        want = TK.replay_every_kernel_call(model_py, model, tokens, 13, 3)
+        got = TK.run(TK.build(model_py, seed=5, **V4_FP8), tokens, 13, 3)
+    finally:
+        model_py.rotate_activation = saved
+    for g, w in zip(got, want):
+        assert torch.isfinite(g).all()
+        assert R.rel_err(g.float(), w.float()) < TK.E2E_TOL, R.rel_err(g.float(), w.float())
+
+
+# Decode against prefill, QAT off: measured <= 2e-6 relative on the logits (float32, other
+# summation orders); 1e-4.
+DECODE_TOL = 1e-4
+
+
+def test_v4_decode_equals_prefill_at_every_offset(model_py):
+    """V4's control for the V4.1 finding (docs/layers.md): one decode step after a
+    prefill of p tokens equals the prefill of the same p + 1 tokens at every offset of
+    p + 1 modulo 4, 8 and 16, QAT off (each V4 layer reads only its own caches; the
+    ratio-16 layer stands in for HCA's 128, the same code path)."""
+    base, args = _build(model_py, seed=8, compress_ratios=(0, 4, 8, 16), **NARROW)
+    tokens = torch.randint(0, args.vocab_size, (2, 48), generator=torch.Generator().manual_seed(9))
+    with reference_kernels(model_py, qat=False), torch.no_grad():
+        for p in range(31, 48):
+            m = copy.deepcopy(base)
+            m(tokens[:, :p], 0)
+            dec = m(tokens[:, p:p + 1], p)
+            pre = copy.deepcopy(base)(tokens[:, :p + 1], 0)
+            assert R.rel_err(dec, pre) < DECODE_TOL, (p, R.rel_err(dec, pre))
