@@ -17,6 +17,12 @@ index_order            "score"                     "position"
 kv_source_layers       None (every layer its own)  (2, 8, 14, 20): shared sources
 =====================  ==========================  =================================
 
+``index_key_publish`` (V4.1's layout only) chooses when an index-key owner publishes its
+key cache to the index layers: "every_call" (the default: decode equals prefill) or
+"on_entry", the released V4.1 model.py's behaviour (only on calls where the owner's
+compressor emits an entry, so on a decode step inside a ratio-2 group its index layers
+score against the keys of whichever owner published last; docs/layers.md measures it).
+
 ``kv_source_layers`` chooses the layout: None is V4's (each compressed layer pools its
 own KV; ratio-4 layers run an indexer with its own overlapping compressor), a tuple is
 V4.1's (sources pool and publish, the other layers read; index keys come from the
@@ -66,6 +72,9 @@ class CSAConfig:
     compressed_kv_quant: str = "fp8"   # QAT of compressed KV entries: "fp8" or "fp4_e4m3"
     index_hadamard: bool = True        # Walsh-Hadamard rotation of indexer queries and keys
     index_order: str = "score"         # top-k order: "score" (descending) or "position"
+    # V4.1: when an index-key owner publishes its keys, "every_call" or "on_entry" (the
+    # released model.py: only when its compressor emits an entry; module docstring)
+    index_key_publish: str = "every_call"
 
     def __post_init__(self):
         _validate(self)
@@ -98,6 +107,8 @@ def _validate(c: "CSAConfig"):
         _bad(c, "compressed_kv_quant", "must be 'fp8' or 'fp4_e4m3'", c.compressed_kv_quant)
     if c.index_order not in ("score", "position"):
         _bad(c, "index_order", "must be 'score' or 'position'", c.index_order)
+    if c.index_key_publish not in ("every_call", "on_entry"):
+        _bad(c, "index_key_publish", "must be 'every_call' or 'on_entry'", c.index_key_publish)
     width = c.head_dim if c.window_fp8_rope else c.head_dim - c.rope_dim
     if c.window_fp8_block < 1 or width % c.window_fp8_block:
         _bad(c, "window_fp8_block", f"must divide the {width} window features it rounds",

@@ -39,12 +39,14 @@ Differences from the released module, on purpose: the state is reset by every pr
 (the released compressor keeps leftovers of the previous sequence), prefill must start
 at position 0 and decode takes one token per row (the released code has the same
 contract), and everything runs in float32 (the released model keeps activations in
-bfloat16 between ops).  V4.1: an index-key owner republishes its key cache on every
-call; the released indexer republishes it only on calls where the layer's compressor
-emits an entry, so on decode steps where a ratio-2 group is still filling, the released
-ratio-2 index layers score their queries against the keys of whichever owner published
-last (in V4.1-Flash: layer 20's ratio-1 keys).  ``deepseek_csa.torch.swap`` reproduces
-the released behaviour inside a released model; this layer keeps its own keys.
+bfloat16 between ops).  V4.1: by default (``cfg.index_key_publish == "every_call"``) an
+index-key owner republishes its key cache on every call; the released indexer
+republishes it only on calls where the layer's compressor emits an entry, so on decode
+steps where a ratio-2 group is still filling, the released ratio-2 index layers score
+their queries against the keys of whichever owner published last (in V4.1-Flash: layer
+20's ratio-1 keys), and such a step differs from the prefill of the same tokens.
+``index_key_publish="on_entry"`` gives the released behaviour; ``deepseek_csa.torch.swap``
+reproduces it inside a released model.
 V4.1 candidate blocks holding fewer entries than ``index_topk`` (never the case in the
 released configuration: 2048 blocks of 8 against a top-512): the released code still
 takes ``index_topk`` entries, some from outside the kept blocks (-inf scores); this layer
@@ -566,7 +568,8 @@ class CSALayer:
             latent = self._pool(self._comp, p["ckv"], p.get("cscore"), start_pos)
             t = self._tick("compressor", t)
             sh.compress_kv = self._kv[:, cfg.window:]
-            if self.index_source:
+            if self.index_source and (latent is not None
+                                      or cfg.index_key_publish == "every_call"):
                 sh.index_k = self._ik
             if latent is not None:
                 first, c, s = self._entry_rows(start_pos, latent.shape[1])

@@ -353,6 +353,60 @@ def test_v41_released_index_key_republish_differs_from_csalayer():
         assert torch.equal(a, b) == complete, (p, complete)
 
 
+@pytest.mark.parametrize("stack", [STACK_A, STACK_B], ids=["A", "B"])
+def test_v41_on_entry_publishing_matches_the_released_reference(stack):
+    """``index_key_publish="on_entry"``: CSALayer publishes index keys as the released
+    V4.1 file does, and matches the reference run that way (R.republish_index_k(False))
+    over a 30-token prefill and decode steps at both offsets of a ratio-2 group, QAT off:
+    1e-5 relative on every row, no top-k set differs."""
+    cfg = v41_config(**stack, index_key_publish="on_entry")
+    ref, ours = v41_pair(cfg, qat=False)
+    S, steps = 30, 6
+    x = np.random.default_rng(15).standard_normal((2, S + steps, cfg.dim), dtype=np.float32)
+    for rec in run_v41(ref, ours, x * 0.5, calls_for(S, steps), qat=False, republish=False):
+        err, flips = errors_outside_flips(rec)
+        assert flips == 0 and err < 1e-5, (rec[0], rec[1], err, flips)
+
+
+def _stack_last_row(layers, x, p, decode):
+    """The CSALayer stack (residual h + layer(h)) over x[:, :p + 1]: as one prefill, or
+    as a prefill of p tokens and a decode step at p; returns position p's output."""
+    if decode:
+        h = x[:, :p]
+        for layer in layers:
+            h = h + layer(h, 0)
+        h = x[:, p:p + 1]
+        for layer in layers:
+            h = h + layer(h, p)
+        return h[:, -1]
+    h = x[:, :p + 1]
+    for layer in layers:
+        h = h + layer(h, 0)
+    return h[:, -1]
+
+
+def test_v41_decode_vs_prefill_in_both_publish_modes():
+    """One decode step after a prefill of p tokens against the prefill of the same p + 1
+    tokens, at both offsets of a ratio-2 group (QAT off, stack A: index_topk 16 of 18 or
+    19 ratio-2 entries, so selections matter).  "every_call" (the default): equal within
+    float32 noise (1e-5 relative) at every offset.  "on_entry" (the released file's
+    publishing): equal where the step completes a group, off by far more (> 1e-2) where
+    it ends inside one, its ratio-2 index layers scoring against the ratio-1 owner's
+    keys (docs/layers.md has the released file's numbers)."""
+    x = np.random.default_rng(16).standard_normal((1, 41, 256), dtype=np.float32) * 0.5
+    for mode in ("every_call", "on_entry"):
+        cfg = v41_config(**STACK_A, index_key_publish=mode)
+        _, ours = v41_pair(cfg, batch=1, qat=False)
+        for p in (36, 37):       # 37 tokens end inside a ratio-2 group, 38 complete one
+            dec = _stack_last_row(ours, x, p, True)
+            pre = _stack_last_row(ours, x, p, False)
+            err = float(np.abs(dec - pre).max() / np.abs(pre).max())
+            if mode == "every_call" or (p + 1) % 2 == 0:
+                assert err < 1e-5, (mode, p, err)
+            else:
+                assert err > 1e-2, (mode, p, err)
+
+
 def test_v41_few_candidates_pad_with_minus_one():
     """A documented difference from the released V4.1 code: when the kept blocks hold
     fewer entries than index_topk, the released code masks the other entries to -inf and
@@ -413,6 +467,8 @@ def test_v41_inconsistent_configs_are_refused():
         dataclasses.replace(base, compressed_kv_quant="fp6")
     with pytest.raises(ValueError, match="'index_order'"):
         dataclasses.replace(base, index_order="random")
+    with pytest.raises(ValueError, match="'index_key_publish'"):
+        dataclasses.replace(base, index_key_publish="sometimes")
     with pytest.raises(ValueError, match="'version'"):
         CSALayer(random_layer_weights(SMALL, 4), SMALL, ratio=4, version="v4.1")
 
