@@ -270,3 +270,44 @@ def test_v41_swap_stays_exact_to_released_mid_group(v41):
                 return s
             d_sw, _ = one_step_vs_prefill(v41, swapped, p, ids)
             assert _rel(d_sw, d_rel) < QAT_TOL, p
+
+
+# ----------------------------------------------------------------------------- measurement
+def measure(p_first=28, n=8):
+    """The docs/layers.md table: per decode position p, the logits of one decode step
+    after a prefill of p tokens (and of step p of a run of decode steps after a prefill
+    of p_first tokens) against the prefill of the same p + 1 tokens; max |diff| and
+    max |diff| / max |prefill|, for the released file on the reference kernels (QAT off
+    and on), with every layer swapped, and with the test's republishing."""
+    v41 = rf.load_v41(rf.v41_model_py())
+    base, _ = build(v41)
+    ids = tokens(p_first + n + 1)
+    mk = lambda: copy.deepcopy(base)  # noqa: E731
+
+    def swapped():
+        s = copy.deepcopy(base)
+        dct.swap(s, ops=NO_QAT_OPS)
+        return s
+
+    sides = [("released, QAT off", False, mk, contextlib.nullcontext),
+             ("released, QAT on", True, mk, contextlib.nullcontext),
+             ("swapped, QAT off", False, swapped, contextlib.nullcontext),
+             ("republishing, QAT off", False, mk, lambda: republishing(v41))]
+    rows = {}
+    for name, qat, make, ctx in sides:
+        with reference_kernels(v41, qat=qat), ctx():
+            run = decode_run(v41, make(), ids, p_first, n)
+            for p in range(p_first, p_first + n):
+                dec, pre = one_step_vs_prefill(v41, make, p, ids)
+                d1, dr = (dec - pre).abs().max(), (run[p] - pre).abs().max()
+                m = pre.abs().max()
+                rows.setdefault(p, []).append((float(d1), float(d1 / m), float(dr), float(dr / m)))
+    print("p (tokens p+1, (p+1) mod 2) | " + " | ".join(
+        f"{n}: step abs / rel, run abs / rel" for n, *_ in sides))
+    for p, r in rows.items():
+        print(f"{p} ({p + 1}, {(p + 1) % 2}) | " + " | ".join(
+            f"{a:.1e} / {b:.1e}, {c:.1e} / {d:.1e}" for a, b, c, d in r))
+
+
+if __name__ == "__main__":      # python tests/test_model_py_v41.py: the table of docs/layers.md
+    measure()
