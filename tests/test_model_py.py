@@ -280,12 +280,13 @@ DECODE_TOL = 1e-4
 def test_v4_decode_equals_prefill_at_every_offset(model_py):
     """V4's control for the V4.1 finding (docs/layers.md): one decode step after a
     prefill of p tokens equals the prefill of the same p + 1 tokens at every offset of
-    p + 1 modulo 4, 8 and 16, QAT off (each V4 layer reads only its own caches; the
-    ratio-16 layer stands in for HCA's 128, the same code path)."""
+    p + 1 modulo 4 and 8, and where it completes a 16 group, QAT off (each V4 layer
+    reads only its own caches; the ratio-16 layer stands in for HCA's 128, the same
+    code path)."""
     base, args = _build(model_py, seed=8, compress_ratios=(0, 4, 8, 16), **NARROW)
-    tokens = torch.randint(0, args.vocab_size, (2, 48), generator=torch.Generator().manual_seed(9))
+    tokens = torch.randint(0, args.vocab_size, (2, 40), generator=torch.Generator().manual_seed(9))
     with reference_kernels(model_py, qat=False), torch.no_grad():
-        for p in range(31, 48):
+        for p in range(31, 39):
             m = copy.deepcopy(base)
             m(tokens[:, :p], 0)
             dec = m(tokens[:, p:p + 1], p)

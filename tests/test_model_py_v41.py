@@ -203,7 +203,7 @@ def test_v41_released_decode_mid_group_differs_from_prefill(v41, qat):
     base, _ = build(v41)
     ids = tokens(40)
     with reference_kernels(v41, qat=qat):
-        for p in range(30, 34):
+        for p in (30, 31):    # 31 tokens end inside a ratio-2 group, 32 complete one
             dec, pre = one_step_vs_prefill(v41, lambda: copy.deepcopy(base), p, ids)
             err = _rel(dec, pre)
             if (p + 1) % 2 == 0:
@@ -215,14 +215,14 @@ def test_v41_released_decode_mid_group_differs_from_prefill(v41, qat):
 def test_v41_republishing_decode_equals_prefill_at_every_offset(v41):
     """The consistent behaviour (owners publish their keys on every call; the test's
     ``republishing`` over the released file): decode equals prefill at every offset, one
-    step after a prefill and over a run of 8 decode steps, QAT off."""
+    step after a prefill and over a run of 6 decode steps, QAT off."""
     base, _ = build(v41)
     ids = tokens(40)
     with reference_kernels(v41, qat=False), republishing(v41):
-        for p in range(30, 34):
+        for p in (30, 31):
             dec, pre = one_step_vs_prefill(v41, lambda: copy.deepcopy(base), p, ids)
             assert _rel(dec, pre) < DECODE_TOL, p
-        run = decode_run(v41, copy.deepcopy(base), ids, 30, 8)
+        run = decode_run(v41, copy.deepcopy(base), ids, 30, 6)
         for p, got in run.items():
             v41.shared_attn.__init__()
             with torch.no_grad():
