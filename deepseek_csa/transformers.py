@@ -105,9 +105,6 @@ import contextlib
 import warnings
 from typing import Iterable, Optional
 
-import numpy as np
-
-import deepseek_csa as _dc
 
 __all__ = ["SUPPORTED_VERSIONS", "swap", "unswap", "swapped", "is_swapped", "quantize",
            "capture_indexer", "IndexerCapture", "IndexerRecord",
@@ -325,132 +322,149 @@ def _norm_eps(norm):
     return norm.eps if eps is None else eps
 
 
-def _f32np(t):
-    """A float32 NumPy array of a (CPU) tensor: a view when it already is one."""
+# Every kernel below is a deepseek_csa operator called through deepseek_csa.torch.ops.call:
+# in plain eager inference (nothing to record) that is the C kernel itself, with no
+# dispatcher in between; under autograd, torch.compile or torch.export it is the
+# registered operator (its autograd formula, fake kernel), so the one path below serves
+# inference, training, compilation and export.  The index lists are torch ops over the
+# shapes and the position tensors (no NumPy, no Python branch on tensor values).
+_OPS = []
+
+
+def _call(name, *args):
+    """deepseek_csa::<name> through ``ops.call`` (every schema argument, in order)."""
+    if not _OPS:
+        from .torch import ops
+        _OPS.append(ops)
+    return _OPS[0].call(name, *args)
+
+
+def _records(*ts):
+    """True when autograd records an op on these tensors."""
     torch = _torch()
-    t = t.detach()
-    if t.dtype != torch.float32:
-        t = t.float()
-    return np.ascontiguousarray(t.numpy())
+    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
 
 
-def _window_idx(S, L, W):
-    """Linear-window index lists: query s (absolute start+s) over the rows of
-    [L cached rows | S new rows], rows s+L-W+1 .. s+L, ascending, -1 padded."""
-    width = min(W, L + S)
-    s = np.arange(S, dtype=np.int64)[:, None]
-    j = np.maximum(0, s + L - W + 1) + np.arange(width, dtype=np.int64)[None, :]
-    return np.where(j <= s + L, j, -1).astype(np.int32)
+def _f32(t):
+    torch = _torch()
+    return t if t.dtype == torch.float32 else t.float()
+
+
+def _rope(x, cos, sin, inverse=False):
+    """RoPE on the last 2 * cos.shape[-1] features of x [B, S, ...] with the tables
+    cos / sin float32 [Bp, S, r] (Bp = 1: shared by every row, else one per row).  x must
+    be a fresh result nothing else reads (a projection or an operator's output): without
+    autograd to record it is rotated in place (``apply_rope_``), with it the functional
+    ``apply_rope`` returns a rotated copy."""
+    torch = _torch()
+    B = x.shape[0]
+    if _records(x):
+        if cos.shape[0] == 1:
+            return _call("apply_rope", x, cos[0], sin[0], inverse)
+        return torch.cat([_call("apply_rope", x[b:b + 1], cos[b], sin[b], inverse)
+                          for b in range(B)], dim=0)
+    if cos.shape[0] == 1:
+        _call("apply_rope_", x, cos[0], sin[0], inverse)
+    else:
+        for b in range(B):
+            _call("apply_rope_", x[b:b + 1], cos[b], sin[b], inverse)
+    return x
+
+
+def _norm(x, weight, eps):
+    """rms_norm with the module's weight (float32, as the kernel reads it; None: none)."""
+    return _call("rms_norm", x, None if weight is None else _f32(weight), eps)
+
+
+def _rope_tables(position_embeddings, m, S):
+    """float32 cos / sin [Bp, S, rd/2] of the layer's RoPE type (Bp = 1 or the batch)."""
+    cos_t, sin_t = position_embeddings[m.rope_layer_type]
+    return (_f32(cos_t.detach().reshape(-1, S, cos_t.shape[-1])),
+            _f32(sin_t.detach().reshape(-1, S, sin_t.shape[-1])))
 
 
 def _visible(pos, ratio, T):
     """Compressed entries each query sees (transformers: t < (position + 1) // ratio),
     clamped to [0, T].  pos: int64 [Bp, S] position ids."""
-    return np.clip((pos + 1) // ratio, 0, T)
+    return ((pos + 1) // ratio).clamp(0, T)
 
 
-def _all_idx(vis, offset):
-    """HCA lists: every entry t < vis[b, s] (vis: [Bp, S]), as t + offset, -1 padded."""
-    width = int(vis.max()) if vis.size else 0
-    t = np.arange(width, dtype=np.int64)
-    return np.where(t < vis[..., None], t + offset, -1).astype(np.int32)
+def _all_idx(vis, T, offset):
+    """Every entry t < vis[b, s] (vis: [Bp, S]) as t + offset, -1 padded: [Bp, S, T]."""
+    torch = _torch()
+    t = torch.arange(T, dtype=torch.int32)
+    return torch.where(t < vis[..., None], t + offset, -1).to(torch.int32)
 
 
-def _positions(position_ids, S):
-    """Position ids as int64 NumPy [Bp, S] (Bp = 1 or the batch)."""
-    return position_ids.detach().reshape(-1, S).to("cpu").numpy().astype(np.int64)
-
-
-def _is_arange(p):
-    return p.size == 0 or bool((p == p[0] + np.arange(p.size)).all())
-
-
-def _rope_rows(x, cos, sin, inverse=False):
-    """apply_rope with per-row tables: cos / sin [Bp, S, r] (Bp = 1: shared)."""
-    if cos.shape[0] == 1:
-        _dc.apply_rope(x, cos[0], sin[0], inverse=inverse)
+def _window_lists(pad, B, S, L, W):
+    """The window part of the index lists, int32 [B, S, min(W, L + S)]: query s
+    (absolute start + s) over the rows of [L cached rows | S new rows], rows
+    s + L - W + 1 .. s + L, ascending, -1 padded; with the call's 2-D mask (``pad``, bool
+    [B, past + S]) its pad tokens dropped as keys (transformers' 2-D mask masks them in
+    the sliding window only)."""
+    torch = _torch()
+    width = min(W, L + S)
+    if S == 1:
+        # a decode step: rows L + 1 - width .. L (one op: the general case's ten small
+        # torch ops cost ~45 us a layer, measured, more than the step's attention)
+        win = torch.arange(L + 1 - width, L + 1).view(1, width)
     else:
-        for b in range(cos.shape[0]):
-            _dc.apply_rope(x[b:b + 1], cos[b], sin[b], inverse=inverse)
-
-
-def _index_select(qi, keys, w, topk, ratio, pos, offset):
-    """index_topk with per-query positions: query (b, s) sees the entries t <
-    min(T, (pos[b, s] + 1) // ratio), as transformers' indexer.  Runs of consecutive
-    positions go in one call (the kernel's start_pos); a row whose positions are one
-    arange (no padding, or right padding) is one run, a left-padded row under
-    generate() is its real tokens' run plus pad tokens that see nothing."""
-    B, S = qi.shape[0], qi.shape[1]
-    T = keys.shape[1]
-    if pos.shape[0] == 1 and S and pos[0, 0] >= 0 and _is_arange(pos[0]) and \
-            (pos[0, 0] + S) // ratio <= T:
-        return _dc.index_topk(qi, keys, w, topk, ratio=ratio, start_pos=int(pos[0, 0]),
-                              offset=offset)
-    K = min(topk, T)
-    out = np.full((B, S, K), -1, dtype=np.int32)
-    for b in range(B):
-        p = pos[b if pos.shape[0] > 1 else 0]
-        s = 0
-        while s < S:
-            v = (p[s] + 1) // ratio
-            if v <= 0:
-                s += 1
-                continue
-            if v > T:                    # a position past the entries: it sees all T
-                start, e = T * ratio - 1, s + 1
-            else:
-                start, e = int(p[s]), s + 1
-                while e < S and p[e] == p[e - 1] + 1 and (p[e] + 1) // ratio <= T:
-                    e += 1
-            r = _dc.index_topk(qi[b:b + 1, s:e], keys[b:b + 1], w[b:b + 1, s:e], topk,
-                               ratio=ratio, start_pos=start, offset=offset)
-            out[b, s:e, :r.shape[-1]] = r[0]
-            s = e
-    return out
-
-
-def _window_lists(st, B, S, L, W):
-    """The window part of the index lists, [B, S, min(W, L + S)]: ``_window_idx`` with
-    the pad tokens of the call's 2-D mask (``st.pad_mask``) dropped as keys (transformers'
-    2-D mask masks them in the sliding window only)."""
-    win = _window_idx(S, L, W)
-    if st.pad_mask is None:
-        return np.broadcast_to(win, (B,) + win.shape)
+        s = torch.arange(S)[:, None]
+        j = (s + (L - W + 1)).clamp(min=0) + torch.arange(width)[None, :]
+        win = torch.where(j <= s + L, j, -1)                   # int64 [S, width]
+    if pad is None:
+        return win.to(torch.int32).expand(B, S, width)
     # buffer row j is token past - L + j of the mask
-    keep = st.pad_mask[:, st.pad_mask.shape[1] - S - L:]          # [B, L + S]
-    ok = (win >= 0)[None] & np.take_along_axis(
-        keep[:, None, :], np.maximum(win, 0)[None].repeat(B, 0), axis=2)
-    return np.where(ok, win[None], -1).astype(np.int32)
+    keep = pad[:, pad.shape[1] - S - L:]                          # [B, L + S]
+    ok = torch.gather(keep[:, None, :].expand(B, S, L + S), 2,
+                      win.clamp(min=0)[None].expand(B, S, width)) & (win >= 0)
+    return torch.where(ok, win, -1).to(torch.int32)
 
 
 def _hca_lists(pos, B, S, ratio, T, off):
-    """HCA lists [B, S, <= T]: transformers' HCA lets a decode step (S == 1) see every
+    """HCA lists [B, S, T]: transformers' HCA lets a decode step (S == 1) see every
     entry, a longer call the entries its (per-row) positions allow."""
-    vis = np.full((1, S), T) if S == 1 else _visible(pos, ratio, T)
-    a = _all_idx(vis, off)
-    return np.broadcast_to(a, (B,) + a.shape[1:]) if a.shape[0] == 1 else a
+    torch = _torch()
+    if S == 1:
+        return torch.arange(off, off + T, dtype=torch.int32).expand(B, 1, T)
+    return _all_idx(_visible(pos, ratio, T), T, off).expand(B, S, T)
 
 
-def _rope_tables(position_embeddings, m, S, pos):
-    """float32 NumPy cos / sin [Bp, S, rd/2] of the layer's RoPE type and the positions
-    [Bp, S]; one shared row (Bp = 1) when every row has the same positions."""
-    cos_t, sin_t = position_embeddings[m.rope_layer_type]
-    cos, sin = _f32np(cos_t.reshape(-1, S, cos_t.shape[-1])), \
-        _f32np(sin_t.reshape(-1, S, sin_t.shape[-1]))
-    if cos.shape[0] > 1 and pos.shape[0] > 1 and (pos == pos[:1]).all():
-        cos, sin, pos = cos[:1], sin[:1], pos[:1]        # one table shared by every row
-    return cos, sin, pos
+def _index_select(qi, keys, w, topk, ratio, pos, start, off):
+    """The indexer's top-k lists [B, S, min(topk, T)] (entries as t + off, -1 padded):
+    query (b, s) sees the entries t < min(T, (pos[b, s] + 1) // ratio), as transformers'
+    indexer.  ``start`` (a Python int, or None): every row's positions are known to be
+    start .. start + S - 1 (the cache's count; the model made the positions), so the
+    kernel's own causal limit is the visibility.  Otherwise any per-query positions:
+    the visibility goes in as ``candidates`` of block size 1, with a start position at
+    which every entry is causally visible (the keys padded with unselectable rows so
+    the last query's limit stays within them)."""
+    torch = _torch()
+    B, S = qi.shape[0], qi.shape[1]
+    T = keys.shape[1]
+    if start is not None:
+        return _call("index_topk", qi, keys, w, topk, ratio, start, off, "score", None, 0)
+    extra = (S - 1) // ratio
+    if extra:
+        keys = torch.cat([keys, keys.new_zeros((B, extra, keys.shape[2]))], dim=1)
+    t = torch.arange(T + extra)
+    cand = (t < _visible(pos, ratio, T)[..., None]).expand(B, S, T + extra).contiguous()
+    sel = _call("index_topk", qi, keys, w, topk, ratio, T * ratio - 1, off, "score", cand, 1)
+    return sel[..., :min(topk, T)]
 
 
 def _qat_kv(x, rd):
-    """model.py's FP8 rounding of KV rows / entries in front of the rope tail."""
-    _dc.fp8_round(x[..., :x.shape[-1] - rd], 64)
+    """model.py's FP8 rounding of KV rows / entries in front of the rope tail
+    (straight-through under autograd)."""
+    torch = _torch()
+    D = x.shape[-1]
+    return torch.cat([_call("fp8_round", x[..., :D - rd], 64, "ue8m0"), x[..., D - rd:]],
+                     dim=-1)
 
 
-def _qat_index(x):
+def _qat_index(x, rd=None):
     """model.py's indexer rounding: Hadamard rotation, then FP4 in blocks of 32."""
-    _dc.hadamard(x, out=x)
-    _dc.fp4_round(x, 32)
+    return _call("fp4_round", _call("hadamard", x, None), 32, "ue8m0")
 
 
 def _cached_rows(m, cache, kv):
@@ -481,8 +495,9 @@ def _compression_windows(mod, layer, name, h):
 def _compress(mod, layer, name, h, overlap, qat_fn):
     """One compressor call (transformers' CSA/HCA compressor or the indexer's) at any
     start position: buffered + new tokens, complete windows pooled by ``gated_pool``
-    (the previous call's last window prepended as a group whose entry is dropped, for
-    the overlap), then RMSNorm and RoPE at ``g * ratio``.  Returns all entries so far."""
+    (the scores with ``position_bias`` added as transformers adds it; the previous
+    call's last window prepended as a group whose entry is dropped, for the overlap),
+    then RMSNorm and RoPE at ``g * ratio``.  Returns all entries so far."""
     torch = _torch()
     B = h.shape[0]
     ratio, D = mod.compress_rate, mod.head_dim
@@ -503,18 +518,15 @@ def _compress(mod, layer, name, h, overlap, qat_fn):
                 ckv = torch.cat([pkv, ckv], dim=1)
                 score = torch.cat([pg, score], dim=1)
                 drop = 1
-        out = torch.empty((B, n + drop, D), dtype=ckv.dtype)
-        _dc.gated_pool(ckv, score, ratio, overlap=overlap, out=out)
-        new = out[:, drop:]
-        _dc.rms_norm(new, mod.kv_norm.weight.detach().float(), mod.kv_norm.variance_epsilon,
-                     out=new)
+        pooled = _call("gated_pool", ckv, score, ratio, None, overlap)
+        new = _norm(pooled[:, drop:] if drop else pooled, mod.kv_norm.weight,
+                    mod.kv_norm.variance_epsilon)
         pos = (torch.arange(n) * ratio + first).unsqueeze(0)
         cos, sin = mod.rotary_emb(new, position_ids=pos, layer_type="compress")
         rd = 2 * cos.shape[-1]
-        _dc.apply_rope(new[..., D - rd:], _f32np(cos[0]), _f32np(sin[0]))
+        new = _rope(new, _f32(cos), _f32(sin))
         if qat_fn is not None:
-            qat_fn(new, rd)
-        new = new.contiguous()
+            new = qat_fn(new, rd)
     if layer is None:
         return new
     return layer.update_compressor_states(name, new)
@@ -530,7 +542,8 @@ class _Swap:
         self.all_layers = hasattr(base, "layers") and len(self.layers) == len(base.layers)
         self.call_reason = None      # set by the model wrapper for one call
         self.mask_skipped = False
-        self.pad_mask = None         # bool NumPy [B, past + S] of the call, when it pads
+        self.pad_mask = None         # bool [B, past + S]: the call's 2-D attention mask
+        self.arange_positions = False  # the call's positions are the model's arange
         self.warned = set()
         self.capture = None          # an IndexerCapture while capture_indexer is active
 
@@ -579,8 +592,9 @@ def _capture_reason(pad, position_ids, S):
     if pad is not None:
         return "capture_indexer with a padded batch (2-D attention mask with zeros)"
     if position_ids is not None:
-        p = _positions(position_ids, S)
-        if not ((p == p[:1]).all() and _is_arange(p[0])):
+        torch = _torch()
+        p = position_ids.detach().reshape(-1, S)
+        if not bool((p == p[:1, :1] + torch.arange(S)).all()):
             return "capture_indexer with position ids that differ per row or skip"
     return None
 
@@ -595,8 +609,8 @@ def _make_hc_forward(st, hc):
     and projection, then the pre / post / Sinkhorn comb split by ``hc_split_sinkhorn``
     (one C call instead of ~60 small torch ops: 0.74 -> 0.17 ms a call at V4-Flash width,
     decode, 2 threads, Zen 4).  The same formulas; the sums' order differs (float
-    rounding, 6e-8 of comb).  With autograd recording, or when the whole call falls back
-    (st.call_reason), transformers' own forward."""
+    rounding, 6e-8 of comb).  With autograd recording (the operator has no gradient), or
+    when the whole call falls back (st.call_reason), transformers' own forward."""
     torch = _torch()
     orig = type(hc).forward
 
@@ -610,10 +624,8 @@ def _make_hc_forward(st, hc):
         with torch.no_grad():
             flat = hc.input_norm(hidden_streams.view(B, S, -1).float())
             mixes = torch.nn.functional.linear(flat, hc.fn.float())
-            pre, post, comb = _dc.hc_split_sinkhorn(
-                mixes.numpy(), _f32np(hc.scale), _f32np(hc.base), h, hc.hc_sinkhorn_iters,
-                hc.hc_eps)
-            pre, post, comb = (torch.from_numpy(x) for x in (pre, post, comb))
+            pre, post, comb = _call("hc_split_sinkhorn", mixes, _f32(hc.scale), _f32(hc.base),
+                                    h, hc.hc_sinkhorn_iters, float(hc.hc_eps))
             collapsed = (pre.unsqueeze(-1) * hidden_streams).sum(dim=2).to(hidden_streams.dtype)
         return post, comb, collapsed
 
@@ -640,8 +652,8 @@ def _make_forward(st, m):
             return orig(m, hidden_states, position_embeddings, position_ids, attention_mask,
                         past_key_values, **kwargs)
         if _needs_grad(m, hidden_states):
-            return _attention_grad(st, m, hidden_states, position_embeddings, position_ids,
-                                   past_key_values), None
+            return _attention(st, m, hidden_states, position_embeddings, position_ids,
+                              past_key_values, True), None
         grad_mode = torch.is_grad_enabled()      # the capture's indexer tensors use it
         with torch.no_grad():
             return _attention(st, m, hidden_states, position_embeddings, position_ids,
@@ -651,73 +663,9 @@ def _make_forward(st, m):
     return forward
 
 
-def _attention(st, m, h, position_embeddings, position_ids, cache, grad_mode=False):
-    """The inference path: under torch.no_grad(), NumPy kernels writing in place.
-    ``grad_mode`` is the caller's grad mode (for the tensors an indexer capture keeps)."""
-    torch = _torch()
-    rec = None
-    B, S, _ = h.shape
-    H, D = m.num_heads, m.head_dim
-    cos, sin, pos = _rope_tables(position_embeddings, m, S, _positions(position_ids, S))
-    rd = 2 * cos.shape[-1]
-    eps = m.q_a_norm.variance_epsilon
-
-    qr = m.q_a_proj(h)
-    _dc.rms_norm(qr, m.q_a_norm.weight.detach().float(), eps, out=qr)
-    q = m.q_b_proj(qr).view(B, S, H, D)
-    _dc.rms_norm(q, None, _norm_eps(m.q_b_norm), out=q)
-    _rope_rows(q[..., D - rd:], cos, sin)
-
-    kv = m.kv_proj(h)
-    _dc.rms_norm(kv, m.kv_norm.weight.detach().float(), m.kv_norm.variance_epsilon, out=kv)
-    _rope_rows(kv[..., D - rd:], cos, sin)
-    qat_kv = _qat_kv if st.qat else None
-    if qat_kv is not None:
-        qat_kv(kv, rd)
-
-    layer, rows = _cached_rows(m, cache, kv)
-    L = rows.shape[1] - S
-    idx = [_window_lists(st, B, S, L, m.sliding_window)]
-    kvbuf = rows
-    comp = m.compressor
-    if comp is not None:
-        entries = _compress(comp, layer, "compressor", h, comp.__class__.__name__.endswith(
-            "CSACompressor"), qat_kv)
-        T = entries.shape[1]
-        off = L + S
-        if T:
-            kvbuf = torch.cat([rows, entries.to(rows.dtype)], dim=1)
-        if hasattr(comp, "indexer"):
-            if st.capture is not None:
-                sel, rec = _indexer_capture(st, m, layer, h, qr, position_embeddings, pos,
-                                            off, T, grad_mode)
-            else:
-                sel, rec = _indexer_select(st, m, layer, h, qr, cos, sin, rd, pos, off, T), \
-                    None
-            if sel is not None:
-                idx.append(sel)
-        elif T:
-            idx.append(_hca_lists(pos, B, S, comp.compress_rate, T, off))
-    idx = np.ascontiguousarray(np.concatenate(idx, axis=-1)) if len(idx) > 1 else \
-        np.ascontiguousarray(idx[0])
-    kvbuf = kvbuf.contiguous() if kvbuf.stride(-1) != 1 else kvbuf
-    if rec is not None:
-        _capture_target(st, m, rec, q, kvbuf, idx, pos, off, T)
-    o = torch.empty((B, S, H, D), dtype=q.dtype)
-    _dc.sparse_attn(q, kvbuf, m.sinks.detach().float().contiguous(), idx, float(m.scaling),
-                    out=o)
-    del q, qr, kvbuf    # peak memory: q [S, H, D] goes before the output projections
-    _rope_rows(o[..., D - rd:], cos, sin, inverse=True)
-    grouped = m.o_a_proj(o.view(B, S, m.config.o_groups, -1)).flatten(2)
-    return m.o_b_proj(grouped)
-
-
-# ----------------------------------------------------------------------------- training
-# The differentiable ops of deepseek_csa.torch (docs/kernels.md section 11) this module uses, resolved
-# on the module at call time: sparse_attn, sparse_attn_weights, rms_norm,
-# apply_rotary_emb, gated_pool (the attention), indexer_kl_loss (the capture's loss).
-# sparse_attn / rms_norm / apply_rotary_emb exist forward-only in older builds; the names
-# the gradient work adds tell whether the build has them differentiable.
+# ----------------------------------------------------------------------------- attention
+# The differentiable ops of deepseek_csa.torch (docs/kernels.md section 11) that
+# capture_indexer's records use (indexer_kl_loss); a build without them falls back.
 _GRAD_MAIN = ("sparse_attn_weights", "gated_pool")
 # Training memory: autograd would keep four [B, S, H, D] tensors per swapped layer (the
 # query projection for the norm's backward, the rotated query and the attention output
@@ -763,170 +711,53 @@ def _needs_grad(m, h):
     return any(p.requires_grad and id(p) not in skip for p in m.parameters())
 
 
-_STE = []
-
-
-def _ste(x, fn):
-    """A QAT rounding ``fn`` (in place on a copy) with the straight-through estimator:
-    forward the rounded values, backward the identity."""
-    torch = _torch()
-    if not _STE:
-        class _StraightThrough(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, x, fn):
-                r = x.detach().clone(memory_format=torch.contiguous_format)
-                fn(r)
-                return r
-
-            @staticmethod
-            def backward(ctx, g):
-                return g, None
-        _STE.append(_StraightThrough)
-    return _STE[0].apply(x, fn)
-
-
-def _freqs(cos_t, sin_t, n):
-    """The complex [n, rd/2] table apply_rotary_emb takes, from transformers' cos / sin
-    (one row of positions: every batch row shares them)."""
-    torch = _torch()
-    c = cos_t.detach().reshape(-1, n, cos_t.shape[-1])[0].float()
-    s = sin_t.detach().reshape(-1, n, sin_t.shape[-1])[0].float()
-    return torch.complex(c, s)
-
-
-def _freqs_rows(cos, sin):
-    """Complex tables [Bp, S, rd/2] from ``_rope_tables``' NumPy cos / sin."""
-    torch = _torch()
-    return torch.complex(torch.from_numpy(cos), torch.from_numpy(sin))
-
-
-def _rope_tail_rows(dct, x, freqs, rd, inverse=False, own=False):
-    """``_rope_tail`` with per-row tables freqs [Bp, S, rd/2] (Bp = 1: one shared
-    table, rotated as one tensor; otherwise row by row, concatenated)."""
-    torch = _torch()
-    if freqs.shape[0] == 1:
-        return _rope_tail(dct, x, freqs[0], rd, inverse=inverse, own=own)
-    return torch.cat([_rope_tail(dct, x[b:b + 1], freqs[b], rd, inverse=inverse)
-                      for b in range(x.shape[0])], dim=0)
-
-
-def _rope_tail(dct, x, freqs, rd, inverse=False, own=False):
-    """RoPE on the last rd features of x, differentiable, out of place for the caller:
-    x is copied once and the copy's tail rotated in place (the released
-    ``apply_rotary_emb`` rotates in place; one that returns a new tensor is written
-    back).  Its backward: one copy of the gradient with the tail rotated back (a
-    ``torch.cat`` of the two parts would allocate a zero-padded gradient per part).
-    ``own=True``: x is a fresh result no backward reads (an rms_norm output: the norm
-    saves its input), rotated in place without the copy (a Function that did save it
-    would make autograd raise, never compute silently wrong gradients)."""
-    torch = _torch()
-    D = x.shape[-1]
-    y = x if own and x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
-    tail = y[..., D - rd:]
-    r = dct.apply_rotary_emb(tail, freqs, inverse=inverse)
-    if r is not tail:
-        tail.copy_(r)
-    return y
-
-
-def _compress_grad(dct, mod, layer, name, h, overlap, qat_fn):
-    """``_compress`` through the differentiable ops: gated_pool (position_bias as its
-    ``ape``, or added in torch when the cache prepends the previous call's last group),
-    rms_norm with the compressor's weight, RoPE at ``g * ratio``, QAT straight-through."""
-    torch = _torch()
-    B = h.shape[0]
-    ratio, D = mod.compress_rate, mod.head_dim
-    kv, ckv, cgate, first, n = _compression_windows(mod, layer, name, h)
-    if n == 0:
-        new = kv.new_zeros((B, 0, D))
-    else:
-        c = ckv.shape[-1]
-        prior_kv = None
-        if overlap and layer is not None:
-            score = (cgate.reshape(B, n, ratio, c) + mod.position_bias).reshape(B, n * ratio, c)
-            prior_kv, prior_gate = layer.update_overlap_state(
-                name, ckv.reshape(B, n, ratio, c), score.reshape(B, n, ratio, c), D)
-        if prior_kv is None:
-            pooled = dct.gated_pool(ckv, cgate, ratio, ape=mod.position_bias, overlap=overlap)
-        else:
-            pkv = torch.cat([prior_kv.to(ckv.dtype), ckv.new_zeros((B, ratio, D))], dim=-1)
-            pg = torch.cat([prior_gate.to(score.dtype), score.new_zeros((B, ratio, D))],
-                           dim=-1)
-            pooled = dct.gated_pool(torch.cat([pkv, ckv], dim=1), torch.cat([pg, score], dim=1),
-                                    ratio, overlap=True)[:, 1:]
-        new = dct.rms_norm(pooled, mod.kv_norm.weight, mod.kv_norm.variance_epsilon)
-        pos = (torch.arange(n) * ratio + first).unsqueeze(0)
-        cos, sin = mod.rotary_emb(new, position_ids=pos, layer_type="compress")
-        rd = 2 * cos.shape[-1]
-        new = _rope_tail(dct, new, _freqs(cos, sin, n), rd, own=True)
-        if qat_fn is not None:
-            new = _ste(new, lambda x: qat_fn(x, rd))
-    if layer is None:
-        return new
-    return layer.update_compressor_states(name, new)
-
-
-def _indexer_select(st, m, layer, h, qr, cos, sin, rd, pos, off, T):
-    """The indexer's selection on the NumPy kernels (no autograd; callers detach):
-    its compressor call (always: it keeps the cache state), then the top-k lists at
-    ``offset=off`` ([B, S, K] int32; per-row tables cos / sin [Bp, S, rd/2] and
-    positions pos [Bp, S], see ``_index_select``), None while there is no entry."""
+def _indexer_select(st, m, layer, h, qr, cos, sin, pos, start, off, T):
+    """The indexer's selection (callers detach its inputs: it is discrete): its
+    compressor call (always: it keeps the cache state), then the top-k lists at
+    ``offset=off`` ([B, S, K] int32, see ``_index_select``), None while there is no
+    entry."""
     comp = m.compressor
     ix = comp.indexer
     B, S, _ = h.shape
-    qfn = (lambda x, rd_: _qat_index(x)) if st.qat else None
-    keys = _compress(ix, layer, "indexer", h, True, qfn)
+    keys = _compress(ix, layer, "indexer", h, True, _qat_index if st.qat else None)
     if not T:
         return None
-    qi = ix.q_b_proj(qr).view(B, S, ix.num_heads, ix.head_dim)
-    _rope_rows(qi[..., ix.head_dim - rd:], cos, sin)
+    qi = _rope(ix.q_b_proj(qr).view(B, S, ix.num_heads, ix.head_dim), cos, sin)
     if st.qat:
-        _qat_index(qi)
+        qi = _qat_index(qi)
     w = ix.scorer.weights_proj(h).float() * (ix.scorer.weights_scaling
                                              * ix.scorer.softmax_scale)
-    keys = keys.to(qi.dtype)
-    return _index_select(qi, keys, w, ix.index_topk, comp.compress_rate, pos, off)
+    return _index_select(qi, keys.to(qi.dtype), w, ix.index_topk, comp.compress_rate, pos,
+                         start, off)
 
 
-def _indexer_inputs(h, qr):
-    """The indexer's inputs cut from the main graph (it learns only from its KL loss)."""
-    return h.detach(), qr.detach()
-
-
-def _indexer_capture(st, m, layer, h, qr, position_embeddings, pos, off, T, grad_mode):
-    """The indexer under capture_indexer: q / k / weights computed by the differentiable
-    ops from the *detached* hidden states and query residual (the indexer learns only
-    from its KL loss), the selection from their values, recorded for the layer.  The
-    positions pos are one row, one arange (``_layer_reason`` falls back otherwise: the
-    KL loss takes one ``start_pos``)."""
+def _indexer_capture(st, m, layer, h, qr, cos, sin, pos, off, T, grad_mode):
+    """The indexer under capture_indexer: q / k / weights computed by the operators
+    from the *detached* hidden states and query residual (the indexer learns only from
+    its KL loss), the selection from their values, recorded for the layer.  The
+    positions are one row, one arange (``_layer_reason`` falls back otherwise: the KL
+    loss takes one ``start_pos``)."""
     torch = _torch()
-    dct = _dct()
     comp = m.compressor
     ix = comp.indexer
     B, S, _ = h.shape
+    start = int(pos[0, 0]) if pos.numel() else 0
     with torch.set_grad_enabled(grad_mode):
-        hd, qrd = _indexer_inputs(h, qr)
-        qfn = (lambda x, rd_: _qat_index(x)) if st.qat else None
-        keys = _compress_grad(dct, ix, layer, "indexer", hd, True, qfn)
+        hd, qrd = h.detach(), qr.detach()
+        keys = _compress(ix, layer, "indexer", hd, True, _qat_index if st.qat else None)
         if not T:
             return None, None
-        cos_t, sin_t = position_embeddings[m.rope_layer_type]
-        freqs = _freqs(cos_t, sin_t, S)
-        rd = 2 * freqs.shape[-1]
-        qi = ix.q_b_proj(qrd).view(B, S, ix.num_heads, ix.head_dim)
-        qi = _rope_tail(dct, qi, freqs, rd)
+        qi = _rope(ix.q_b_proj(qrd).view(B, S, ix.num_heads, ix.head_dim), cos, sin)
         if st.qat:
-            qi = _ste(qi, _qat_index)
+            qi = _qat_index(qi)
         w = ix.scorer.weights_proj(hd).float() * (ix.scorer.weights_scaling
                                                   * ix.scorer.softmax_scale)
         keys = keys.to(qi.dtype)
     with torch.no_grad():
-        sel = _index_select(qi.detach().contiguous(), keys.detach().contiguous(),
-                            w.detach().contiguous(), ix.index_topk, comp.compress_rate,
-                            pos, off)
-    sel_pos = torch.from_numpy(np.where(sel >= 0, sel - off, -1).astype(np.int32))
-    rec = IndexerRecord(m.layer_idx, qi, keys, w, sel_pos, comp.compress_rate,
-                        int(pos[0, 0]))
+        sel = _index_select(qi.detach(), keys.detach(), w.detach(), ix.index_topk,
+                            comp.compress_rate, pos, start, off)
+    sel_pos = torch.where(sel >= 0, sel - off, -1).to(torch.int32)
+    rec = IndexerRecord(m.layer_idx, qi, keys, w, sel_pos, comp.compress_rate, start)
     st.capture._layers[m.layer_idx] = rec
     return sel, rec
 
@@ -936,100 +767,102 @@ def _capture_target(st, m, rec, q, kvbuf, idx, pos, off, T):
     sparse_attn_weights over the layer's lists (window + selected entries; the selected
     slots are the last K), and with ``dense=True`` over window + every visible entry."""
     torch = _torch()
-    dct = _dct()
     B, S = idx.shape[0], idx.shape[1]
     K = rec.topk_idxs.shape[-1]
     qd, kd = q.detach(), kvbuf.detach()
-    sink = m.sinks.detach().float().contiguous()
+    sink = _f32(m.sinks.detach()).contiguous()
     with torch.no_grad():
-        w = dct.sparse_attn_weights(qd, kd, sink, torch.from_numpy(idx), float(m.scaling))
+        w = _call("sparse_attn_weights", qd, kd, sink, idx, float(m.scaling))
         rec.attn_target = w[..., idx.shape[-1] - K:].float().contiguous()
         if st.capture.dense:
             win = idx[..., :idx.shape[-1] - K]
-            a = _all_idx(_visible(pos, rec.ratio, T), off)
-            full = np.ascontiguousarray(np.concatenate(
-                [win, np.broadcast_to(a, (B,) + a.shape[1:])], axis=-1))
-            wd = dct.sparse_attn_weights(qd, kd, sink, torch.from_numpy(full),
-                                         float(m.scaling))[..., win.shape[-1]:]
+            a = _all_idx(_visible(pos, rec.ratio, T), T, off)
+            full = torch.cat([win, a.expand(B, S, T)], dim=-1).contiguous()
+            wd = _call("sparse_attn_weights", qd, kd, sink, full,
+                       float(m.scaling))[..., win.shape[-1]:]
             dense = torch.zeros((B, S, T), dtype=torch.float32)
             dense[..., :wd.shape[-1]] = wd
             rec.dense_target = dense
 
 
-def _attention_grad(st, m, h, position_embeddings, position_ids, cache):
-    """The training path: the same layer as ``_attention`` through the differentiable
-    ops of deepseek_csa.torch (autograd records it; backward runs on our kernels).  The
-    indexer's selection is discrete and computed without autograd.  Padded batches and
-    per-row positions as in ``_attention``: the same index lists (pad keys dropped from
-    the window, per-row visibility), per-row RoPE tables."""
+def _attention(st, m, h, position_embeddings, position_ids, cache, grad_mode=False):
+    """A swapped layer's attention, for inference and training alike: the projections
+    are the module's own, everything else the deepseek_csa operators (autograd records
+    them when it records this call: backward on our kernels), the index lists torch ops.
+    The indexer's selection is discrete and computed without autograd.  Padded batches
+    and per-row positions: pad keys dropped from the window, per-row visibility and
+    RoPE tables.  ``grad_mode`` is the caller's grad mode (the tensors an indexer
+    capture keeps)."""
     torch = _torch()
-    dct = _dct()
     B, S, _ = h.shape
     H, D = m.num_heads, m.head_dim
-    cos, sin, pos = _rope_tables(position_embeddings, m, S, _positions(position_ids, S))
-    freqs = _freqs_rows(cos, sin)
-    rd = 2 * freqs.shape[-1]
+    cos, sin = _rope_tables(position_embeddings, m, S)
+    rd = 2 * cos.shape[-1]
+    pos = position_ids.reshape(-1, S)
+    # positions the model made from the cache's count (no position ids given): every
+    # row's are past .. past + S - 1, a Python int the cache tracks
+    start = None
+    if st.arange_positions:
+        start = cache.get_seq_length(m.layer_idx) if cache is not None else 0
 
-    qr = dct.rms_norm(m.q_a_proj(h), m.q_a_norm.weight, m.q_a_norm.variance_epsilon)
+    qr = _norm(m.q_a_proj(h), m.q_a_norm.weight, m.q_a_norm.variance_epsilon)
     q_pre = m.q_b_proj(qr).view(B, S, H, D)
-    kv = dct.rms_norm(m.kv_proj(h), m.kv_norm.weight, m.kv_norm.variance_epsilon)
-    kv = _rope_tail_rows(dct, kv, freqs, rd, own=True)
+    kv = _rope(_norm(m.kv_proj(h), m.kv_norm.weight, m.kv_norm.variance_epsilon), cos, sin)
     qat_kv = _qat_kv if st.qat else None
     if qat_kv is not None:
-        kv = _ste(kv, lambda x: _qat_kv(x, rd))
+        kv = qat_kv(kv, rd)
 
     layer, rows = _cached_rows(m, cache, kv)
     L = rows.shape[1] - S
-    idx = [_window_lists(st, B, S, L, m.sliding_window)]
+    idx = [_window_lists(st.pad_mask, B, S, L, m.sliding_window)]
     kvbuf = rows
     rec = None
+    off = T = 0
     comp = m.compressor
     if comp is not None:
-        entries = _compress_grad(dct, comp, layer, "compressor", h,
-                                 comp.__class__.__name__.endswith("CSACompressor"), qat_kv)
+        entries = _compress(comp, layer, "compressor", h,
+                            comp.__class__.__name__.endswith("CSACompressor"), qat_kv)
         T = entries.shape[1]
         off = L + S
         if T:
             kvbuf = torch.cat([rows, entries.to(rows.dtype)], dim=1)
         if hasattr(comp, "indexer"):
             if st.capture is not None:
-                sel, rec = _indexer_capture(st, m, layer, h, qr, position_embeddings, pos,
-                                            off, T, True)
+                sel, rec = _indexer_capture(st, m, layer, h, qr, cos, sin, pos, off, T,
+                                            grad_mode)
             else:
                 with torch.no_grad():
                     sel = _indexer_select(st, m, layer, h.detach(), qr.detach(), cos, sin,
-                                          rd, pos, off, T)
+                                          pos, start, off, T)
             if sel is not None:
                 idx.append(sel)
         elif T:
             idx.append(_hca_lists(pos, B, S, comp.compress_rate, T, off))
-    idx = np.ascontiguousarray(np.concatenate(idx, axis=-1)) if len(idx) > 1 else \
-        np.ascontiguousarray(idx[0])
+    idx = (torch.cat(idx, dim=-1) if len(idx) > 1 else idx[0]).contiguous()
     kvbuf = kvbuf.contiguous()
-    idx_t = torch.from_numpy(idx)
 
     def query(q_pre):
-        q = dct.rms_norm(q_pre, None, _norm_eps(m.q_b_norm))
-        return _rope_tail_rows(dct, q, freqs, rd, own=True)
+        return _rope(_norm(q_pre, None, _norm_eps(m.q_b_norm)), cos, sin)
 
     def core(q_pre, kvbuf, sinks):
         """Per-head norm, RoPE, sparse attention, the output's inverse RoPE."""
-        o = dct.sparse_attn(query(q_pre), kvbuf, sinks, idx_t, float(m.scaling))
-        return _rope_tail_rows(dct, o, freqs, rd, inverse=True)
+        o, _ = _call("sparse_attn", query(q_pre), kvbuf, _f32(sinks).contiguous(), idx,
+                     float(m.scaling))
+        return _rope(o, cos, sin, inverse=True)
 
     if rec is not None:
         with torch.no_grad():
             _capture_target(st, m, rec, query(q_pre.detach()), kvbuf, idx, pos, off, T)
-    if CHECKPOINT_ATTENTION:
+    if CHECKPOINT_ATTENTION and _records(q_pre, kvbuf, m.sinks):
         # keep q_pre and the rows only; the [S, H, D] norm / RoPE / attention results are
         # recomputed in the backward (bitwise the same: the kernels are deterministic)
         from torch.utils.checkpoint import checkpoint
         o = checkpoint(core, q_pre, kvbuf, m.sinks, use_reentrant=False)
     else:
         o = core(q_pre, kvbuf, m.sinks)
+    del q_pre, qr, kvbuf    # peak memory: q [S, H, D] goes before the output projections
     grouped = m.o_a_proj(o.reshape(B, S, m.config.o_groups, -1)).flatten(2)
     return m.o_b_proj(grouped)
-
 
 class IndexerRecord:
     """What one CSA layer's last forward used, for the indexer's KL objective:
@@ -1150,8 +983,10 @@ def _make_model_forward(st, base):
         if am is not None:
             if isinstance(am, dict) or am.dim() != 2:
                 reason = "a prebuilt 4-D or per-layer-type attention mask"
-            elif not bool(am.bool().all()):
-                pad = am.detach().to("cpu").bool().numpy()
+            elif st.capture is None or not bool(am.bool().all()):
+                # the mask goes to the layers as it is (an all-ones mask drops nothing:
+                # no branch on its values, which torch.compile would have to break at)
+                pad = am.detach().bool()
         if reason is None and (bound.get("output_attentions") or
                                getattr(cfg, "output_attentions", False)):
             reason = "output_attentions"
@@ -1180,9 +1015,11 @@ def _make_model_forward(st, base):
                 reason = _capture_reason(pad, pos, S)
             if reason is None and st.all_layers:
                 skip = base.embed_tokens.weight.device.type == "cpu"
-        prev = (st.call_reason, st.mask_skipped, st.pad_mask)
+        prev = (st.call_reason, st.mask_skipped, st.pad_mask, st.arange_positions)
         st.call_reason, st.mask_skipped = reason, skip
         st.pad_mask = pad if reason is None else None
+        # without position ids the model numbers the tokens past .. past + S - 1 itself
+        st.arange_positions = bound.get("position_ids") is None
         try:
             if reason is not None:
                 st.warn(reason)
@@ -1192,7 +1029,7 @@ def _make_model_forward(st, base):
                 return orig(base, **kwargs)
             return orig(base, *args, **kwargs)
         finally:
-            st.call_reason, st.mask_skipped, st.pad_mask = prev
+            st.call_reason, st.mask_skipped, st.pad_mask, st.arange_positions = prev
 
     forward._deepseek_csa = True
     return forward

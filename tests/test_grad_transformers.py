@@ -2,13 +2,14 @@
 DeepseekV4ForCausalLM runs through deepseek_csa.torch's differentiable ops and equals
 transformers' eager autograd; ``capture_indexer`` hands back the indexer's KL objective.
 
-Two modes (the ``ops`` fixture):
+The swapped attention runs on the deepseek_csa operators (torch.ops.deepseek_csa, their
+registered autograd formulas) in both modes of the ``ops`` fixture; the modes differ in
+what serves ``deepseek_csa.torch.indexer_kl_loss`` for capture_indexer's records:
 - ``real``: deepseek_csa.torch's own differentiable ops (docs/kernels.md section 11); skipped while
   this build lacks them (sparse_attn_weights / gated_pool / index_scores /
   indexer_kl_loss missing).
 - ``standin``: the plain-torch stand-in tests/_grad_standin.py patched onto
-  deepseek_csa.torch, so the wiring and the math of the training path are proven
-  independently of the kernels.
+  deepseek_csa.torch, so the KL objective's wiring is proven independently of the kernels.
 
 Error budget: swapped and eager compute the same float32 function with sums in different
 orders (the attention over gathered rows vs a dense masked softmax, pooling, norms):
@@ -38,7 +39,7 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as mdl  # noqa:
 
 import deepseek_csa.torch as dct  # noqa: E402
 
-from _grad_standin import NAMES, install, real_ops_available  # noqa: E402
+from _grad_standin import install, real_ops_available  # noqa: E402
 from test_transformers_bridge import ids_for, make_model  # noqa: E402
 
 TOL = 1e-4
@@ -73,15 +74,17 @@ def ops(request, monkeypatch):
 
 
 def spy_ops(monkeypatch):
-    """Counts the calls of each op (on deepseek_csa.torch, where the swap resolves them)."""
-    calls = {n: 0 for n in NAMES}
-    for n in NAMES:
-        real = getattr(dct, n)
+    """Counts the calls of each deepseek_csa operator (``deepseek_csa.torch.ops.call``,
+    through which the swap calls every one)."""
+    from collections import Counter
+    from deepseek_csa.torch import ops as _ops
+    calls = Counter()
+    real = _ops.call
 
-        def spy(*a, _real=real, _n=n, **k):
-            calls[_n] += 1
-            return _real(*a, **k)
-        monkeypatch.setattr(dct, n, spy)
+    def spy(name, *a):
+        calls[name] += 1
+        return real(name, *a)
+    monkeypatch.setattr(_ops, "call", spy)
     return calls
 
 
