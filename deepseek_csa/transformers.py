@@ -300,10 +300,13 @@ def __getattr__(name):
 
 
 def _adopt_layer(cache, idx):
-    """The cache layer at idx, its class switched to ours (same fields: lossless)."""
+    """The cache layer at idx, its class switched to ours (same fields: lossless).
+    Not while torch.compile traces (it cannot reassign ``__class__``): a layer first
+    met there keeps transformers' class -- the attention reads the same fields -- and
+    gets ours (``crop``, the past recording) on its first eager call."""
     hca, csa = _cache_classes()
     layer = cache.layers[idx]
-    if isinstance(layer, (hca, csa)):
+    if isinstance(layer, (hca, csa)) or _torch().compiler.is_compiling():
         return layer
     mdl = _check_version()
     if type(layer) is mdl.DeepseekV4CSACache:
