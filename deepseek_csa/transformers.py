@@ -66,13 +66,14 @@ up to such ties the selection is transformers'.
 Covered: float32 and bfloat16 CPU models, batch >= 1, padded batches (a 2-D attention
 mask with left or right padding) and position ids that differ per row, prefill, chunked
 prefill, decode, greedy / sampling / beam search through ``generate()``, sliding, CSA
-and HCA layers, any subset of layers, and training: in ``model.train()`` with grad
-enabled a swapped layer autograd must record runs through the differentiable ops of
-``deepseek_csa.torch`` (``rms_norm``, ``apply_rotary_emb``, ``gated_pool``,
-``sparse_attn``), so ``loss.backward()`` runs on our backward kernels (QAT roundings
-straight-through; the indexer's selection discrete, no gradient); padded batches and
-per-row positions train the same way (the same index lists and per-row RoPE tables as
-inference).  ``capture_indexer(model)`` hands back, per CSA layer, the indexer's q / k /
+and HCA layers, any subset of layers, and training: inference and training are one path,
+every kernel a ``torch.ops.deepseek_csa`` operator (``rms_norm``, ``apply_rope``,
+``gated_pool``, ``index_topk``, ``sparse_attn``, ...) called through
+``deepseek_csa.torch.ops.call``, so with autograd recording ``loss.backward()`` runs on
+our backward kernels (QAT roundings straight-through; the indexer's selection discrete,
+no gradient), padded batches and per-row positions train as they infer, and a swapped
+model compiles (``torch.compile``, no graph break of ours, ``fullgraph=True`` for a
+layer) and exports (``torch.export``, non-strict; docs/transformers.md).  ``capture_indexer(model)`` hands back, per CSA layer, the indexer's q / k /
 weights (from inputs detached from the main graph), its selection and the attention
 target, for ``deepseek_csa.torch.indexer_kl_loss`` (docs/layers.md, "Training through
 the transformers swap").
@@ -667,8 +668,9 @@ def _make_forward(st, m):
 
 
 # ----------------------------------------------------------------------------- attention
-# The differentiable ops of deepseek_csa.torch (docs/kernels.md section 11) that
-# capture_indexer's records use (indexer_kl_loss); a build without them falls back.
+# The differentiable functions of deepseek_csa.torch (docs/kernels.md section 11): a
+# build without them falls back in training, and capture_indexer (whose records'
+# loss() is deepseek_csa.torch.indexer_kl_loss) refuses.
 _GRAD_MAIN = ("sparse_attn_weights", "gated_pool")
 # Training memory: autograd would keep four [B, S, H, D] tensors per swapped layer (the
 # query projection for the norm's backward, the rotated query and the attention output
