@@ -31,8 +31,7 @@ from test_transformers_bridge import ids_for, make_model  # noqa: E402
 SLOW = pytest.mark.skipif(os.environ.get("DEEPSEEK_CSA_SLOW") != "1",
                           reason="Inductor compiles C++ (~1 min cold): DEEPSEEK_CSA_SLOW=1 runs it")
 KINDS = ["compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"]
-L5 = ["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention",
-      "compressed_sparse_attention", "heavily_compressed_attention"]
+L3 = ["compressed_sparse_attention", "sliding_attention", "heavily_compressed_attention"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -142,17 +141,23 @@ def _breaks(m, ids, **kw):
     return e.graph_break_count, ours
 
 
-@pytest.mark.parametrize("use_cache", [False, True])
-def test_model_no_graph_break_of_ours(use_cache):
-    """A swapped 5-layer model (HCA, CSA, sliding, CSA, HCA) breaks Dynamo's graph no more
-    often than transformers' eager one, and never in deepseek_csa."""
-    m = make_model(L5)
-    ids = ids_for(1, 40, seed=4)
-    eager, _ = _breaks(m, ids, use_cache=use_cache)
+@pytest.mark.parametrize("case", ["no cache", "cache", "padded"])
+def test_model_no_graph_break_of_ours(case):
+    """A swapped 3-layer model (CSA, sliding, HCA) breaks Dynamo's graph no more
+    often than transformers' eager one, and never in deepseek_csa: without a cache, with
+    one, and with a padded batch's 2-D mask and per-row position ids (generate()'s)."""
+    m = make_model(L3)
+    ids = ids_for(2, 40, seed=4)
+    kw = dict(use_cache=case != "no cache")
+    if case == "padded":
+        am = torch.ones(2, 40, dtype=torch.long)
+        am[1, :7] = 0
+        kw.update(attention_mask=am, position_ids=(am.cumsum(-1) - 1).masked_fill(am == 0, 1))
     with dch.swapped(m):
-        swapped, ours = _breaks(m, ids, use_cache=use_cache)
+        swapped, ours = _breaks(m, ids, **kw)
     assert not ours, ours
-    assert swapped <= eager
+    if swapped:            # (transformers' own model traces in one graph today)
+        assert swapped <= _breaks(m, ids, **kw)[0]
 
 
 def test_generate_compiled_same_tokens():
@@ -162,10 +167,10 @@ def test_generate_compiled_same_tokens():
     m = make_model(["compressed_sparse_attention", "heavily_compressed_attention"], seed=7)
     ids = ids_for(1, 21, seed=5)
     with torch.no_grad(), dch.swapped(m):
-        ref = m.generate(ids, max_new_tokens=6, do_sample=False)
+        ref = m.generate(ids, max_new_tokens=4, do_sample=False)
         m.forward = torch.compile(m.forward, backend="eager")
         try:
-            got = m.generate(ids, max_new_tokens=6, do_sample=False)
+            got = m.generate(ids, max_new_tokens=4, do_sample=False)
         finally:
             del m.forward
     assert torch.equal(got, ref)
