@@ -743,6 +743,11 @@ def _indexer_select(st, m, layer, h, qr, cos, sin, pos, start, off, T):
                          start, off)
 
 
+def _indexer_inputs(h, qr):
+    """The indexer's inputs cut from the main graph (it learns only from its KL loss)."""
+    return h.detach(), qr.detach()
+
+
 def _indexer_capture(st, m, layer, h, qr, cos, sin, pos, off, T, grad_mode):
     """The indexer under capture_indexer: q / k / weights computed by the operators
     from the *detached* hidden states and query residual (the indexer learns only from
@@ -755,7 +760,7 @@ def _indexer_capture(st, m, layer, h, qr, cos, sin, pos, off, T, grad_mode):
     B, S, _ = h.shape
     start = int(pos[0, 0]) if pos.numel() else 0
     with torch.set_grad_enabled(grad_mode):
-        hd, qrd = h.detach(), qr.detach()
+        hd, qrd = _indexer_inputs(h, qr)
         keys = _compress(ix, layer, "indexer", hd, True, _qat_index if st.qat else None)
         if not T:
             return None, None

@@ -2,7 +2,9 @@
 bridge, the kernel module (load_model_py, generate) and the NumPy layer.  apply()
 monkeypatches (format: run.py).  A bridge's calls into the C kernels go through its
 module's ``_dc`` name, so a mutant replaces that name in ONE module by a copy of
-deepseek_csa whose function is wrong, and the other bridges stay correct."""
+deepseek_csa whose function is wrong, and the other bridges stay correct; the
+transformers bridge calls the operators through its module's ``_call``, which its
+mutants wrap."""
 import types
 
 
@@ -65,18 +67,34 @@ def _torch_attn_1e4():
 
 
 # -------------------------------------------------------------- transformers bridge
+def _patch_tf_call(opname, wrap):
+    """The transformers bridge calls every operator through its module's ``_call``:
+    ``opname``'s calls become wrap(real _call, *args)."""
+    import deepseek_csa.transformers as T
+    real = T._call
+
+    def call(name, *args):
+        if name == opname:
+            return wrap(real, *args)
+        return real(name, *args)
+    T._call = call
+
+
 def _tf_qat_kv_dropped():
     import deepseek_csa.transformers as T
-    T._qat_kv = lambda x, rd: None
+    T._qat_kv = lambda x, rd: x
 
 
 def _tf_qat_index_no_hadamard():
     import deepseek_csa.transformers as T
-    T._qat_index = lambda x: T._dc.fp4_round(x, 32)
+    T._qat_index = lambda x, rd=None: T._call("fp4_round", x, 32, "ue8m0")
 
 
 def _tf_attn_1e4():
-    _patch_dc("deepseek_csa.transformers", "sparse_attn", _output_times(1 + 1e-4))
+    def wrap(real, *a):
+        out, lse = real("sparse_attn", *a)
+        return out * (1 + 1e-4), lse
+    _patch_tf_call("sparse_attn", wrap)
 
 
 # -------------------------------------------------------------- the NumPy layer
@@ -101,8 +119,8 @@ def _quant_act_fp32():
 
 
 def _tf_hc_iters():
-    _patch_dc("deepseek_csa.transformers", "hc_split_sinkhorn",
-              lambda fn: lambda m, sc, b, h, iters, eps: fn(m, sc, b, h, iters - 1, eps))
+    _patch_tf_call("hc_split_sinkhorn", lambda real, m, sc, b, h, iters, eps:
+                   real("hc_split_sinkhorn", m, sc, b, h, iters - 1, eps))
 
 
 def _tf_crop_keeps_overlap():

@@ -1,7 +1,7 @@
-"""Python mutants of the transformers training path (deepseek_csa/transformers.py):
-each ``apply()`` plants one realistic bug; tests/test_grad_transformers.py must fail
-with every one of them (in the 'standin' mode today, in both modes once the real
-differentiable ops land).  Run one by hand:
+"""Python mutants of the transformers training path (deepseek_csa/transformers.py, the
+one attention path that autograd records in training): each ``apply()`` plants one
+realistic bug; tests/test_grad_transformers.py must fail with every one of them.  Run
+one by hand:
 
     CSA_PY_MUTANT=m_grad_transformers:<name> .venv/bin/python -m pytest -q \\
         tests/test_grad_transformers.py -x
@@ -10,46 +10,53 @@ differentiable ops land).  Run one by hand:
 TARGETS = ["tests/test_grad_transformers.py"]
 
 
-class _OpsProxy:
-    """deepseek_csa.torch as the swap sees it, with some ops replaced (the others are
-    resolved on the real module at call time, so the tests' stand-in still applies)."""
-
-    def __init__(self, **over):
-        self._over = over
-
-    def __getattr__(self, name):
-        import deepseek_csa.torch as dct
-        f = self._over.get(name)
-        if f is None:
-            return getattr(dct, name)
-        return lambda *a, **k: f(getattr(dct, name), *a, **k)
-
-
-def _proxy(**over):
+def _patch_call(**over):
+    """The bridge calls every operator through its module's ``_call``: the named ones
+    become over[name](real _call, *args)."""
     import deepseek_csa.transformers as dch
-    dch._dct = lambda: _OpsProxy(**over)
+    real = dch._call
+
+    def call(name, *args):
+        f = over.get(name)
+        return real(name, *args) if f is None else f(real, *args)
+    dch._call = call
 
 
 def _sink_no_grad():
-    _proxy(sparse_attn=lambda real, q, kv, sink, idx, sc: real(q, kv, sink.detach(), idx, sc))
+    _patch_call(sparse_attn=lambda real, q, kv, sink, idx, sc:
+                real("sparse_attn", q, kv, sink.detach(), idx, sc))
 
 
 def _compressor_detached():
-    _proxy(gated_pool=lambda real, kv, score, ratio, **k: real(kv.detach(), score, ratio, **k))
+    _patch_call(gated_pool=lambda real, kv, score, ratio, ape, ov:
+                real("gated_pool", kv.detach(), score, ratio, ape, ov))
 
 
 def _gate_detached():
-    def f(real, kv, score, ratio, ape=None, **k):
-        return real(kv, score.detach(), ratio, ape=None if ape is None else ape.detach(), **k)
-    _proxy(gated_pool=f)
+    _patch_call(gated_pool=lambda real, kv, score, ratio, ape, ov:
+                real("gated_pool", kv, score.detach(), ratio, ape, ov))
 
 
 def _no_ape():
-    _proxy(gated_pool=lambda real, kv, score, ratio, ape=None, **k: real(kv, score, ratio, **k))
+    # the compressors pool without their position_bias
+    import torch
+    import deepseek_csa.transformers as dch
+    real = dch._compress
+
+    def compress(mod, *a, **k):
+        saved = mod._parameters["position_bias"]
+        mod._parameters["position_bias"] = torch.nn.Parameter(torch.zeros_like(saved),
+                                                              saved.requires_grad)
+        try:
+            return real(mod, *a, **k)
+        finally:
+            mod._parameters["position_bias"] = saved
+    dch._compress = compress
 
 
 def _out_rope_not_inverted():
-    _proxy(apply_rotary_emb=lambda real, x, f, inverse=False: real(x, f, inverse=False))
+    _patch_call(apply_rope=lambda real, x, c, s, inverse: real("apply_rope", x, c, s, False),
+                apply_rope_=lambda real, x, c, s, inverse: real("apply_rope_", x, c, s, False))
 
 
 def _capture_not_detached():
@@ -58,12 +65,9 @@ def _capture_not_detached():
 
 
 def _ste_zero():
-    import deepseek_csa.transformers as dch
-    real = dch._ste
-
-    def ste(x, fn):
-        return real(x, fn) * 0 + real(x, fn).detach()
-    dch._ste = ste
+    # QAT roundings that pass no gradient (the input detached)
+    _patch_call(fp8_round=lambda real, x, b, sc: real("fp8_round", x.detach(), b, sc),
+                fp4_round=lambda real, x, b, sc: real("fp4_round", x.detach(), b, sc))
 
 
 def _target_window_slots():
@@ -73,10 +77,8 @@ def _target_window_slots():
     def f(st, m, rec, q, kvbuf, idx, pos, off, T):
         real(st, m, rec, q, kvbuf, idx, pos, off, T)
         K = rec.topk_idxs.shape[-1]
-        import deepseek_csa.torch as dct
-        import torch
-        w = dct.sparse_attn_weights(q.detach(), kvbuf.detach(), m.sinks.detach().float(),
-                                    torch.from_numpy(idx), float(m.scaling))
+        w = dch._call("sparse_attn_weights", q.detach(), kvbuf.detach(),
+                      m.sinks.detach().float(), idx, float(m.scaling))
         rec.attn_target = w[..., :K].contiguous()
     dch._capture_target = f
 
