@@ -1,9 +1,10 @@
 """STAND-IN for the differentiable deepseek_csa.torch ops (docs/kernels.md section 11), in
-plain torch (autograd does the backward).  Test-only: the transformers training path
-(deepseek_csa/transformers.py) runs on it in the tests' 'standin' mode, so the path's own
-wiring (which tensors reach which op, what is detached, the straight-through roundings)
-is checked against torch autograd independently of our C backward kernels, which the
-'real' mode and tests/test_grad_*.py check.  Same names, signatures and semantics:
+plain torch (autograd does the backward).  Test-only: in tests/test_grad_transformers.py's
+'standin' mode it serves ``deepseek_csa.torch.indexer_kl_loss`` for capture_indexer's
+records, so the KL objective's wiring is checked against torch autograd independently of
+our C backward kernels (the swapped attention itself calls the torch.ops.deepseek_csa
+operators in both modes; their backward kernels are checked by tests/test_grad_*.py and
+tests/test_ops.py).  Same names, signatures and semantics:
 
     sparse_attn(q, kv, attn_sink, topk_idxs, softmax_scale)            differentiable
     sparse_attn_weights(q, kv, attn_sink, topk_idxs, softmax_scale)    no grad

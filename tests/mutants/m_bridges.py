@@ -3,8 +3,8 @@ bridge, the kernel module (load_model_py, generate) and the NumPy layer.  apply(
 monkeypatches (format: run.py).  A bridge's calls into the C kernels go through its
 module's ``_dc`` name, so a mutant replaces that name in ONE module by a copy of
 deepseek_csa whose function is wrong, and the other bridges stay correct; the
-transformers bridge calls the operators through its module's ``_call``, which its
-mutants wrap."""
+transformers bridge calls the operators through its attention module's ``_call``,
+which its mutants wrap."""
 import types
 
 
@@ -68,9 +68,9 @@ def _torch_attn_1e4():
 
 # -------------------------------------------------------------- transformers bridge
 def _patch_tf_call(opname, wrap):
-    """The transformers bridge calls every operator through its module's ``_call``:
-    ``opname``'s calls become wrap(real _call, *args)."""
-    import deepseek_csa.transformers as T
+    """The transformers bridge calls every operator through its attention module's
+    ``_call``: ``opname``'s calls become wrap(real _call, *args)."""
+    import deepseek_csa.transformers.attention as T
     real = T._call
 
     def call(name, *args):
@@ -81,12 +81,12 @@ def _patch_tf_call(opname, wrap):
 
 
 def _tf_qat_kv_dropped():
-    import deepseek_csa.transformers as T
+    import deepseek_csa.transformers.attention as T
     T._qat_kv = lambda x, rd: x
 
 
 def _tf_qat_index_no_hadamard():
-    import deepseek_csa.transformers as T
+    import deepseek_csa.transformers.attention as T
     T._qat_index = lambda x, rd=None: T._call("fp4_round", x, 32, "ue8m0")
 
 

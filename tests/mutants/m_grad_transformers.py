@@ -1,4 +1,4 @@
-"""Python mutants of the transformers training path (deepseek_csa/transformers.py, the
+"""Python mutants of the transformers training path (deepseek_csa/transformers/, the
 one attention path that autograd records in training): each ``apply()`` plants one
 realistic bug; tests/test_grad_transformers.py must fail with every one of them.  Run
 one by hand:
@@ -11,9 +11,9 @@ TARGETS = ["tests/test_grad_transformers.py"]
 
 
 def _patch_call(**over):
-    """The bridge calls every operator through its module's ``_call``: the named ones
-    become over[name](real _call, *args)."""
-    import deepseek_csa.transformers as dch
+    """The bridge calls every operator through its attention module's ``_call``: the
+    named ones become over[name](real _call, *args)."""
+    import deepseek_csa.transformers.attention as dch
     real = dch._call
 
     def call(name, *args):
@@ -40,7 +40,7 @@ def _gate_detached():
 def _no_ape():
     # the compressors pool without their position_bias
     import torch
-    import deepseek_csa.transformers as dch
+    import deepseek_csa.transformers.attention as dch
     real = dch._compress
 
     def compress(mod, *a, **k):
@@ -60,7 +60,7 @@ def _out_rope_not_inverted():
 
 
 def _capture_not_detached():
-    import deepseek_csa.transformers as dch
+    import deepseek_csa.transformers.capture as dch
     dch._indexer_inputs = lambda h, qr: (h, qr)
 
 
@@ -71,13 +71,14 @@ def _ste_zero():
 
 
 def _target_window_slots():
-    import deepseek_csa.transformers as dch
+    import deepseek_csa.transformers.attention as A
+    import deepseek_csa.transformers.capture as dch
     real = dch._capture_target
 
     def f(st, m, rec, q, kvbuf, idx, pos, off, T):
         real(st, m, rec, q, kvbuf, idx, pos, off, T)
         K = rec.topk_idxs.shape[-1]
-        w = dch._call("sparse_attn_weights", q.detach(), kvbuf.detach(),
+        w = A._call("sparse_attn_weights", q.detach(), kvbuf.detach(),
                       m.sinks.detach().float(), idx, float(m.scaling))
         rec.attn_target = w[..., :K].contiguous()
     dch._capture_target = f
