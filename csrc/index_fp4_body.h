@@ -1,0 +1,211 @@
+/* One width and one dot-product instruction of the FP4 tile scorer (index_fp4_impl.h);
+ * included once per (level, instruction) with these defined:
+ *   IX4B_NAME  the function's name            IX4B_W  512 or 256 (vector bits)
+ *   IX4B_VNNI  1: VPDPBUSD, 0: VPMADDUBSW + VPMADDWD
+ * Keys sit in the int32 lanes (IX4B_W / 32 of them: the tile of index_fp4_impl.h), so
+ * each lane runs the oracle's per-key float32 steps in the oracle's order, heads one
+ * after the other. */
+
+#if IX4B_W == 512
+#define VI __m512i
+#define VF __m512
+#define I_SET1 _mm512_set1_epi32
+#define I_ADD _mm512_add_epi32
+#define I_LOAD(p) _mm512_load_si512((const void *)(p))
+#define I_SLLI _mm512_slli_epi32
+#define F_CVT _mm512_cvtepi32_ps
+#define F_MUL _mm512_mul_ps
+#define F_ADD _mm512_add_ps
+#define F_MAX _mm512_max_ps
+#define F_SET1 _mm512_set1_ps
+#define F_ZERO _mm512_setzero_ps
+#define F_STOREU _mm512_storeu_ps
+#define CASTF _mm512_castsi512_ps
+#if IX4B_VNNI
+#define DP2(a0, a1, k0, k1, q0, q1)                                                        \
+    do {                                                                                   \
+        a0 = _mm512_dpbusd_epi32(a0, k0, _mm512_set1_epi32(q0));                           \
+        a1 = _mm512_dpbusd_epi32(a1, k1, _mm512_set1_epi32(q1));                           \
+    } while (0)
+#else
+#define DP2(a0, a1, k0, k1, q0, q1)                                                        \
+    do {                                                                                   \
+        const __m512i pr_ = _mm512_add_epi16(_mm512_maddubs_epi16(k0, _mm512_set1_epi32(q0)), \
+                                             _mm512_maddubs_epi16(k1, _mm512_set1_epi32(q1))); \
+        a0 = _mm512_add_epi32(a0, _mm512_madd_epi16(pr_, _mm512_set1_epi16(1)));           \
+    } while (0)
+#endif
+#else
+#define VI __m256i
+#define VF __m256
+#define I_SET1 _mm256_set1_epi32
+#define I_ADD _mm256_add_epi32
+#define I_LOAD(p) _mm256_load_si256((const __m256i *)(p))
+#define I_SLLI _mm256_slli_epi32
+#define F_CVT _mm256_cvtepi32_ps
+#define F_MUL _mm256_mul_ps
+#define F_ADD _mm256_add_ps
+#define F_MAX _mm256_max_ps
+#define F_SET1 _mm256_set1_ps
+#define F_ZERO _mm256_setzero_ps
+#define F_STOREU _mm256_storeu_ps
+#define CASTF _mm256_castsi256_ps
+#define DP2(a0, a1, k0, k1, q0, q1)                                                        \
+    do {                                                                                   \
+        const __m256i pr_ = _mm256_add_epi16(_mm256_maddubs_epi16(k0, _mm256_set1_epi32(q0)), \
+                                             _mm256_maddubs_epi16(k1, _mm256_set1_epi32(q1))); \
+        a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(pr_, _mm256_set1_epi16(1)));           \
+    } while (0)
+#endif
+#define NKB (IX4B_W / 32)
+
+static inline int32_t IX4B_CAT(IX4B_NAME, _ld32)(const int8_t *q)
+{
+    int32_t v;
+    memcpy(&v, q, 4);
+    return v;
+}
+#define LD32 IX4B_CAT(IX4B_NAME, _ld32)
+
+/* 2^(e - 129) per lane, e = ekb + eq: the scale of a product of two 2x codes (the
+ * range checks of the caller keep the exponent field in [1, 254]). */
+#define SCALE(ekb, eq) CASTF(I_SLLI(I_ADD(ekb, I_SET1((eq) - 129)), 23))
+
+/* Dots of NH heads (h0 ..) whose q is prescaled, against a tile of prescaled keys:
+ * one integer sum over all Di features each, converted and scaled once (exact: see
+ * index_fp4_impl.h). */
+static inline __attribute__((always_inline)) void
+IX4B_CAT(IX4B_NAME, _fast)(const int nh, const uint8_t *qop, const int32_t *hcorr,
+                           const int32_t *heqf, csa_idx h0, csa_idx Di, const uint8_t *kv,
+                           VI ekb0, VF *dot)
+{
+    VI a0[4], a1[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < nh; i++) {
+        a0[i] = I_SET1(hcorr[h0 + i]);
+        a1[i] = I_SET1(0);
+    }
+    const int8_t *q = (const int8_t *)qop + h0 * Di;
+    for (csa_idx f = 0; f < Di / 4; f += 2) {
+        const VI k0 = I_LOAD(kv + f * (NKB * 4)), k1 = I_LOAD(kv + (f + 1) * (NKB * 4));
+#pragma GCC unroll 4
+        for (int i = 0; i < nh; i++) DP2(a0[i], a1[i], k0, k1, LD32(q + i * Di + 4 * f), LD32(q + i * Di + 4 * f + 4));
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < nh; i++)
+        dot[i] = F_MUL(F_CVT(I_ADD(a0[i], a1[i])), SCALE(ekb0, heqf[h0 + i]));
+}
+
+/* The dot of head h block by block: each block's integer sum converted and scaled
+ * (exact), added to the dot in block order, as the oracle does. */
+static inline VF IX4B_CAT(IX4B_NAME, _blocks)(const uint8_t *qop, const int32_t *hcorrb,
+                                              const int32_t *heqb, csa_idx h, csa_idx Di,
+                                              const uint8_t *kv, const int32_t *ekb)
+{
+    const csa_idx nb = Di / 32;
+    const int8_t *q = (const int8_t *)qop + h * Di;
+    VF dot = F_ZERO();
+    for (csa_idx j = 0; j < nb; j++) {
+        VI a0 = I_SET1(hcorrb[h * nb + j]), a1 = I_SET1(0);
+#pragma GCC unroll 4
+        for (csa_idx f = 8 * j; f < 8 * j + 8; f += 2)
+            DP2(a0, a1, I_LOAD(kv + f * (NKB * 4)), I_LOAD(kv + (f + 1) * (NKB * 4)),
+                LD32(q + 4 * f), LD32(q + 4 * f + 4));
+        const VF c = F_MUL(F_CVT(I_ADD(a0, a1)), SCALE(I_LOAD(ekb + j * NKB), heqb[h * nb + j]));
+        dot = F_ADD(dot, c);
+    }
+    return dot;
+}
+
+/* tot + relu(dot) * w, the product rounded on its own (the oracle's, never fused). */
+static inline VF IX4B_CAT(IX4B_NAME, _acc)(VF tot, VF dot, float w)
+{
+    VF m = F_MUL(F_MAX(F_ZERO(), dot), F_SET1(w)); /* max(0, NaN) = NaN, max(0, -0) = -0 */
+    __asm__("" : "+v"(m));
+    return F_ADD(tot, m);
+}
+
+/* Scores of query row (b, s), packed in qb, against keys [t0, t1) whose tiles start at
+ * kt0 = t0 in kc; tiles whose keys all lie in unkept candidate blocks are skipped. */
+static void IX4B_NAME(const struct ix_call *x, const uint8_t *qb, csa_idx b, csa_idx s,
+                      const uint8_t *kc, csa_idx kt0, csa_idx t0, csa_idx t1,
+                      const uint8_t *cm, csa_idx scn, csa_idx bs, float *o)
+{
+    const struct csa_index_problem *p = x->p;
+    const csa_idx Hi = p->Hi, Di = p->Di, nb = Di / 32;
+    struct CSA_V(ix4_geo) g;
+    CSA_V(ix4_row_geo)(p, &g);
+    const size_t TB = CSA_V(ix4_tile_bytes)(Di, NKB);
+    const int32_t *qh = (const int32_t *)qb;
+    const uint8_t *qop = qb + g.qop;
+    const int32_t *hnice = (const int32_t *)(qb + g.hnice), *hcorr = (const int32_t *)(qb + g.hcorr);
+    const int32_t *heqf = (const int32_t *)(qb + g.heqf), *hcorrb = (const int32_t *)(qb + g.hcorrb);
+    const int32_t *heqb = (const int32_t *)(qb + g.heqb);
+    const float *w = (const float *)(qb + g.w);
+    const int fast_q = qh[3] && Di <= IX4_FAST_DI;
+    for (csa_idx t = t0; t < t1; t += NKB) {
+        const csa_idx nk = imin(NKB, t1 - t);
+        if (cand_tile_skipped(cm, scn, bs, t, nk)) continue;
+        const uint8_t *tile = kc + (size_t)((t - kt0) / NKB) * TB;
+        const int32_t *th = (const int32_t *)tile;
+        if (qh[0] || th[0] == IX4_TILE_SCALAR || th[1] + qh[1] < 130 || th[2] + qh[2] > 360) {
+            CSA_V(ix4_scalar)(x, b, s, t, t + nk, o);
+            continue;
+        }
+        const int32_t *ekb = (const int32_t *)(tile + 64);
+        const uint8_t *kv = tile + 64 + (size_t)nb * NKB * 4;
+        VF tot = F_ZERO();
+        if (fast_q && th[0] == IX4_TILE_FAST) {
+            /* every head prescaled, every key too: the one-sum path, 4 heads a pass */
+            const VI ekb0 = I_LOAD(ekb);
+            csa_idx h = 0;
+            for (; h + 4 <= Hi; h += 4) {
+                VF dot[4];
+                IX4B_CAT(IX4B_NAME, _fast)(4, qop, hcorr, heqf, h, Di, kv, ekb0, dot);
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; i++) tot = IX4B_CAT(IX4B_NAME, _acc)(tot, dot[i], w[h + i]);
+            }
+            for (; h < Hi; h++) {
+                VF dot[4];
+                IX4B_CAT(IX4B_NAME, _fast)(1, qop, hcorr, heqf, h, Di, kv, ekb0, dot);
+                tot = IX4B_CAT(IX4B_NAME, _acc)(tot, dot[0], w[h]);
+            }
+        } else {
+            const VI ekb0 = I_LOAD(ekb);
+            for (csa_idx h = 0; h < Hi; h++) {
+                VF dot[4];
+                if (hnice[h] && th[0] == IX4_TILE_FAST && Di <= IX4_FAST_DI)
+                    IX4B_CAT(IX4B_NAME, _fast)(1, qop, hcorr, heqf, h, Di, kv, ekb0, dot);
+                else
+                    dot[0] = IX4B_CAT(IX4B_NAME, _blocks)(qop, hcorrb, heqb, h, Di, kv, ekb);
+                tot = IX4B_CAT(IX4B_NAME, _acc)(tot, dot[0], w[h]);
+            }
+        }
+        if (nk == NKB) {
+            F_STOREU(o + t, tot);
+        } else {
+            float tmp[NKB];
+            F_STOREU(tmp, tot);
+            for (csa_idx n = 0; n < nk; n++) o[t + n] = tmp[n];
+        }
+    }
+}
+
+#undef VI
+#undef VF
+#undef I_SET1
+#undef I_ADD
+#undef I_LOAD
+#undef I_SLLI
+#undef F_CVT
+#undef F_MUL
+#undef F_ADD
+#undef F_MAX
+#undef F_SET1
+#undef F_ZERO
+#undef F_STOREU
+#undef CASTF
+#undef DP2
+#undef NKB
+#undef LD32
+#undef SCALE
