@@ -120,9 +120,17 @@ static inline VF IX4B_CAT(IX4B_NAME, _blocks)(const uint8_t *qop, const int32_t 
 /* tot + relu(dot) * w, the product rounded on its own (the oracle's, never fused). */
 static inline VF IX4B_CAT(IX4B_NAME, _acc)(VF tot, VF dot, float w)
 {
+#ifdef CSA_MUTANT_FP4_INDEX_FUSE /* planted (make mutants): one rounding, not the oracle's two */
+#if IX4B_W == 512
+    return _mm512_fmadd_ps(F_MAX(F_ZERO(), dot), F_SET1(w), tot);
+#else
+    return _mm256_fmadd_ps(F_MAX(F_ZERO(), dot), F_SET1(w), tot);
+#endif
+#else
     VF m = F_MUL(F_MAX(F_ZERO(), dot), F_SET1(w)); /* max(0, NaN) = NaN, max(0, -0) = -0 */
     __asm__("" : "+v"(m));
     return F_ADD(tot, m);
+#endif
 }
 
 /* Scores of query row (b, s), packed in qb, against keys [t0, t1) whose tiles start at

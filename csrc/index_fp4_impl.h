@@ -181,7 +181,11 @@ static void CSA_V(ix4_pack_keys)(const struct csa_index_problem *p, csa_idx b, c
 #if defined(__AVX2__)
     typedef CSA_V(vf) vf;
     const csa_idx Di = p->Di, nb = Di / 32, NK = IX4_NK;
+#ifndef CSA_MUTANT_FP4_INDEX_SPREAD
     const int vn = CSA_V(ix4_vnni)(), dk = vn ? 3 : 2, off = vn ? 128 : 48;
+#else /* planted (make mutants): keys whose blocks spread by one more octave prescaled too */
+    const int vn = CSA_V(ix4_vnni)(), dk = vn ? 4 : 3, off = vn ? 128 : 48;
+#endif
     const size_t TB = CSA_V(ix4_tile_bytes)(Di, NK);
     __m128i lut[4];
     for (int de = 0; de < 4; de++) {
