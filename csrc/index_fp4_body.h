@@ -22,18 +22,14 @@
 #define F_STOREU _mm512_storeu_ps
 #define CASTF _mm512_castsi512_ps
 #if IX4B_VNNI
-#define DP2(a0, a1, k0, k1, q0, q1)                                                        \
-    do {                                                                                   \
-        a0 = _mm512_dpbusd_epi32(a0, k0, _mm512_set1_epi32(q0));                           \
-        a1 = _mm512_dpbusd_epi32(a1, k1, _mm512_set1_epi32(q1));                           \
-    } while (0)
+#define DP2(a, k0, k1, q0, q1)                                                             \
+    a = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a, k0, _mm512_set1_epi32(q0)), k1,         \
+                            _mm512_set1_epi32(q1))
 #else
-#define DP2(a0, a1, k0, k1, q0, q1)                                                        \
-    do {                                                                                   \
-        const __m512i pr_ = _mm512_add_epi16(_mm512_maddubs_epi16(k0, _mm512_set1_epi32(q0)), \
-                                             _mm512_maddubs_epi16(k1, _mm512_set1_epi32(q1))); \
-        a0 = _mm512_add_epi32(a0, _mm512_madd_epi16(pr_, _mm512_set1_epi16(1)));           \
-    } while (0)
+#define DP2(a, k0, k1, q0, q1)                                                             \
+    a = _mm512_add_epi32(a, _mm512_madd_epi16(_mm512_add_epi16(                            \
+            _mm512_maddubs_epi16(k0, _mm512_set1_epi32(q0)),                               \
+            _mm512_maddubs_epi16(k1, _mm512_set1_epi32(q1))), _mm512_set1_epi16(1)))
 #endif
 #else
 #define VI __m256i
@@ -50,14 +46,15 @@
 #define F_ZERO _mm256_setzero_ps
 #define F_STOREU _mm256_storeu_ps
 #define CASTF _mm256_castsi256_ps
-#define DP2(a0, a1, k0, k1, q0, q1)                                                        \
-    do {                                                                                   \
-        const __m256i pr_ = _mm256_add_epi16(_mm256_maddubs_epi16(k0, _mm256_set1_epi32(q0)), \
-                                             _mm256_maddubs_epi16(k1, _mm256_set1_epi32(q1))); \
-        a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(pr_, _mm256_set1_epi16(1)));           \
-    } while (0)
+#define DP2(a, k0, k1, q0, q1)                                                             \
+    a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_add_epi16(                            \
+            _mm256_maddubs_epi16(k0, _mm256_set1_epi32(q0)),                               \
+            _mm256_maddubs_epi16(k1, _mm256_set1_epi32(q1))), _mm256_set1_epi16(1)))
 #endif
 #define NKB (IX4B_W / 32)
+/* heads a pass of the one-sum path: 8 accumulator chains cover VPDPBUSD's latency (5)
+ * and each key register feeds 16 dot products (4 heads: 8, and a key load per 4) */
+#define IX4B_HB 8
 
 static inline int32_t IX4B_CAT(IX4B_NAME, _ld32)(const int8_t *q)
 {
@@ -79,21 +76,18 @@ IX4B_CAT(IX4B_NAME, _fast)(const int nh, const uint8_t *qop, const int32_t *hcor
                            const int32_t *heqf, csa_idx h0, csa_idx Di, const uint8_t *kv,
                            VI ekb0, VF *dot)
 {
-    VI a0[4], a1[4];
-#pragma GCC unroll 4
-    for (int i = 0; i < nh; i++) {
-        a0[i] = I_SET1(hcorr[h0 + i]);
-        a1[i] = I_SET1(0);
-    }
+    VI a[IX4B_HB];
+#pragma GCC unroll 8
+    for (int i = 0; i < nh; i++) a[i] = I_SET1(hcorr[h0 + i]);
     const int8_t *q = (const int8_t *)qop + h0 * Di;
+#pragma GCC unroll 2
     for (csa_idx f = 0; f < Di / 4; f += 2) {
         const VI k0 = I_LOAD(kv + f * (NKB * 4)), k1 = I_LOAD(kv + (f + 1) * (NKB * 4));
-#pragma GCC unroll 4
-        for (int i = 0; i < nh; i++) DP2(a0[i], a1[i], k0, k1, LD32(q + i * Di + 4 * f), LD32(q + i * Di + 4 * f + 4));
+#pragma GCC unroll 8
+        for (int i = 0; i < nh; i++) DP2(a[i], k0, k1, LD32(q + i * Di + 4 * f), LD32(q + i * Di + 4 * f + 4));
     }
-#pragma GCC unroll 4
-    for (int i = 0; i < nh; i++)
-        dot[i] = F_MUL(F_CVT(I_ADD(a0[i], a1[i])), SCALE(ekb0, heqf[h0 + i]));
+#pragma GCC unroll 8
+    for (int i = 0; i < nh; i++) dot[i] = F_MUL(F_CVT(a[i]), SCALE(ekb0, heqf[h0 + i]));
 }
 
 /* The dot of head h block by block: each block's integer sum converted and scaled
@@ -106,12 +100,12 @@ static inline VF IX4B_CAT(IX4B_NAME, _blocks)(const uint8_t *qop, const int32_t 
     const int8_t *q = (const int8_t *)qop + h * Di;
     VF dot = F_ZERO();
     for (csa_idx j = 0; j < nb; j++) {
-        VI a0 = I_SET1(hcorrb[h * nb + j]), a1 = I_SET1(0);
+        VI a = I_SET1(hcorrb[h * nb + j]);
 #pragma GCC unroll 4
         for (csa_idx f = 8 * j; f < 8 * j + 8; f += 2)
-            DP2(a0, a1, I_LOAD(kv + f * (NKB * 4)), I_LOAD(kv + (f + 1) * (NKB * 4)),
-                LD32(q + 4 * f), LD32(q + 4 * f + 4));
-        const VF c = F_MUL(F_CVT(I_ADD(a0, a1)), SCALE(I_LOAD(ekb + j * NKB), heqb[h * nb + j]));
+            DP2(a, I_LOAD(kv + f * (NKB * 4)), I_LOAD(kv + (f + 1) * (NKB * 4)), LD32(q + 4 * f),
+                LD32(q + 4 * f + 4));
+        const VF c = F_MUL(F_CVT(a), SCALE(I_LOAD(ekb + j * NKB), heqb[h * nb + j]));
         dot = F_ADD(dot, c);
     }
     return dot;
@@ -164,24 +158,25 @@ static void IX4B_NAME(const struct ix_call *x, const uint8_t *qb, csa_idx b, csa
         const uint8_t *kv = tile + 64 + (size_t)nb * NKB * 4;
         VF tot = F_ZERO();
         if (fast_q && th[0] == IX4_TILE_FAST) {
-            /* every head prescaled, every key too: the one-sum path, 4 heads a pass */
+            /* every head prescaled, every key too: the one-sum path, IX4B_HB heads a
+             * pass sharing each key load */
             const VI ekb0 = I_LOAD(ekb);
             csa_idx h = 0;
-            for (; h + 4 <= Hi; h += 4) {
-                VF dot[4];
-                IX4B_CAT(IX4B_NAME, _fast)(4, qop, hcorr, heqf, h, Di, kv, ekb0, dot);
-#pragma GCC unroll 4
-                for (int i = 0; i < 4; i++) tot = IX4B_CAT(IX4B_NAME, _acc)(tot, dot[i], w[h + i]);
+            for (; h + IX4B_HB <= Hi; h += IX4B_HB) {
+                VF dot[IX4B_HB];
+                IX4B_CAT(IX4B_NAME, _fast)(IX4B_HB, qop, hcorr, heqf, h, Di, kv, ekb0, dot);
+#pragma GCC unroll 8
+                for (int i = 0; i < IX4B_HB; i++) tot = IX4B_CAT(IX4B_NAME, _acc)(tot, dot[i], w[h + i]);
             }
             for (; h < Hi; h++) {
-                VF dot[4];
+                VF dot[IX4B_HB];
                 IX4B_CAT(IX4B_NAME, _fast)(1, qop, hcorr, heqf, h, Di, kv, ekb0, dot);
                 tot = IX4B_CAT(IX4B_NAME, _acc)(tot, dot[0], w[h]);
             }
         } else {
             const VI ekb0 = I_LOAD(ekb);
             for (csa_idx h = 0; h < Hi; h++) {
-                VF dot[4];
+                VF dot[IX4B_HB];
                 if (hnice[h] && th[0] == IX4_TILE_FAST && Di <= IX4_FAST_DI)
                     IX4B_CAT(IX4B_NAME, _fast)(1, qop, hcorr, heqf, h, Di, kv, ekb0, dot);
                 else
@@ -215,5 +210,6 @@ static void IX4B_NAME(const struct ix_call *x, const uint8_t *qb, csa_idx b, csa
 #undef CASTF
 #undef DP2
 #undef NKB
+#undef IX4B_HB
 #undef LD32
 #undef SCALE

@@ -649,6 +649,152 @@ static int CSA_V(ix_run_keysplit)(const struct ix_call *x, int mode)
     return err;
 }
 
+/* Fused top-k of FP4 keys for calls with few rows (decode, speculative verification):
+ * as ix_run_keysplit, but no [S, Tc] score rows.  Each thread scores a chunk of keys
+ * into a chunk-sized row and keeps, per query row, its own candidates (key, position)
+ * in ascending position (a thread's chunks come in increasing order): those whose key
+ * passes the thread's threshold; once more than 2K are kept, select_keys cuts them to
+ * the K best and the K-th key becomes the threshold (strictly above: an entry equal to
+ * it comes later than the K kept, so it ranks below all of them).  Nothing cut can be
+ * among the row's top K, so the thread that completes a batch entry merges every
+ * thread's candidates by position and selects from them exactly what select_row would
+ * from the whole row.  Memory O(threads * rows * (2K + chunk)), independent of Tc. */
+#define IX_STREAM_KMAX 4096
+static int CSA_V(ix_run_stream)(const struct ix_call *x)
+{
+    const struct csa_index_problem *p = x->p;
+    const int mode = IX_FP4;
+    const csa_idx rows = p->B * p->S, S = p->S, K = x->K;
+    csa_idx HP;
+    const size_t row_bytes = CSA_V(ix_row_bytes)(p, mode, &HP);
+    const csa_idx KC = IX_FK * 32;
+    const csa_idx nvmax = visible(p->start_pos + S - 1, p->ratio);
+    const csa_idx nch = nvmax > 0 ? (nvmax + KC - 1) / KC : 1, items = p->B * nch;
+    const size_t kbytes = CSA_V(ix_key_scratch)(p, mode, KC);
+    const int nt = csa_threads(items, 1);
+    const csa_idx cap = 2 * K + KC, ns = (csa_idx)nt * rows;
+    float *bufs = aligned_alloc(64, row_bytes * (size_t)rows);
+    uint32_t *ck = malloc((size_t)(ns * cap) * sizeof(uint32_t));
+    int32_t *cp = malloc((size_t)(ns * cap) * sizeof(int32_t));
+    csa_idx *cn = calloc((size_t)ns, sizeof(csa_idx));
+    uint32_t *cthr = calloc((size_t)ns, sizeof(uint32_t));
+    uint8_t *cfull = calloc((size_t)ns, 1);
+    csa_idx *done = calloc((size_t)p->B, sizeof(csa_idx));
+    if (!bufs || !ck || !cp || !cn || !cthr || !cfull || !done) {
+        free(bufs);
+        free(ck);
+        free(cp);
+        free(cn);
+        free(cthr);
+        free(cfull);
+        free(done);
+        return CSA_ENOMEM;
+    }
+    const csa_idx rf = (csa_idx)(row_bytes / sizeof(float));
+    for (csa_idx r = 0; r < rows; r++) CSA_V(ix_pack)(x, mode, r / S, r % S, HP, bufs + r * rf, NULL);
+    int err = CSA_OK;
+#pragma omp parallel num_threads(nt)
+    {
+#ifdef _OPENMP
+        const int me = omp_get_thread_num();
+#else
+        const int me = 0;
+#endif
+        void *kc = aligned_alloc(64, (kbytes + 63) / 64 * 64);
+        float *sc = malloc((size_t)KC * sizeof(float));
+        uint32_t *cb = malloc((size_t)(ns * cap > cap ? ns * cap : cap) * sizeof(uint32_t));
+        uint32_t *mk = malloc((size_t)(ns * cap) * sizeof(uint32_t));
+        int32_t *mp = malloc((size_t)(ns * cap) * sizeof(int32_t));
+        uint32_t *tk = malloc((size_t)K * sizeof(uint32_t));
+        int32_t *tp = malloc((size_t)K * sizeof(int32_t));
+        const int st = (!kc || !sc || !cb || !mk || !mp || !tk || !tp) ? CSA_ENOMEM : CSA_OK;
+        if (st) {
+#pragma omp atomic write
+            err = st;
+        }
+        const struct csa_index_cand *c = x->c;
+        const csa_idx bs = c && c->mask ? c->block_size : 1, scn = c && c->mask ? c->scn : 0;
+#pragma omp for schedule(dynamic, 1) nowait
+        for (csa_idx it = 0; it < items; it++) {
+            if (st) continue; /* err is set: the call fails, nothing to finish */
+            const csa_idx b = it / nch, t0 = (it % nch) * KC;
+            CSA_V(ix_prep_keys)(p, mode, b, t0, imin(nvmax, t0 + KC), kc);
+            for (csa_idx s = 0; s < S; s++) {
+                const csa_idx r = b * S + s, slot = me * rows + r;
+                const csa_idx t1 = imin(visible(p->start_pos + s, p->ratio), t0 + KC);
+                if (t1 <= t0) continue;
+                const uint8_t *cm = cand_row(c, b, s);
+                /* the chunk's scores land in sc[0 .. t1 - t0): sc - t0 indexed by t */
+                CSA_V(ix4_score_row)(x, (const uint8_t *)(bufs + r * rf), b, s, (const uint8_t *)kc,
+                                     t0, t0, t1, cm, scn, bs, sc - t0);
+                uint32_t *key = ck + slot * cap;
+                int32_t *pos = cp + slot * cap;
+                csa_idx n = cn[slot];
+                const uint32_t thr = cthr[slot];
+                const int full = cfull[slot];
+                for (csa_idx t = t0; t < t1; t++) {
+                    if (cm && !cm[(t / bs) * scn]) continue;
+                    const uint32_t u = score_key(sc[t - t0]);
+                    key[n] = u;
+                    pos[n] = (int32_t)t;
+                    n += !full || u > thr;
+                }
+                if (n > 2 * K) {
+                    n = select_keys(key, pos, n, K, cb);
+                    uint32_t m = 0xFFFFFFFFu;
+                    for (csa_idx j = 0; j < n; j++) m = key[j] < m ? key[j] : m;
+                    cthr[slot] = m;
+                    cfull[slot] = 1;
+                }
+                cn[slot] = n;
+            }
+            /* acq_rel: the last chunk's thread sees every other thread's candidates */
+            if (__atomic_add_fetch(&done[b], 1, __ATOMIC_ACQ_REL) == nch) {
+                for (csa_idx s = 0; s < S; s++) {
+                    const csa_idx r = b * S + s;
+                    csa_idx hd[64], m = 0; /* merge by position: each list ascends */
+                    for (int u = 0; u < nt; u++) hd[u] = 0;
+                    for (;;) {
+                        int best = -1;
+                        for (int u = 0; u < nt; u++) {
+                            const csa_idx sl = u * rows + r;
+                            if (hd[u] < cn[sl] &&
+                                (best < 0 || cp[sl * cap + hd[u]] < cp[(best * rows + r) * cap + hd[best]]))
+                                best = u;
+                        }
+                        if (best < 0) break;
+                        const csa_idx sl = best * rows + r;
+                        mk[m] = ck[sl * cap + hd[best]];
+                        mp[m++] = cp[sl * cap + hd[best]++];
+                    }
+                    uint32_t *kk = mk;
+                    int32_t *pp = mp;
+                    const csa_idx k = select_keys(kk, pp, m, K, cb);
+                    if (x->order == CSA_ORDER_SCORE) sort_desc(&kk, &pp, k, tk, tp);
+                    int32_t *out = x->idx + r * K;
+                    for (csa_idx j = 0; j < k; j++) out[j] = (int32_t)(pp[j] + x->offset);
+                    for (csa_idx j = k; j < K; j++) out[j] = -1;
+                }
+            }
+        }
+        free(kc);
+        free(sc);
+        free(cb);
+        free(mk);
+        free(mp);
+        free(tk);
+        free(tp);
+    }
+    free(bufs);
+    free(ck);
+    free(cp);
+    free(cn);
+    free(cthr);
+    free(cfull);
+    free(done);
+    return err;
+}
+
 /* Scores (x->idx == NULL: into x->sc, -inf past the visible entries) or fused top-k
  * (into x->idx [B, S, K]). */
 static int CSA_V(ix_run)(const struct ix_call *x)
@@ -661,7 +807,11 @@ static int CSA_V(ix_run)(const struct ix_call *x)
     const size_t row_bytes = CSA_V(ix_row_bytes)(p, mode, &HP);
     const int nt_max = csa_threads(rows * 4096, 1);
 
-    if (nt_max > 1 && rows < 4 * nt_max) return CSA_V(ix_run_keysplit)(x, mode);
+    if (nt_max > 1 && rows < 4 * nt_max) {
+        if (mode == IX_FP4 && x->idx && x->K <= IX_STREAM_KMAX && nt_max <= 64)
+            return CSA_V(ix_run_stream)(x);
+        return CSA_V(ix_run_keysplit)(x, mode);
+    }
 
     /* Blocks of qb rows share each chunk of keys while it sits in L2 (512 KB: 1026
      * float32 keys, or 2048 bfloat16 ones for the tiles, at Di = 128); qb shrinks so
@@ -808,6 +958,7 @@ static int CSA_V(index_topk_tuned)(const struct csa_index_problem *p,
 #undef IX_QB
 #undef IX_AMX_TILE
 #undef IX_FK
+#undef IX_STREAM_KMAX
 #undef IX4_NK
 #ifdef IX4_HAVE_VNNI
 #undef IX4_HAVE_VNNI
