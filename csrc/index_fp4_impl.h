@@ -44,6 +44,10 @@
 #define IX4_FAST_DI 1792  /* 56 blocks * 4608 * 2^6 < 2^24 */
 #define IX4B_CAT_(a, b) a##b
 #define IX4B_CAT(a, b) IX4B_CAT_(a, b)
+/* Byte offset of dword f (features 4f .. 4f+3) of head h in the packed query bytes: the
+ * heads in groups of 8, a group's 8 dwords of one f side by side, so that the one-sum
+ * path reads a group's dwords at constant offsets from one pointer. */
+#define IX4_QOFF(h, f, Di) (((((h) >> 3) * ((Di) / 4) + (f)) * 8 + ((h) & 7)) * 4)
 #endif
 #define IX_FK 16 /* key chunks are whole tiles at every level */
 #if defined(__AVX512F__)
@@ -58,7 +62,7 @@
 /* Byte offsets in a packed FP4 query row: a 64-byte header (int32 NaN flag, least
  * effective exponent, largest exponent, all heads prescaled), then per head its
  * prescaled flag, start value, base exponent, per block start value and exponent, the
- * weights (float32), and the query bytes [Hi][Di]. */
+ * weights (float32), and the query bytes (IX4_QOFF). */
 struct CSA_V(ix4_geo) {
     size_t hnice, hcorr, heqf, hcorrb, heqb, w, qop, bytes;
 };
@@ -81,7 +85,7 @@ static void CSA_V(ix4_row_geo)(const struct csa_index_problem *p, struct CSA_V(i
     o += 4 * Hi;
     o = (o + 63) / 64 * 64;
     g->qop = o;
-    o += Hi * (size_t)p->Di;
+    o += (Hi + 7) / 8 * 8 * (size_t)p->Di;
     g->bytes = (o + 63) / 64 * 64;
 }
 
@@ -123,6 +127,7 @@ static void CSA_V(ix4_pack_row)(const struct ix_call *x, csa_idx b, csa_idx s, u
     int32_t *hcorrb = (int32_t *)(buf + g.hcorrb), *heqb = (int32_t *)(buf + g.heqb);
     float *w = (float *)(buf + g.w);
     int8_t *qop = (int8_t *)(buf + g.qop);
+    memset(qop, 0, (size_t)(g.bytes - g.qop)); /* the last group's padding heads */
     int nan = 0, emin = 1 << 20, emax = 0, all = 1;
     const uint8_t *qr0 = x->qp + b * x->qpb + s * x->qps;
     for (csa_idx h = 0; h < Hi; h++) {
@@ -147,7 +152,7 @@ static void CSA_V(ix4_pack_row)(const struct ix_call *x, csa_idx b, csa_idx s, u
             int32_t sum = 0;
             for (csa_idx d = 32 * j; d < 32 * j + 32; d++) {
                 const int v = fp4_v2[fp4_code(qr, d)] * (1 << de);
-                qop[h * Di + d] = (int8_t)v;
+                qop[IX4_QOFF(h, d / 4, Di) + d % 4] = (int8_t)v;
                 sum += v;
             }
             const int eb = nice || !nz ? base : e;
@@ -210,28 +215,22 @@ static void CSA_V(ix4_pack_keys)(const struct csa_index_problem *p, csa_idx b, c
         int kind = IX4_TILE_FAST, tmn = 1 << 20, tmx = 0;
         int base[IX4_NK], nice[IX4_NK];
         const csa_idx nk = imin(NK, t1 - t);
-#if defined(__AVX512F__)
-        /* The usual tile, all 16 keys with every block nonzero and within 2^dk, found
-         * with the 16 keys in the lanes (a gather per block); the scalar pass below
-         * (a third of the pack on Gaussian keys) is left for the others. */
+        /* The usual tile, all its keys with every block nonzero and within 2^dk, found
+         * with the keys in the lanes (a gather per block); the scalar pass below (a
+         * third of the pack on Gaussian keys) is left for the others. */
         if (nk == NK && p->skt <= (1 << 26)) {
-            const __m512i vidx = _mm512_mullo_epi32(
-                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                _mm512_set1_epi32((int)p->skt));
             const uint8_t *kr0 = kb + t * p->skt;
             int ok = 1;
             for (csa_idx l = 0; l < NK && ok; l++) {
                 const uint8_t *kr = kr0 + l * p->skt;
                 _mm_prefetch((const char *)(kr + 64 * p->skt), _MM_HINT_T0);
-                for (csa_idx cb = 0; cb < nb && ok; cb += 4) {
-                    const csa_idx nbc = imin(4, nb - cb);
-                    const __mmask64 lm = nbc == 4 ? ~(__mmask64)0 : ((__mmask64)1 << (16 * nbc)) - 1;
-                    const __m512i v = _mm512_maskz_loadu_epi8(lm, kr + 16 * cb);
-                    const unsigned m8 = _mm512_test_epi64_mask(v, _mm512_set1_epi8(0x77));
-                    const unsigned want = (1u << (2 * nbc)) - 1u;
-                    ok = (((m8 | (m8 >> 1)) & 0x55u) | 0xAAu) == (want | 0xAAu);
-                }
+                for (csa_idx j = 0; j < nb && ok; j++)
+                    ok = !_mm_testz_si128(_mm_loadu_si128((const __m128i *)(kr + 16 * j)), _mm_set1_epi8(0x77));
             }
+#if defined(__AVX512F__)
+            const __m512i vidx = _mm512_mullo_epi32(
+                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                _mm512_set1_epi32((int)p->skt));
             __m512i emn = _mm512_set1_epi32(255), emx = _mm512_setzero_si512();
             for (csa_idx j = 0; j < nb && ok; j++) {
                 /* the dword ending at the scale byte: never past the row */
@@ -243,14 +242,36 @@ static void CSA_V(ix4_pack_keys)(const struct csa_index_problem *p, csa_idx b, c
             if (ok && !_mm512_cmpeq_epi32_mask(emx, _mm512_set1_epi32(255)) &&
                 !_mm512_cmpgt_epi32_mask(_mm512_sub_epi32(emx, emn), _mm512_set1_epi32(dk))) {
                 _mm512_storeu_si512(base, emn);
-                for (csa_idx l = 0; l < NK; l++) nice[l] = 1;
                 for (csa_idx j = 0; j < nb; j++) _mm512_store_si512(ekb + j * NK, emn);
                 tmn = _mm512_reduce_min_epi32(emn);
                 tmx = _mm512_reduce_max_epi32(emx);
+#else
+            const __m256i vidx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                                    _mm256_set1_epi32((int)p->skt));
+            __m256i emn = _mm256_set1_epi32(255), emx = _mm256_setzero_si256();
+            for (csa_idx j = 0; j < nb && ok; j++) {
+                const __m256i e = _mm256_srli_epi32(
+                    _mm256_i32gather_epi32((const int *)(kr0 + Di / 2 + j - 3), vidx, 1), 24);
+                emn = _mm256_min_epi32(emn, e);
+                emx = _mm256_max_epi32(emx, e);
+            }
+            const __m256i bad = _mm256_or_si256(_mm256_cmpeq_epi32(emx, _mm256_set1_epi32(255)),
+                                                _mm256_cmpgt_epi32(_mm256_sub_epi32(emx, emn), _mm256_set1_epi32(dk)));
+            if (ok && _mm256_testz_si256(bad, bad)) {
+                _mm256_storeu_si256((__m256i *)base, emn);
+                for (csa_idx j = 0; j < nb; j++) _mm256_store_si256((__m256i *)(ekb + j * NK), emn);
+                int32_t mn[8], mx[8];
+                _mm256_storeu_si256((__m256i *)mn, emn);
+                _mm256_storeu_si256((__m256i *)mx, emx);
+                for (int l = 0; l < 8; l++) {
+                    tmn = mn[l] < tmn ? mn[l] : tmn;
+                    tmx = mx[l] > tmx ? mx[l] : tmx;
+                }
+#endif
+                for (csa_idx l = 0; l < NK; l++) nice[l] = 1;
                 goto decode;
             }
         }
-#endif
         for (csa_idx l = 0; l < NK; l++) {
             if (l >= nk) {
                 for (csa_idx j = 0; j < nb; j++) ekb[j * NK + l] = 127;
@@ -287,9 +308,7 @@ static void CSA_V(ix4_pack_keys)(const struct csa_index_problem *p, csa_idx b, c
                 }
             }
         }
-#if defined(__AVX512F__)
     decode:
-#endif
         th[0] = kind;
         th[1] = tmn;
         th[2] = tmx;

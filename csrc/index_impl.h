@@ -807,11 +807,9 @@ static int CSA_V(ix_run)(const struct ix_call *x)
     const size_t row_bytes = CSA_V(ix_row_bytes)(p, mode, &HP);
     const int nt_max = csa_threads(rows * 4096, 1);
 
-    if (nt_max > 1 && rows < 4 * nt_max) {
-        if (mode == IX_FP4 && x->idx && x->K <= IX_STREAM_KMAX && nt_max <= 64)
-            return CSA_V(ix_run_stream)(x);
-        return CSA_V(ix_run_keysplit)(x, mode);
-    }
+    if (mode == IX_FP4 && x->idx && x->K <= IX_STREAM_KMAX && nt_max <= 64 && rows < 4 * nt_max)
+        return CSA_V(ix_run_stream)(x);
+    if (nt_max > 1 && rows < 4 * nt_max) return CSA_V(ix_run_keysplit)(x, mode);
 
     /* Blocks of qb rows share each chunk of keys while it sits in L2 (512 KB: 1026
      * float32 keys, or 2048 bfloat16 ones for the tiles, at Di = 128); qb shrinks so

@@ -138,10 +138,13 @@ static double CSA_V(peak_idot_mb)(long long iters, int threads, float *sink)
         CSA_V(pkiv) a = PKI_SET8(3), bq = PKI_SET8(-2), one = PKI_SET16(1);
         for (int k = 0; k < PKI_ACC_MB; k++) acc[k] = PKI_SET32(k);
         for (long long i = 0; i < iters; i++) {
-            __asm__("" : "+v"(a), "+v"(bq));
 #pragma GCC unroll 16
-            for (int k = 0; k < PKI_ACC_MB; k++)
+            for (int k = 0; k < PKI_ACC_MB; k++) {
+                /* a barrier per chain: the products do not depend on the accumulator,
+                 * and without it one pair of VPMADDUBSW served all chains */
+                __asm__("" : "+v"(a), "+v"(bq));
                 acc[k] = PKI_ADD32(acc[k], PKI_MADD(PKI_ADD16(PKI_MADDUBS(a, bq), PKI_MADDUBS(bq, a)), one));
+            }
         }
         int32_t lanes[PKI_BYTES / 4];
         CSA_V(pkiv) s = acc[0];
@@ -192,8 +195,10 @@ static double CSA_V(peak_idot)(long long iters, int threads, float *sink)
         int32_t a = 3, bq = -2;
         for (int k = 0; k < PKI_ACC; k++) acc[k] = k;
         for (long long i = 0; i < iters; i++) {
-            __asm__("" : "+r"(a), "+r"(bq));
-            for (int k = 0; k < PKI_ACC; k++) acc[k] += a * bq;
+            for (int k = 0; k < PKI_ACC; k++) {
+                __asm__("" : "+r"(a), "+r"(bq)); /* one product a chain, not one for all */
+                acc[k] += a * bq;
+            }
         }
         int32_t s = 0;
         for (int k = 0; k < PKI_ACC; k++) s += acc[k];
