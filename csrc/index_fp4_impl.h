@@ -173,6 +173,66 @@ static void CSA_V(ix4_pack_row)(const struct ix_call *x, csa_idx b, csa_idx s, u
     for (csa_idx h = 0; h < Hi; h++) w[h] = ld(p->w, p->w_bf16, w0 + h * p->swh);
 }
 
+#ifdef IX4_HAVE_VNNI
+#if defined(__clang__)
+CSA_TARGET_POP
+#endif
+CSA_TARGET_PUSH512("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c,avx512vnni,avx512vbmi")
+/* The key bytes of a tile whose 16 keys are all prescaled (base exponents emn), on
+ * CPUs with AVX512_VBMI (the VNNI path's feature set): the keys' packed nibbles are
+ * transposed first (a dword is 8 features), then each transposed vector is decoded for
+ * all 16 keys at once by two 64-entry byte lookups (VPERMB, the index carrying the
+ * key's shift for the block in its top bits) and its low / high nibbles are
+ * interleaved into two output vectors by two-source byte permutes (VPERMT2B).  Against
+ * the decode a key at a time (a table per block, then the dword transpose): 0.44 of
+ * the instructions a tile (Xeon, Di = 128). */
+static void CSA_V(ix4_decode_tile_vbmi)(const uint8_t *kr0, csa_idx skt, csa_idx Di, __m512i emn,
+                                        int off, uint8_t *CSA_RESTRICT kv)
+{
+    typedef CSA_V(vf) vf;
+    const csa_idx nb = Di / 32;
+    uint8_t tab[64], ie[64], io[64];
+    for (int de = 0; de < 4; de++)
+        for (int c = 0; c < 16; c++) tab[16 * de + c] = (uint8_t)(fp4_v2[c] * (1 << de) + off);
+    for (int l = 0; l < 16; l++)
+        for (int u = 0; u < 2; u++) {
+            ie[4 * l + 2 * u] = (uint8_t)(4 * l + u);
+            ie[4 * l + 2 * u + 1] = (uint8_t)(64 + 4 * l + u);
+            io[4 * l + 2 * u] = (uint8_t)(4 * l + 2 + u);
+            io[4 * l + 2 * u + 1] = (uint8_t)(64 + 4 * l + 2 + u);
+        }
+    const __m512i T = _mm512_loadu_si512(tab), IE = _mm512_loadu_si512(ie), IO = _mm512_loadu_si512(io);
+    const __m512i m4 = _mm512_set1_epi8(15);
+    const __m512i vidx = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32((int)skt));
+    for (csa_idx cb = 0; cb < nb; cb += 4) {
+        const csa_idx nbc = imin(4, nb - cb);
+        const __mmask64 lm = nbc == 4 ? ~(__mmask64)0 : ((__mmask64)1 << (16 * nbc)) - 1;
+        vf r[16];
+        for (int l = 0; l < 16; l++) r[l] = (vf)_mm512_maskz_loadu_epi8(lm, kr0 + l * skt + 16 * cb);
+        CSA_V(ix_transpose)(r); /* r[i]: raw dword i (features 32 cb + 8 i ..) of each key */
+        for (csa_idx jj = 0; jj < nbc; jj++) {
+            const __m512i e = _mm512_srli_epi32(
+                _mm512_i32gather_epi32(vidx, (const void *)(kr0 + Di / 2 + cb + jj - 3), 1), 24);
+            const __m512i deb = _mm512_mullo_epi32(_mm512_sub_epi32(e, emn), _mm512_set1_epi32(0x10101010));
+            for (int u = 0; u < 4; u++) {
+                const __m512i v = (__m512i)r[4 * jj + u];
+                const __m512i lo = _mm512_permutexvar_epi8(_mm512_or_si512(_mm512_and_si512(v, m4), deb), T);
+                const __m512i hi = _mm512_permutexvar_epi8(
+                    _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), deb), T);
+                const csa_idx F = 8 * (cb + jj) + 2 * u;
+                _mm512_store_si512((void *)(kv + F * 64), _mm512_permutex2var_epi8(lo, IE, hi));
+                _mm512_store_si512((void *)(kv + (F + 1) * 64), _mm512_permutex2var_epi8(lo, IO, hi));
+            }
+        }
+    }
+}
+CSA_TARGET_POP
+#if defined(__clang__)
+CSA_TARGET_PUSH512(CSA_TARGET_AVX512)
+#endif
+#endif
+
 /* Lays keys [t0, t1) of batch entry b out as tiles of IX4_NK keys at dst (the last
  * tile padded with zero keys).  Per key, a scalar pass over its scale bytes finds its
  * base exponent and prescale shifts; then per 4 blocks (AVX-512; 2 on AVX2) one byte
@@ -245,6 +305,15 @@ static void CSA_V(ix4_pack_keys)(const struct csa_index_problem *p, csa_idx b, c
                 for (csa_idx j = 0; j < nb; j++) _mm512_store_si512(ekb + j * NK, emn);
                 tmn = _mm512_reduce_min_epi32(emn);
                 tmx = _mm512_reduce_max_epi32(emx);
+#ifdef IX4_HAVE_VNNI
+                if (vn) {
+                    th[0] = IX4_TILE_FAST;
+                    th[1] = tmn;
+                    th[2] = tmx;
+                    CSA_V(ix4_decode_tile_vbmi)(kr0, p->skt, Di, emn, off, kv);
+                    continue;
+                }
+#endif
 #else
             const __m256i vidx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
                                                     _mm256_set1_epi32((int)p->skt));
