@@ -190,32 +190,40 @@ static void IX4B_NAME(const struct ix_call *x, const uint8_t *qb, csa_idx b, csa
         const int32_t *ekb = (const int32_t *)(tile + 64);
         const uint8_t *kv = tile + 64 + (size_t)nb * NKB * 4;
         VF tot = F_ZERO();
-        if (fast_q && th[0] == IX4_TILE_FAST) {
-            /* every head prescaled, every key too: the one-sum path, IX4B_HB heads a
-             * pass sharing each key load */
-            const VI ekb0 = I_LOAD(ekb);
-            csa_idx h = 0;
+        const VI ekb0 = I_LOAD(ekb);
+        const int fast_k = th[0] == IX4_TILE_FAST && Di <= IX4_FAST_DI;
+        csa_idx h = 0;
+        if (fast_k)
+            /* prescaled keys: the one-sum path, IX4B_HB heads a pass sharing each key
+             * load, wherever a group's heads are all prescaled too (a query row with
+             * one head past the reach keeps its other groups on this path) */
             for (; h + IX4B_HB <= Hi; h += IX4B_HB) {
+                int all = 1;
+                if (!fast_q)
+                    for (int i = 0; i < IX4B_HB; i++) all &= hnice[h + i] != 0;
                 VF dot[IX4B_HB];
-                IX4B_CAT(IX4B_NAME, _fast)(IX4B_HB, qop, hcorr, heqf, h, Di, kv, ekb0, dot);
+                if (all) {
+                    IX4B_CAT(IX4B_NAME, _fast)(IX4B_HB, qop, hcorr, heqf, h, Di, kv, ekb0, dot);
+                } else {
+                    for (int i = 0; i < IX4B_HB; i++) {
+                        VF d1[IX4B_HB];
+                        if (hnice[h + i])
+                            IX4B_CAT(IX4B_NAME, _fast)(1, qop, hcorr, heqf, h + i, Di, kv, ekb0, d1);
+                        else
+                            d1[0] = IX4B_CAT(IX4B_NAME, _blocks)(qop, hcorrb, heqb, h + i, Di, kv, ekb);
+                        dot[i] = d1[0];
+                    }
+                }
 #pragma GCC unroll 8
                 for (int i = 0; i < IX4B_HB; i++) tot = IX4B_CAT(IX4B_NAME, _acc)(tot, dot[i], w[h + i]);
             }
-            for (; h < Hi; h++) {
-                VF dot[IX4B_HB];
+        for (; h < Hi; h++) {
+            VF dot[IX4B_HB];
+            if (fast_k && hnice[h])
                 IX4B_CAT(IX4B_NAME, _fast)(1, qop, hcorr, heqf, h, Di, kv, ekb0, dot);
-                tot = IX4B_CAT(IX4B_NAME, _acc)(tot, dot[0], w[h]);
-            }
-        } else {
-            const VI ekb0 = I_LOAD(ekb);
-            for (csa_idx h = 0; h < Hi; h++) {
-                VF dot[IX4B_HB];
-                if (hnice[h] && th[0] == IX4_TILE_FAST && Di <= IX4_FAST_DI)
-                    IX4B_CAT(IX4B_NAME, _fast)(1, qop, hcorr, heqf, h, Di, kv, ekb0, dot);
-                else
-                    dot[0] = IX4B_CAT(IX4B_NAME, _blocks)(qop, hcorrb, heqb, h, Di, kv, ekb);
-                tot = IX4B_CAT(IX4B_NAME, _acc)(tot, dot[0], w[h]);
-            }
+            else
+                dot[0] = IX4B_CAT(IX4B_NAME, _blocks)(qop, hcorrb, heqb, h, Di, kv, ekb);
+            tot = IX4B_CAT(IX4B_NAME, _acc)(tot, dot[0], w[h]);
         }
         if (nk == NKB) {
             F_STOREU(o + t, tot);
