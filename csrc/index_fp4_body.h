@@ -33,17 +33,11 @@
 #define DP2(a, k0, k1, q0, q1)                                                             \
     a = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a, k0, _mm512_set1_epi32(q0)), k1,         \
                             _mm512_set1_epi32(q1))
-#define DP4(a, k0, k1, k2, k3, q0, q1, q2, q3)                                             \
-    do {                                                                                   \
-        DP2(a, k0, k1, q0, q1);                                                            \
-        DP2(a, k2, k3, q2, q3);                                                            \
-    } while (0)
 #else
-#define MB_(k, q) _mm512_maddubs_epi16(k, _mm512_set1_epi32(q))
-#define DP4(a, k0, k1, k2, k3, q0, q1, q2, q3)                                             \
-    a = _mm512_add_epi32(a, _mm512_madd_epi16(                                             \
-            _mm512_add_epi16(_mm512_add_epi16(MB_(k0, q0), MB_(k1, q1)),                   \
-                             _mm512_add_epi16(MB_(k2, q2), MB_(k3, q3))), _mm512_set1_epi16(1)))
+#define DP2(a, k0, k1, q0, q1)                                                             \
+    a = _mm512_add_epi32(a, _mm512_madd_epi16(_mm512_add_epi16(                            \
+            _mm512_maddubs_epi16(k0, _mm512_set1_epi32(q0)),                               \
+            _mm512_maddubs_epi16(k1, _mm512_set1_epi32(q1))), _mm512_set1_epi16(1)))
 #endif
 #else
 #define VI __m256i
@@ -60,11 +54,10 @@
 #define F_ZERO _mm256_setzero_ps
 #define F_STOREU _mm256_storeu_ps
 #define CASTF _mm256_castsi256_ps
-#define MB_(k, q) _mm256_maddubs_epi16(k, _mm256_set1_epi32(q))
-#define DP4(a, k0, k1, k2, k3, q0, q1, q2, q3)                                             \
-    a = _mm256_add_epi32(a, _mm256_madd_epi16(                                             \
-            _mm256_add_epi16(_mm256_add_epi16(MB_(k0, q0), MB_(k1, q1)),                   \
-                             _mm256_add_epi16(MB_(k2, q2), MB_(k3, q3))), _mm256_set1_epi16(1)))
+#define DP2(a, k0, k1, q0, q1)                                                             \
+    a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_add_epi16(                            \
+            _mm256_maddubs_epi16(k0, _mm256_set1_epi32(q0)),                               \
+            _mm256_maddubs_epi16(k1, _mm256_set1_epi32(q1))), _mm256_set1_epi16(1)))
 #endif
 #define NKB (IX4B_W / 32)
 /* heads a pass of the one-sum path: 8 accumulator chains cover VPDPBUSD's latency (5)
@@ -99,25 +92,20 @@ IX4B_CAT(IX4B_NAME, _fast)(const int nh, const uint8_t *qop, const int32_t *hcor
 #pragma GCC unroll 8
     for (int i = 0; i < nh; i++) a[i] = I_SET1(hcorr[h0 + i]);
     const int8_t *q = (const int8_t *)qop + IX4_QOFF(h0, 0, Di);
-#ifdef DP2M
 #pragma GCC unroll 2
     for (csa_idx f = 0; f < Di / 4; f += 2) {
         const VI k0 = I_LOAD(kv + f * (NKB * 4)), k1 = I_LOAD(kv + (f + 1) * (NKB * 4));
+#ifdef DP2M
 #pragma GCC unroll 8
         for (int i = 0; i < nh; i++) {
             DP2M(a[i], k0, k1, q + (f * 8 + i) * 4, q + (f * 8 + 8 + i) * 4);
         }
-    }
 #else
-    for (csa_idx f = 0; f < Di / 4; f += 4) {
-        const VI k0 = I_LOAD(kv + f * (NKB * 4)), k1 = I_LOAD(kv + (f + 1) * (NKB * 4));
-        const VI k2 = I_LOAD(kv + (f + 2) * (NKB * 4)), k3 = I_LOAD(kv + (f + 3) * (NKB * 4));
 #pragma GCC unroll 8
         for (int i = 0; i < nh; i++)
-            DP4(a[i], k0, k1, k2, k3, LD32(q + (f * 8 + i) * 4), LD32(q + (f * 8 + 8 + i) * 4),
-                LD32(q + (f * 8 + 16 + i) * 4), LD32(q + (f * 8 + 24 + i) * 4));
-    }
+            DP2(a[i], k0, k1, LD32(q + (f * 8 + i) * 4), LD32(q + (f * 8 + 8 + i) * 4));
 #endif
+    }
 #pragma GCC unroll 8
     for (int i = 0; i < nh; i++) dot[i] = F_MUL(F_CVT(a[i]), SCALE(ekb0, heqf[h0 + i]));
 }
@@ -133,11 +121,10 @@ static inline VF IX4B_CAT(IX4B_NAME, _blocks)(const uint8_t *qop, const int32_t 
     VF dot = F_ZERO();
     for (csa_idx j = 0; j < nb; j++) {
         VI a = I_SET1(hcorrb[h * nb + j]);
-#pragma GCC unroll 2
-        for (csa_idx f = 8 * j; f < 8 * j + 8; f += 4)
-            DP4(a, I_LOAD(kv + f * (NKB * 4)), I_LOAD(kv + (f + 1) * (NKB * 4)),
-                I_LOAD(kv + (f + 2) * (NKB * 4)), I_LOAD(kv + (f + 3) * (NKB * 4)), LD32(q + 32 * f),
-                LD32(q + 32 * f + 32), LD32(q + 32 * f + 64), LD32(q + 32 * f + 96));
+#pragma GCC unroll 4
+        for (csa_idx f = 8 * j; f < 8 * j + 8; f += 2)
+            DP2(a, I_LOAD(kv + f * (NKB * 4)), I_LOAD(kv + (f + 1) * (NKB * 4)), LD32(q + 32 * f),
+                LD32(q + 32 * f + 32));
         const VF c = F_MUL(F_CVT(a), SCALE(I_LOAD(ekb + j * NKB), heqb[h * nb + j]));
         dot = F_ADD(dot, c);
     }
@@ -249,13 +236,7 @@ static void IX4B_NAME(const struct ix_call *x, const uint8_t *qb, csa_idx b, csa
 #undef F_ZERO
 #undef F_STOREU
 #undef CASTF
-#ifdef DP2
 #undef DP2
-#endif
-#undef DP4
-#ifdef MB_
-#undef MB_
-#endif
 #ifdef DP2M
 #undef DP2M
 #endif

@@ -16,8 +16,7 @@
  * - the block dots are exact integer sums (unsigned-byte x signed-byte products
  *   summed into int32 lanes, never saturating: the bounds below);
  * - the fast path: if the nonzero blocks of a key lie within 2^DK of each other (DK = 3
- *   with VNNI, 2 without) and those of a head within 2^DQ (DQ = 3 with VNNI, 1
- *   without), the codes are prescaled per
+ *   with VNNI, 2 without) and those of a head within 2^DQ, the codes are prescaled per
  *   block by 2^(e_j - e_min) (a byte still: 12 * 8 = 96) and one integer sum over all
  *   Di features gives N = sum_j isum_j 2^(E_j - Emin).  Each of the oracle's partial
  *   sums is then a multiple of 2^(Emin - 256) below nb * 4608 * 2^6 < 2^24 times it
@@ -35,10 +34,8 @@
  * Keys are the unsigned operand: byte 2k 2^de + OFF (OFF = 128 with VNNI: [32, 224];
  * 48 without: [0, 96]); the query bytes are signed, 2q 2^de; the per-head start value
  * -OFF * sum(q bytes) removes the offset.  VPDPBUSD adds 4 products into an int32 lane;
- * without VNNI, VPMADDUBSW adds 2 into a saturating int16 lane and four of them are
- * added in int16 before VPMADDWD widens (one VPMADDWD for 4 VPMADDUBSW, against 1 for
- * 2: 1.1x at avx2), so the query side prescales by 2^1 at most there (DQ = 1):
- * 8 * 96 * 24 = 18432 < 2^15 (Gaussian query heads: all within 2^1). */
+ * without VNNI, VPMADDUBSW adds 2 into a saturating int16 lane and two of them are
+ * added in int16 before VPMADDWD widens: 4 * 96 * 48 = 18432 < 2^15. */
 
 #ifndef IX4_TILE_FAST
 #define IX4_TILE_FAST 0   /* every key of the tile prescaled */
@@ -124,7 +121,7 @@ static void CSA_V(ix4_pack_row)(const struct ix_call *x, csa_idx b, csa_idx s, u
     const csa_idx Hi = p->Hi, Di = p->Di, nb = Di / 32;
     struct CSA_V(ix4_geo) g;
     CSA_V(ix4_row_geo)(p, &g);
-    const int vn = CSA_V(ix4_vnni)(), dq = vn ? 3 : 1, off = vn ? 128 : 48;
+    const int vn = CSA_V(ix4_vnni)(), dq = vn ? 3 : 2, off = vn ? 128 : 48;
     int32_t *hdr = (int32_t *)buf, *hnice = (int32_t *)(buf + g.hnice);
     int32_t *hcorr = (int32_t *)(buf + g.hcorr), *heqf = (int32_t *)(buf + g.heqf);
     int32_t *hcorrb = (int32_t *)(buf + g.hcorrb), *heqb = (int32_t *)(buf + g.heqb);

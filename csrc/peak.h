@@ -17,7 +17,7 @@ int csa_peak_fma_shape(int *vec_bytes);
 /* Runs `iters` rounds of independent 8-bit integer dot products on `threads` threads at
  * the CURRENT ISA level, in the instruction mix of the FP4 indexer (peak_impl.h):
  * VPDPBUSD at avx512 / amx where the CPU has AVX512_VNNI (csa_cpu_features), else
- * four VPMADDUBSW widened by one VPMADDWD (zmm at avx512, ymm at avx2), scalar below;
+ * VPMADDUBSW pairs widened by VPMADDWD (zmm at avx512, ymm at avx2), scalar below;
  * returns the integer ops done (2 per byte product). */
 double csa_peak_idot(long long iters, int threads, float *sink);
 

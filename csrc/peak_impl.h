@@ -65,9 +65,9 @@ static double CSA_V(peak_fma)(long long iters, int threads, float *sink)
 
 /* ---- integer dot-product peak: the instruction mix of the FP4 indexer's dot products
  * (index_fp4_body.h): VPDPBUSD (64 byte products an instruction) on the avx512 / amx
- * levels when the CPU has AVX512_VNNI (csa_cpu_features), else four VPMADDUBSW whose
- * int16 sums are added and widened by one VPMADDWD into an int32 accumulator (256
- * products at zmm, 9 instructions; ymm at avx2), scalar byte products at 'base'.  Counted as
+ * levels when the CPU has AVX512_VNNI (csa_cpu_features), else two VPMADDUBSW whose
+ * int16 sums are added and widened by one VPMADDWD into an int32 accumulator (128
+ * products, 5 instructions, zmm or ymm), scalar byte products at 'base'.  Counted as
  * 2 integer ops a product (multiply, add), comparable to the FMA peak's flops.
  * VPDPBUSD has latency 5 on Intel and AMD: 10 chains cover one or two ports.  The
  * asm barrier on the operands keeps the compiler from folding constant products. */
@@ -143,10 +143,7 @@ static double CSA_V(peak_idot_mb)(long long iters, int threads, float *sink)
                 /* a barrier per chain: the products do not depend on the accumulator,
                  * and without it one pair of VPMADDUBSW served all chains */
                 __asm__("" : "+v"(a), "+v"(bq));
-                const CSA_V(pkiv) t0 = PKI_ADD16(PKI_MADDUBS(a, bq), PKI_MADDUBS(bq, a));
-                __asm__("" : "+v"(a), "+v"(bq));
-                const CSA_V(pkiv) t1 = PKI_ADD16(PKI_MADDUBS(a, bq), PKI_MADDUBS(bq, a));
-                acc[k] = PKI_ADD32(acc[k], PKI_MADD(PKI_ADD16(t0, t1), one));
+                acc[k] = PKI_ADD32(acc[k], PKI_MADD(PKI_ADD16(PKI_MADDUBS(a, bq), PKI_MADDUBS(bq, a)), one));
             }
         }
         int32_t lanes[PKI_BYTES / 4];
@@ -161,7 +158,7 @@ static double CSA_V(peak_idot_mb)(long long iters, int threads, float *sink)
 #ifndef _OPENMP
     threads = 1;
 #endif
-    return (double)iters * threads * PKI_ACC_MB * 4 * PKI_BYTES * 2;
+    return (double)iters * threads * PKI_ACC_MB * 2 * PKI_BYTES * 2;
 }
 #endif
 
