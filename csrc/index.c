@@ -15,6 +15,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #endif
@@ -271,8 +275,9 @@ static int fp4_pack_q(const struct csa_index_problem *p, csa_idx b, csa_idx s, u
 
 /* The plainest statement of the FP4 score: per head, per block, an integer sum of
  * the 2x codes, times the product of the scales (and 1/4), added in block order. */
-static float score_ref_fp4(const struct csa_index_problem *p, const uint8_t *qrows, csa_idx sqh,
-                           csa_idx b, csa_idx s, csa_idx t)
+static __attribute__((noinline)) float score_ref_fp4(const struct csa_index_problem *p,
+                                                     const uint8_t *qrows, csa_idx sqh,
+                                                     csa_idx b, csa_idx s, csa_idx t)
 {
     const csa_idx Di = p->Di, nb = Di / 32;
     const uint8_t *kr = (const uint8_t *)p->k + b * p->skb + t * p->skt;

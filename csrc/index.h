@@ -46,7 +46,9 @@ struct csa_index_problem {
      * first.  q_fp4 needs k_fp4; Di % 32 == 0.  Each block of 32 features is scored
      * as an exact integer sum of (2 q)(2 k) codes times 2^(eq + ek - 256) (the
      * product of the two scales, then the integer sum converted and scaled), the
-     * blocks added in float32 in order; relu, weights and the head sum as above. */
+     * blocks added in float32 in order; relu as above, then relu(dot) * w (rounded)
+     * added in head order h = 0 .. Hi-1: unlike float keys, the same bits at every
+     * ISA level (docs/kernels.md, section 4, "The integer path"). */
     int k_fp4, q_fp4;
 };
 

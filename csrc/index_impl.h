@@ -434,215 +434,7 @@ IX_AMX_FN void CSA_V(ix_amx_score_row)(const struct csa_index_problem *p, csa_id
 #undef IX_AMX_FN
 #endif
 
-/* ------------------------------------------------------------------ FP4 rows
- * Keys and queries on the e2m1 grid with one ue8m0 scale per 32 features.  A chunk
- * of keys is decoded once into the key scratch: per key Di "offset codes" 2k + 12 in
- * [0, 24] (unsigned bytes) and Di / 32 float32 scales 2^(ek - 127) / 4.  A query row
- * is packed for groups of 16 heads: per (group, block) 16 feature pairs x 32 bytes of
- * 2q (signed), int16 lane l holding head (l odd ? 8 + l / 2 : l / 2) of the group, so
- * that vpmaddwd with (1, 0) / (0, 1) word masks yields heads 0-7 / 8-15 in natural
- * order; the int16 start values -12 * sum(2q) of a block undo the +12 offset; and the
- * float32 scales 2^(eq - 127).  vpmaddubsw (offset key pair broadcast x 16 heads'
- * pairs) adds two products of at most 24 * 12 per int16 lane; 16 pairs per block
- * stay within +-13824, so every block sum is exact.  Each block's integer sum is
- * converted (exact), multiplied by (qs * ks) and added to the head's dot in block
- * order, the same operations as the oracle, so the dots are the oracle's bits; relu,
- * weights and the head sum then run as in ix_score_row. */
-#define IX_FK 4 /* keys per FP4 register tile */
-
-/* Bytes of the tuned FP4 query row: qb, then qz, qs, the weights and lane mask. */
-static inline csa_idx CSA_V(ix_fp4_groups)(csa_idx Hi) { return (Hi + 15) / 16; }
-
-/* Byte offset of the weights in a packed FP4 row (64-byte aligned). */
-static inline size_t CSA_V(ix_fp4_woff)(const struct csa_index_problem *p)
-{
-    const size_t G = (size_t)CSA_V(ix_fp4_groups)(p->Hi), nb = (size_t)(p->Di / 32);
-    return (G * nb * (512 + 32 + 64) + 63) / 64 * 64;
-}
-
-static size_t CSA_V(ix_fp4_row_bytes)(const struct csa_index_problem *p, csa_idx HP)
-{
-    return (CSA_V(ix_fp4_woff)(p) + (size_t)HP * 8 + 63) / 64 * 64;
-}
-
-static void CSA_V(ix_fp4_pack_row)(const struct ix_call *x, csa_idx b, csa_idx s, csa_idx HP,
-                                   uint8_t *buf)
-{
-    const struct csa_index_problem *p = x->p;
-    const csa_idx Hi = p->Hi, Di = p->Di, nb = Di / 32, G = CSA_V(ix_fp4_groups)(Hi);
-    int8_t *qb = (int8_t *)buf;
-    int16_t *qz = (int16_t *)(buf + G * nb * 512);
-    float *qs = (float *)(buf + G * nb * (512 + 32));
-    float *wv = (float *)(buf + CSA_V(ix_fp4_woff)(p));
-    int32_t *lm = (int32_t *)(wv + HP);
-    const uint8_t *qr0 = x->qp + b * x->qpb + s * x->qps;
-    for (csa_idx g = 0; g < G; g++)
-        for (csa_idx j = 0; j < nb; j++) {
-            int8_t *o = qb + (g * nb + j) * 512;
-            int16_t *z = qz + (g * nb + j) * 16;
-            float *sc = qs + (g * nb + j) * 16;
-            for (int l = 0; l < 16; l++) {
-                const csa_idx h = 16 * g + ((l & 1) ? 8 + l / 2 : l / 2);
-                const csa_idx hn = 16 * g + l; /* natural order for the scales */
-                int sum = 0;
-                for (int d = 0; d < 32; d++) {
-                    const int v = h < Hi ? fp4_v2[fp4_code(qr0 + h * x->qph, 32 * j + d)] : 0;
-                    o[(d / 2) * 32 + 2 * l + (d & 1)] = (int8_t)v;
-                    sum += v;
-                }
-                z[l] = (int16_t)(-12 * sum);
-                sc[l] = hn < Hi ? fp4_scale(qr0[hn * x->qph + Di / 2 + j]) : 0.0f;
-            }
-        }
-    const csa_idx w0 = b * p->swb + s * p->sws;
-    for (csa_idx h = 0; h < HP; h++) {
-        wv[h] = h < Hi ? ld(p->w, p->w_bf16, w0 + h * p->swh) : 0.0f;
-        lm[h] = h < Hi ? -1 : 0;
-    }
-}
-
-/* Decodes FP4 keys [t0, t1) of batch entry b into dst: per key Di offset codes, then
- * Di / 32 float32 scales (ks / 4). */
-static void CSA_V(ix_fp4_decode_keys)(const struct csa_index_problem *p, csa_idx b, csa_idx t0,
-                                      csa_idx t1, uint8_t *CSA_RESTRICT dst)
-{
-    const csa_idx Di = p->Di, nb = Di / 32, KS = Di + 4 * nb;
-    const uint8_t *kb = (const uint8_t *)p->k + b * p->skb;
-#if defined(__AVX2__)
-    const __m128i lut = _mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
-    const __m128i m4 = _mm_set1_epi8(15);
-#endif
-    for (csa_idx t = t0; t < t1; t++) {
-        const uint8_t *kr = kb + t * p->skt;
-        uint8_t *o = dst + (t - t0) * KS;
-        for (csa_idx j = 0; j < nb; j++) {
-#if defined(__AVX2__)
-            const __m128i v = _mm_loadu_si128((const __m128i *)(kr + 16 * j));
-            const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(v, m4));
-            const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(v, 4), m4));
-            _mm_storeu_si128((__m128i *)(o + 32 * j), _mm_unpacklo_epi8(lo, hi));
-            _mm_storeu_si128((__m128i *)(o + 32 * j + 16), _mm_unpackhi_epi8(lo, hi));
-#else
-            for (int d = 0; d < 32; d++)
-                o[32 * j + d] = (uint8_t)(fp4_v2[fp4_code(kr, 32 * j + d)] + 12);
-#endif
-        }
-        float *ks = (float *)(o + Di);
-        for (csa_idx j = 0; j < nb; j++) ks[j] = fp4_scale(kr[Di / 2 + j]) * 0.25f;
-    }
-}
-
-/* dots[n][16 g0 .. 16 (g0 + ng)) of the nk keys kd[n] against groups g0 .. g0+ng-1,
- * the blocks added in order. */
-static inline __attribute__((always_inline)) void
-CSA_V(ix_fp4_tile)(const int ng, const uint8_t *buf, csa_idx G, csa_idx nb, csa_idx g0,
-                   const uint8_t *const *kd, csa_idx Di, float *dots, csa_idx GH)
-{
-    const int8_t *qb = (const int8_t *)buf;
-    const int16_t *qz = (const int16_t *)(buf + G * nb * 512);
-    const float *qs = (const float *)(buf + G * nb * (512 + 32));
-    for (csa_idx j = 0; j < nb; j++) {
-#if defined(__AVX2__)
-        __m256i acc[2][IX_FK];
-#pragma GCC unroll 2
-        for (int gi = 0; gi < ng; gi++) {
-            const __m256i z = _mm256_loadu_si256((const __m256i *)(qz + ((g0 + gi) * nb + j) * 16));
-#pragma GCC unroll 4
-            for (int n = 0; n < IX_FK; n++) acc[gi][n] = z;
-        }
-#pragma GCC unroll 4
-        for (int pp = 0; pp < 16; pp++) {
-            __m256i qv[2];
-#pragma GCC unroll 2
-            for (int gi = 0; gi < ng; gi++)
-                qv[gi] = _mm256_loadu_si256((const __m256i *)(qb + ((g0 + gi) * nb + j) * 512 + 32 * pp));
-#pragma GCC unroll 4
-            for (int n = 0; n < IX_FK; n++) {
-                int16_t kp;
-                memcpy(&kp, kd[n] + 32 * j + 2 * pp, 2);
-                const __m256i kv = _mm256_set1_epi16(kp);
-#pragma GCC unroll 2
-                for (int gi = 0; gi < ng; gi++)
-                    acc[gi][n] = _mm256_add_epi16(acc[gi][n], _mm256_maddubs_epi16(kv, qv[gi]));
-            }
-        }
-        const __m256i even = _mm256_set1_epi32(1), odd = _mm256_set1_epi32(1 << 16);
-#pragma GCC unroll 2
-        for (int gi = 0; gi < ng; gi++) {
-            const float *sq = qs + ((g0 + gi) * nb + j) * 16;
-            const __m256 s0 = _mm256_loadu_ps(sq), s1 = _mm256_loadu_ps(sq + 8);
-#pragma GCC unroll 4
-            for (int n = 0; n < IX_FK; n++) {
-                const __m256 ks = _mm256_set1_ps(((const float *)(kd[n] + Di))[j]);
-                const __m256 c0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(acc[gi][n], even)),
-                                                _mm256_mul_ps(s0, ks));
-                const __m256 c1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(acc[gi][n], odd)),
-                                                _mm256_mul_ps(s1, ks));
-                float *dn = dots + n * GH + 16 * (g0 + gi);
-                if (j == 0) {
-                    _mm256_storeu_ps(dn, c0);
-                    _mm256_storeu_ps(dn + 8, c1);
-                } else {
-                    _mm256_storeu_ps(dn, _mm256_add_ps(_mm256_loadu_ps(dn), c0));
-                    _mm256_storeu_ps(dn + 8, _mm256_add_ps(_mm256_loadu_ps(dn + 8), c1));
-                }
-            }
-        }
-#else
-        for (int gi = 0; gi < ng; gi++) {
-            const int8_t *q = qb + ((g0 + gi) * nb + j) * 512;
-            const int16_t *z = qz + ((g0 + gi) * nb + j) * 16;
-            const float *sq = qs + ((g0 + gi) * nb + j) * 16;
-            for (int n = 0; n < IX_FK; n++) {
-                const uint8_t *k = kd[n] + 32 * j;
-                const float ks = ((const float *)(kd[n] + Di))[j];
-                float *dn = dots + n * GH + 16 * (g0 + gi);
-                for (int l = 0; l < 16; l++) {
-                    int32_t acc = z[l];
-                    for (int pp = 0; pp < 16; pp++)
-                        acc += k[2 * pp] * q[32 * pp + 2 * l] + k[2 * pp + 1] * q[32 * pp + 2 * l + 1];
-                    const int hl = (l & 1) ? 8 + l / 2 : l / 2;
-                    const float c = (float)acc * (sq[hl] * ks);
-                    dn[hl] = j == 0 ? c : dn[hl] + c;
-                }
-            }
-        }
-#endif
-    }
-}
-
-/* Scores of one packed FP4 query row against keys [t0, t1) decoded in kc from kt0. */
-static void CSA_V(ix_fp4_score_row)(const struct csa_index_problem *p, const uint8_t *buf,
-                                    csa_idx HP, const uint8_t *kc, csa_idx kt0, csa_idx t0,
-                                    csa_idx t1, const uint8_t *cm, csa_idx scn, csa_idx bs,
-                                    float *o, float *dots)
-{
-    typedef CSA_V(vf) vf;
-    typedef CSA_V(vi) vi;
-    const csa_idx Di = p->Di, nb = Di / 32, KS = Di + 4 * nb, G = CSA_V(ix_fp4_groups)(p->Hi);
-    const csa_idx GH = 16 * G, nvec = HP / IX_VL;
-    const vf *wv = (const vf *)(buf + CSA_V(ix_fp4_woff)(p));
-    const vi *lm = (const vi *)((const float *)wv + HP);
-    for (csa_idx t = t0; t < t1; t += IX_FK) {
-        const csa_idx nk = imin(IX_FK, t1 - t);
-        if (cand_tile_skipped(cm, scn, bs, t, nk)) continue;
-        const uint8_t *kd[IX_FK];
-        for (int n = 0; n < IX_FK; n++) kd[n] = kc + (imin(t + n, t1 - 1) - kt0) * KS;
-        csa_idx g = 0;
-        for (; g + 2 <= G; g += 2) CSA_V(ix_fp4_tile)(2, buf, G, nb, g, kd, Di, dots, GH);
-        if (g < G) CSA_V(ix_fp4_tile)(1, buf, G, nb, g, kd, Di, dots, GH);
-        for (csa_idx n = 0; n < nk; n++) {
-            vf part = (vf){0};
-            for (csa_idx c = 0; c < nvec; c++) {
-                vf a;
-                memcpy(&a, dots + n * GH + c * IX_VL, sizeof a);
-                const vi keep = ~(a < (vf){0}) & lm[c]; /* relu keeps NaN; padded heads -> 0 */
-                part += (vf)((vi)a & keep) * wv[c];
-            }
-            o[t + n] = CSA_V(ix_hsum)(part);
-        }
-    }
-}
+#include "index_fp4_impl.h"
 
 /* The q . k path of a call at the current level. */
 static int CSA_V(ix_mode)(const struct csa_index_problem *p)
@@ -677,7 +469,11 @@ static void CSA_V(ix_finish_batch)(const struct ix_call *x, const float *scr, cs
 static size_t CSA_V(ix_row_bytes)(const struct csa_index_problem *p, int mode, csa_idx *HP)
 {
     *HP = (p->Hi + IX_VL - 1) / IX_VL * IX_VL;
-    if (mode == IX_FP4) return CSA_V(ix_fp4_row_bytes)(p, *HP);
+    if (mode == IX_FP4) {
+        struct CSA_V(ix4_geo) g;
+        CSA_V(ix4_row_geo)(p, &g);
+        return g.bytes;
+    }
 #ifdef IX_HAVE_AMX
     if (mode == IX_AMX) {
         const csa_idx HG = (p->Hi + 15) / 16, DC = (p->Di + 31) / 32;
@@ -694,7 +490,8 @@ static size_t CSA_V(ix_key_scratch)(const struct csa_index_problem *p, int mode,
 {
     if (mode == IX_WIDEN) return (size_t)(kc > 0 ? kc : 1) * (size_t)(p->Di > 0 ? p->Di : 1) * 4;
     if (mode == IX_AMX) return (size_t)((p->Di + 31) / 32) * 1024; /* one padded key block */
-    if (mode == IX_FP4) return (size_t)(kc > 0 ? kc : 1) * (size_t)(p->Di + p->Di / 8 + 1);
+    if (mode == IX_FP4)
+        return (size_t)((kc + IX4_NK - 1) / IX4_NK + 1) * CSA_V(ix4_tile_bytes)(p->Di, IX4_NK);
     (void)kc;
     return 0;
 }
@@ -703,8 +500,8 @@ static size_t CSA_V(ix_key_scratch)(const struct csa_index_problem *p, int mode,
 static float *CSA_V(ix_cbuf)(const struct csa_index_problem *p, int mode)
 {
     if (mode == IX_AMX) return aligned_alloc(64, 1024 * sizeof(float));
-    if (mode == IX_FP4)
-        return aligned_alloc(64, ((size_t)IX_FK * 16 * CSA_V(ix_fp4_groups)(p->Hi) * 4 + 63) / 64 * 64);
+    (void)p;
+    if (mode == IX_FP4) return aligned_alloc(64, 64); /* unused */
     return NULL;
 }
 
@@ -714,7 +511,7 @@ static void CSA_V(ix_pack)(const struct ix_call *x, int mode, csa_idx b, csa_idx
 {
     const struct csa_index_problem *p = x->p;
     if (mode == IX_FP4) {
-        CSA_V(ix_fp4_pack_row)(x, b, s, HP, (uint8_t *)buf);
+        CSA_V(ix4_pack_row)(x, b, s, (uint8_t *)buf);
         return;
     }
 #ifdef IX_HAVE_AMX
@@ -745,8 +542,8 @@ static void CSA_V(ix_score)(const struct ix_call *x, int mode, const float *buf,
     }
 #endif
     if (mode == IX_FP4) {
-        CSA_V(ix_fp4_score_row)(p, (const uint8_t *)buf, HP, (const uint8_t *)kc, kt0, t0, t1, cm,
-                                scn, bs, o, cbuf);
+        CSA_V(ix4_score_row)(x, (const uint8_t *)buf, b, s, (const uint8_t *)kc, kt0, t0, t1, cm,
+                             scn, bs, o);
         return;
     }
     (void)cbuf;
@@ -763,7 +560,7 @@ static void CSA_V(ix_prep_keys)(const struct csa_index_problem *p, int mode, csa
                                 csa_idx t0, csa_idx t1, void *kc)
 {
     if (mode == IX_WIDEN && t1 > t0) CSA_V(ix_widen_keys)(p, b, t0, t1, (float *)kc);
-    if (mode == IX_FP4 && t1 > t0) CSA_V(ix_fp4_decode_keys)(p, b, t0, t1, (uint8_t *)kc);
+    if (mode == IX_FP4 && t1 > t0) CSA_V(ix4_pack_keys)(p, b, t0, t1, (uint8_t *)kc);
 }
 
 static void CSA_V(ix_tiles_begin)(int mode)
@@ -794,7 +591,7 @@ static int CSA_V(ix_run_keysplit)(const struct ix_call *x, int mode)
     const csa_idx rows = p->B * p->S, Tc = p->Tc, S = p->S;
     csa_idx HP;
     const size_t row_bytes = CSA_V(ix_row_bytes)(p, mode, &HP);
-    const csa_idx KC = mode == IX_AMX ? 256 : mode == IX_FP4 ? IX_FK * 64 : IX_NK * 64; /* AMX: a multiple of 16 */
+    const csa_idx KC = mode == IX_AMX ? 256 : mode == IX_FP4 ? IX_FK * 32 : IX_NK * 64; /* AMX: a multiple of 16 */
     const csa_idx nvmax = visible(p->start_pos + S - 1, p->ratio);
     const csa_idx nch = nvmax > 0 ? (nvmax + KC - 1) / KC : 1, items = p->B * nch;
     const size_t kbytes = CSA_V(ix_key_scratch)(p, mode, KC);
@@ -852,6 +649,152 @@ static int CSA_V(ix_run_keysplit)(const struct ix_call *x, int mode)
     return err;
 }
 
+/* Fused top-k of FP4 keys for calls with few rows (decode, speculative verification):
+ * as ix_run_keysplit, but no [S, Tc] score rows.  Each thread scores a chunk of keys
+ * into a chunk-sized row and keeps, per query row, its own candidates (key, position)
+ * in ascending position (a thread's chunks come in increasing order): those whose key
+ * passes the thread's threshold; once more than 2K are kept, select_keys cuts them to
+ * the K best and the K-th key becomes the threshold (strictly above: an entry equal to
+ * it comes later than the K kept, so it ranks below all of them).  Nothing cut can be
+ * among the row's top K, so the thread that completes a batch entry merges every
+ * thread's candidates by position and selects from them exactly what select_row would
+ * from the whole row.  Memory O(threads * rows * (2K + chunk)), independent of Tc. */
+#define IX_STREAM_KMAX 4096
+static int CSA_V(ix_run_stream)(const struct ix_call *x)
+{
+    const struct csa_index_problem *p = x->p;
+    const int mode = IX_FP4;
+    const csa_idx rows = p->B * p->S, S = p->S, K = x->K;
+    csa_idx HP;
+    const size_t row_bytes = CSA_V(ix_row_bytes)(p, mode, &HP);
+    const csa_idx KC = IX_FK * 32;
+    const csa_idx nvmax = visible(p->start_pos + S - 1, p->ratio);
+    const csa_idx nch = nvmax > 0 ? (nvmax + KC - 1) / KC : 1, items = p->B * nch;
+    const size_t kbytes = CSA_V(ix_key_scratch)(p, mode, KC);
+    const int nt = csa_threads(items, 1);
+    const csa_idx cap = 2 * K + KC, ns = (csa_idx)nt * rows;
+    float *bufs = aligned_alloc(64, row_bytes * (size_t)rows);
+    uint32_t *ck = malloc((size_t)(ns * cap) * sizeof(uint32_t));
+    int32_t *cp = malloc((size_t)(ns * cap) * sizeof(int32_t));
+    csa_idx *cn = calloc((size_t)ns, sizeof(csa_idx));
+    uint32_t *cthr = calloc((size_t)ns, sizeof(uint32_t));
+    uint8_t *cfull = calloc((size_t)ns, 1);
+    csa_idx *done = calloc((size_t)p->B, sizeof(csa_idx));
+    if (!bufs || !ck || !cp || !cn || !cthr || !cfull || !done) {
+        free(bufs);
+        free(ck);
+        free(cp);
+        free(cn);
+        free(cthr);
+        free(cfull);
+        free(done);
+        return CSA_ENOMEM;
+    }
+    const csa_idx rf = (csa_idx)(row_bytes / sizeof(float));
+    for (csa_idx r = 0; r < rows; r++) CSA_V(ix_pack)(x, mode, r / S, r % S, HP, bufs + r * rf, NULL);
+    int err = CSA_OK;
+#pragma omp parallel num_threads(nt)
+    {
+#ifdef _OPENMP
+        const int me = omp_get_thread_num();
+#else
+        const int me = 0;
+#endif
+        void *kc = aligned_alloc(64, (kbytes + 63) / 64 * 64);
+        float *sc = malloc((size_t)KC * sizeof(float));
+        uint32_t *cb = malloc((size_t)(ns * cap > cap ? ns * cap : cap) * sizeof(uint32_t));
+        uint32_t *mk = malloc((size_t)(ns * cap) * sizeof(uint32_t));
+        int32_t *mp = malloc((size_t)(ns * cap) * sizeof(int32_t));
+        uint32_t *tk = malloc((size_t)K * sizeof(uint32_t));
+        int32_t *tp = malloc((size_t)K * sizeof(int32_t));
+        const int st = (!kc || !sc || !cb || !mk || !mp || !tk || !tp) ? CSA_ENOMEM : CSA_OK;
+        if (st) {
+#pragma omp atomic write
+            err = st;
+        }
+        const struct csa_index_cand *c = x->c;
+        const csa_idx bs = c && c->mask ? c->block_size : 1, scn = c && c->mask ? c->scn : 0;
+#pragma omp for schedule(dynamic, 1) nowait
+        for (csa_idx it = 0; it < items; it++) {
+            if (st) continue; /* err is set: the call fails, nothing to finish */
+            const csa_idx b = it / nch, t0 = (it % nch) * KC;
+            CSA_V(ix_prep_keys)(p, mode, b, t0, imin(nvmax, t0 + KC), kc);
+            for (csa_idx s = 0; s < S; s++) {
+                const csa_idx r = b * S + s, slot = me * rows + r;
+                const csa_idx t1 = imin(visible(p->start_pos + s, p->ratio), t0 + KC);
+                if (t1 <= t0) continue;
+                const uint8_t *cm = cand_row(c, b, s);
+                /* the chunk's scores land in sc[0 .. t1 - t0): sc - t0 indexed by t */
+                CSA_V(ix4_score_row)(x, (const uint8_t *)(bufs + r * rf), b, s, (const uint8_t *)kc,
+                                     t0, t0, t1, cm, scn, bs, sc - t0);
+                uint32_t *key = ck + slot * cap;
+                int32_t *pos = cp + slot * cap;
+                csa_idx n = cn[slot];
+                const uint32_t thr = cthr[slot];
+                const int full = cfull[slot];
+                for (csa_idx t = t0; t < t1; t++) {
+                    if (cm && !cm[(t / bs) * scn]) continue;
+                    const uint32_t u = score_key(sc[t - t0]);
+                    key[n] = u;
+                    pos[n] = (int32_t)t;
+                    n += !full || u > thr;
+                }
+                if (n > 2 * K) {
+                    n = select_keys(key, pos, n, K, cb);
+                    uint32_t m = 0xFFFFFFFFu;
+                    for (csa_idx j = 0; j < n; j++) m = key[j] < m ? key[j] : m;
+                    cthr[slot] = m;
+                    cfull[slot] = 1;
+                }
+                cn[slot] = n;
+            }
+            /* acq_rel: the last chunk's thread sees every other thread's candidates */
+            if (__atomic_add_fetch(&done[b], 1, __ATOMIC_ACQ_REL) == nch) {
+                for (csa_idx s = 0; s < S; s++) {
+                    const csa_idx r = b * S + s;
+                    csa_idx hd[64], m = 0; /* merge by position: each list ascends */
+                    for (int u = 0; u < nt; u++) hd[u] = 0;
+                    for (;;) {
+                        int best = -1;
+                        for (int u = 0; u < nt; u++) {
+                            const csa_idx sl = u * rows + r;
+                            if (hd[u] < cn[sl] &&
+                                (best < 0 || cp[sl * cap + hd[u]] < cp[(best * rows + r) * cap + hd[best]]))
+                                best = u;
+                        }
+                        if (best < 0) break;
+                        const csa_idx sl = best * rows + r;
+                        mk[m] = ck[sl * cap + hd[best]];
+                        mp[m++] = cp[sl * cap + hd[best]++];
+                    }
+                    uint32_t *kk = mk;
+                    int32_t *pp = mp;
+                    const csa_idx k = select_keys(kk, pp, m, K, cb);
+                    if (x->order == CSA_ORDER_SCORE) sort_desc(&kk, &pp, k, tk, tp);
+                    int32_t *out = x->idx + r * K;
+                    for (csa_idx j = 0; j < k; j++) out[j] = (int32_t)(pp[j] + x->offset);
+                    for (csa_idx j = k; j < K; j++) out[j] = -1;
+                }
+            }
+        }
+        free(kc);
+        free(sc);
+        free(cb);
+        free(mk);
+        free(mp);
+        free(tk);
+        free(tp);
+    }
+    free(bufs);
+    free(ck);
+    free(cp);
+    free(cn);
+    free(cthr);
+    free(cfull);
+    free(done);
+    return err;
+}
+
 /* Scores (x->idx == NULL: into x->sc, -inf past the visible entries) or fused top-k
  * (into x->idx [B, S, K]). */
 static int CSA_V(ix_run)(const struct ix_call *x)
@@ -864,6 +807,8 @@ static int CSA_V(ix_run)(const struct ix_call *x)
     const size_t row_bytes = CSA_V(ix_row_bytes)(p, mode, &HP);
     const int nt_max = csa_threads(rows * 4096, 1);
 
+    if (mode == IX_FP4 && x->idx && x->K <= IX_STREAM_KMAX && nt_max <= 64 && rows < 4 * nt_max)
+        return CSA_V(ix_run_stream)(x);
     if (nt_max > 1 && rows < 4 * nt_max) return CSA_V(ix_run_keysplit)(x, mode);
 
     /* Blocks of qb rows share each chunk of keys while it sits in L2 (512 KB: 1026
@@ -873,7 +818,7 @@ static int CSA_V(ix_run)(const struct ix_call *x)
     const csa_idx nbs = (p->S + qb - 1) / qb, nblk = p->B * nbs;
     const csa_idx dd = Di > 0 ? Di : 1;
     const csa_idx KC = mode == IX_AMX ? 16 * imin(1 << 12, (csa_idx)(512 * 1024) / (2 * 16 * dd) + 1)
-                     : mode == IX_FP4 ? IX_FK * imin(1 << 16, (csa_idx)(256 * 1024) / (dd + dd / 8) / IX_FK + 1)
+                     : mode == IX_FP4 ? IX_FK * imin(1 << 16, (csa_idx)(256 * 1024) / (dd + dd / 8 + 8) / IX_FK + 1)
                                       : IX_NK * imin(1 << 16, (csa_idx)(512 * 1024) / (4 * dd) / IX_NK + 1);
     const csa_idx rf = (csa_idx)(row_bytes / sizeof(float));
     int err = CSA_OK;
@@ -1011,6 +956,11 @@ static int CSA_V(index_topk_tuned)(const struct csa_index_problem *p,
 #undef IX_QB
 #undef IX_AMX_TILE
 #undef IX_FK
+#undef IX_STREAM_KMAX
+#undef IX4_NK
+#ifdef IX4_HAVE_VNNI
+#undef IX4_HAVE_VNNI
+#endif
 #ifdef IX_HAVE_AMX
 #undef IX_HAVE_AMX
 #endif

@@ -2,6 +2,11 @@
 
 #include "amx.h"
 
+#include <string.h>
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
 static double peak_ref(long long iters, int threads, float *sink)
 {
     (void)threads;
@@ -28,6 +33,35 @@ double csa_peak_fma(long long iters, int threads, float *sink)
 int csa_peak_fma_shape(int *vec_bytes)
 {
     CSA_DISPATCH(peak_fma_shape, (vec_bytes), peak_ref_shape(vec_bytes));
+}
+
+static double peak_idot_ref(long long iters, int threads, float *sink)
+{
+    (void)threads;
+    int32_t acc = 1, a = 3, b = -2;
+    for (long long i = 0; i < iters; i++) {
+        __asm__("" : "+r"(a), "+r"(b));
+        acc += a * b;
+    }
+    *sink += (float)acc;
+    return (double)iters * 2;
+}
+
+static int peak_idot_ref_shape(int *vec_bytes, int *vnni)
+{
+    *vec_bytes = 4;
+    *vnni = 0;
+    return 1;
+}
+
+double csa_peak_idot(long long iters, int threads, float *sink)
+{
+    CSA_DISPATCH(peak_idot, (iters, threads, sink), peak_idot_ref(iters, threads, sink));
+}
+
+int csa_peak_idot_shape(int *vec_bytes, int *vnni)
+{
+    CSA_DISPATCH(peak_idot_shape, (vec_bytes, vnni), peak_idot_ref_shape(vec_bytes, vnni));
 }
 
 void csa_stream_triad(float *a, const float *b, const float *c, csa_idx n, float s, int threads)

@@ -14,6 +14,17 @@ double csa_peak_fma(long long iters, int threads, float *sink);
  * width in bytes in *vec_bytes ('ref': one scalar chain, 1 and 4). */
 int csa_peak_fma_shape(int *vec_bytes);
 
+/* Runs `iters` rounds of independent 8-bit integer dot products on `threads` threads at
+ * the CURRENT ISA level, in the instruction mix of the FP4 indexer (peak_impl.h):
+ * VPDPBUSD at avx512 / amx where the CPU has AVX512_VNNI (csa_cpu_features), else
+ * VPMADDUBSW pairs widened by VPMADDWD (zmm at avx512, ymm at avx2), scalar below;
+ * returns the integer ops done (2 per byte product). */
+double csa_peak_idot(long long iters, int threads, float *sink);
+
+/* csa_peak_idot's accumulator count at the current level; *vec_bytes its vector width
+ * in bytes, *vnni 1 where it runs VPDPBUSD. */
+int csa_peak_idot_shape(int *vec_bytes, int *vnni);
+
 /* Runs `iters` rounds of four independent AMX-BF16 tile products (16 x 16 x 32 each)
  * on `threads` threads; returns the flops done, or 0 below ISA level amx (no AMX in
  * this CPU, this build, or at the level set): the caller reports no AMX peak then. */

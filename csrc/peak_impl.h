@@ -62,6 +62,168 @@ static double CSA_V(peak_fma)(long long iters, int threads, float *sink)
     return (double)iters * threads * PK_ACC * PK_LANES * 2;
 }
 
+
+/* ---- integer dot-product peak: the instruction mix of the FP4 indexer's dot products
+ * (index_fp4_body.h): VPDPBUSD (64 byte products an instruction) on the avx512 / amx
+ * levels when the CPU has AVX512_VNNI (csa_cpu_features), else two VPMADDUBSW whose
+ * int16 sums are added and widened by one VPMADDWD into an int32 accumulator (128
+ * products, 5 instructions, zmm or ymm), scalar byte products at 'base'.  Counted as
+ * 2 integer ops a product (multiply, add), comparable to the FMA peak's flops.
+ * VPDPBUSD has latency 5 on Intel and AMD: 10 chains cover one or two ports.  The
+ * asm barrier on the operands keeps the compiler from folding constant products. */
+#define PKI_ACC 10
+#if defined(__AVX512F__) && defined(CSA_HAVE_AMX)
+#if defined(__clang__)
+CSA_TARGET_POP
+#endif
+CSA_TARGET_PUSH512("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c,avx512vnni")
+static double CSA_V(peak_idot_vnni)(long long iters, int threads, float *sink)
+{
+#pragma omp parallel num_threads(threads)
+    {
+        __m512i acc[PKI_ACC];
+        __m512i a = _mm512_set1_epi8(3), bq = _mm512_set1_epi8(-2);
+        for (int k = 0; k < PKI_ACC; k++) acc[k] = _mm512_set1_epi32(k);
+        for (long long i = 0; i < iters; i++) {
+            __asm__("" : "+v"(a), "+v"(bq));
+#pragma GCC unroll 16
+            for (int k = 0; k < PKI_ACC; k++) acc[k] = _mm512_dpbusd_epi32(acc[k], a, bq);
+        }
+        __m512i s = acc[0];
+        for (int k = 1; k < PKI_ACC; k++) s = _mm512_add_epi32(s, acc[k]);
+        const float t = (float)_mm512_reduce_add_epi32(s);
+#pragma omp atomic
+        *sink += t;
+    }
+#ifndef _OPENMP
+    threads = 1;
+#endif
+    return (double)iters * threads * PKI_ACC * 64 * 2;
+}
+CSA_TARGET_POP
+#if defined(__clang__)
+CSA_TARGET_PUSH512(CSA_TARGET_AVX512)
+#endif
+#endif
+
+#if defined(__AVX2__)
+#if defined(__AVX512F__)
+typedef __m512i CSA_V(pkiv);
+#define PKI_MADDUBS _mm512_maddubs_epi16
+#define PKI_ADD16 _mm512_add_epi16
+#define PKI_MADD _mm512_madd_epi16
+#define PKI_ADD32 _mm512_add_epi32
+#define PKI_SET8 _mm512_set1_epi8
+#define PKI_SET16 _mm512_set1_epi16
+#define PKI_SET32 _mm512_set1_epi32
+#define PKI_BYTES 64
+#else
+typedef __m256i CSA_V(pkiv);
+#define PKI_MADDUBS _mm256_maddubs_epi16
+#define PKI_ADD16 _mm256_add_epi16
+#define PKI_MADD _mm256_madd_epi16
+#define PKI_ADD32 _mm256_add_epi32
+#define PKI_SET8 _mm256_set1_epi8
+#define PKI_SET16 _mm256_set1_epi16
+#define PKI_SET32 _mm256_set1_epi32
+#define PKI_BYTES 32
+#endif
+/* 16 registers on AVX2: 6 chains + operands and the int16 temporaries */
+#define PKI_ACC_MB (PKI_BYTES == 64 ? 10 : 6)
+static double CSA_V(peak_idot_mb)(long long iters, int threads, float *sink)
+{
+#pragma omp parallel num_threads(threads)
+    {
+        CSA_V(pkiv) acc[PKI_ACC_MB];
+        CSA_V(pkiv) a = PKI_SET8(3), bq = PKI_SET8(-2), one = PKI_SET16(1);
+        for (int k = 0; k < PKI_ACC_MB; k++) acc[k] = PKI_SET32(k);
+        for (long long i = 0; i < iters; i++) {
+#pragma GCC unroll 16
+            for (int k = 0; k < PKI_ACC_MB; k++) {
+                /* a barrier per chain: the products do not depend on the accumulator,
+                 * and without it one pair of VPMADDUBSW served all chains */
+                __asm__("" : "+v"(a), "+v"(bq));
+                acc[k] = PKI_ADD32(acc[k], PKI_MADD(PKI_ADD16(PKI_MADDUBS(a, bq), PKI_MADDUBS(bq, a)), one));
+            }
+        }
+        int32_t lanes[PKI_BYTES / 4];
+        CSA_V(pkiv) s = acc[0];
+        for (int k = 1; k < PKI_ACC_MB; k++) s = PKI_ADD32(s, acc[k]);
+        memcpy(lanes, &s, sizeof lanes);
+        float t = 0;
+        for (int l = 0; l < PKI_BYTES / 4; l++) t += (float)lanes[l];
+#pragma omp atomic
+        *sink += t;
+    }
+#ifndef _OPENMP
+    threads = 1;
+#endif
+    return (double)iters * threads * PKI_ACC_MB * 2 * PKI_BYTES * 2;
+}
+#endif
+
+static int CSA_V(peak_idot_shape)(int *vec_bytes, int *vnni)
+{
+#if defined(__AVX512F__) && defined(CSA_HAVE_AMX)
+    if (csa_cpu_features() & CSA_CPU_VNNI_VBMI) {
+        *vec_bytes = 64;
+        *vnni = 1;
+        return PKI_ACC;
+    }
+#endif
+    *vnni = 0;
+#if defined(__AVX2__)
+    *vec_bytes = PKI_BYTES;
+    return PKI_ACC_MB;
+#else
+    *vec_bytes = 4;
+    return PKI_ACC;
+#endif
+}
+
+static double CSA_V(peak_idot)(long long iters, int threads, float *sink)
+{
+#if defined(__AVX512F__) && defined(CSA_HAVE_AMX)
+    if (csa_cpu_features() & CSA_CPU_VNNI_VBMI) return CSA_V(peak_idot_vnni)(iters, threads, sink);
+#endif
+#if defined(__AVX2__)
+    return CSA_V(peak_idot_mb)(iters, threads, sink);
+#else
+#pragma omp parallel num_threads(threads)
+    {
+        int32_t acc[PKI_ACC];
+        int32_t a = 3, bq = -2;
+        for (int k = 0; k < PKI_ACC; k++) acc[k] = k;
+        for (long long i = 0; i < iters; i++) {
+            for (int k = 0; k < PKI_ACC; k++) {
+                __asm__("" : "+r"(a), "+r"(bq)); /* one product a chain, not one for all */
+                acc[k] += a * bq;
+            }
+        }
+        int32_t s = 0;
+        for (int k = 0; k < PKI_ACC; k++) s += acc[k];
+#pragma omp atomic
+        *sink += (float)s;
+    }
+#ifndef _OPENMP
+    threads = 1;
+#endif
+    return (double)iters * threads * PKI_ACC * 2;
+#endif
+}
+#ifdef PKI_BYTES
+#undef PKI_MADDUBS
+#undef PKI_ADD16
+#undef PKI_MADD
+#undef PKI_ADD32
+#undef PKI_SET8
+#undef PKI_SET16
+#undef PKI_SET32
+#undef PKI_BYTES
+#undef PKI_ACC_MB
+#endif
+#undef PKI_ACC
+
 #undef PK_BYTES
 #undef PK_ACC
 #undef PK_LANES

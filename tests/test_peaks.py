@@ -44,3 +44,30 @@ def test_no_amx_peak_below_amx(level):
         assert r is not None and r > 0
     else:
         assert r is None
+
+
+@pytest.mark.parametrize("level", LEVELS, indirect=True)
+def test_idot_peak_shape_and_count(level):
+    """The integer dot-product peak runs the FP4 indexer's instruction at the level:
+    VPDPBUSD (zmm) at avx512 / amx where the CPU has AVX512_VNNI, VPMADDUBSW pairs
+    widened by VPMADDWD at avx2 (ymm) and avx512 without it (zmm), scalar below; it
+    counts 2 ops a byte product, and its chains fit the register file."""
+    dc.set_isa(level)
+    sh = _core._peak_idot_shape()
+    assert sh["isa"] == level
+    vnni = level in ("avx512", "amx") and "vnni_vbmi" in dc.build_info()["cpu_features"].split()
+    if vnni:
+        assert (sh["instruction"], sh["vec_bytes"]) == ("vpdpbusd", 64)
+        per_round = sh["accumulators"] * 64 * 2
+    elif level in ("avx2", "avx512", "amx"):
+        assert (sh["instruction"], sh["vec_bytes"]) == ("vpmaddubsw+vpmaddwd", WIDTH[level])
+        per_round = sh["accumulators"] * 2 * sh["vec_bytes"] * 2   # two VPMADDUBSW a chain
+    else:
+        assert (sh["instruction"], sh["vec_bytes"]) == ("scalar", 4)
+        per_round = sh["accumulators"] * 2
+    if level not in ("ref", "base"):
+        # VPDPBUSD latency 5 on one or two ports: >= 5 chains, no spills
+        assert 5 <= sh["accumulators"] <= REGS[level] - 4
+    assert _core._peak_idot(1000, 1) == 1000 * per_round
+    ran = 1 if level == "ref" or not dc.build_info()["openmp"] else 2  # 'ref': one chain
+    assert _core._peak_idot(1000, 2) == ran * 1000 * per_round

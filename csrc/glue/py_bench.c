@@ -47,6 +47,20 @@ static PyObject *py_peak_fma_shape(PyObject *self, PyObject *noargs)
                          vec_bytes, "accumulators", acc);
 }
 
+static PyObject *py_peak_idot(PyObject *self, PyObject *args)
+{
+    return peak_call(args, "_peak_idot", csa_peak_idot);
+}
+
+static PyObject *py_peak_idot_shape(PyObject *self, PyObject *noargs)
+{
+    int vec_bytes = 0, vnni = 0;
+    const int acc = csa_peak_idot_shape(&vec_bytes, &vnni);
+    return Py_BuildValue("{s:s,s:i,s:i,s:s}", "isa", csa_isa_name(csa_isa_get()), "vec_bytes",
+                         vec_bytes, "accumulators", acc, "instruction",
+                         vnni ? "vpdpbusd" : vec_bytes > 4 ? "vpmaddubsw+vpmaddwd" : "scalar");
+}
+
 static PyObject *py_stream_triad(PyObject *self, PyObject *args)
 {
     PyObject *ao, *bo, *co;
@@ -117,6 +131,11 @@ PyMethodDef csa_bench_methods[] = {
      "_peak_amx_bf16(iters, threads) -> flops done, or None below ISA level amx"},
     {"_peak_fma_shape", py_peak_fma_shape, METH_NOARGS,
      "_peak_fma_shape() -> {isa, vec_bytes, accumulators} of _peak_fma at the current level"},
+    {"_peak_idot", py_peak_idot, METH_VARARGS,
+     "_peak_idot(iters, threads) -> 8-bit integer dot-product ops done (2 a byte product) at\n"
+     "the current ISA level, in the FP4 indexer's instruction mix"},
+    {"_peak_idot_shape", py_peak_idot_shape, METH_NOARGS,
+     "_peak_idot_shape() -> {isa, vec_bytes, accumulators, instruction} of _peak_idot"},
     {"_stream_triad", py_stream_triad, METH_VARARGS, "_stream_triad(a, b, c, threads)"},
     {NULL, NULL, 0, NULL},
 };

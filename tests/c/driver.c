@@ -67,6 +67,8 @@ enum {
     F_BF16_GEMM = 1 << 11, /* gemm the bf16 GEMM takes (docs/kernels.md s. 9): at level amx,
                             * and avx512 on a CPU with AVX512_BF16, its float32 sums run in
                             * its own order, so a bfloat16 output may be one ulp off */
+    F_NARROW = 1 << 12,   /* FP4 index keys: exponents 126..128 with Gaussian q and w (the
+                           * prescaled one-sum path, no exact sums) */
 };
 
 #define MAXBUF 12
@@ -655,9 +657,11 @@ static const kernel K_INDEX_TOPK = {"index_topk", init_index_topk, run_index_top
                                     check_index_topk};
 
 /* index.h, FP4 keys: k as uint8 rows of Di/2 + Di/32 bytes (row stride W + 3; buf[4]),
- * random codes and exponent bytes (F_EXACT: 126..128 with integer weights, so every
- * sum is exact and the levels agree bitwise; else 122..131; head sums cancel, so a looser tolerance); q float32 or bfloat16,
- * rounded to FP4 inside the kernel.  Same p as the float32 index cases. */
+ * random codes and exponent bytes (F_EXACT: 126..128 with integer weights, every sum
+ * exact; F_NARROW: 126..128; else 122..131; F_NAN: a NaN scale byte in row 3, row 5 at
+ * 2^-127 and row 6 at 2^127, past the integer path's range); q float32 or bfloat16,
+ * rounded to FP4 inside the kernel.  Same p as the float32 index cases.  The integer
+ * path runs the oracle's float32 steps in its order: bitwise at every level. */
 static int init_index_fp4(tcase *c)
 {
     init_index(c);
@@ -667,8 +671,16 @@ static int init_index_fp4(tcase *c)
         uint8_t *row = k + r * (W + 3);
         for (long i = 0; i < Di / 2; i++) row[i] = (uint8_t)rng_u64();
         for (long j = 0; j < Di / 32; j++)
-            row[Di / 2 + j] = (uint8_t)((c->flags & F_EXACT) ? rng_int(126, 128) : rng_int(122, 131));
+            row[Di / 2 + j] = (uint8_t)((c->flags & (F_EXACT | F_NARROW)) ? rng_int(126, 128)
+                                                                       : rng_int(122, 131));
     }
+    if ((c->flags & F_NAN) && Tc > 6)
+        for (long b = 0; b < B; b++) {
+            uint8_t *k0 = k + b * Tc * (W + 3);
+            k0[3 * (W + 3) + Di / 2] = 0xff;
+            memset(k0 + 5 * (W + 3) + Di / 2, 0, (size_t)(Di / 32));
+            memset(k0 + 6 * (W + 3) + Di / 2, 254, (size_t)(Di / 32));
+        }
     return 0;
 }
 static struct csa_index_problem index_problem_fp4(const tcase *c)
@@ -939,11 +951,17 @@ static tcase cases[] = {
     {&K_INDEX_TOPK, {1, 13, 16, 64, 49, 4, 180, 9}, BF | F_EXACT | F_POSITION, 0, 0, "bf16 exact V4.1"},
     /* topk_indices: B, S, Tc, ratio, start_pos, K */
     /* index_scores / index_topk with FP4 keys: B, S, Hi, Di, Tc, ratio, start_pos (, K) */
-    {&K_INDEX_SCORES_FP4, {2, 9, 64, 128, 40, 4, 150}, 0, 1e-4, 2e-3, "fp4 k decode-ish"},
+    {&K_INDEX_SCORES_FP4, {2, 9, 64, 128, 40, 4, 150}, 0, 0, 0, "fp4 k decode-ish"},
     {&K_INDEX_SCORES_FP4, {1, 33, 17, 64, 13, 4, 20}, F_EXACT, 0, 0, "fp4 k exact odd heads"},
-    {&K_INDEX_SCORES_FP4, {1, 40, 8, 32, 45, 1, 0}, BF | F_W_BF16, 1e-5, 1e-4, "fp4 k bf16 q/w prefill"},
+    {&K_INDEX_SCORES_FP4, {1, 40, 8, 32, 45, 1, 0}, BF | F_W_BF16, 0, 0, "fp4 k bf16 q/w prefill"},
     {&K_INDEX_TOPK_FP4, {2, 9, 16, 64, 60, 4, 200, 16}, F_EXACT | F_NOW, 0, 0, "fp4 k exact V4"},
     {&K_INDEX_TOPK_FP4, {1, 13, 16, 96, 49, 4, 180, 9}, F_EXACT | F_POSITION, 0, 0, "fp4 k exact V4.1 mask"},
+    {&K_INDEX_SCORES_FP4, {1, 1, 64, 128, 300, 4, 1199}, F_NARROW, 0, 0, "fp4 k decode one-sum path"},
+    {&K_INDEX_SCORES_FP4, {2, 8, 64, 128, 77, 4, 300}, 0, 0, 0, "fp4 k S=8 block path"},
+    {&K_INDEX_SCORES_FP4, {1, 3, 9, 160, 41, 4, 160}, F_NAN, 0, 0, "fp4 k NaN / range fallbacks"},
+    {&K_INDEX_TOPK_FP4, {1, 1, 64, 128, 1000, 4, 3999, 512}, F_NARROW, 0, 0, "fp4 k decode top-512"},
+    {&K_INDEX_TOPK_FP4, {2, 5, 32, 64, 90, 4, 350, 33}, F_NARROW | F_POSITION, 0, 0, "fp4 k V4.1 mask"},
+    {&K_INDEX_TOPK_FP4, {1, 20, 16, 128, 40, 1, 0, 12}, F_NAN | F_NOW, 0, 0, "fp4 k prefill NaN"},
     {&K_TOPK, {2, 37, 70, 4, 100, 17}, F_NAN, 0, 0, "ties NaN inf -0 V4"},
     {&K_TOPK, {1, 64, 40, 4, 0, 9}, F_NAN | F_POSITION, 0, 0, "ties NaN prefill V4.1"},
     {&K_TOPK, {1, 5, 300, 1, 295, 64}, F_NOW, 0, 0, "ties ratio 1 no mask"},

@@ -59,4 +59,8 @@ MUTANTS = [
       "index_topk loses each row's last slot"),
     c("index_scores", "CSA_MUTANT_INDEX_SCORES", ["index_scores"], ["tests/test_index.py"],
       "index_scores off by a relative 1e-4"),
+    c("fp4_index_fuse", "CSA_MUTANT_FP4_INDEX_FUSE", ["index_scores fp4"], ["tests/test_fp4_index.py"],
+      "FP4 index_topk (integer path): relu(dot) * w fused into the head sum, one rounding instead of the oracle's two"),
+    c("fp4_index_spread", "CSA_MUTANT_FP4_INDEX_SPREAD", [], ["tests/test_fp4_index.py"],
+      "FP4 index_topk (integer path): keys whose blocks spread by 2^4 (2^3 without VNNI) prescaled, their bytes wrap"),
 ]

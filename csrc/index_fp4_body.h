@@ -1,0 +1,246 @@
+/* One width and one dot-product instruction of the FP4 tile scorer (index_fp4_impl.h);
+ * included once per (level, instruction) with these defined:
+ *   IX4B_NAME  the function's name            IX4B_W  512 or 256 (vector bits)
+ *   IX4B_VNNI  1: VPDPBUSD, 0: VPMADDUBSW + VPMADDWD
+ * Keys sit in the int32 lanes (IX4B_W / 32 of them: the tile of index_fp4_impl.h), so
+ * each lane runs the oracle's per-key float32 steps in the oracle's order, heads one
+ * after the other. */
+
+#if IX4B_W == 512
+#define VI __m512i
+#define VF __m512
+#define I_SET1 _mm512_set1_epi32
+#define I_ADD _mm512_add_epi32
+#define I_LOAD(p) _mm512_load_si512((const void *)(p))
+#define I_SLLI _mm512_slli_epi32
+#define F_CVT _mm512_cvtepi32_ps
+#define F_MUL _mm512_mul_ps
+#define F_ADD _mm512_add_ps
+#define F_MAX _mm512_max_ps
+#define F_SET1 _mm512_set1_ps
+#define F_ZERO _mm512_setzero_ps
+#define F_STOREU _mm512_storeu_ps
+#define CASTF _mm512_castsi512_ps
+#if IX4B_VNNI
+/* The query dword straight from memory as VPDPBUSD's broadcast operand, the accumulator
+ * updated in place: written with the intrinsics GCC 12 loaded each dword with its own
+ * VPBROADCASTD and copied the accumulators between registers (vmovdqa32), three
+ * instructions a dot product against one (a front-end bound loop: 63% of the level's
+ * peak at Tc = 64K before, on the Xeon). */
+#define DP2M(a, k0, k1, p0, p1)                                                            \
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(a) : "v"(k0), "m"(*(const int32_t *)(p0))); \
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(a) : "v"(k1), "m"(*(const int32_t *)(p1)))
+#define DP2(a, k0, k1, q0, q1)                                                             \
+    a = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a, k0, _mm512_set1_epi32(q0)), k1,         \
+                            _mm512_set1_epi32(q1))
+#else
+#define DP2(a, k0, k1, q0, q1)                                                             \
+    a = _mm512_add_epi32(a, _mm512_madd_epi16(_mm512_add_epi16(                            \
+            _mm512_maddubs_epi16(k0, _mm512_set1_epi32(q0)),                               \
+            _mm512_maddubs_epi16(k1, _mm512_set1_epi32(q1))), _mm512_set1_epi16(1)))
+#endif
+#else
+#define VI __m256i
+#define VF __m256
+#define I_SET1 _mm256_set1_epi32
+#define I_ADD _mm256_add_epi32
+#define I_LOAD(p) _mm256_load_si256((const __m256i *)(p))
+#define I_SLLI _mm256_slli_epi32
+#define F_CVT _mm256_cvtepi32_ps
+#define F_MUL _mm256_mul_ps
+#define F_ADD _mm256_add_ps
+#define F_MAX _mm256_max_ps
+#define F_SET1 _mm256_set1_ps
+#define F_ZERO _mm256_setzero_ps
+#define F_STOREU _mm256_storeu_ps
+#define CASTF _mm256_castsi256_ps
+#define DP2(a, k0, k1, q0, q1)                                                             \
+    a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_add_epi16(                            \
+            _mm256_maddubs_epi16(k0, _mm256_set1_epi32(q0)),                               \
+            _mm256_maddubs_epi16(k1, _mm256_set1_epi32(q1))), _mm256_set1_epi16(1)))
+#endif
+#define NKB (IX4B_W / 32)
+/* heads a pass of the one-sum path: 8 accumulator chains cover VPDPBUSD's latency (5)
+ * and each key register feeds 16 dot products (4 heads: 8, and a key load per 4) */
+#if IX4B_W == 512
+#define IX4B_HB 8
+#else
+#define IX4B_HB 4 /* 16 ymm registers: 8 chains spilled to the stack */
+#endif
+
+static inline int32_t IX4B_CAT(IX4B_NAME, _ld32)(const int8_t *q)
+{
+    int32_t v;
+    memcpy(&v, q, 4);
+    return v;
+}
+#define LD32 IX4B_CAT(IX4B_NAME, _ld32)
+
+/* 2^(e - 129) per lane, e = ekb + eq: the scale of a product of two 2x codes (the
+ * range checks of the caller keep the exponent field in [1, 254]). */
+#define SCALE(ekb, eq) CASTF(I_SLLI(I_ADD(ekb, I_SET1((eq) - 129)), 23))
+
+/* Dots of NH heads (h0 ..) whose q is prescaled, against a tile of prescaled keys:
+ * one integer sum over all Di features each, converted and scaled once (exact: see
+ * index_fp4_impl.h). */
+static inline __attribute__((always_inline)) void
+IX4B_CAT(IX4B_NAME, _fast)(const int nh, const uint8_t *qop, const int32_t *hcorr,
+                           const int32_t *heqf, csa_idx h0, csa_idx Di, const uint8_t *kv,
+                           VI ekb0, VF *dot)
+{
+    VI a[IX4B_HB];
+#pragma GCC unroll 8
+    for (int i = 0; i < nh; i++) a[i] = I_SET1(hcorr[h0 + i]);
+    const int8_t *q = (const int8_t *)qop + IX4_QOFF(h0, 0, Di);
+#pragma GCC unroll 2
+    for (csa_idx f = 0; f < Di / 4; f += 2) {
+        const VI k0 = I_LOAD(kv + f * (NKB * 4)), k1 = I_LOAD(kv + (f + 1) * (NKB * 4));
+#ifdef DP2M
+#pragma GCC unroll 8
+        for (int i = 0; i < nh; i++) {
+            DP2M(a[i], k0, k1, q + (f * 8 + i) * 4, q + (f * 8 + 8 + i) * 4);
+        }
+#else
+#pragma GCC unroll 8
+        for (int i = 0; i < nh; i++)
+            DP2(a[i], k0, k1, LD32(q + (f * 8 + i) * 4), LD32(q + (f * 8 + 8 + i) * 4));
+#endif
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < nh; i++) dot[i] = F_MUL(F_CVT(a[i]), SCALE(ekb0, heqf[h0 + i]));
+}
+
+/* The dot of head h block by block: each block's integer sum converted and scaled
+ * (exact), added to the dot in block order, as the oracle does. */
+static inline VF IX4B_CAT(IX4B_NAME, _blocks)(const uint8_t *qop, const int32_t *hcorrb,
+                                              const int32_t *heqb, csa_idx h, csa_idx Di,
+                                              const uint8_t *kv, const int32_t *ekb)
+{
+    const csa_idx nb = Di / 32;
+    const int8_t *q = (const int8_t *)qop + IX4_QOFF(h, 0, Di);
+    VF dot = F_ZERO();
+    for (csa_idx j = 0; j < nb; j++) {
+        VI a = I_SET1(hcorrb[h * nb + j]);
+#pragma GCC unroll 4
+        for (csa_idx f = 8 * j; f < 8 * j + 8; f += 2)
+            DP2(a, I_LOAD(kv + f * (NKB * 4)), I_LOAD(kv + (f + 1) * (NKB * 4)), LD32(q + 32 * f),
+                LD32(q + 32 * f + 32));
+        const VF c = F_MUL(F_CVT(a), SCALE(I_LOAD(ekb + j * NKB), heqb[h * nb + j]));
+        dot = F_ADD(dot, c);
+    }
+    return dot;
+}
+
+/* tot + relu(dot) * w, the product rounded on its own (the oracle's, never fused). */
+static inline VF IX4B_CAT(IX4B_NAME, _acc)(VF tot, VF dot, float w)
+{
+#ifdef CSA_MUTANT_FP4_INDEX_FUSE /* planted (make mutants): one rounding, not the oracle's two */
+#if IX4B_W == 512
+    return _mm512_fmadd_ps(F_MAX(F_ZERO(), dot), F_SET1(w), tot);
+#else
+    return _mm256_fmadd_ps(F_MAX(F_ZERO(), dot), F_SET1(w), tot);
+#endif
+#else
+    VF m = F_MUL(F_MAX(F_ZERO(), dot), F_SET1(w)); /* max(0, NaN) = NaN, max(0, -0) = -0 */
+    __asm__("" : "+v"(m));
+    return F_ADD(tot, m);
+#endif
+}
+
+/* Scores of query row (b, s), packed in qb, against keys [t0, t1) whose tiles start at
+ * kt0 = t0 in kc; tiles whose keys all lie in unkept candidate blocks are skipped. */
+static void IX4B_NAME(const struct ix_call *x, const uint8_t *qb, csa_idx b, csa_idx s,
+                      const uint8_t *kc, csa_idx kt0, csa_idx t0, csa_idx t1,
+                      const uint8_t *cm, csa_idx scn, csa_idx bs, float *o)
+{
+    const struct csa_index_problem *p = x->p;
+    const csa_idx Hi = p->Hi, Di = p->Di, nb = Di / 32;
+    struct CSA_V(ix4_geo) g;
+    CSA_V(ix4_row_geo)(p, &g);
+    const size_t TB = CSA_V(ix4_tile_bytes)(Di, NKB);
+    const int32_t *qh = (const int32_t *)qb;
+    const uint8_t *qop = qb + g.qop;
+    const int32_t *hnice = (const int32_t *)(qb + g.hnice), *hcorr = (const int32_t *)(qb + g.hcorr);
+    const int32_t *heqf = (const int32_t *)(qb + g.heqf), *hcorrb = (const int32_t *)(qb + g.hcorrb);
+    const int32_t *heqb = (const int32_t *)(qb + g.heqb);
+    const float *w = (const float *)(qb + g.w);
+    const int fast_q = qh[3] && Di <= IX4_FAST_DI;
+    for (csa_idx t = t0; t < t1; t += NKB) {
+        const csa_idx nk = imin(NKB, t1 - t);
+        if (cand_tile_skipped(cm, scn, bs, t, nk)) continue;
+        const uint8_t *tile = kc + (size_t)((t - kt0) / NKB) * TB;
+        const int32_t *th = (const int32_t *)tile;
+        if (qh[0] || th[0] == IX4_TILE_SCALAR || th[1] + qh[1] < 130 || th[2] + qh[2] > 360) {
+            CSA_V(ix4_scalar)(x, b, s, t, t + nk, o);
+            continue;
+        }
+        const int32_t *ekb = (const int32_t *)(tile + 64);
+        const uint8_t *kv = tile + 64 + (size_t)nb * NKB * 4;
+        VF tot = F_ZERO();
+        const VI ekb0 = I_LOAD(ekb);
+        const int fast_k = th[0] == IX4_TILE_FAST && Di <= IX4_FAST_DI;
+        csa_idx h = 0;
+        if (fast_k)
+            /* prescaled keys: the one-sum path, IX4B_HB heads a pass sharing each key
+             * load, wherever a group's heads are all prescaled too (a query row with
+             * one head past the reach keeps its other groups on this path) */
+            for (; h + IX4B_HB <= Hi; h += IX4B_HB) {
+                int all = 1;
+                if (!fast_q)
+                    for (int i = 0; i < IX4B_HB; i++) all &= hnice[h + i] != 0;
+                VF dot[IX4B_HB];
+                if (all) {
+                    IX4B_CAT(IX4B_NAME, _fast)(IX4B_HB, qop, hcorr, heqf, h, Di, kv, ekb0, dot);
+                } else {
+                    for (int i = 0; i < IX4B_HB; i++) {
+                        VF d1[IX4B_HB];
+                        if (hnice[h + i])
+                            IX4B_CAT(IX4B_NAME, _fast)(1, qop, hcorr, heqf, h + i, Di, kv, ekb0, d1);
+                        else
+                            d1[0] = IX4B_CAT(IX4B_NAME, _blocks)(qop, hcorrb, heqb, h + i, Di, kv, ekb);
+                        dot[i] = d1[0];
+                    }
+                }
+#pragma GCC unroll 8
+                for (int i = 0; i < IX4B_HB; i++) tot = IX4B_CAT(IX4B_NAME, _acc)(tot, dot[i], w[h + i]);
+            }
+        for (; h < Hi; h++) {
+            VF dot[IX4B_HB];
+            if (fast_k && hnice[h])
+                IX4B_CAT(IX4B_NAME, _fast)(1, qop, hcorr, heqf, h, Di, kv, ekb0, dot);
+            else
+                dot[0] = IX4B_CAT(IX4B_NAME, _blocks)(qop, hcorrb, heqb, h, Di, kv, ekb);
+            tot = IX4B_CAT(IX4B_NAME, _acc)(tot, dot[0], w[h]);
+        }
+        if (nk == NKB) {
+            F_STOREU(o + t, tot);
+        } else {
+            float tmp[NKB];
+            F_STOREU(tmp, tot);
+            for (csa_idx n = 0; n < nk; n++) o[t + n] = tmp[n];
+        }
+    }
+}
+
+#undef VI
+#undef VF
+#undef I_SET1
+#undef I_ADD
+#undef I_LOAD
+#undef I_SLLI
+#undef F_CVT
+#undef F_MUL
+#undef F_ADD
+#undef F_MAX
+#undef F_SET1
+#undef F_ZERO
+#undef F_STOREU
+#undef CASTF
+#undef DP2
+#ifdef DP2M
+#undef DP2M
+#endif
+#undef NKB
+#undef IX4B_HB
+#undef LD32
+#undef SCALE

@@ -1,0 +1,214 @@
+"""index_scores / index_topk on FP4 key rows by exact integer dot products
+(docs/kernels.md, section 4, "The integer path"): bitwise the oracle's scores and the
+oracle's top-k at every ISA level, with every set of CPU features
+(DEEPSEEK_CSA_CPU_FEATURES), at 1, 2 and 3 threads, on the shapes and codes where an
+integer path could go wrong: Tc off the 8/16-key tiles, S = 1..8, batches, start_pos
+in the middle of a group, Di of 1 to 8 blocks, block exponents spread past the
+prescaled path's reach, zero blocks and zero rows, NaN scale bytes, exponents at both
+ends of the range.  The error budget is zero: the integer path claims the oracle's
+float32 operations in the oracle's order, so any difference is a bug."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import deepseek_csa as dc
+from conftest import same_bits_at_thread_counts
+
+LEVELS = [lv for lv in dc.ISA_LEVELS
+          if dc.ISA_LEVELS.index(lv) <= dc.ISA_LEVELS.index(dc.best_isa())]
+
+
+@pytest.fixture
+def at_level():
+    before = dc.get_isa()
+    yield dc.set_isa
+    dc.set_isa(before)
+
+
+def _grid(rng, shape, scale=1.0):
+    return dc.fp4_round((rng.standard_normal(shape) * scale).astype(np.float32), 32)
+
+
+def _same(got, want, what):
+    """Bitwise, NaN against NaN by position (a payload is the CPU's choice)."""
+    g, w = np.ascontiguousarray(got), np.ascontiguousarray(want)
+    nan = np.isnan(w)
+    np.testing.assert_array_equal(np.isnan(g), nan, err_msg=f"{what}: NaN positions")
+    np.testing.assert_array_equal(g[~nan].view(np.uint32), w[~nan].view(np.uint32), err_msg=what)
+
+
+def _blockscale(rng, x, lo, hi):
+    """Each 32-block of x times 2^u, u uniform in [lo, hi]: exponents spread across a
+    row's blocks (the prescaled path takes spreads up to 2^3 / 2^2)."""
+    sh = x.shape[:-1] + (x.shape[-1] // 32, 1)
+    f = np.exp2(rng.integers(lo, hi + 1, sh)).astype(np.float32)
+    return (x.reshape(sh[:-1] + (32,)) * f).reshape(x.shape)
+
+
+def make_case(rng, B, S, Hi, Di, Tc, kind):
+    """(q as FP4 rows, k as FP4 rows, w) of a kind: plain Gaussian; 'spread' block
+    exponents spread by up to 2^12; 'zeros' zero blocks, zero keys and a zero head;
+    'codes' NaN scale bytes and exponents at both ends (scalar fallbacks), infinite
+    and NaN weights."""
+    q, k = _grid(rng, (B, S, Hi, Di)), _grid(rng, (B, Tc, Di), 2.0)
+    w = rng.standard_normal((B, S, Hi)).astype(np.float32)
+    if kind == "spread":
+        # heads and 16-key tiles within the prescaled reach (2^2), at the VNNI path's
+        # (2^3), past both (2^4, one key a tile) and far past (2^12)
+        for h, (lo, hi) in zip(range(3), [(0, 2), (0, 3), (-6, 6)]):
+            q[:, :, h::3] = _blockscale(rng, q[:, :, h::3], lo, hi)
+        tile = np.arange(Tc) // 16 % 4
+        for t, (lo, hi) in enumerate([(0, 2), (0, 3), (-6, 6), (0, 2)]):
+            k[:, tile == t] = _blockscale(rng, k[:, tile == t], lo, hi)
+        k[:, 16 * 3 + 5::64] = _blockscale(rng, k[:, 16 * 3 + 5::64], 0, 4)
+    if kind == "zeros":
+        kb = k.reshape(B, Tc, Di // 32, 32)
+        kb[rng.random(kb.shape[:3]) < 0.3] = 0
+        k[:, ::7] = 0
+        qb = q.reshape(B, S, Hi, Di // 32, 32)
+        qb[rng.random(qb.shape[:4]) < 0.3] = 0
+        q[:, :, 0] = 0
+    qp, kp = dc.fp4_pack(q), dc.fp4_pack(k)
+    if kind == "zeros":
+        # zero blocks with extreme scale bytes: +0 whatever the scale, unless it is
+        # infinite against the other side's (0 x inf = NaN in the oracle)
+        z = ~(kp[..., :Di // 2].reshape(B, Tc, Di // 32, 16) & 0x77).any(-1)
+        kp[..., Di // 2:][z] = rng.choice(np.array([0, 1, 200, 254], np.uint8), int(z.sum()))
+    if kind == "codes":
+        W = Di // 2 + Di // 32
+        kp[:, 5 % Tc, W - 1] = 0xFF                  # NaN scale: NaN scores (unless masked)
+        kp[:, 7 % Tc, Di // 2] = 0                   # 2^-127: products below the normals
+        kp[:, 9 % Tc, Di // 2:] = 1
+        kp[:, 11 % Tc, Di // 2:] = 254               # 2^127: products that overflow
+        kp[:, 13 % Tc, Di // 2:] = 200
+        if Tc > 40:
+            kp[:, 40, Di // 2:] = 0xFF
+        qp[0, 0, Hi // 2, Di // 2:] = 250            # a head with huge scales
+        if S > 1:
+            qp[0, 1, 0, W - 1] = 0xFF                # a NaN query row
+        w[0, 0, 0] = np.inf
+        if Hi > 2:
+            w[-1, -1, 1] = np.nan
+    return qp, kp, w
+
+
+SHAPES = [  # B, S, Hi, Di, Tc, ratio, start_pos
+    (1, 1, 64, 128, 1000, 4, 3999),     # decode, released widths
+    (1, 1, 64, 128, 333, 4, 1330),      # Tc not a multiple of a tile
+    (2, 8, 64, 128, 300, 4, 1190),      # speculative verification, batch 2
+    (1, 5, 17, 64, 40, 4, 131),         # start_pos in the middle of a group, odd heads
+    (3, 2, 7, 32, 45, 1, 40),           # one block, ratio 1
+    (1, 3, 5, 256, 70, 4, 270),         # 8 blocks: two AVX-512 decode passes
+    (1, 2, 9, 160, 50, 4, 190),         # 5 blocks: a partial pass
+    (1, 40, 16, 128, 40, 1, 0),         # prefill (whole query rows per thread)
+    (2, 1, 64, 128, 5000, 4, 19990),    # decode over several key chunks
+]
+KINDS = ["plain", "spread", "zeros", "codes"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", SHAPES, ids=[str(s) for s in SHAPES])
+def test_scores_and_topk_bitwise_the_oracle(at_level, shape, kind):
+    B, S, Hi, Di, Tc, r, sp = shape
+    rng = np.random.default_rng(sum(shape) + 1000 * KINDS.index(kind))
+    qp, kp, w = make_case(rng, B, S, Hi, Di, Tc, kind)
+    qf = dc.fp4_unpack(qp)
+    nan_q = np.isnan(qf)
+    K = min(64, Tc)
+    cand = rng.random((B, S, -(-Tc // 8))) < 0.7
+    at_level("ref")
+    want = dc.index_scores(qp, kp, w, ratio=r, start_pos=sp)
+    want_k = dc.index_topk(qp, kp, w, K, ratio=r, start_pos=sp)
+    want_c = dc.index_topk(qp, kp, w, K, ratio=r, start_pos=sp, order="position",
+                           candidates=cand, block_size=8, offset=7)
+    for lv in LEVELS[1:]:
+        at_level(lv)
+        _same(dc.index_scores(qp, kp, w, ratio=r, start_pos=sp), want, f"{lv} scores")
+        np.testing.assert_array_equal(dc.index_topk(qp, kp, w, K, ratio=r, start_pos=sp), want_k,
+                                      err_msg=f"{lv} top-k")
+        np.testing.assert_array_equal(
+            dc.index_topk(qp, kp, w, K, ratio=r, start_pos=sp, order="position",
+                          candidates=cand, block_size=8, offset=7), want_c, err_msg=f"{lv} top-k, candidates")
+        if not nan_q.any():
+            # a float32 q on the e2m1 grid rounds to the same rows inside the call
+            _same(dc.index_scores(qf, kp, w, ratio=r, start_pos=sp), want, f"{lv} float32 q")
+
+
+def test_integer_path_is_exact_where_float32_rounds(at_level):
+    """The oracle's dot, not the float32 one: block 0 holds one product 36 * 2^20, block
+    1 32 products of 1/4 (8 in all, below the big sum's ulp 4 one at a time); the
+    prescaled path adds the integers 36 * 2^20 * 2^k and 8 * 2^k exactly, as the
+    oracle's block sums do."""
+    Di = 64
+    q = np.zeros((1, 1, 1, Di), np.float32)
+    k = np.zeros((1, 16, Di), np.float32)
+    q[..., 0] = k[..., 0] = 6 * 2.0 ** 10
+    q[..., 32:] = k[..., 32:] = 0.5
+    w = np.ones((1, 1, 1), np.float32)
+    for lv in LEVELS:
+        at_level(lv)
+        assert (dc.index_scores(q, dc.fp4_pack(k), w, ratio=1, start_pos=15) == 36.0 * 2 ** 20 + 8).all()
+
+
+@pytest.mark.parametrize("S, Tc, sp", [(1, 4096, 16383), (3, 700, 2797), (20, 600, 2380),
+                                       (300, 128, 0)])
+def test_bitwise_identical_at_1_2_3_threads(S, Tc, sp):
+    rng = np.random.default_rng(S + Tc)
+    qp, kp, w = make_case(rng, 1, S, 64, 128, Tc, "spread")
+    same_bits_at_thread_counts(lambda: (
+        dc.index_scores(qp, kp, w, ratio=4, start_pos=sp),
+        dc.index_topk(qp, kp, w, 100, ratio=4, start_pos=sp),
+        dc.index_topk(qp, kp, w, 100, ratio=4, start_pos=sp, order="position")))
+
+
+FEATURE_CODE = """
+import sys, numpy as np, deepseek_csa as dc
+z = np.load(sys.argv[1])
+outs = {}
+for i in range(int(z["n"])):
+    qp, kp, w = z[f"q{i}"], z[f"k{i}"], z[f"w{i}"]
+    r, sp, K = (int(v) for v in z[f"a{i}"])
+    for lv in dc.ISA_LEVELS:
+        if dc.ISA_LEVELS.index(lv) <= dc.ISA_LEVELS.index(dc.best_isa()):
+            dc.set_isa(lv)
+            outs[f"s{lv}{i}"] = dc.index_scores(qp, kp, w, ratio=r, start_pos=sp)
+            outs[f"t{lv}{i}"] = dc.index_topk(qp, kp, w, K, ratio=r, start_pos=sp)
+outs["features"] = np.array(dc._core._build_info()["cpu_features"])
+np.savez(sys.argv[2], **outs)
+"""
+
+
+def test_every_level_with_every_feature_set(tmp_path, at_level):
+    """In a process per set of CPU features (all; none: the AVX-512 level without
+    VNNI takes VPMADDUBSW pairs), every level gives the oracle's bits."""
+    rng = np.random.default_rng(11)
+    z, cases = {}, []
+    for i, (shape, kind) in enumerate([(SHAPES[0], "plain"), (SHAPES[2], "spread"),
+                                       (SHAPES[5], "zeros"), (SHAPES[1], "codes")]):
+        B, S, Hi, Di, Tc, r, sp = shape
+        qp, kp, w = make_case(rng, B, S, Hi, Di, Tc, kind)
+        z.update({f"q{i}": qp, f"k{i}": kp, f"w{i}": w, f"a{i}": np.array([r, sp, 50])})
+        cases.append((qp, kp, w, r, sp))
+    z["n"] = len(cases)
+    np.savez(tmp_path / "in.npz", **z)
+    at_level("ref")
+    refs = [(dc.index_scores(qp, kp, w, ratio=r, start_pos=sp),
+             dc.index_topk(qp, kp, w, 50, ratio=r, start_pos=sp)) for qp, kp, w, r, sp in cases]
+    for feat in (None, "none"):
+        env = {k: v for k, v in os.environ.items() if k != "DEEPSEEK_CSA_CPU_FEATURES"}
+        if feat is not None:
+            env["DEEPSEEK_CSA_CPU_FEATURES"] = feat
+        out = tmp_path / f"out-{feat}.npz"
+        subprocess.run([sys.executable, "-c", FEATURE_CODE, str(tmp_path / "in.npz"), str(out)],
+                       env=env, check=True)
+        got = np.load(out)
+        if feat == "none":
+            assert str(got["features"]).split() == []
+        for i, (sc, tk) in enumerate(refs):
+            for lv in LEVELS:
+                what = f"{lv}, case {i}, features {str(got['features'])!r}"
+                _same(got[f"s{lv}{i}"], sc, what)
+                np.testing.assert_array_equal(got[f"t{lv}{i}"], tk, err_msg=what)
