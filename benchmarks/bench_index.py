@@ -1,5 +1,5 @@
 """Indexer scoring and top-k: compute-bound, so GFLOP/s of the scoring GEMM
-(2 * S * Hi * Di * Tc, the causal half that is never computed included) against the
+(2 Hi Di per causally visible (query, entry) pair: about half of S x Tc) against the
 fp32 FMA peak (bfloat16 cases: against the AMX-BF16 tile peak).
 
 bfloat16 cases run ours on ml_dtypes.bfloat16 arrays and the torch reference
