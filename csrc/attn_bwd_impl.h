@@ -1,5 +1,6 @@
 /* Tuned backward of sparse attention (docs/kernels.md, section 11.1), included by
- * attn_impl.h once per ISA level (CSA_V names), float32 only.
+ * attn_impl.h once per ISA level (CSA_V names); float32 outputs (attn.c rounds them for
+ * bfloat16 ones), float32 or bfloat16 inputs, widened where they are read.
  *
  * Two kinds of work item, over chunks of ATTN_BWD_CH query rows:
  *
@@ -156,6 +157,15 @@ static void CSA_V(gkv_tile_1)(const float *P, const float *DS, csa_idx hcp, csa_
         for (csa_idx c = 0; c < nd; c++) dst[i][d0 + c] += acc[i][c];
 }
 
+/* t[i] = element o + i of a float32 (bf = 0) or bfloat16 (bf = 1) array, i < n. */
+static inline void CSA_V(bwd_pack)(const void *x, int bf, csa_idx o, csa_idx n, float *CSA_RESTRICT t)
+{
+    if (bf)
+        CSA_V(attn_widen_bf16)((const csa_bf16 *)x + o, n, t);
+    else
+        memcpy(t, (const float *)x + o, (size_t)n * sizeof(float));
+}
+
 /* A column item: dkv[b, idx, d0 .. d1) += G of every valid slot of rows r0 .. r1 (in
  * row order, then slot order).  Pb, Sb: the chunk's P and dS, rs floats a row apart;
  * vid, cnt: the rows' valid kv indices (slot order) and their counts; X: 2 H
@@ -174,16 +184,15 @@ static void CSA_V(bwd_dkv_cols)(const struct csa_attn_bwd_problem *g, csa_idx r0
     for (csa_idx r = r0; r < r1; r++) {
         const csa_idx b = r / S, s = r % S, n = cnt[r - r0];
         if (n == 0) continue;
-        const float *dO = g->dout + b * g->sdo_b + s * g->sdo_s + d0;
-        const float *q = (const float *)a->q + b * a->sq_b + s * a->sq_s + d0;
+        const csa_idx oo = b * g->sdo_b + s * g->sdo_s + d0, qo = b * a->sq_b + s * a->sq_s + d0;
         const csa_idx so = cw, sq = cw;
-        for (csa_idx h = 0; h < H; h++) {
-            memcpy(xo + h * cw, dO + h * g->sdo_h, (size_t)nd * sizeof(float));
-            memcpy(xq + h * cw, q + h * a->sq_h, (size_t)nd * sizeof(float));
+        for (csa_idx h = 0; h < H; h++) { /* bfloat16 rows widened on the way (exact) */
+            CSA_V(bwd_pack)(g->dout, g->dout_bf16, oo + h * g->sdo_h, nd, xo + h * cw);
+            CSA_V(bwd_pack)(a->q, a->bf16, qo + h * a->sq_h, nd, xq + h * cw);
         }
         const int32_t *v = vid + (r - r0) * K;
         const float *P = Pb + (r - r0) * rs, *DS = Sb + (r - r0) * rs;
-        float *dkvb = g->dkv + b * g->sdkv_b + d0;
+        float *dkvb = (float *)g->dkv + b * g->sdkv_b + d0;
         for (csa_idx i0 = 0; i0 < n; i0 += ATTN_MR) {
             float *dst[ATTN_MR];
             int nr = 0;
@@ -233,19 +242,21 @@ static void CSA_V(bwd_item)(const struct csa_attn_bwd_problem *g, csa_idx b, csa
 {
     const struct csa_attn_problem *a = &g->f;
     const csa_idx D = a->D, H = a->H, K = a->K;
+    const int bf = a->bf16, dbf = g->dout_bf16;
+    const size_t es = bf ? sizeof(csa_bf16) : sizeof(float), des = dbf ? sizeof(csa_bf16) : sizeof(float);
     const int32_t *ir = a->idx + b * a->si_b + s * a->si_s;
-    const float *kvb = (const float *)a->kv + b * a->skv_b;
-    const float *q = (const float *)a->q + b * a->sq_b + s * a->sq_s;
-    const float *o = (const float *)a->out + b * a->so_b + s * a->so_s;
-    const float *dO = g->dout + b * g->sdo_b + s * g->sdo_s;
-    float *dq = g->dq + b * g->sdq_b + s * g->sdq_s;
+    const char *kvb = (const char *)a->kv + (size_t)(b * a->skv_b) * es;
+    const char *q = (const char *)a->q + (size_t)(b * a->sq_b + s * a->sq_s) * es;
+    const char *o = (const char *)a->out + (size_t)(b * a->so_b + s * a->so_s) * es;
+    const char *dO = (const char *)g->dout + (size_t)(b * g->sdo_b + s * g->sdo_s) * des;
+    float *dq = (float *)g->dq + b * g->sdq_b + s * g->sdq_s;
     const float *lse = a->lse + b * a->sl_b + s * a->sl_s;
 
     csa_idx n = 0;
     for (csa_idx k = 0; k < K; k++)
         if (ir[k] >= 0) {
             vid[n] = ir[k];
-            valid[n++] = kvb + (csa_idx)ir[k] * a->skv_n;
+            valid[n++] = (const float *)(kvb + (size_t)((csa_idx)ir[k] * a->skv_n) * es);
         }
     *cnt = n;
     if (n == 0) { /* the output is the constant 0: no gradient anywhere */
@@ -255,14 +266,24 @@ static void CSA_V(bwd_item)(const struct csa_attn_bwd_problem *g, csa_idx b, csa
         }
         return;
     }
-    CSA_V(attn_transpose_q)(q, 0, a->sq_h, H, hcp, D, w->QT);
-    CSA_V(attn_transpose_q)(dO, 0, g->sdo_h, H, hcp, D, w->dOT);
+    CSA_V(attn_transpose_q)(q, bf, a->sq_h, H, hcp, D, w->QT);
+    CSA_V(attn_transpose_q)(dO, dbf, g->sdo_h, H, hcp, D, w->dOT);
     for (csa_idx h = 0; h < hcp; h++) {
         float dr = 0.0f;
         if (h < H) {
             /* 16 interleaved partial sums (vector lanes), then added in lane order: a
-             * fixed order that vectorizes without reassociation */
-            const float *CSA_RESTRICT x = dO + h * g->sdo_h, *CSA_RESTRICT y = o + h * a->so_h;
+             * fixed order that vectorizes without reassociation; bfloat16 rows are
+             * widened into the tile first */
+            const float *CSA_RESTRICT x = (const float *)(dO + (size_t)(h * g->sdo_h) * des);
+            const float *CSA_RESTRICT y = (const float *)(o + (size_t)(h * a->so_h) * es);
+            if (dbf) {
+                CSA_V(attn_widen_bf16)((const csa_bf16 *)x, D, w->tile);
+                x = w->tile;
+            }
+            if (bf) {
+                CSA_V(attn_widen_bf16)((const csa_bf16 *)y, D, w->tile + dp);
+                y = w->tile + dp;
+            }
             float part[16] = {0};
             csa_idx d = 0;
             for (; d + 16 <= D; d += 16)
@@ -281,7 +302,7 @@ static void CSA_V(bwd_item)(const struct csa_attn_bwd_problem *g, csa_idx b, csa
         rs[h] = -rs[h];
 #endif
     }
-    const int direct = (uintptr_t)kvb % sizeof(float) == 0;
+    const int direct = !bf && (uintptr_t)kvb % sizeof(float) == 0;
     const float scale = a->scale;
     for (csa_idx k0 = 0; k0 < n; k0 += ATTN_BWD_KB) {
         const csa_idx kb = n - k0 < ATTN_BWD_KB ? n - k0 : ATTN_BWD_KB;
@@ -292,7 +313,9 @@ static void CSA_V(bwd_item)(const struct csa_attn_bwd_problem *g, csa_idx b, csa
             if (i < kb && direct) {
                 blk[i] = valid[k0 + i];
             } else {
-                if (i < kb)
+                if (i < kb && bf)
+                    CSA_V(attn_widen_bf16)((const csa_bf16 *)valid[k0 + i], D, t);
+                else if (i < kb)
                     memcpy(t, valid[k0 + i], (size_t)D * sizeof(float));
                 else
                     memset(t, 0, (size_t)D * sizeof(float));
@@ -370,7 +393,7 @@ static int CSA_V(sparse_attn_backward_tuned)(const struct csa_attn_bwd_problem *
         const float **valid = ptrs + t * per_ptr, **blk = valid + K;
 #pragma omp for schedule(static)
         for (csa_idx bn = 0; bn < B * N; bn++)
-            memset(g->dkv + (bn / N) * g->sdkv_b + (bn % N) * g->sdkv_n, 0, (size_t)D * sizeof(float));
+            memset((float *)g->dkv + (bn / N) * g->sdkv_b + (bn % N) * g->sdkv_n, 0, (size_t)D * sizeof(float));
         /* step c: the column items of chunk c - 1 (first, so that the rows balance the
          * end of the step), then the row items of chunk c */
         for (csa_idx c = 0; c <= nch; c++) {
