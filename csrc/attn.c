@@ -210,6 +210,12 @@ static int attn_bwd_outputs(const struct csa_attn_bwd_problem *g,
                 csa_bf16 *o = (csa_bf16 *)g->dq + (r / S) * g->sdq_b + (r % S) * g->sdq_s + hh * g->sdq_h;
                 const float *x = tq + (r * H + hh) * D;
                 for (csa_idx d = 0; d < D; d++) o[d] = csa_f32_to_bf16(x[d]);
+#ifdef CSA_MUTANT_ATTN_BWD_BF16_TRUNC /* planted: the bf16 d(q) truncated, not rounded */
+                for (csa_idx d = 0; d < D; d++) {
+                    union { float f; uint32_t u; } v = {x[d]};
+                    o[d] = (csa_bf16)(v.u >> 16);
+                }
+#endif
             }
     }
     if (st == CSA_OK && tkv) {

@@ -181,6 +181,9 @@ static void CSA_V(bwd_dkv_cols)(const struct csa_attn_bwd_problem *g, csa_idx r0
     const struct csa_attn_problem *a = &g->f;
     const csa_idx S = a->S, H = a->H, K = a->K, nd = d1 - d0, cw = d1 - d0;
     float *xo = X, *xq = X + H * cw;
+#ifdef CSA_MUTANT_ATTN_BWD_CHUNK_LAST /* planted: a chunk's last row adds no d(kv) */
+    if (r1 - r0 > 1) r1--;
+#endif
     for (csa_idx r = r0; r < r1; r++) {
         const csa_idx b = r / S, s = r % S, n = cnt[r - r0];
         if (n == 0) continue;
