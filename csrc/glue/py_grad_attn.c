@@ -150,36 +150,6 @@ PyDoc_STRVAR(sparse_attn_backward_doc,
 "the gradient's size).  Returns (grad_q, grad_kv, grad_sink).  Every grad_kv element is\n"
 "summed in (b, s, slot) order: bitwise identical at any thread count.");
 
-/* The dtype grad_dtype names: 0 float32 (None too), 1 bfloat16 with *proto a new 0-d
- * array of it (for csa_out_array_named), -1 with a ValueError naming the argument. */
-static int grad_dtype_arg(PyObject *o, const char *fn, PyArrayObject **proto)
-{
-    *proto = NULL;
-    if (o == Py_None) return 0;
-    PyArray_Descr *d = NULL;
-    if (!PyArray_DescrConverter(o, &d)) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_ValueError, "%s(): 'grad_dtype' must be None, 'float32' or 'bfloat16', got %R",
-                     fn, o);
-        return -1;
-    }
-    if (d->type_num == NPY_FLOAT32) {
-        Py_DECREF(d);
-        return 0;
-    }
-    PyArrayObject *t = (PyArrayObject *)PyArray_NewFromDescr(&PyArray_Type, d, 0, NULL, NULL,
-                                                              NULL, 0, NULL);
-    if (!t) return -1;
-    if (!csa_is_bf16(t)) {
-        PyErr_Format(PyExc_ValueError, "%s(): 'grad_dtype' must be None, 'float32' or 'bfloat16', got %R",
-                     fn, o);
-        Py_DECREF(t);
-        return -1;
-    }
-    *proto = t;
-    return 1;
-}
-
 /* The argument object the caller gets back for one result. */
 static PyObject *result_of(PyObject *arg, PyArrayObject *out)
 {
@@ -204,7 +174,7 @@ static PyObject *py_sparse_attn_backward(PyObject *self, PyObject *args, PyObjec
     if (!(dO = csa_array(go, fn, "grad_out", CSA_F32 | CSA_BF16, 4, 4, 0))) goto done;
     if (attn_args_parse(&x, fn, CSA_F32 | CSA_BF16, qo, kvo, so, io, sco)) goto done;
     if (!(O = csa_array(oo, fn, "out", csa_is_bf16(x.q) ? CSA_BF16 : CSA_F32, 4, 4, 0))) goto done;
-    if (grad_dtype_arg(gdo, fn, &gproto) < 0) goto done;
+    if (csa_grad_dtype_arg(gdo, fn, &gproto) < 0) goto done;
     if (!(lse = csa_array(lo, fn, "lse", CSA_F32, 3, 3, 0))) goto done;
     for (int i = 0; i < 4; i++) {
         static const char *what[4] = {"q.shape[0], the batch", "q.shape[1], the queries",
