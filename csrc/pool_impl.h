@@ -640,6 +640,56 @@ static inline __attribute__((always_inline)) void CSA_V(pg_exp)(float *CSA_RESTR
 #endif
 }
 
+#ifdef __AVX512F__
+/* The backward's last pass over one candidate row (fc features): dk = l / s * dy,
+ * ds = dk (kv - y), ga += ds, d(kv) and d(score) streamed where a vector covers a whole
+ * line.  Not inlined and not unrolled: one copy of these instructions serves every
+ * element whichever vector it falls in, so a NaN's sign and payload (which the
+ * compiler's operand order decides) does not depend on where the arrays start (the
+ * hardening zoo saw d(ape)'s NaN sign change between two identical calls when the
+ * inlined loop was peeled by alignment). */
+static __attribute__((noinline)) void CSA_V(pg_row16)(const float *l, const float *s, const float *dyv,
+                                                      const float *kr, const float *y, float *ga,
+                                                      float *gk, float *gs, csa_idx fc)
+{
+    const csa_idx pre = (csa_idx)((64 - (uintptr_t)gk % 64) % 64 / 4) % 16;
+#pragma GCC unroll 1
+    for (csa_idx f = pre ? pre - 16 : 0; f < fc; f += 16) {
+        const csa_idx lo = f < 0 ? -f : 0, n = fc - f < 16 ? fc - f : 16;
+        const __mmask16 mk = (__mmask16)(((1u << n) - 1) & ~((1u << lo) - 1));
+        const __m512 dk = _mm512_mul_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(mk, l + f),
+                                                      _mm512_mask_loadu_ps(_mm512_set1_ps(1.0f), mk, s + f)),
+                                        _mm512_maskz_loadu_ps(mk, dyv + f));
+        const __m512 ds = _mm512_mul_ps(dk, _mm512_sub_ps(_mm512_maskz_loadu_ps(mk, kr + f),
+                                                          _mm512_maskz_loadu_ps(mk, y + f)));
+        if (ga) _mm512_mask_storeu_ps(ga + f, mk, _mm512_add_ps(_mm512_maskz_loadu_ps(mk, ga + f), ds));
+        if (mk == 0xffff && (uintptr_t)(gk + f) % 64 == 0)
+            _mm512_stream_ps(gk + f, dk);
+        else
+            _mm512_mask_storeu_ps(gk + f, mk, dk);
+        if (mk == 0xffff && (uintptr_t)(gs + f) % 64 == 0)
+            _mm512_stream_ps(gs + f, ds);
+        else
+            _mm512_mask_storeu_ps(gs + f, mk, ds);
+    }
+}
+
+#elif defined(__AVX2__)
+/* One vector of pg_row16's arithmetic at AVX2 (mk: all-ones lanes), not inlined for the
+ * same reason. */
+static __attribute__((noinline)) void CSA_V(pg_vec8)(const float *l, const float *s, const float *dyv,
+                                                     const float *kr, const float *y, float *ga,
+                                                     __m256i mk, __m256 *dko, __m256 *dso)
+{
+    const __m256 sv = _mm256_blendv_ps(_mm256_set1_ps(1.0f), _mm256_maskload_ps(s, mk), _mm256_castsi256_ps(mk));
+    const __m256 dk = _mm256_mul_ps(_mm256_div_ps(_mm256_maskload_ps(l, mk), sv), _mm256_maskload_ps(dyv, mk));
+    const __m256 ds = _mm256_mul_ps(dk, _mm256_sub_ps(_mm256_maskload_ps(kr, mk), _mm256_maskload_ps(y, mk)));
+    if (ga) _mm256_maskstore_ps(ga, mk, _mm256_add_ps(_mm256_maskload_ps(ga, mk), ds));
+    *dko = dk;
+    *dso = ds;
+}
+#endif
+
 static inline __attribute__((always_inline)) void CSA_V(pg_entry)(
     const struct csa_pool_grad_problem *p, csa_idx b, csa_idx g, csa_idx f_lo, csa_idx f_hi,
     float *dape, const int kvbf, const int scbf, const int dybf)
@@ -721,51 +771,38 @@ static inline __attribute__((always_inline)) void CSA_V(pg_entry)(
                 float *CSA_RESTRICT gs = p->dsc + b * p->sgsb + t * p->sgst + ff;
                 float *CSA_RESTRICT ga = dape ? dape + j * p->sgar + ff : NULL;
 #if !defined(CSA_MUTANT_POOL_GRAD_FIRST_GROUP) && (defined(__AVX512F__) || defined(__AVX2__))
-                /* float32: d(kv) and d(score) written around the caches on whole lines
-                 * (nothing here reads them back, and a plain store first reads the line it
-                 * fills), the first elements up to a line's start and the last ones as in
-                 * the loop below; the same arithmetic for every element (ratio 4 with
-                 * overlap, 1 thread, avx512: 2.94x -> 2.55x the forward) */
-#ifdef __AVX512F__
-#define PG_W 16
-#else
-#define PG_W 8
-#endif
-                if (!kvbf && (uintptr_t)gk % 4 == 0 && (uintptr_t)gk % (4 * PG_W) == (uintptr_t)gs % (4 * PG_W)) {
+                /* float32 kv: every element through the same vector instructions (so a
+                 * NaN's payload does not depend on where an array starts), d(kv) and
+                 * d(score) written around the caches where a vector covers a whole line
+                 * (nothing reads them back, and a plain store first reads the line it
+                 * fills), masked plain stores elsewhere; the arithmetic of the loop below
+                 * (ratio 4 with overlap, 1 thread, avx512: 2.94x -> 2.55x the forward) */
+                if (!kvbf) {
                     const float *CSA_RESTRICT kr = (const float *)kv;
-                    csa_idx f = 0;
-                    const csa_idx pre = (csa_idx)(((4 * PG_W) - (uintptr_t)gk % (4 * PG_W)) % (4 * PG_W) / 4);
-#define PG_ONE(f)                                                   \
-    do {                                                            \
-        const float dk_ = l[f] / s[f] * dyv[f];                     \
-        const float ds_ = dk_ * (kr[f] - y[f]);                     \
-        gk[f] = dk_;                                                \
-        gs[f] = ds_;                                                \
-        if (ga) ga[f] += ds_;                                       \
-    } while (0)
-                    for (; f < pre && f < fc; f++) PG_ONE(f);
-                    for (; f + PG_W <= fc; f += PG_W) {
 #ifdef __AVX512F__
-                        const __m512 dk = _mm512_mul_ps(_mm512_div_ps(_mm512_loadu_ps(l + f), _mm512_loadu_ps(s + f)),
-                                                        _mm512_loadu_ps(dyv + f));
-                        const __m512 ds = _mm512_mul_ps(dk, _mm512_sub_ps(_mm512_loadu_ps(kr + f), _mm512_loadu_ps(y + f)));
-                        _mm512_stream_ps(gk + f, dk);
-                        _mm512_stream_ps(gs + f, ds);
-                        if (ga) _mm512_storeu_ps(ga + f, _mm512_add_ps(_mm512_loadu_ps(ga + f), ds));
+                    CSA_V(pg_row16)(l, s, dyv, kr, y, ga, gk, gs, fc);
 #else
-                        const __m256 dk = _mm256_mul_ps(_mm256_div_ps(_mm256_loadu_ps(l + f), _mm256_loadu_ps(s + f)),
-                                                        _mm256_loadu_ps(dyv + f));
-                        const __m256 ds = _mm256_mul_ps(dk, _mm256_sub_ps(_mm256_loadu_ps(kr + f), _mm256_loadu_ps(y + f)));
-                        _mm256_stream_ps(gk + f, dk);
-                        _mm256_stream_ps(gs + f, ds);
-                        if (ga) _mm256_storeu_ps(ga + f, _mm256_add_ps(_mm256_loadu_ps(ga + f), ds));
-#endif
+                    const csa_idx pre = (csa_idx)((32 - (uintptr_t)gk % 32) % 32 / 4) % 8;
+                    for (csa_idx f = pre ? pre - 8 : 0; f < fc; f += 8) {
+                        const csa_idx lo = f < 0 ? -f : 0, n = fc - f < 8 ? fc - f : 8;
+                        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+                        const __m256i mk = _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)lo), lane),
+                                                               _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), lane));
+                        const int full = lo == 0 && n == 8;
+                        __m256 dk, ds;
+                        CSA_V(pg_vec8)(l + f, s + f, dyv + f, kr + f, y + f, ga ? ga + f : NULL, mk, &dk, &ds);
+                        if (full && (uintptr_t)(gk + f) % 32 == 0)
+                            _mm256_stream_ps(gk + f, dk);
+                        else
+                            _mm256_maskstore_ps(gk + f, mk, dk);
+                        if (full && (uintptr_t)(gs + f) % 32 == 0)
+                            _mm256_stream_ps(gs + f, ds);
+                        else
+                            _mm256_maskstore_ps(gs + f, mk, ds);
                     }
-                    for (; f < fc; f++) PG_ONE(f);
-#undef PG_ONE
+#endif
                     continue;
                 }
-#undef PG_W
 #endif
 #pragma omp simd
                 for (csa_idx f = 0; f < fc; f++) {
