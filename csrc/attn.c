@@ -129,55 +129,116 @@ int csa_sparse_attn_weights_ref(const struct csa_attn_problem *p)
 }
 
 /* The backward oracle: one (b, s, h) after another, every sum in loop order, in
- * float32 (docs/kernels.md, section 11.1). */
-int csa_sparse_attn_backward_ref(const struct csa_attn_bwd_problem *g)
+ * float32 (docs/kernels.md, section 11.1); float32 outputs (csa_sparse_attn_backward_ref
+ * adds the bfloat16 ones). */
+static int attn_bwd_ref(const struct csa_attn_bwd_problem *g)
 {
     const struct csa_attn_problem *a = &g->f;
     csa_idx b, s, k;
-    if (a->bf16 || !a->out || !a->lse) return CSA_EINVAL;
-    if (csa_attn_bad_index(a, &b, &s, &k)) return CSA_EINDEX;
-    const float *q = a->q, *kv = a->kv, *o = a->out;
+    const int bf = a->bf16, dbf = g->dout_bf16;
     const csa_idx H = a->H, D = a->D, K = a->K;
     const float scale = a->scale;
+    float *const dkv = g->dkv, *const dq = g->dq;
     for (b = 0; b < a->B; b++)
         for (csa_idx n = 0; n < a->N; n++)
-            for (csa_idx d = 0; d < D; d++) g->dkv[b * g->sdkv_b + n * g->sdkv_n + d] = 0.0f;
+            for (csa_idx d = 0; d < D; d++) dkv[b * g->sdkv_b + n * g->sdkv_n + d] = 0.0f;
     for (csa_idx h = 0; h < H; h++) g->dsink[h] = 0.0f;
     for (b = 0; b < a->B; b++)
         for (s = 0; s < a->S; s++) {
             const int32_t *ir = a->idx + b * a->si_b + s * a->si_s;
             for (csa_idx h = 0; h < H; h++) {
-                const float *qh = q + b * a->sq_b + s * a->sq_s + h * a->sq_h;
-                const float *oh = o + b * a->so_b + s * a->so_s + h * a->so_h;
-                const float *doh = g->dout + b * g->sdo_b + s * g->sdo_s + h * g->sdo_h;
-                float *dqh = g->dq + b * g->sdq_b + s * g->sdq_s + h * g->sdq_h;
+                const csa_idx qo = b * a->sq_b + s * a->sq_s + h * a->sq_h;
+                const csa_idx oo = b * a->so_b + s * a->so_s + h * a->so_h;
+                const csa_idx go = b * g->sdo_b + s * g->sdo_s + h * g->sdo_h;
+                float *dqh = dq + b * g->sdq_b + s * g->sdq_s + h * g->sdq_h;
                 for (csa_idx d = 0; d < D; d++) dqh[d] = 0.0f;
                 csa_idx valid = 0;
                 for (k = 0; k < K; k++) valid += ir[k] >= 0;
                 if (!valid) continue;  /* the output is the constant 0 */
                 const float lse = a->lse[b * a->sl_b + s * a->sl_s + h];
                 float Dr = 0.0f;
-                for (csa_idx d = 0; d < D; d++) Dr += doh[d] * oh[d];
+                for (csa_idx d = 0; d < D; d++) Dr += ld(g->dout, go + d, dbf) * ld(a->out, oo + d, bf);
                 g->dsink[h] -= expf(a->sink[h] - lse) * Dr;
                 for (k = 0; k < K; k++) {
                     if (ir[k] < 0) continue;
-                    const float *v = kv + b * a->skv_b + ir[k] * a->skv_n;
-                    float *dv = g->dkv + b * g->sdkv_b + ir[k] * g->sdkv_n;
+                    const csa_idx vo = b * a->skv_b + ir[k] * a->skv_n;
+                    float *dv = dkv + b * g->sdkv_b + ir[k] * g->sdkv_n;
                     float l = 0.0f, dp = 0.0f;
                     for (csa_idx d = 0; d < D; d++) {
-                        l += qh[d] * v[d];
-                        dp += doh[d] * v[d];
+                        l += ld(a->q, qo + d, bf) * ld(a->kv, vo + d, bf);
+                        dp += ld(g->dout, go + d, dbf) * ld(a->kv, vo + d, bf);
                     }
                     const float p = expf(scale * l - lse);
                     const float ds = scale * (p * (dp - Dr));
                     for (csa_idx d = 0; d < D; d++) {
-                        dqh[d] += ds * v[d];
-                        dv[d] += p * doh[d] + ds * qh[d];
+                        dqh[d] += ds * ld(a->kv, vo + d, bf);
+                        dv[d] += p * ld(g->dout, go + d, dbf) + ds * ld(a->q, qo + d, bf);
                     }
                 }
             }
         }
     return CSA_OK;
+}
+
+/* Runs body (the oracle or the tuned one, float32 outputs) for g: directly when dq and
+ * dkv are float32, else into float32 scratch that is then rounded once into them. */
+static int attn_bwd_outputs(const struct csa_attn_bwd_problem *g,
+                            int (*body)(const struct csa_attn_bwd_problem *))
+{
+    if (!g->dq_bf16 && !g->dkv_bf16) return body(g);
+    const struct csa_attn_problem *a = &g->f;
+    const csa_idx B = a->B, S = a->S, H = a->H, N = a->N, D = a->D;
+    struct csa_attn_bwd_problem h = *g;
+    float *tq = NULL, *tkv = NULL;
+    if (g->dq_bf16) {
+        if (!(tq = malloc((size_t)(B * S * H * D > 0 ? B * S * H * D : 1) * sizeof(float)))) return CSA_ENOMEM;
+        h.dq = tq, h.dq_bf16 = 0, h.sdq_b = S * H * D, h.sdq_s = H * D, h.sdq_h = D;
+    }
+    if (g->dkv_bf16) {
+        if (!(tkv = malloc((size_t)(B * N * D > 0 ? B * N * D : 1) * sizeof(float)))) {
+            free(tq);
+            return CSA_ENOMEM;
+        }
+        h.dkv = tkv, h.dkv_bf16 = 0, h.sdkv_b = N * D, h.sdkv_n = D;
+    }
+    const int st = body(&h);
+    if (st == CSA_OK && tq) {
+        const int nt = csa_threads(B * S, 64);
+#pragma omp parallel for num_threads(nt) schedule(static)
+        for (csa_idx r = 0; r < B * S; r++)
+            for (csa_idx hh = 0; hh < H; hh++) {
+                csa_bf16 *o = (csa_bf16 *)g->dq + (r / S) * g->sdq_b + (r % S) * g->sdq_s + hh * g->sdq_h;
+                const float *x = tq + (r * H + hh) * D;
+                for (csa_idx d = 0; d < D; d++) o[d] = csa_f32_to_bf16(x[d]);
+#ifdef CSA_MUTANT_ATTN_BWD_BF16_TRUNC /* planted: the bf16 d(q) truncated, not rounded */
+                for (csa_idx d = 0; d < D; d++) {
+                    union { float f; uint32_t u; } v = {x[d]};
+                    o[d] = (csa_bf16)(v.u >> 16);
+                }
+#endif
+            }
+    }
+    if (st == CSA_OK && tkv) {
+        const int nt = csa_threads(B * N, 256);
+#pragma omp parallel for num_threads(nt) schedule(static)
+        for (csa_idx r = 0; r < B * N; r++) {
+            csa_bf16 *o = (csa_bf16 *)g->dkv + (r / N) * g->sdkv_b + (r % N) * g->sdkv_n;
+            const float *x = tkv + r * D;
+            for (csa_idx d = 0; d < D; d++) o[d] = csa_f32_to_bf16(x[d]);
+        }
+    }
+    free(tq);
+    free(tkv);
+    return st;
+}
+
+int csa_sparse_attn_backward_ref(const struct csa_attn_bwd_problem *g)
+{
+    const struct csa_attn_problem *a = &g->f;
+    csa_idx b, s, k;
+    if (!a->out || !a->lse) return CSA_EINVAL;
+    if (csa_attn_bad_index(a, &b, &s, &k)) return CSA_EINDEX;
+    return attn_bwd_outputs(g, attn_bwd_ref);
 }
 
 static int omp_tid(void)
@@ -252,13 +313,18 @@ int csa_sparse_attn_weights(const struct csa_attn_problem *a)
     CSA_DISPATCH(sparse_attn_weights_tuned, (a), attn_ref(a));
 }
 
+static int attn_bwd_dispatch(const struct csa_attn_bwd_problem *g)
+{
+    const struct csa_attn_problem *a = &g->f;
+    if (a->D <= 0 || a->K <= 0 || a->H <= 0 || a->B <= 0 || a->S <= 0) return attn_bwd_ref(g);
+    CSA_DISPATCH(sparse_attn_backward_tuned, (g), attn_bwd_ref(g));
+}
+
 int csa_sparse_attn_backward(const struct csa_attn_bwd_problem *g)
 {
     const struct csa_attn_problem *a = &g->f;
     csa_idx b, s, k;
-    if (a->bf16 || !a->out || !a->lse) return CSA_EINVAL;
+    if (!a->out || !a->lse) return CSA_EINVAL;
     if (csa_attn_bad_index(a, &b, &s, &k)) return CSA_EINDEX;
-    if (a->D <= 0 || a->K <= 0 || a->H <= 0 || a->B <= 0 || a->S <= 0)
-        return csa_sparse_attn_backward_ref(g);
-    CSA_DISPATCH(sparse_attn_backward_tuned, (g), csa_sparse_attn_backward_ref(g));
+    return attn_bwd_outputs(g, attn_bwd_dispatch);
 }

@@ -58,10 +58,10 @@ struct csa_attn_problem {
     csa_idx sw_b, sw_s;
 };
 
-/* The backward of one sparse attention call (docs/kernels.md, section 11.1), float32
- * only.  f holds the forward's inputs (f.out: the forward's output O, f.lse: its
- * row log-sum-exp, both as the forward returned them; f.weights unused).  With
- * p_j = e^(l_j - lse) and Dr = dO . O per (b, s, h):
+/* The backward of one sparse attention call (docs/kernels.md, section 11.1).  f holds
+ * the forward's inputs (f.out: the forward's output O, f.lse: its row log-sum-exp,
+ * both as the forward returned them; f.weights unused).  With p_j = e^(l_j - lse) and
+ * Dr = dO . O per (b, s, h):
  *
  *     dl_j            = p_j (dO . kv_j - Dr)
  *     dq              = scale sum_j dl_j kv_j
@@ -73,16 +73,24 @@ struct csa_attn_problem {
  * Every dkv element is summed in the order (b, s, slot) whatever the thread count;
  * dsink in the order (b, s).  All results are fully written (no accumulation into
  * the caller's arrays).  dout/dq: [B, S, H, D] (unit inner stride), dkv: [B, N, D],
- * dsink: [H] contiguous; none may overlap another array. */
+ * dsink: [H] contiguous; none may overlap another array.
+ *
+ * dtypes: q, kv, out are float32, or bfloat16 when f.bf16; dout is float32 or bfloat16
+ * by dout_bf16: bfloat16 inputs are widened exactly where they are read (no copy), and
+ * all arithmetic is float32, so the results are bitwise those of the float32 call on
+ * the widened values.  dq and dkv are float32, or bfloat16 by dq_bf16 / dkv_bf16: the
+ * float32 result rounded once (csa_f32_to_bf16), through a float32 scratch of the
+ * result's size; dsink is float32. */
 struct csa_attn_bwd_problem {
     struct csa_attn_problem f;
-    const float *dout;
+    const void *dout;
     csa_idx sdo_b, sdo_s, sdo_h;
-    float *dq;
+    void *dq;
     csa_idx sdq_b, sdq_s, sdq_h;
-    float *dkv;
+    void *dkv;
     csa_idx sdkv_b, sdkv_n;
     float *dsink;
+    int dout_bf16, dq_bf16, dkv_bf16;
 };
 
 /* Returns CSA_EINDEX, before writing anything, if an index lies outside [-1, N);
@@ -100,8 +108,8 @@ int csa_sparse_attn_weights(const struct csa_attn_problem *p);
 int csa_sparse_attn_weights_ref(const struct csa_attn_problem *p);
 
 /* The backward above; CSA_EINDEX (nothing written) for an index outside [-1, N),
- * CSA_EINVAL for bf16 (the glue refuses it first, naming the dtype).  _ref: the scalar oracle, one (b, s, h)
- * after another. */
+ * CSA_ENOMEM if scratch cannot be had.  _ref: the scalar oracle, one (b, s, h) after
+ * another. */
 int csa_sparse_attn_backward(const struct csa_attn_bwd_problem *g);
 int csa_sparse_attn_backward_ref(const struct csa_attn_bwd_problem *g);
 

@@ -1,32 +1,59 @@
 /* Tuned backward of sparse attention (docs/kernels.md, section 11.1), included by
- * attn_impl.h once per ISA level (CSA_V names), float32 only.
+ * attn_impl.h once per ISA level (CSA_V names); float32 outputs (attn.c rounds them for
+ * bfloat16 ones), float32 or bfloat16 inputs, widened where they are read.
  *
- * One work item is one query row (b, s) with all H heads: its heads share the K
- * gathered kv rows, so per block of ATTN_KB gathered rows everything is a small GEMM
- * with the forward's tiles:
+ * Two kinds of work item, over chunks of ATTN_BWD_CH query rows:
+ *
+ * Row items (one query row (b, s) with all H heads, which share the K gathered kv
+ * rows): per block of ATTN_BWD_KB gathered rows, small GEMMs with the forward's tiles,
  *
  *   L[k, h]  = R_k . q_h          attn_logits with Q^T          (recomputed logits)
  *   dP[k, h] = R_k . dO_h         attn_logits with dO^T
  *   P = e^(scale L - lse),  dS = scale P (dP - Dr),  Dr[h] = dO_h . O_h
  *   dqT[d, h] += sum_k R_k[d] dS[k, h]                       attn_pv (alpha = 1)
- *   G[k, d]   = sum_h P[k, h] dO[h, d] + sum_h dS[k, h] q[h, d]   (bwd_gkv tile)
  *
- * G, the kv gradient of every valid slot of the row, goes to a shared buffer for a
- * chunk of rows; after the chunk its index lists are inverted (for each kv row, the
- * (row, slot) pairs that list it, in that order) and the threads take kv rows, each
- * adding its G rows onto the old value in list order, the sum kept in registers.  So every dkv
- * element is a sequential sum in the order (b, s, slot) at any thread count and any
- * chunk size; dsink sums the rows' -e^(sink - lse) Dr in row order at the end. */
+ * and P, dS of every valid slot go to the chunk's buffer ([K + 6, H] each per row).
+ *
+ * Column items (a block of features of one chunk): for the chunk's rows in
+ * order and their valid slots in order, the kv gradient of the slot
+ *
+ *   G[k, d] = sum_h P[k, h] dO[h, d] + sum_h dS[k, h] q[h, d]      (bwd_gkv tile)
+ *
+ * is formed in registers (6 slots x 64 features) and added straight onto
+ * dkv[b, idx_k, d].  Each feature belongs to one column item, so every dkv element is a
+ * sequential float32 sum in (b, s, slot) order at any thread count and any chunk size,
+ * with no atomics and no [rows, K, D] buffer.  (The previous design wrote G for a chunk
+ * of rows to a 32 MB buffer, inverted the chunk's index lists on one thread and summed
+ * each kv row's G rows in list order: the same sum in the same order, so the same bits,
+ * but G is 4x the bytes of P and dS -- 1.3 MB a row at V4-Flash -- and measured on the
+ * 2-core Sapphire Rapids (shared host), G's stores, its page faults, the serial
+ * inversion and the waits at its barriers were a quarter of the backward.)
+ * One parallel loop per step runs the row items of chunk c with the column items of
+ * chunk c - 1 (two buffers), so a step costs one barrier; dsink sums the rows'
+ * -e^(sink - lse) Dr in row order at the end. */
 
-#define ATTN_BWD_G_BYTES (32u << 20) /* most bytes of G per chunk of rows */
+/* Rows per chunk: ATTN_BWD_CH per thread (P and dS of two chunks: 2 x 16 x 330 KB at
+ * V4-Flash and 2 threads).  Fewer rows keep a chunk's P and dS nearer (1 thread: 4 rows
+ * 2.45x the forward, 16 rows 2.51x, 32 rows 2.53x); more rows cost fewer barriers,
+ * which a loaded host makes expensive (2 threads on the shared host: 4 / 8 / 16 rows
+ * per thread 2.87x / 2.73x / 2.64x).  Features per column item: D split in as many
+ * 64-feature multiples as there are threads, so that a chunk's P and dS pass through
+ * L1 once per item, not once per 64 features (1 thread, V4-Flash: 2.62x the forward
+ * with 64, 2.52x with all 512).  Neither changes a bit: every dkv element is the same
+ * chain whichever item computes it. */
+#define ATTN_BWD_CH 8
+/* gathered rows per block of a row item: a multiple of ATTN_MR, so no logits tile
+ * computes padding rows but the last (the forward's 64 compute 66) */
+#define ATTN_BWD_KB 66
 
 #ifdef __AVX512F__
-/* G[i, d0 .. d0 + 16 NV) for ATTN_MR rows i: sum_h P[i, h] dO[h, .] then + sum_h
- * dS[i, h] q[h, .] (features beyond D are masked off on load; G has room for them). */
+/* G[i, d0 .. d0 + 16 NV) for ATTN_MR slots i (sum_h P[i, h] dO[h, .] then + sum_h
+ * dS[i, h] q[h, .], features beyond D masked off), added onto dkv row dst[i] for i < nr,
+ * in slot order (a kv row listed twice in the tile gets both, one after the other). */
 static inline __attribute__((always_inline)) void
 CSA_V(gkv_tile)(const float *P, const float *DS, csa_idx hcp, csa_idx H, const float *dO,
-                csa_idx sdo_h, const float *q, csa_idx sq_h, csa_idx d0, csa_idx D, float *G,
-                csa_idx dg, const int NV)
+                csa_idx sdo_h, const float *q, csa_idx sq_h, csa_idx d0, csa_idx D,
+                float *const *dst, int nr, const int NV)
 {
     __m512 acc[ATTN_MR][4];
     __mmask16 mk[4];
@@ -54,109 +81,185 @@ CSA_V(gkv_tile)(const float *P, const float *DS, csa_idx hcp, csa_idx H, const f
             for (int j = 0; j < NV; j++) acc[i][j] = _mm512_fmadd_ps(w, v[j], acc[i][j]);
         }
     }
-    for (int i = 0; i < ATTN_MR; i++)
-        for (int j = 0; j < NV; j++) _mm512_storeu_ps(G + i * dg + d0 + 16 * j, acc[i][j]);
+    /* constant indices only (a loop to nr would index acc at run time and keep it in
+     * memory: measured 1.8x slower tiles) */
+#pragma GCC unroll 8
+    for (int i = 0; i < ATTN_MR; i++) {
+        if (i >= nr) break;
+        float *o = dst[i] + d0;
+        for (int j = 0; j < NV; j++)
+            _mm512_mask_storeu_ps(o + 16 * j, mk[j],
+                                  _mm512_add_ps(_mm512_maskz_loadu_ps(mk[j], o + 16 * j), acc[i][j]));
+    }
 }
 #endif
 
-/* G[i, :] for i < kbp (a multiple of ATTN_MR; G rows dg floats apart, dg >= D rounded
- * up to 16). */
-static void CSA_V(bwd_gkv)(const float *P, const float *DS, csa_idx kbp, csa_idx hcp, csa_idx H,
-                           const float *dO, csa_idx sdo_h, const float *q, csa_idx sq_h,
-                           csa_idx D, float *G, csa_idx dg)
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* The AVX2 tile: 6 slots x 16 features (12 accumulators of the 16 ymm registers), the
+ * same per-element chains; added onto dst[i] + d0 for i < nr in slot order. */
+static inline void CSA_V(gkv_tile_v8)(const float *P, const float *DS, csa_idx hcp, csa_idx H,
+                                      const float *dO, csa_idx sdo_h, const float *q,
+                                      csa_idx sq_h, csa_idx d0, float *const *dst, int nr)
 {
-#ifdef __AVX512F__
-    /* features outer: the 64-feature slices of q and dO (32 KB for 64 heads) stay in L1
-     * while the block's slots pass; P and dS are read by broadcasts, in order */
-    for (csa_idx d0 = 0; d0 < D; d0 += 64)
-        for (csa_idx i0 = 0; i0 < kbp; i0 += ATTN_MR) {
-            const csa_idx nv = (D - d0 + 15) / 16;
-            const float *Pi = P + i0 * hcp, *Si = DS + i0 * hcp;
-            float *Gi = G + i0 * dg;
-            switch (nv >= 4 ? 4 : nv) {
-            case 4: CSA_V(gkv_tile)(Pi, Si, hcp, H, dO, sdo_h, q, sq_h, d0, D, Gi, dg, 4); break;
-            case 3: CSA_V(gkv_tile)(Pi, Si, hcp, H, dO, sdo_h, q, sq_h, d0, D, Gi, dg, 3); break;
-            case 2: CSA_V(gkv_tile)(Pi, Si, hcp, H, dO, sdo_h, q, sq_h, d0, D, Gi, dg, 2); break;
-            default: CSA_V(gkv_tile)(Pi, Si, hcp, H, dO, sdo_h, q, sq_h, d0, D, Gi, dg, 1); break;
-            }
-        }
-#else
-    for (csa_idx i = 0; i < kbp; i++) {
-        float *CSA_RESTRICT g = G + i * dg;
-        for (csa_idx d = 0; d < D; d++) g[d] = 0.0f;
-        for (csa_idx h = 0; h < H; h++) {
+    CSA_V(v8) acc[ATTN_MR][2];
+#pragma GCC unroll 8
+    for (int i = 0; i < ATTN_MR; i++) acc[i][0] = acc[i][1] = (CSA_V(v8)){0};
+    for (csa_idx h = 0; h < H; h++) {
+        const CSA_V(v8) x0 = *(const CSA_V(v8u) *)(dO + h * sdo_h + d0);
+        const CSA_V(v8) x1 = *(const CSA_V(v8u) *)(dO + h * sdo_h + d0 + 8);
+#pragma GCC unroll 8
+        for (int i = 0; i < ATTN_MR; i++) {
             const float w = P[i * hcp + h];
-            const float *CSA_RESTRICT x = dO + h * sdo_h;
-#pragma omp simd
-            for (csa_idx d = 0; d < D; d++) g[d] += w * x[d];
-        }
-        for (csa_idx h = 0; h < H; h++) {
-            const float w = DS[i * hcp + h];
-            const float *CSA_RESTRICT x = q + h * sq_h;
-#pragma omp simd
-            for (csa_idx d = 0; d < D; d++) g[d] += w * x[d];
+            acc[i][0] += w * x0;
+            acc[i][1] += w * x1;
         }
     }
+    for (csa_idx h = 0; h < H; h++) {
+        const CSA_V(v8) x0 = *(const CSA_V(v8u) *)(q + h * sq_h + d0);
+        const CSA_V(v8) x1 = *(const CSA_V(v8u) *)(q + h * sq_h + d0 + 8);
+#pragma GCC unroll 8
+        for (int i = 0; i < ATTN_MR; i++) {
+            const float w = DS[i * hcp + h];
+            acc[i][0] += w * x0;
+            acc[i][1] += w * x1;
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < ATTN_MR; i++) {
+        if (i >= nr) break;
+        CSA_V(v8u) *o = (CSA_V(v8u) *)(dst[i] + d0);
+        o[0] = o[0] + acc[i][0];
+        o[1] = o[1] + acc[i][1];
+    }
+}
 #endif
+
+/* The scalar form of the tile for features d0 .. d1 (at most 16): the same chains. */
+static void CSA_V(gkv_tile_1)(const float *P, const float *DS, csa_idx hcp, csa_idx H,
+                              const float *dO, csa_idx sdo_h, const float *q, csa_idx sq_h,
+                              csa_idx d0, csa_idx d1, float *const *dst, int nr)
+{
+    float acc[ATTN_MR][16];
+    const csa_idx nd = d1 - d0;
+    for (int i = 0; i < ATTN_MR; i++)
+        for (csa_idx c = 0; c < nd; c++) acc[i][c] = 0.0f;
+    for (csa_idx h = 0; h < H; h++)
+        for (int i = 0; i < ATTN_MR; i++) {
+            const float w = P[i * hcp + h];
+            for (csa_idx c = 0; c < nd; c++) acc[i][c] += w * dO[h * sdo_h + d0 + c];
+        }
+    for (csa_idx h = 0; h < H; h++)
+        for (int i = 0; i < ATTN_MR; i++) {
+            const float w = DS[i * hcp + h];
+            for (csa_idx c = 0; c < nd; c++) acc[i][c] += w * q[h * sq_h + d0 + c];
+        }
+    for (int i = 0; i < nr; i++)
+        for (csa_idx c = 0; c < nd; c++) dst[i][d0 + c] += acc[i][c];
 }
 
-/* dst[d] += G[ref_0 + d] + G[ref_1 + d] + ... in list order (one sequential float32
- * chain per feature), d < D; the partial sum stays in registers per block of features. */
-static void CSA_V(bwd_gather_add)(float *CSA_RESTRICT dst, const float *G, const csa_idx *ref,
-                                  csa_idx n, csa_idx D)
+/* t[i] = element o + i of a float32 (bf = 0) or bfloat16 (bf = 1) array, i < n. */
+static inline void CSA_V(bwd_pack)(const void *x, int bf, csa_idx o, csa_idx n, float *CSA_RESTRICT t)
 {
-    csa_idx d0 = 0;
-#ifdef __AVX512F__
-    for (; d0 + 128 <= D; d0 += 128) {
-        __m512 acc[8];
-        for (int j = 0; j < 8; j++) acc[j] = _mm512_loadu_ps(dst + d0 + 16 * j);
-        for (csa_idx i = 0; i < n; i++) {
-            const float *src = G + ref[i] + d0;
-            for (int j = 0; j < 8; j++) acc[j] = _mm512_add_ps(acc[j], _mm512_loadu_ps(src + 16 * j));
-        }
-        for (int j = 0; j < 8; j++) _mm512_storeu_ps(dst + d0 + 16 * j, acc[j]);
-    }
+    if (bf)
+        CSA_V(attn_widen_bf16)((const csa_bf16 *)x + o, n, t);
+    else
+        memcpy(t, (const float *)x + o, (size_t)n * sizeof(float));
+}
+
+/* A column item: dkv[b, idx, d0 .. d1) += G of every valid slot of rows r0 .. r1 (in
+ * row order, then slot order).  Pb, Sb: the chunk's P and dS, rs floats a row apart;
+ * vid, cnt: the rows' valid kv indices (slot order) and their counts; X: 2 H
+ * (d1 - d0) floats of scratch.  Each row's dO and q slices are first packed into X
+ * (H rows of d1 - d0 floats each): in place, their rows lie D floats apart, 2 KB at
+ * D = 512, so the 128 rows of a 64-feature slice fall into 8 of L1's 64 sets and evict
+ * each other -- the tile read them at half the logits tile's speed (perf, 2-core
+ * Sapphire Rapids, shared host). */
+static void CSA_V(bwd_dkv_cols)(const struct csa_attn_bwd_problem *g, csa_idx r0, csa_idx r1,
+                                const float *Pb, const float *Sb, csa_idx rs, const int32_t *vid,
+                                const csa_idx *cnt, csa_idx hcp, csa_idx d0, csa_idx d1, float *X)
+{
+    const struct csa_attn_problem *a = &g->f;
+    const csa_idx S = a->S, H = a->H, K = a->K, nd = d1 - d0, cw = d1 - d0;
+    float *xo = X, *xq = X + H * cw;
+#ifdef CSA_MUTANT_ATTN_BWD_CHUNK_LAST /* planted: a chunk's last row adds no d(kv) */
+    if (r1 - r0 > 1) r1--;
 #endif
-    for (; d0 < D; d0 += 64) {
-        const csa_idx nd = D - d0 < 64 ? D - d0 : 64;
-        float acc[64];
-        for (csa_idx d = 0; d < nd; d++) acc[d] = dst[d0 + d];
-        for (csa_idx i = 0; i < n; i++) {
-            const float *CSA_RESTRICT src = G + ref[i] + d0;
-#pragma omp simd
-            for (csa_idx d = 0; d < nd; d++) acc[d] += src[d];
+    for (csa_idx r = r0; r < r1; r++) {
+        const csa_idx b = r / S, s = r % S, n = cnt[r - r0];
+        if (n == 0) continue;
+        const csa_idx oo = b * g->sdo_b + s * g->sdo_s + d0, qo = b * a->sq_b + s * a->sq_s + d0;
+        const csa_idx so = cw, sq = cw;
+        for (csa_idx h = 0; h < H; h++) { /* bfloat16 rows widened on the way (exact) */
+            CSA_V(bwd_pack)(g->dout, g->dout_bf16, oo + h * g->sdo_h, nd, xo + h * cw);
+            CSA_V(bwd_pack)(a->q, a->bf16, qo + h * a->sq_h, nd, xq + h * cw);
         }
-        for (csa_idx d = 0; d < nd; d++) dst[d0 + d] = acc[d];
+        const int32_t *v = vid + (r - r0) * K;
+        const float *P = Pb + (r - r0) * rs, *DS = Sb + (r - r0) * rs;
+        float *dkvb = (float *)g->dkv + b * g->sdkv_b + d0;
+        for (csa_idx i0 = 0; i0 < n; i0 += ATTN_MR) {
+            float *dst[ATTN_MR];
+            int nr = 0;
+            for (csa_idx i = i0; i < i0 + ATTN_MR && i < n; i++) {
+#ifdef CSA_MUTANT_ATTN_BWD_DUP_ONCE
+                if (i > 0 && v[i] == v[i - 1]) continue;
+#endif
+                dst[nr++] = dkvb + (csa_idx)v[i] * g->sdkv_n;
+            }
+            const float *Pi = P + i0 * hcp, *Si = DS + i0 * hcp;
+#ifdef __AVX512F__
+            for (csa_idx c0 = 0; c0 < nd; c0 += 64) {
+                const csa_idx nv = (nd - c0 + 15) / 16;
+                switch (nv >= 4 ? 4 : nv) {
+                case 4: CSA_V(gkv_tile)(Pi, Si, hcp, H, xo, so, xq, sq, c0, nd, dst, nr, 4); break;
+                case 3: CSA_V(gkv_tile)(Pi, Si, hcp, H, xo, so, xq, sq, c0, nd, dst, nr, 3); break;
+                case 2: CSA_V(gkv_tile)(Pi, Si, hcp, H, xo, so, xq, sq, c0, nd, dst, nr, 2); break;
+                default: CSA_V(gkv_tile)(Pi, Si, hcp, H, xo, so, xq, sq, c0, nd, dst, nr, 1); break;
+                }
+            }
+#else
+            csa_idx c0 = 0;
+#if defined(__AVX2__)
+            for (; c0 + 16 <= nd; c0 += 16)
+                CSA_V(gkv_tile_v8)(Pi, Si, hcp, H, xo, so, xq, sq, c0, dst, nr);
+#endif
+            for (; c0 < nd; c0 += 16)
+                CSA_V(gkv_tile_1)(Pi, Si, hcp, H, xo, so, xq, sq, c0, nd - c0 < 16 ? nd : c0 + 16,
+                                  dst, nr);
+#endif
+        }
     }
 }
 
 /* Per-thread scratch of the backward, in floats (pieces multiples of 16). */
 struct CSA_V(bwd_ws) {
-    float *QT, *dOT, *dqT, *L, *dP, *lse, *Dr, *ones, *tile;
+    float *QT, *dOT, *dqT, *lse, *Dr, *ones, *tile;
 };
 
-/* One query row (b, s): dq[b, s], the row's G (slot order of the valid entries) and
- * their kv indices in vid, their count in *cnt, the row's dsink terms in rs[H]. */
+/* A row item: query row (b, s): dq[b, s]; P and dS of its valid slots (slot order,
+ * rows hcp floats apart, zero rows after the last block's valid ones) into P, DS; their
+ * kv indices into vid, their count into *cnt; the row's dsink terms into rs[H]. */
 static void CSA_V(bwd_item)(const struct csa_attn_bwd_problem *g, csa_idx b, csa_idx s,
                             csa_idx hcp, csa_idx dp, const struct CSA_V(bwd_ws) *w,
-                            const float **valid, const float **blk, float *G, int32_t *vid,
-                            csa_idx *cnt, float *rs)
+                            const float **valid, const float **blk, float *P, float *DS,
+                            int32_t *vid, csa_idx *cnt, float *rs)
 {
     const struct csa_attn_problem *a = &g->f;
     const csa_idx D = a->D, H = a->H, K = a->K;
+    const int bf = a->bf16, dbf = g->dout_bf16;
+    const size_t es = bf ? sizeof(csa_bf16) : sizeof(float), des = dbf ? sizeof(csa_bf16) : sizeof(float);
     const int32_t *ir = a->idx + b * a->si_b + s * a->si_s;
-    const float *kvb = (const float *)a->kv + b * a->skv_b;
-    const float *q = (const float *)a->q + b * a->sq_b + s * a->sq_s;
-    const float *o = (const float *)a->out + b * a->so_b + s * a->so_s;
-    const float *dO = g->dout + b * g->sdo_b + s * g->sdo_s;
-    float *dq = g->dq + b * g->sdq_b + s * g->sdq_s;
+    const char *kvb = (const char *)a->kv + (size_t)(b * a->skv_b) * es;
+    const char *q = (const char *)a->q + (size_t)(b * a->sq_b + s * a->sq_s) * es;
+    const char *o = (const char *)a->out + (size_t)(b * a->so_b + s * a->so_s) * es;
+    const char *dO = (const char *)g->dout + (size_t)(b * g->sdo_b + s * g->sdo_s) * des;
+    float *dq = (float *)g->dq + b * g->sdq_b + s * g->sdq_s;
     const float *lse = a->lse + b * a->sl_b + s * a->sl_s;
 
     csa_idx n = 0;
     for (csa_idx k = 0; k < K; k++)
         if (ir[k] >= 0) {
             vid[n] = ir[k];
-            valid[n++] = kvb + (csa_idx)ir[k] * a->skv_n;
+            valid[n++] = (const float *)(kvb + (size_t)((csa_idx)ir[k] * a->skv_n) * es);
         }
     *cnt = n;
     if (n == 0) { /* the output is the constant 0: no gradient anywhere */
@@ -166,14 +269,24 @@ static void CSA_V(bwd_item)(const struct csa_attn_bwd_problem *g, csa_idx b, csa
         }
         return;
     }
-    CSA_V(attn_transpose_q)(q, 0, a->sq_h, H, hcp, D, w->QT);
-    CSA_V(attn_transpose_q)(dO, 0, g->sdo_h, H, hcp, D, w->dOT);
+    CSA_V(attn_transpose_q)(q, bf, a->sq_h, H, hcp, D, w->QT);
+    CSA_V(attn_transpose_q)(dO, dbf, g->sdo_h, H, hcp, D, w->dOT);
     for (csa_idx h = 0; h < hcp; h++) {
         float dr = 0.0f;
         if (h < H) {
             /* 16 interleaved partial sums (vector lanes), then added in lane order: a
-             * fixed order that vectorizes without reassociation */
-            const float *CSA_RESTRICT x = dO + h * g->sdo_h, *CSA_RESTRICT y = o + h * a->so_h;
+             * fixed order that vectorizes without reassociation; bfloat16 rows are
+             * widened into the tile first */
+            const float *CSA_RESTRICT x = (const float *)(dO + (size_t)(h * g->sdo_h) * des);
+            const float *CSA_RESTRICT y = (const float *)(o + (size_t)(h * a->so_h) * es);
+            if (dbf) {
+                CSA_V(attn_widen_bf16)((const csa_bf16 *)x, D, w->tile);
+                x = w->tile;
+            }
+            if (bf) {
+                CSA_V(attn_widen_bf16)((const csa_bf16 *)y, D, w->tile + dp);
+                y = w->tile + dp;
+            }
             float part[16] = {0};
             csa_idx d = 0;
             for (; d + 16 <= D; d += 16)
@@ -192,42 +305,44 @@ static void CSA_V(bwd_item)(const struct csa_attn_bwd_problem *g, csa_idx b, csa
         rs[h] = -rs[h];
 #endif
     }
-    const int direct = (uintptr_t)kvb % sizeof(float) == 0;
+    const int direct = !bf && (uintptr_t)kvb % sizeof(float) == 0;
     const float scale = a->scale;
-    for (csa_idx k0 = 0; k0 < n; k0 += ATTN_KB) {
-        const csa_idx kb = n - k0 < ATTN_KB ? n - k0 : ATTN_KB;
+    for (csa_idx k0 = 0; k0 < n; k0 += ATTN_BWD_KB) {
+        const csa_idx kb = n - k0 < ATTN_BWD_KB ? n - k0 : ATTN_BWD_KB;
         const csa_idx kbp = ((kb + ATTN_MR - 1) / ATTN_MR) * ATTN_MR;
+        float *L = P + k0 * hcp, *dP = DS + k0 * hcp;
         for (csa_idx i = 0; i < kbp; i++) {
             float *t = w->tile + i * dp;
             if (i < kb && direct) {
                 blk[i] = valid[k0 + i];
             } else {
-                if (i < kb)
+                if (i < kb && bf)
+                    CSA_V(attn_widen_bf16)((const csa_bf16 *)valid[k0 + i], D, t);
+                else if (i < kb)
                     memcpy(t, valid[k0 + i], (size_t)D * sizeof(float));
                 else
                     memset(t, 0, (size_t)D * sizeof(float));
                 blk[i] = t;
             }
         }
-        CSA_V(attn_logits)(blk, kbp, w->QT, hcp, D, w->L);
-        CSA_V(attn_logits)(blk, kbp, w->dOT, hcp, D, w->dP);
-        CSA_V(attn_probs)(w->L, kb, hcp, scale, w->lse, H, NULL);
+        CSA_V(attn_logits)(blk, kbp, w->QT, hcp, D, L);
+        CSA_V(attn_logits)(blk, kbp, w->dOT, hcp, D, dP);
+        CSA_V(attn_probs)(L, kb, hcp, scale, w->lse, H, NULL);
         for (csa_idx i = 0; i < kb; i++) {
-            float *CSA_RESTRICT P = w->L + i * hcp, *CSA_RESTRICT dS = w->dP + i * hcp;
+            float *CSA_RESTRICT Pi = L + i * hcp, *CSA_RESTRICT dS = dP + i * hcp;
             const float *CSA_RESTRICT dr = w->Dr;
 #ifdef CSA_MUTANT_ATTN_BWD_NO_DR
 #pragma omp simd
-            for (csa_idx h = 0; h < hcp; h++) dS[h] = scale * (P[h] * dS[h]);
+            for (csa_idx h = 0; h < hcp; h++) dS[h] = scale * (Pi[h] * dS[h]);
             continue;
 #endif
 #pragma omp simd
-            for (csa_idx h = 0; h < hcp; h++) dS[h] = scale * (P[h] * (dS[h] - dr[h]));
+            for (csa_idx h = 0; h < hcp; h++) dS[h] = scale * (Pi[h] * (dS[h] - dr[h]));
         }
         /* the padding rows weigh nothing */
-        memset(w->L + kb * hcp, 0, (size_t)((kbp - kb) * hcp) * sizeof(float));
-        memset(w->dP + kb * hcp, 0, (size_t)((kbp - kb) * hcp) * sizeof(float));
-        CSA_V(attn_pv)(blk, kb, w->dP, hcp, w->ones, w->dqT, D, k0 == 0);
-        CSA_V(bwd_gkv)(w->L, w->dP, kbp, hcp, H, dO, g->sdo_h, q, a->sq_h, D, G + k0 * dp, dp);
+        memset(L + kb * hcp, 0, (size_t)((kbp - kb) * hcp) * sizeof(float));
+        memset(dP + kb * hcp, 0, (size_t)((kbp - kb) * hcp) * sizeof(float));
+        CSA_V(attn_pv)(blk, kb, dP, hcp, w->ones, w->dqT, D, k0 == 0);
     }
 #ifdef CSA_MUTANT_ATTN_BWD_DQ_SCALE
     for (csa_idx h = 0; h < hcp; h++) w->ones[h] = 1.0f - 1e-4f;
@@ -240,35 +355,25 @@ static int CSA_V(sparse_attn_backward_tuned)(const struct csa_attn_bwd_problem *
     const struct csa_attn_problem *a = &g->f;
     const csa_idx B = a->B, S = a->S, H = a->H, D = a->D, K = a->K, N = a->N, nq = B * S;
     const csa_idx hcp = ((H + 15) / 16) * 16, dp = ((D + 15) / 16) * 16;
-    const csa_idx kbp_max = ((ATTN_KB + ATTN_MR - 1) / ATTN_MR) * ATTN_MR;
-    const csa_idx per_thread = 3 * D * hcp + 2 * kbp_max * hcp + 3 * hcp + kbp_max * dp;
-    const csa_idx per_ptr = K + kbp_max;
-    const csa_idx g_row = (K + ATTN_MR) * dp; /* slack: the last block's padding rows */
+    const csa_idx kbp_max = ((ATTN_BWD_KB + ATTN_MR - 1) / ATTN_MR) * ATTN_MR;
     const int nt = csa_threads(nq, 1);
-    /* rows per chunk: as many as ATTN_BWD_G_BYTES of G hold (24 at V4-Flash): each chunk
-     * costs two barriers, which a loaded machine makes expensive (measured: 1 or 4 rows
-     * per thread 15-40% slower than 12 or 32 at 2 threads); the results do not depend on it */
-    const csa_idx ch_mem = (csa_idx)(ATTN_BWD_G_BYTES / ((size_t)g_row * sizeof(float)));
-    csa_idx ch = ch_mem;
-    if (ch < 1) ch = 1;
-    if (ch > nq) ch = nq;
+    const csa_idx CW = ((D + nt - 1) / nt + 63) / 64 * 64, ncol = (D + CW - 1) / CW;
+    const csa_idx per_thread = 3 * D * hcp + 3 * hcp + kbp_max * dp + 2 * H * CW;
+    const csa_idx per_ptr = K + kbp_max;
+    /* P or dS of one row: K valid slots at most, + the last tile's padding */
+    const csa_idx rsz = (K + ATTN_MR) * hcp;
+    const csa_idx ch = ATTN_BWD_CH * nt < nq ? ATTN_BWD_CH * nt : nq;
+    const csa_idx nch = (nq + ch - 1) / ch, buf = 2 * ch * rsz;
     float *ws = aligned_alloc(64, (size_t)(nt * per_thread) * sizeof(float));
     const float **ptrs = malloc((size_t)(nt * per_ptr) * sizeof(*ptrs));
-    float *G = aligned_alloc(64, (size_t)(ch * g_row) * sizeof(float));
-    int32_t *vid = malloc((size_t)(ch * K) * sizeof(int32_t));
-    csa_idx *cnt = malloc((size_t)ch * sizeof(csa_idx));
+    float *PS = aligned_alloc(64, (size_t)(2 * buf) * sizeof(float)); /* two chunks */
+    int32_t *vid = malloc((size_t)(2 * ch * K) * sizeof(int32_t));
+    csa_idx *cnt = malloc((size_t)(2 * ch) * sizeof(csa_idx));
     float *rs = malloc((size_t)(nq * H) * sizeof(float));
-    /* the inverted lists: head/fill [B*N + 1], gref [ch*K] (offsets of G rows) */
-    csa_idx *head = malloc((size_t)(B * N + 1) * sizeof(csa_idx));
-    csa_idx *fill = malloc((size_t)(B * N + 1) * sizeof(csa_idx));
-    csa_idx *gref = malloc((size_t)(ch * K) * sizeof(csa_idx));
-    if (!ws || !ptrs || !G || !vid || !cnt || !rs || !head || !fill || !gref) {
-        free(head);
-        free(fill);
-        free(gref);
+    if (!ws || !ptrs || !PS || !vid || !cnt || !rs) {
         free(ws);
         free(ptrs);
-        free(G);
+        free(PS);
         free(vid);
         free(cnt);
         free(rs);
@@ -283,47 +388,35 @@ static int CSA_V(sparse_attn_backward_tuned)(const struct csa_attn_bwd_problem *
         w.QT = p, p += D * hcp;
         w.dOT = p, p += D * hcp;
         w.dqT = p, p += D * hcp;
-        w.L = p, p += kbp_max * hcp;
-        w.dP = p, p += kbp_max * hcp;
         w.lse = p, p += hcp;
         w.Dr = p, p += hcp;
         w.ones = p, p += hcp;
-        w.tile = p;
+        w.tile = p, p += kbp_max * dp;
+        float *X = p;
         const float **valid = ptrs + t * per_ptr, **blk = valid + K;
 #pragma omp for schedule(static)
         for (csa_idx bn = 0; bn < B * N; bn++)
-            memset(g->dkv + (bn / N) * g->sdkv_b + (bn % N) * g->sdkv_n, 0, (size_t)D * sizeof(float));
-        for (csa_idx c0 = 0; c0 < nq; c0 += ch) {
-            const csa_idx c1 = c0 + ch < nq ? c0 + ch : nq;
+            memset((float *)g->dkv + (bn / N) * g->sdkv_b + (bn % N) * g->sdkv_n, 0, (size_t)D * sizeof(float));
+        /* step c: the column items of chunk c - 1 (first, so that the rows balance the
+         * end of the step), then the row items of chunk c */
+        for (csa_idx c = 0; c <= nch; c++) {
+            const csa_idx n2 = c > 0 ? ncol : 0;
+            const csa_idx r0 = c * ch, r1 = c < nch ? (r0 + ch < nq ? r0 + ch : nq) : r0;
+            const csa_idx p0 = (c - 1) * ch, p1 = p0 + ch < nq ? p0 + ch : nq;
+            float *cur = PS + (c % 2) * buf, *prev = PS + ((c + 1) % 2) * buf;
+            int32_t *vcur = vid + (c % 2) * ch * K, *vprev = vid + ((c + 1) % 2) * ch * K;
+            csa_idx *ccur = cnt + (c % 2) * ch, *cprev = cnt + ((c + 1) % 2) * ch;
 #pragma omp for schedule(dynamic, 1)
-            for (csa_idx r = c0; r < c1; r++)
-                CSA_V(bwd_item)(g, r / S, r % S, hcp, dp, &w, valid, blk, G + (r - c0) * g_row,
-                                vid + (r - c0) * K, cnt + (r - c0), rs + r * H);
-            /* the chunk's G into dkv: the index lists inverted (one thread, a stable
-             * counting sort by (b, n), so each kv row's list is in (row, slot) order),
-             * then the kv rows in parallel, each a sequential sum onto its old value */
-#pragma omp single
-            {
-                memset(head, 0, (size_t)(B * N + 1) * sizeof(csa_idx));
-                for (csa_idx r = c0; r < c1; r++)
-                    for (csa_idx i = 0; i < cnt[r - c0]; i++)
-                        head[(r / S) * N + vid[(r - c0) * K + i] + 1]++;
-                for (csa_idx k = 0; k < B * N; k++) head[k + 1] += head[k];
-                for (csa_idx k = 0; k <= B * N; k++) fill[k] = head[k];
-                for (csa_idx r = c0; r < c1; r++)
-                    for (csa_idx i = 0; i < cnt[r - c0]; i++) {
-#ifdef CSA_MUTANT_ATTN_BWD_DUP_ONCE
-                        if (i > 0 && vid[(r - c0) * K + i] == vid[(r - c0) * K + i - 1]) continue;
-#endif
-                        gref[fill[(r / S) * N + vid[(r - c0) * K + i]]++] = (r - c0) * g_row + i * dp;
-                    }
-            }
-#pragma omp for schedule(dynamic, 16)
-            for (csa_idx key = 0; key < B * N; key++) {
-                const csa_idx lo = head[key], hi = fill[key]; /* fill: the end of the list */
-                if (lo == hi) continue;
-                float *dst = g->dkv + (key / N) * g->sdkv_b + (key % N) * g->sdkv_n;
-                CSA_V(bwd_gather_add)(dst, G, gref + lo, hi - lo, D);
+            for (csa_idx it = 0; it < n2 + (r1 - r0); it++) {
+                if (it < n2) {
+                    const csa_idx d0 = it * CW;
+                    CSA_V(bwd_dkv_cols)(g, p0, p1, prev, prev + ch * rsz, rsz, vprev, cprev, hcp,
+                                        d0, d0 + CW < D ? d0 + CW : D, X);
+                } else {
+                    const csa_idx r = r0 + it - n2, i = r - r0;
+                    CSA_V(bwd_item)(g, r / S, r % S, hcp, dp, &w, valid, blk, cur + i * rsz,
+                                    cur + ch * rsz + i * rsz, vcur + i * K, ccur + i, rs + r * H);
+                }
             }
         }
     }
@@ -334,12 +427,9 @@ static int CSA_V(sparse_attn_backward_tuned)(const struct csa_attn_bwd_problem *
     }
     free(ws);
     free(ptrs);
-    free(G);
+    free(PS);
     free(vid);
     free(cnt);
     free(rs);
-    free(head);
-    free(fill);
-    free(gref);
     return CSA_OK;
 }

@@ -767,7 +767,8 @@ ENTRIES += [
           huge_skip=("K",),
           medium=dict(B=1, S=17, H=64, D=512, N=1200, K=640)),
     Entry("sparse_attn_backward", "sparse_attn_backward",
-          dict(grad_out=Arr(("B", "S", "H", "D")), q=Arr(("B", "S", "H", "D")),
+          # grad_out may be bfloat16 on its own; q, kv and out only all three together
+          dict(grad_out=Arr(("B", "S", "H", "D"), also=("bfloat16",)), q=Arr(("B", "S", "H", "D")),
                kv=Arr(("B", "N", "D")), attn_sink=Arr(("H",)), topk_idxs=_ATTN_IDX,
                softmax_scale=Real(lambda s: s["D"] ** -0.5),
                out=Arr(("B", "S", "H", "D")), lse=Arr(("B", "S", "H")),

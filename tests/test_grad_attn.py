@@ -233,6 +233,61 @@ def test_bitwise_threads(rng, level):
         dc.set_isa(before)
 
 
+# ---------------------------------------------------------------- bfloat16
+# Error budget: none.  bfloat16 inputs are widened exactly where they are read and all
+# arithmetic is float32, so the float32 gradients of bfloat16 inputs are bitwise those
+# of the float32 call on the widened values, and a bfloat16 gradient is that result
+# rounded once (nearest-even), at every ISA level and thread count.
+def _bf16_case(rng, B, S, H, D, N, K):
+    ml = pytest.importorskip("ml_dtypes")
+    q, kv, sink, idx, dout = make(rng, B, S, H, D, N, K)
+    bf = ml.bfloat16
+    qb, kvb, dob = q.astype(bf), kv.astype(bf), dout.astype(bf)
+    out, lse = dc.sparse_attn(qb, kvb, sink, idx, 0.3, return_lse=True)   # out: bfloat16
+    return ml, (qb, kvb, sink, idx, dob, out, lse)
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(1, 3, 64, 512, 700, 640)])
+def test_bf16_inputs_are_the_widened_float32_call(isa, rng, shape):
+    ml, (qb, kvb, sink, idx, dob, out, lse) = _bf16_case(rng, *shape)
+    f = np.float32
+    want = dc.sparse_attn_backward(dob.astype(f), qb.astype(f), kvb.astype(f), sink, idx, 0.3,
+                                   out.astype(f), lse)
+    for do in (dob, dob.astype(f)):     # grad_out's dtype is independent of q's
+        got = dc.sparse_attn_backward(do, qb, kvb, sink, idx, 0.3, out, lse)
+        for g, w in zip(got, want):
+            assert g.dtype == np.float32
+            np.testing.assert_array_equal(g, w)
+    gq, gkv, gs = dc.sparse_attn_backward(dob, qb, kvb, sink, idx, 0.3, out, lse,
+                                          grad_dtype=ml.bfloat16)
+    assert gq.dtype == ml.bfloat16 and gkv.dtype == ml.bfloat16 and gs.dtype == np.float32
+    np.testing.assert_array_equal(gq.view(np.uint16), want[0].astype(ml.bfloat16).view(np.uint16))
+    np.testing.assert_array_equal(gkv.view(np.uint16), want[1].astype(ml.bfloat16).view(np.uint16))
+    np.testing.assert_array_equal(gs, want[2])
+
+
+def test_bf16_out_args_torch_and_threads(rng):
+    ml, (qb, kvb, sink, idx, dob, out, lse) = _bf16_case(rng, 2, 19, 16, 40, 30, 50)
+    want = dc.sparse_attn_backward(dob, qb, kvb, sink, idx, 0.3, out, lse, grad_dtype="bfloat16")
+    big = np.zeros((2, 19, 16, 80), ml.bfloat16)
+    gq = big[..., ::2]                                  # a strided result
+    gkv = np.zeros((2, 30, 40), ml.bfloat16)
+    got = dc.sparse_attn_backward(dob, qb, kvb, sink, idx, 0.3, out, lse, grad_q=gq,
+                                  grad_kv=gkv, grad_dtype="bfloat16")
+    assert got[0] is gq and got[1] is gkv
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    torch = pytest.importorskip("torch")
+    t = lambda a: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)  # noqa: E731
+    got = dc.sparse_attn_backward(t(dob), t(qb), t(kvb), sink, idx, 0.3, t(out), lse,
+                                  grad_dtype="bfloat16")
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    same_bits_at_thread_counts(
+        lambda: dc.sparse_attn_backward(dob, qb, kvb, sink, idx, 0.3, out, lse,
+                                        grad_dtype="bfloat16"))
+
+
 def test_inputs_unchanged(rng):
     q, kv, sink, idx, dout = make(rng, 1, 4, 4, 8, 6, 5)
     out, lse = dc.sparse_attn(q, kv, sink, idx, 0.5, return_lse=True)
@@ -254,8 +309,16 @@ def test_errors(rng):
     with pytest.raises(TypeError, match="grad_out"):
         dc.sparse_attn_backward(dout.astype(np.float64), q, kv, sink, idx, 0.5, out, lse)
     ml = pytest.importorskip("ml_dtypes")
-    with pytest.raises(TypeError, match="'q' must be a float32 array, got dtype bfloat16"):
+    with pytest.raises(TypeError, match="'kv' must have q's dtype"):
         dc.sparse_attn_backward(dout, q.astype(ml.bfloat16), kv, sink, idx, 0.5, out, lse)
+    with pytest.raises(TypeError, match="'out'"):
+        dc.sparse_attn_backward(dout, q.astype(ml.bfloat16), kv.astype(ml.bfloat16), sink, idx,
+                                0.5, out, lse)
+    with pytest.raises(ValueError, match="grad_dtype"):
+        dc.sparse_attn_backward(dout, q, kv, sink, idx, 0.5, out, lse, grad_dtype="float16")
+    with pytest.raises(TypeError, match="grad_q"):
+        dc.sparse_attn_backward(dout, q, kv, sink, idx, 0.5, out, lse, grad_dtype="bfloat16",
+                                grad_q=np.zeros_like(q))
     with pytest.raises(ValueError, match="grad_kv"):
         dc.sparse_attn_backward(dout, q, kv, sink, idx, 0.5, out, lse,
                                 grad_kv=np.zeros((1, 5, 8), np.float32))

@@ -250,6 +250,43 @@ def test_gated_pool_backward_bf16_inputs(rng):
         assert a.dtype == np.float32 and np.array_equal(a, b)
 
 
+def test_bf16_gradients_are_the_float32_ones_rounded(isa, rng):
+    """grad_dtype='bfloat16' (gated_pool_backward: grad_kv, grad_score; rms_norm_backward:
+    grad_x): the float32 gradient rounded once to nearest-even, bitwise (no error budget:
+    the same float32 arithmetic, one rounding), from bf16 inputs and float32 ones, into a
+    new array or a strided bf16 out=; the other gradients stay float32."""
+    import ml_dtypes
+    bf = ml_dtypes.bfloat16
+    kv, sc, ap, _ = _inputs(rng, 2, 22, 32, 4)
+    dy = _dy(rng, 2, 22, 4, 16)
+    for args in ((dy, kv, sc), tuple(a.astype(bf) for a in (dy, kv, sc))):
+        want = dc.gated_pool_backward(*args, 4, ape=ap, overlap=True)
+        got = dc.gated_pool_backward(*args, 4, ape=ap, overlap=True, grad_dtype="bfloat16")
+        assert got[0].dtype == bf and got[1].dtype == bf and got[2].dtype == np.float32
+        for g, w in zip(got[:2], want[:2]):
+            assert np.array_equal(g.view(np.uint16), w.astype(bf).view(np.uint16))
+        assert np.array_equal(got[2], want[2])
+        big = np.zeros((2, 22, 64), bf)
+        r = dc.gated_pool_backward(*args, 4, ape=ap, overlap=True, grad_dtype=bf,
+                                   grad_kv=big[..., ::2])
+        assert r[0].base is big and np.array_equal(np.asarray(r[0], np.float32),
+                                                   np.asarray(got[0], np.float32))
+    x = rng.standard_normal((5, 3, 40), dtype=np.float32)
+    g = rng.standard_normal((5, 3, 40), dtype=np.float32)
+    w = rng.standard_normal(40, dtype=np.float32)
+    for xa, ga in ((x, g), (x.astype(bf), g.astype(bf))):
+        want = dc.rms_norm_backward(ga, xa, w, 1e-6)
+        got = dc.rms_norm_backward(ga, xa, w, 1e-6, grad_dtype="bfloat16")
+        assert got[0].dtype == bf and got[1].dtype == np.float32
+        assert np.array_equal(got[0].view(np.uint16), want[0].astype(bf).view(np.uint16))
+        assert np.array_equal(got[1], want[1])
+    with pytest.raises(ValueError, match="grad_dtype"):
+        dc.rms_norm_backward(g, x, w, 1e-6, grad_dtype="int8")
+    with pytest.raises(TypeError, match="grad_kv"):
+        dc.gated_pool_backward(dy, kv, sc, 4, ape=ap, overlap=True, grad_dtype="bfloat16",
+                               grad_kv=np.zeros_like(kv))
+
+
 def test_gated_pool_backward_strided_and_out(rng):
     kv, sc, ap, _ = _inputs(rng, 2, 18, 40, 4)
     dy = _dy(rng, 2, 18, 4, 20)

@@ -137,6 +137,18 @@ int csa_may_overlap(PyArrayObject *a, PyArrayObject *b);
  * its layout allows; returns 0 and sets rows/row_stride, or -1 when it does not. */
 int csa_fold_rows(PyArrayObject *a, csa_idx *rows, csa_idx *row_stride);
 
+/* The dtype a backward's grad_dtype= names: 0 float32 (None too), 1 bfloat16 with
+ * *proto a new 0-d array of it (the proto of csa_out_array_named), -1 with a ValueError
+ * naming the argument. */
+int csa_grad_dtype_arg(PyObject *o, const char *fn, PyArrayObject **proto);
+
+/* Where a float32 kernel writes the result `out`: csa_work_array(out, unit inner) for a
+ * float32 out, a new C-contiguous float32 array of its shape for a bfloat16 one.  Then
+ * csa_round_into(out, work) puts it there: a copy, or csa_f32_to_bf16 of every element
+ * (0, or -1 with the exception set). */
+PyArrayObject *csa_f32_work(PyArrayObject *out);
+int csa_round_into(PyArrayObject *out, PyArrayObject *work);
+
 /* The end of a call that returns an array: raises for a bad kernel status, copies
  * the kernel's `work` buffer into `out` when they differ (work may be NULL), and
  * returns a new reference to what the caller gets: their `out_arg` object when they

@@ -128,7 +128,7 @@ done:
 
 PyDoc_STRVAR(sparse_attn_backward_doc,
 "sparse_attn_backward(grad_out, q, kv, attn_sink, topk_idxs, softmax_scale, out, lse, *,\n"
-"                     grad_q=None, grad_kv=None, grad_sink=None)\n--\n\n"
+"                     grad_q=None, grad_kv=None, grad_sink=None, grad_dtype=None)\n--\n\n"
 "Gradients of sparse_attn (docs/kernels.md, section 11.1) from its saved output and\n"
 "row log-sum-exp (sparse_attn(..., return_lse=True)).  With p_j = e^(l_j - lse) and\n"
 "Dr = grad_out . out per (b, s, h):\n"
@@ -137,11 +137,18 @@ PyDoc_STRVAR(sparse_attn_backward_doc,
 "grad_sink[h] = -sum_{b,s} e^(attn_sink[h] - lse) Dr.\n"
 "-1 slots are skipped, a query with no valid index gives no gradient, a duplicated\n"
 "index counts once per slot; grad_kv rows no slot lists are 0.\n\n"
-"float32 only (a bfloat16 argument raises TypeError naming it): grad_out, q, out\n"
-"[B, S, H, D]; kv [B, N, D]; attn_sink [H]; topk_idxs int32 [B, S, K]; lse [B, S, H].\n"
-"grad_q, grad_kv, grad_sink: float32 results of those shapes, or None.\n"
-"Returns (grad_q, grad_kv, grad_sink).  Every grad_kv element is summed in (b, s, slot)\n"
-"order: bitwise identical at any thread count.");
+"q, kv, out : [B, S, H, D], [B, N, D], [B, S, H, D]; float32, or all three bfloat16\n"
+"             (ml_dtypes.bfloat16 arrays, CPU torch bf16 tensors viewed without a copy).\n"
+"grad_out   : [B, S, H, D], float32 or bfloat16 (independently of q).\n"
+"attn_sink  : float32 [H]; topk_idxs: int32 [B, S, K]; lse: float32 [B, S, H].\n"
+"grad_dtype : None or 'float32' (default), or 'bfloat16' (also ml_dtypes.bfloat16): the\n"
+"             dtype of grad_q and grad_kv; grad_sink is always float32.\n"
+"grad_q, grad_kv, grad_sink: results of those shapes and dtypes, or None.\n"
+"bfloat16 inputs are read as they are and widened exactly: all arithmetic is float32,\n"
+"so the float32 gradients are bitwise those of the float32 call on the widened values;\n"
+"bfloat16 gradients are those rounded once to nearest-even (through float32 scratch of\n"
+"the gradient's size).  Returns (grad_q, grad_kv, grad_sink).  Every grad_kv element is\n"
+"summed in (b, s, slot) order: bitwise identical at any thread count.");
 
 /* The argument object the caller gets back for one result. */
 static PyObject *result_of(PyObject *arg, PyArrayObject *out)
@@ -153,19 +160,21 @@ static PyObject *py_sparse_attn_backward(PyObject *self, PyObject *args, PyObjec
 {
     static const char *fn = "sparse_attn_backward";
     static char *kwlist[] = {"grad_out", "q", "kv", "attn_sink", "topk_idxs", "softmax_scale",
-                             "out", "lse", "grad_q", "grad_kv", "grad_sink", NULL};
+                             "out", "lse", "grad_q", "grad_kv", "grad_sink", "grad_dtype", NULL};
     PyObject *go, *qo, *kvo, *so, *io, *sco, *oo, *lo, *gqo = Py_None, *gkvo = Py_None,
-             *gso = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOO|$OOO:sparse_attn_backward", kwlist, &go,
-                                     &qo, &kvo, &so, &io, &sco, &oo, &lo, &gqo, &gkvo, &gso))
+             *gso = Py_None, *gdo = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOO|$OOOO:sparse_attn_backward", kwlist, &go,
+                                     &qo, &kvo, &so, &io, &sco, &oo, &lo, &gqo, &gkvo, &gso, &gdo))
         return NULL;
     struct attn_args x = {0};
     PyArrayObject *dO = NULL, *O = NULL, *lse = NULL, *dOc = NULL, *Oc = NULL, *lsec = NULL;
     PyArrayObject *gq = NULL, *gkv = NULL, *gs = NULL, *wq = NULL, *wkv = NULL, *wsk = NULL;
+    PyArrayObject *gproto = NULL;
     PyObject *ret = NULL;
-    if (!(dO = csa_array(go, fn, "grad_out", CSA_F32, 4, 4, 0))) goto done;
-    if (attn_args_parse(&x, fn, CSA_F32, qo, kvo, so, io, sco)) goto done;
-    if (!(O = csa_array(oo, fn, "out", CSA_F32, 4, 4, 0))) goto done;
+    if (!(dO = csa_array(go, fn, "grad_out", CSA_F32 | CSA_BF16, 4, 4, 0))) goto done;
+    if (attn_args_parse(&x, fn, CSA_F32 | CSA_BF16, qo, kvo, so, io, sco)) goto done;
+    if (!(O = csa_array(oo, fn, "out", csa_is_bf16(x.q) ? CSA_BF16 : CSA_F32, 4, 4, 0))) goto done;
+    if (csa_grad_dtype_arg(gdo, fn, &gproto) < 0) goto done;
     if (!(lse = csa_array(lo, fn, "lse", CSA_F32, 3, 3, 0))) goto done;
     for (int i = 0; i < 4; i++) {
         static const char *what[4] = {"q.shape[0], the batch", "q.shape[1], the queries",
@@ -177,10 +186,10 @@ static PyObject *py_sparse_attn_backward(PyObject *self, PyObject *args, PyObjec
     }
     const npy_intp sq[4] = {x.B, x.S, x.H, x.D}, skv[3] = {x.B, x.N, x.D}, ssk[1] = {x.H};
     PyArrayObject *ins[10] = {dO, x.q, x.kv, x.sink, x.idx, O, lse, NULL, NULL, NULL};
-    if (!(gq = csa_out_array_named(gqo, fn, "grad_q", 4, sq, NULL, NPY_FLOAT32, ins, 7, 0, NULL)))
+    if (!(gq = csa_out_array_named(gqo, fn, "grad_q", 4, sq, gproto, NPY_FLOAT32, ins, 7, 0, NULL)))
         goto done;
     ins[7] = gq;
-    if (!(gkv = csa_out_array_named(gkvo, fn, "grad_kv", 3, skv, NULL, NPY_FLOAT32, ins, 8, 0,
+    if (!(gkv = csa_out_array_named(gkvo, fn, "grad_kv", 3, skv, gproto, NPY_FLOAT32, ins, 8, 0,
                                     NULL)))
         goto done;
     ins[8] = gkv;
@@ -200,6 +209,7 @@ static PyObject *py_sparse_attn_backward(PyObject *self, PyObject *args, PyObjec
         .sdq_h = csa_stride(wq, 2),
         .dkv = PyArray_DATA(wkv), .sdkv_b = csa_stride(wkv, 0), .sdkv_n = csa_stride(wkv, 1),
         .dsink = PyArray_DATA(wsk),
+        .dout_bf16 = csa_is_bf16(dOc), .dq_bf16 = csa_is_bf16(wq), .dkv_bf16 = csa_is_bf16(wkv),
     };
     g.f.out = PyArray_DATA(Oc);
     g.f.so_b = csa_stride(Oc, 0), g.f.so_s = csa_stride(Oc, 1), g.f.so_h = csa_stride(Oc, 2);
@@ -235,6 +245,7 @@ done:
     Py_XDECREF(wq);
     Py_XDECREF(wkv);
     Py_XDECREF(wsk);
+    Py_XDECREF(gproto);
     return ret;
 }
 

@@ -56,22 +56,27 @@ PyDoc_STRVAR(rms_norm_backward_doc,
 "grad_out, x : float32 or bfloat16 [..., D], the same shape, any strides.\n"
 "weight      : float32 [D] or None (no weight: grad_weight is None).\n"
 "eps         : float (the forward's).\n"
-"grad_x      : float32 [..., D] or None; grad_weight: float32 [D] or None.\n"
-"Gradients are float32 whatever the inputs' dtype; bits do not depend on the thread\n"
-"count.  Returns (grad_x, grad_weight).");
+"grad_x      : [..., D] of grad_dtype, or None; grad_weight: float32 [D] or None.\n"
+"grad_dtype  : None or 'float32' (default), or 'bfloat16' (also ml_dtypes.bfloat16): the\n"
+"              dtype of grad_x, the float32 result rounded once to nearest-even.\n"
+"bfloat16 inputs (ml_dtypes.bfloat16 arrays, CPU torch bf16 tensors) are read as they\n"
+"are and widened exactly; arithmetic float32.  Bits do not depend on the thread count.\n"
+"Returns (grad_x, grad_weight).");
 
 static PyObject *py_rms_norm_backward(PyObject *self, PyObject *args, PyObject *kw)
 {
     static const char *fn = "rms_norm_backward";
-    static char *kwlist[] = {"grad_out", "x", "weight", "eps", "grad_x", "grad_weight", NULL};
-    PyObject *go, *xo, *wo, *epso, *gxo = Py_None, *gwo = Py_None;
+    static char *kwlist[] = {"grad_out", "x", "weight", "eps", "grad_x", "grad_weight",
+                             "grad_dtype", NULL};
+    PyObject *go, *xo, *wo, *epso, *gxo = Py_None, *gwo = Py_None, *gdo = Py_None;
     double eps;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOO|$OO:rms_norm_backward", kwlist, &go, &xo,
-                                     &wo, &epso, &gxo, &gwo))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOO|$OOO:rms_norm_backward", kwlist, &go, &xo,
+                                     &wo, &epso, &gxo, &gwo, &gdo))
         return NULL;
     if (csa_float_arg(epso, fn, "eps", &eps)) return NULL;
     PyArrayObject *dy = NULL, *x = NULL, *w = NULL, *gx = NULL, *gw = NULL, *dyc = NULL,
-                  *xc = NULL, *wc = NULL, *gxw = NULL;
+                  *xc = NULL, *wc = NULL, *gxw = NULL, *gproto = NULL;
+    if (csa_grad_dtype_arg(gdo, fn, &gproto) < 0) return NULL;
     PyObject *ret = NULL, *r1 = NULL, *r2 = NULL;
     char b1[256], b2[256];
     if (!(dy = csa_array(go, fn, "grad_out", CSA_F32 | CSA_BF16, 1, NPY_MAXDIMS, 0))) goto done;
@@ -96,8 +101,8 @@ static PyObject *py_rms_norm_backward(PyObject *self, PyObject *args, PyObject *
         goto done;
     }
     PyArrayObject *ins[4] = {dy, x, w, NULL};
-    if (!(gx = csa_out_array_named(gxo, fn, "grad_x", nd, PyArray_DIMS(x), NULL, NPY_FLOAT32, ins,
-                                   3, 0, NULL)))
+    if (!(gx = csa_out_array_named(gxo, fn, "grad_x", nd, PyArray_DIMS(x), gproto, NPY_FLOAT32,
+                                   ins, 3, 0, NULL)))
         goto done;
     ins[3] = gx;
     if (w) {
@@ -110,7 +115,9 @@ static PyObject *py_rms_norm_backward(PyObject *self, PyObject *args, PyObject *
     if (!(dyc = foldable(dy, &rows, &sdy))) goto done;
     if (!(xc = foldable(x, &rows, &sx))) goto done;
     if (w && !(wc = csa_unit_inner(w))) goto done;
-    if (!(gxw = csa_work_array(gx, CSA_WORK_C_CONTIG))) goto done;
+    if (!(gxw = csa_is_bf16(gx) ? (PyArrayObject *)PyArray_EMPTY(nd, PyArray_DIMS(x), NPY_FLOAT32, 0)
+                                : csa_work_array(gx, CSA_WORK_C_CONTIG)))
+        goto done;
     sgx = (csa_idx)d;
     float *gwp = NULL, *gwtmp = NULL;
     const int gw_direct = gw && PyArray_IS_C_CONTIGUOUS(gw);
@@ -131,7 +138,8 @@ static PyObject *py_rms_norm_backward(PyObject *self, PyObject *args, PyObject *
     if (st == CSA_OK && gwtmp)
         for (npy_intp i = 0; i < d; i++) *(float *)PyArray_GETPTR1(gw, i) = gwtmp[i];
     PyMem_Free(gwtmp);
-    if (!(r1 = csa_finish(st, fn, gxo, gx, gxw))) goto done;
+    if (st == CSA_OK && csa_round_into(gx, gxw)) goto done;
+    if (!(r1 = csa_finish(st, fn, gxo, gx, NULL))) goto done;
     if (gw) {
         if (!(r2 = csa_finish(CSA_OK, fn, gwo, gw, NULL))) goto done;
     } else {
@@ -150,6 +158,7 @@ done:
     Py_XDECREF(xc);
     Py_XDECREF(wc);
     Py_XDECREF(gxw);
+    Py_XDECREF(gproto);
     return ret;
 }
 
@@ -166,29 +175,36 @@ PyDoc_STRVAR(gated_pool_backward_doc,
 "grad_out  : float32 or bfloat16 [B, T // ratio, D].\n"
 "kv, score : float32 or bfloat16 [B, T, c*D] (c = 2 with overlap), the forward's.\n"
 "ape       : float32 / bfloat16 [ratio, c*D] or None (grad_ape is then None).\n"
-"grad_kv, grad_score : float32 [B, T, c*D] or None; grad_ape: float32 [ratio, c*D] or None.\n"
-"Gradients are float32 whatever the inputs' dtype; bits do not depend on the thread\n"
-"count.  Returns (grad_kv, grad_score, grad_ape).");
+"grad_kv, grad_score : [B, T, c*D] of grad_dtype, or None; grad_ape: float32 [ratio, c*D]\n"
+"            or None.\n"
+"grad_dtype : None or 'float32' (default), or 'bfloat16' (also ml_dtypes.bfloat16): the\n"
+"            dtype of grad_kv and grad_score, the float32 result rounded once to\n"
+"            nearest-even; grad_ape is float32.\n"
+"bfloat16 inputs (ml_dtypes.bfloat16 arrays, CPU torch bf16 tensors) are read as they are\n"
+"and widened exactly; arithmetic float32, so the float32 gradients are bitwise those of the\n"
+"float32 call on the widened values.  Bits do not depend on the thread count.\n"
+"Returns (grad_kv, grad_score, grad_ape).");
 
 static PyObject *py_gated_pool_backward(PyObject *self, PyObject *args, PyObject *kw)
 {
     static const char *fn = "gated_pool_backward";
     static char *kwlist[] = {"grad_out", "kv", "score", "ratio", "ape", "overlap",
-                             "grad_kv", "grad_score", "grad_ape", NULL};
+                             "grad_kv", "grad_score", "grad_ape", "grad_dtype", NULL};
     PyObject *go, *kvo, *so, *ro, *apo = Py_None, *gko = Py_None, *gso = Py_None,
-                                  *gao = Py_None;
+                                  *gao = Py_None, *gdo = Py_None;
     int overlap = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOO|$OpOOO:gated_pool_backward", kwlist, &go,
-                                     &kvo, &so, &ro, &apo, &overlap, &gko, &gso, &gao))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOO|$OpOOOO:gated_pool_backward", kwlist, &go,
+                                     &kvo, &so, &ro, &apo, &overlap, &gko, &gso, &gao, &gdo))
         return NULL;
     long long ratio;
     if (csa_int_arg(ro, fn, "ratio", 1, (long long)1 << 40, &ratio)) return NULL;
     const int gate = ratio > 1 || overlap;
     PyArrayObject *dy = NULL, *kv = NULL, *sc = NULL, *ape = NULL, *gk = NULL, *gs = NULL,
                   *ga = NULL, *dyc = NULL, *kvc = NULL, *scc = NULL, *apc = NULL, *gkw = NULL,
-                  *gsw = NULL, *gaw = NULL;
+                  *gsw = NULL, *gaw = NULL, *gproto = NULL;
     PyObject *ret = NULL, *r1 = NULL, *r2 = NULL, *r3 = NULL;
     char b1[256], b2[256];
+    if (csa_grad_dtype_arg(gdo, fn, &gproto) < 0) return NULL;
     if (!(dy = csa_array(go, fn, "grad_out", CSA_F32 | CSA_BF16, 3, 3, 0))) goto done;
     if (!(kv = csa_array(kvo, fn, "kv", CSA_F32 | CSA_BF16, 3, 3, 0))) goto done;
     if (so != Py_None || gate)
@@ -227,10 +243,10 @@ static PyObject *py_gated_pool_backward(PyObject *self, PyObject *args, PyObject
     }
     npy_intp ks[3] = {B, T, cd}, as[2] = {ratio, cd};
     PyArrayObject *ins[6] = {dy, kv, sc, ape, NULL, NULL};
-    if (!(gk = csa_out_array_named(gko, fn, "grad_kv", 3, ks, NULL, NPY_FLOAT32, ins, 4, 0, NULL)))
+    if (!(gk = csa_out_array_named(gko, fn, "grad_kv", 3, ks, gproto, NPY_FLOAT32, ins, 4, 0, NULL)))
         goto done;
     ins[4] = gk;
-    if (!(gs = csa_out_array_named(gso, fn, "grad_score", 3, ks, NULL, NPY_FLOAT32, ins, 5, 0,
+    if (!(gs = csa_out_array_named(gso, fn, "grad_score", 3, ks, gproto, NPY_FLOAT32, ins, 5, 0,
                                    NULL)))
         goto done;
     ins[5] = gs;
@@ -240,8 +256,8 @@ static PyObject *py_gated_pool_backward(PyObject *self, PyObject *args, PyObject
     if (!(dyc = csa_unit_inner(dy)) || !(kvc = csa_unit_inner(kv))) goto done;
     if (sc && !(scc = csa_unit_inner(sc))) goto done;
     if (ape && !(apc = f32_unit(ape))) goto done;
-    if (!(gkw = csa_work_array(gk, CSA_WORK_UNIT_INNER))) goto done;
-    if (!(gsw = csa_work_array(gs, CSA_WORK_UNIT_INNER))) goto done;
+    if (!(gkw = csa_f32_work(gk))) goto done;
+    if (!(gsw = csa_f32_work(gs))) goto done;
     if (ga && !(gaw = csa_work_array(ga, CSA_WORK_UNIT_INNER))) goto done;
     const struct csa_pool_grad_problem p = {
         .dy = PyArray_DATA(dyc), .sdb = csa_stride(dyc, 0), .sdg = csa_stride(dyc, 1),
@@ -260,8 +276,9 @@ static PyObject *py_gated_pool_backward(PyObject *self, PyObject *args, PyObject
     Py_BEGIN_ALLOW_THREADS
     st = csa_gated_pool_backward(&p);
     Py_END_ALLOW_THREADS
-    if (!(r1 = csa_finish(st, fn, gko, gk, gkw))) goto done;
-    if (!(r2 = csa_finish(CSA_OK, fn, gso, gs, gsw))) goto done;
+    if (st == CSA_OK && (csa_round_into(gk, gkw) || csa_round_into(gs, gsw))) goto done;
+    if (!(r1 = csa_finish(st, fn, gko, gk, NULL))) goto done;
+    if (!(r2 = csa_finish(CSA_OK, fn, gso, gs, NULL))) goto done;
     if (ga) {
         if (!(r3 = csa_finish(CSA_OK, fn, gao, ga, gaw))) goto done;
     } else {
@@ -286,6 +303,7 @@ done:
     Py_XDECREF(gkw);
     Py_XDECREF(gsw);
     Py_XDECREF(gaw);
+    Py_XDECREF(gproto);
     return ret;
 }
 

@@ -23,7 +23,8 @@
  *
  * Each kernel is reached through ONE adapter function (its `run`): a change of a C
  * entry point's signature touches that adapter only.  Adapters that call attention /
- * pooling entries: run_attn (csa_sparse_attn, csa_sparse_attn_bf16), run_pool
+ * pooling entries: run_attn (csa_sparse_attn, csa_sparse_attn_bf16), run_attn_bwd
+ * (csa_sparse_attn_backward), run_pool
  * (csa_gated_pool), run_pool_stream (csa_pool_prefill, csa_pool_step).
  *
  * Output: one line per failure, one summary line per case, and the closing line
@@ -64,6 +65,7 @@ enum {
     F_W_BF16 = 1 << 8,    /* indexer weights in bfloat16 */
     F_SC_F32 = 1 << 9,    /* pooling: float32 scores with bfloat16 kv */
     F_EPI = 1 << 10,      /* pooling stream: norm + RoPE epilogue */
+    F_GRAD_BF16 = 1 << 12, /* sparse_attn_backward: bfloat16 d(q), d(kv) */
     F_BF16_GEMM = 1 << 11, /* gemm the bf16 GEMM takes (docs/kernels.md s. 9): at level amx,
                             * and avx512 on a CPU with AVX512_BF16, its float32 sums run in
                             * its own order, so a bfloat16 output may be one ulp off */
@@ -794,6 +796,56 @@ static int run_attn(const tcase *c, void *out)
 }
 static const kernel K_ATTN = {"sparse_attn", init_attn, run_attn, NULL};
 
+/* ------------------------------------------------------------------ sparse_attn_backward
+ * p: B, S, H, D, N, K; the inputs of init_attn (F_BF16: q, kv, out and grad_out
+ * bfloat16), out / lse from the oracle's forward, grad_out [B, S, H, D] with padded head
+ * rows.  The output is d(q) [B, S, H, D], then d(kv) [B, N, D], then (float32 results
+ * only) d(sink) [H]; F_GRAD_BF16: d(q), d(kv) in bfloat16. */
+static int init_attn_bwd(tcase *c)
+{
+    if (init_attn(c)) return 1;
+    const long B = c->p[0], S = c->p[1], H = c->p[2], D = c->p[3], N = c->p[4];
+    const int bf = (c->flags & F_BF16) != 0;
+    void *o = tc_alloc(c, (size_t)B * S * H * D * (bf ? 2 : 4));        /* buf[4]: out */
+    float *lse = tc_alloc(c, (size_t)B * S * H * 4);                     /* buf[5]: lse */
+    tc_data(c, (size_t)B * S * H * (D + 2), bf, 1.0f);                   /* buf[6]: dout */
+    struct csa_attn_problem p = {
+        .q = c->buf[0], .sq_b = S * H * (D + 3), .sq_s = H * (D + 3), .sq_h = D + 3,
+        .kv = c->buf[1], .skv_b = N * (D + 1), .skv_n = D + 1,
+        .sink = c->buf[2], .idx = c->buf[3], .si_b = S * c->p[5], .si_s = c->p[5],
+        .out = o, .so_b = S * H * D, .so_s = H * D, .so_h = D,
+        .B = B, .S = S, .H = H, .D = D, .N = N, .K = c->p[5], .scale = 1.0f / sqrtf((float)D),
+        .bf16 = bf, .lse = lse, .sl_b = S * H, .sl_s = H};
+    const int st = csa_sparse_attn_ref(&p);
+    if (st != CSA_OK && !(c->flags & F_BADIDX)) return 1;
+    const int gb = (c->flags & F_GRAD_BF16) != 0;
+    c->out_n = (size_t)B * S * H * D + (size_t)B * N * D + (gb ? 0 : (size_t)H);
+    c->out_type = gb ? T_BF16 : T_F32;
+    return 0;
+}
+static int run_attn_bwd(const tcase *c, void *out)
+{
+    const long B = c->p[0], S = c->p[1], H = c->p[2], D = c->p[3], N = c->p[4], K = c->p[5];
+    const int gb = (c->flags & F_GRAD_BF16) != 0;
+    const size_t es = gb ? 2 : 4;
+    float dsink[256];
+    struct csa_attn_bwd_problem g = {
+        .f = {.q = c->buf[0], .sq_b = S * H * (D + 3), .sq_s = H * (D + 3), .sq_h = D + 3,
+              .kv = c->buf[1], .skv_b = N * (D + 1), .skv_n = D + 1,
+              .sink = c->buf[2], .idx = c->buf[3], .si_b = S * K, .si_s = K,
+              .out = c->buf[4], .so_b = S * H * D, .so_s = H * D, .so_h = D,
+              .B = B, .S = S, .H = H, .D = D, .N = N, .K = K, .scale = 1.0f / sqrtf((float)D),
+              .bf16 = (c->flags & F_BF16) != 0, .lse = c->buf[5], .sl_b = S * H, .sl_s = H},
+        .dout = c->buf[6], .sdo_b = S * H * (D + 2), .sdo_s = H * (D + 2), .sdo_h = D + 2,
+        .dq = out, .sdq_b = S * H * D, .sdq_s = H * D, .sdq_h = D,
+        .dkv = (char *)out + (size_t)B * S * H * D * es, .sdkv_b = N * D, .sdkv_n = D,
+        .dsink = gb ? dsink : (float *)out + (size_t)B * S * H * D + (size_t)B * N * D,
+        .dout_bf16 = (c->flags & F_BF16) != 0, .dq_bf16 = gb, .dkv_bf16 = gb};
+    if (H > 256) return CSA_EINVAL;
+    return csa_sparse_attn_backward(&g);
+}
+static const kernel K_ATTN_BWD = {"sparse_attn_backward", init_attn_bwd, run_attn_bwd, NULL};
+
 /* ------------------------------------------------------------------ fp8_gemm / fp4_gemm
  * p: M, N, K, weight format (CSA_W_E4M3 / CSA_W_E2M1), activation scales e8m0 (1) or
  * float32 (0).  a rows padded (stride K + 5), b rows padded by 3 bytes, weight scales
@@ -972,6 +1024,13 @@ static tcase cases[] = {
     {&K_ATTN, {1, 7, 16, 64, 90, 40}, BF, 1e-5, 1e-5, "bf16"},
     {&K_ATTN, {1, 4, 16, 64, 90, 40}, BF | F_NAN, 1e-5, 1e-5, "bf16 NaN"},
     {&K_ATTN, {1, 4, 8, 32, 20, 9}, F_BADIDX, 0, 0, "index out of range"},
+    /* sparse_attn_backward: B, S, H, D, N, K (tolerance: float32 sums of up to K H terms
+     * in the tuned tiles' orders against the oracle's loop order) */
+    {&K_ATTN_BWD, {1, 9, 16, 67, 200, 77}, 0, 1e-4, 1e-4, "f32 odd D"},
+    {&K_ATTN_BWD, {2, 21, 20, 40, 30, 150}, 0, 1e-4, 1e-4, "f32 K > 2 blocks, chunks"},
+    {&K_ATTN_BWD, {1, 7, 16, 64, 90, 40}, BF, 1e-4, 1e-4, "bf16 inputs"},
+    {&K_ATTN_BWD, {1, 7, 16, 70, 90, 40}, BF | F_GRAD_BF16, 1e-4, 1e-4, "bf16 in, bf16 grads"},
+    {&K_ATTN_BWD, {1, 4, 8, 32, 20, 9}, F_BADIDX, 0, 0, "index out of range"},
     /* gemm: M, N, K, weight format, activation scales e8m0 */
     {&K_GEMM, {1, 301, 1024, CSA_W_E4M3, 1}, 0, 0, 0, "fp8 decode M=1"},
     {&K_GEMM, {1, 130, 160, CSA_W_E4M3, 0}, F_NAN, 0, 0, "fp8 M=1 NaN codes"},

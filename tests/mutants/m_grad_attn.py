@@ -36,6 +36,12 @@ MUTANTS = [
     dict(name="attn_bwd_dup_once", kind="c", define="CSA_MUTANT_ATTN_BWD_DUP_ONCE",
          targets=[T], what="sparse_attn_backward: a kv row listed in two adjacent slots "
                            "gets d(kv) once"),
+    dict(name="attn_bwd_bf16_trunc", kind="c", define="CSA_MUTANT_ATTN_BWD_BF16_TRUNC",
+         targets=[T], what="sparse_attn_backward(grad_dtype='bfloat16'): d(q) truncated to "
+                           "bfloat16 instead of rounded to nearest-even"),
+    dict(name="attn_bwd_chunk_last", kind="c", define="CSA_MUTANT_ATTN_BWD_CHUNK_LAST",
+         targets=[T], what="sparse_attn_backward: the column items skip each chunk's last "
+                           "row (its d(kv) lost)"),
     dict(name="attn_lse_no_sink", kind="c", define="CSA_MUTANT_ATTN_LSE_NO_SINK",
          targets=[T], what="sparse_attn(return_lse=True): lse without the sink's term"),
     dict(name="attn_weights_head", kind="c", define="CSA_MUTANT_ATTN_WEIGHTS_HEAD",
