@@ -43,6 +43,21 @@ def isa_bf16(request):
     yield from _at_level(request)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One thread each for torch and our kernels while a module's tests run (use it with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``): tiny models, where on a
+    shared machine an OpenMP barrier per tiny op costs more than the op; the kernels'
+    results do not depend on the thread count."""
+    import torch
+    from threadpoolctl import threadpool_limits
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with threadpool_limits(limits=1, user_api="openmp"):
+        yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)

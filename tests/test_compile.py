@@ -34,14 +34,8 @@ KINDS = ["compressed_sparse_attention", "heavily_compressed_attention", "sliding
 L3 = ["compressed_sparse_attention", "sliding_attention", "heavily_compressed_attention"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    from threadpoolctl import threadpool_limits
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with threadpool_limits(limits=1, user_api="openmp"):
-        yield
-    torch.set_num_threads(n)
+# one thread each for torch and our kernels: tiny models (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(autouse=True)

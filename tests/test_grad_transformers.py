@@ -51,14 +51,8 @@ CACHE_KW = ("cache" if "cache" in inspect.signature(mdl.DeepseekV4ForCausalLM.fo
             else "past_key_values")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    from threadpoolctl import threadpool_limits
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with threadpool_limits(limits=1, user_api="openmp"):
-        yield
-    torch.set_num_threads(n)
+# one thread each for torch and our kernels: tiny models (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(params=["standin", "real"])

@@ -27,7 +27,9 @@ if not dch._supported(transformers.__version__):
 
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as mdl  # noqa: E402
 
-from test_transformers_bridge import ids_for, make_model, one_thread  # noqa: E402,F401
+from test_transformers_bridge import ids_for, make_model  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest: tiny models, one thread
 
 TOL = 1e-5
 NEW = 32                        # generated tokens (the close assistant: crops of 0..12 seen)

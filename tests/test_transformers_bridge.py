@@ -54,17 +54,8 @@ def make_model(layer_types=LAYERS4, index_n_heads=12, index_topk=5, hca_ratio=8,
     return m
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one thread each for torch and our kernels (on a shared machine an
-    OpenMP barrier per tiny op costs more than the op; the kernels' results do not
-    depend on the thread count)."""
-    from threadpoolctl import threadpool_limits
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with threadpool_limits(limits=1, user_api="openmp"):
-        yield
-    torch.set_num_threads(n)
+# one thread each for torch and our kernels: tiny models (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def rel(a, b):

@@ -17,8 +17,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import deepseek_csa.transformers as dch  # noqa: E402
-from test_transformers_bridge import (make_model, ids_for, rel, one_thread,  # noqa: E402,F401
-                                      LAYERS4)
+from test_transformers_bridge import make_model, ids_for, rel, LAYERS4  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest: tiny models, one thread
 
 LENGTHS = (37, 130, 301)
 

@@ -709,11 +709,12 @@ class V41Indexer(nn.Module):
     def __init__(self, args, layer_id):
         super().__init__()
         ratio = args.compress_ratios[layer_id]
+        source = args.candidate_source_layer     # -1: no two-level top-k
         self.owns_k = layer_id in args.kv_source_layers
-        self.is_candidate_source = layer_id == args.candidate_source_layer
-        self.uses_candidates = 0 <= args.candidate_source_layer < layer_id
-        self.candidate_topk_blocks = args.candidate_topk_blocks
-        self.candidate_block_size = args.candidate_block_size
+        self.is_candidate_source = source == layer_id
+        self.uses_candidates = source >= 0 and layer_id > source
+        self.candidate_topk_blocks, self.candidate_block_size = (
+            args.candidate_topk_blocks, args.candidate_block_size)
         self.n_heads = self.n_local_heads = args.index_n_heads
         self.index_head_dim, self.rope_head_dim = args.index_head_dim, args.rope_head_dim
         self.index_topk, self.compress_ratio = args.index_topk, ratio

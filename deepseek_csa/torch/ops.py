@@ -62,7 +62,7 @@ import torch
 
 import deepseek_csa as _dc
 
-__all__ = ["LIB", "NAMESPACE", "OPS", "call", "direct", "impl"]
+__all__ = ["LIB", "NAMESPACE", "OPS", "call", "direct"]
 
 NAMESPACE = "deepseek_csa"
 LIB = torch.library.Library(NAMESPACE, "DEF")
@@ -161,8 +161,7 @@ def _rms_norm_setup(ctx, inputs, output):
 
 def _rms_norm_backward(ctx, grad):
     x, weight = ctx.saved_tensors
-    gx, gw = OPS["rms_norm_backward"](grad.contiguous() if grad.dtype != x.dtype else grad,
-                                      x, weight, ctx.eps)
+    gx, gw = OPS["rms_norm_backward"](grad, x, weight, ctx.eps)
     return (gx.to(x.dtype) if ctx.needs_input_grad[0] else None,
             gw.to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None,
             None)
@@ -595,8 +594,3 @@ def _sinkhorn_fake(mixes, hc_scale, hc_base, hc_mult, sinkhorn_iters, eps):
 _define("hc_split_sinkhorn(Tensor mixes, Tensor hc_scale, Tensor hc_base, int hc_mult, "
         "int sinkhorn_iters, float eps) -> (Tensor, Tensor, Tensor)",
         _sinkhorn_impl, _sinkhorn_fake)
-
-
-def impl(name):
-    """The CPU implementation of deepseek_csa::<name> (what ``direct`` calls run)."""
-    return _IMPLS[name]
