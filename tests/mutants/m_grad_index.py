@@ -30,7 +30,7 @@ def _torch_kl_ignores_grad_output():
 
     def backward(ctx, grad, *_):
         gq, gk, gw = ctx.saved_tensors
-        return gq, gk, gw, None, None, None, None
+        return gq, gk, gw, None, None, None, None, None, None, None
     torch.library.register_autograd("deepseek_csa::indexer_kl_loss", backward,
                                     setup_context=O._kl_setup, lib=O.LIB)
 
