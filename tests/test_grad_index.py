@@ -556,14 +556,15 @@ def test_kl_positions_match_reference(isa, rng, dense):
     check_variant(got, L, qt, kt, wt, "positions")
     assert got[4].rows == rows and got[4].degenerate_rows == degen
     assert 0 < degen < rows or dense
-    # positions = start_pos + s: the start_pos call's bits; [1, S] broadcasts
+    # positions = start_pos + s: the start_pos call's bits (a broadcast row too)
     sp = 4
     ar = (sp + np.arange(S, dtype=np.int32))[None]
     q2, k2, w2, _ = make(rng, 2, S, Hi, Di, ratio, sp)
     idx2 = None if dense else make_idx(rng, 2, S, K, ratio, sp)
     t2 = kl_target(rng, (2, S, k2.shape[1] if dense else K))
     a = dc.indexer_kl_loss(q2, k2, w2, idx2, t2, ratio=ratio, start_pos=sp, return_grads=True)
-    b = dc.indexer_kl_loss(q2, k2, w2, idx2, t2, ratio=ratio, positions=ar, return_grads=True)
+    b = dc.indexer_kl_loss(q2, k2, w2, idx2, t2, ratio=ratio, positions=np.broadcast_to(
+        ar, (2, S)), return_grads=True)
     c = dc.indexer_kl_loss(q2, k2, w2, idx2, t2, ratio=ratio,
                            positions=np.repeat(ar, 2, 0), return_grads=True)
     for r in (b, c):

@@ -1,6 +1,7 @@
 /* Glue of the backward kernels of index_scores_backward, indexer_kl_loss. */
 #include "glue.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -347,8 +348,9 @@ PyDoc_STRVAR(indexer_kl_loss_doc,
 "                (positions as index_topk(..., offset=0) gives them); or None.\n"
 "attn_target   : float32 [B, S, K] (sparse) or [B, S, Tc] (dense), >= 0; a constant.\n"
 "                target='joint': each row's slots sum to at most 1.\n"
-"positions     : int32 [B, S] or [1, S], each query's position (padded batches,\n"
-"                per-row positions); start_pos must then be 0.  None: start_pos + s.\n"
+"positions     : int32 [B, S] (any strides: a broadcast row serves every batch row),\n"
+"                each query's position (padded batches, per-row positions); start_pos\n"
+"                must then be 0.  None: start_pos + s.\n"
 "target        : 'selected' (default) or 'joint'.\n"
 "clip          : None, or a float <= 0: log-probabilities below it count as clip in\n"
 "                the loss and pass no gradient.\n"
@@ -393,9 +395,9 @@ static PyObject *py_indexer_kl_loss(PyObject *self, PyObject *args, PyObject *kw
     const int clip_on = clo != Py_None;
     if (clip_on) {
         if (csa_float_arg(clo, fn, "clip", &clip)) return NULL;
-        if (!(clip <= 0.0)) /* NaN too: a log-probability is <= 0 */
-            return csa_value_error_f(fn, "clip", "None or a log-probability <= 0 (e.g. -100)",
-                                     clip);
+        if (!(clip <= 0.0 && isfinite(clip))) /* a log-probability is <= 0; None: no clip */
+            return csa_value_error_f(fn, "clip",
+                                     "None or a finite log-probability <= 0 (e.g. -100)", clip);
     }
     if (po != Py_None && start_pos != 0) {
         PyErr_Format(PyExc_ValueError, "%s(): 'positions' gives every query's position: "
@@ -418,15 +420,15 @@ static PyObject *py_indexer_kl_loss(PyObject *self, PyObject *args, PyObject *kw
     csa_idx K = p.Tc;
     if (po != Py_None) {
         if (!(pa = csa_array(po, fn, "positions", CSA_I32, 2, 2, 0))) goto done;
-        if ((PyArray_DIM(pa, 0) != p.B && PyArray_DIM(pa, 0) != 1) || PyArray_DIM(pa, 1) != p.S) {
+        if (PyArray_DIM(pa, 0) != p.B || PyArray_DIM(pa, 1) != p.S) {
             PyErr_Format(PyExc_ValueError,
-                         "%s(): 'positions' must have shape [B, S] = [%lld, %lld] or [1, S], "
-                         "got %s", fn, (long long)p.B, (long long)p.S,
+                         "%s(): 'positions' must have shape [B, S] = [%lld, %lld] (one row for "
+                         "all: a broadcast view), got %s", fn, (long long)p.B, (long long)p.S,
                          csa_shape_str(pa, b1, sizeof b1));
             goto done;
         }
         x.pos = (const int32_t *)PyArray_DATA(pa);
-        x.spb = PyArray_DIM(pa, 0) == 1 ? 0 : csa_stride(pa, 0);
+        x.spb = csa_stride(pa, 0);
         x.sps = csa_stride(pa, 1);
     }
     if (io != Py_None) {

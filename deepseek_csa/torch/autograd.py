@@ -88,7 +88,10 @@ def indexer_kl_loss(q, k, weights, topk_idxs, attn_target, *, ratio, start_pos=0
     gradients in one pass (memory O(S K)), and the backward scales them by the incoming
     gradient.  ``return_metrics=True``: ``(loss, IndexerKLMetrics)``."""
     idx = None if topk_idxs is None else kernel_i32(torch.as_tensor(topk_idxs))
-    pos = None if positions is None else kernel_i32(torch.as_tensor(positions))
+    pos = None
+    if positions is not None:      # [B or 1, S]: one row serves every batch row
+        pos = kernel_i32(torch.as_tensor(positions))
+        pos = pos.expand(q.shape[0], pos.shape[-1]) if pos.dim() == 2 else pos
     tgt = kernel_f32(torch.as_tensor(attn_target)).detach()
     out = ops.call("indexer_kl_loss", kernel_f32(q), kernel_f32(k), kernel_f32(weights), idx,
                    tgt, int(ratio), int(start_pos), pos, str(target),
