@@ -131,9 +131,10 @@ class IndexerRecord:
             idx, tgt = self.topk_idxs, self.attn_target
         if target == "joint":
             tgt = tgt / self.n_heads
+        kw = dict(return_metrics=True) if return_metrics else {}
         return dct.indexer_kl_loss(self.q, self.k, self.weights, idx, tgt, ratio=self.ratio,
                                    start_pos=self.start_pos, positions=self.positions,
-                                   target=target, clip=clip, return_metrics=return_metrics)
+                                   target=target, clip=clip, **kw)
 
 
 class IndexerCapture:
