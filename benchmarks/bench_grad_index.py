@@ -11,7 +11,9 @@ flops (the scores, d(q) and the d(k) contributions) against the fp32 FMA peak.
 """
 import argparse
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -104,6 +106,16 @@ def cases(quick=False):
                                        clip=-8.0),
              flops=6.0 * slots * Hi * Di, bytes=2 * nbytes + idx.nbytes + tgt.nbytes,
              bound="compute", reps=3),
+        # the variants' cost over the default objective, timed interleaved: here the
+        # 'eager' column is our default call (selected target, no clip, start_pos)
+        Case("indexer_kl_loss", "variants' overhead (eager column = our default call)",
+             ours=lambda: dc.indexer_kl_loss(q, k, w, idx, jtgt, ratio=ratio, positions=pos,
+                                             target="joint", clip=-8.0, return_grads=True,
+                                             return_metrics=True),
+             eager=lambda: dc.indexer_kl_loss(q, k, w, idx, tgt, ratio=ratio,
+                                              return_grads=True),
+             flops=6.0 * slots * Hi * Di, bytes=2 * nbytes + idx.nbytes + tgt.nbytes,
+             bound="compute", reps=5),
         Case("indexer_kl_loss", f"dense warm-up fwd+bwd S={S} Tc={Tc} Hi={Hi} Di={Di}",
              ours=lambda: dc.indexer_kl_loss(q, k, w, None, dense, ratio=ratio,
                                              return_grads=True),
@@ -139,6 +151,8 @@ def main():
     ap.add_argument("--results", default=str(HERE / "results"))
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    t0 = time.perf_counter()
+    print("load average", os.getloadavg(), flush=True)
     from threadpoolctl import threadpool_limits
     with threadpool_limits(limits=a.threads, user_api="openmp"):
         peaks = harness.machine_peaks(a.threads)
@@ -150,8 +164,12 @@ def main():
     res = Path(a.results)
     res.mkdir(parents=True, exist_ok=True)
     name = "grad_index_quick" if a.quick else "grad_index"
+    env = harness.environment(a.threads)
+    env["loadavg_end"] = os.getloadavg()      # a shared host: how busy it was
+    env["cpu_s"] = time.process_time()        # this process's CPU time, all cases
+    env["wall_s"] = time.perf_counter() - t0
     (res / f"{name}.json").write_text(json.dumps(
-        {"environment": harness.environment(a.threads), "rows": rows}, indent=1))
+        {"environment": env, "rows": rows}, indent=1))
     harness.plot(rows, res / f"{name}.png")
     print("wrote", res / f"{name}.json", res / f"{name}.png")
 
