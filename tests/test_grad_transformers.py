@@ -503,6 +503,12 @@ def test_capture_target_and_clip_pass_through(ops):
         assert torch.equal(cap0.loss(dense), sel)
         assert cap.loss(dense).item() < sel.item()     # weighted by masses < 1
     assert all(r.n_heads == 4 and r.positions is None for r in cap.layers)
+    if ops == "real":                  # the metrics come from the kernel
+        ms = cap.metrics()
+        assert len(ms) == len(cap.layers)
+        for m_, r in zip(ms, cap.layers):
+            assert torch.allclose(m_.kl.float(), r.loss(True).detach())
+            assert 0 < int(m_.rows) <= 2 * 70 and float(m_.kl_uniform) > 0
     with pytest.raises(ValueError, match="'target'"):
         with dch.capture_indexer(m, target="dense"):
             pass

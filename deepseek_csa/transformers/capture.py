@@ -167,6 +167,12 @@ class IndexerCapture:
             total = total + r.loss(dense)
         return total
 
+    def metrics(self, dense=None):
+        """Per recorded layer, ``IndexerKLMetrics`` (kl, kl_uniform, kl_captured, rows,
+        degenerate_rows; no gradient) of its loss: one more pass of the kernel each."""
+        dense = self.dense if dense is None else bool(dense)
+        return [r.loss(dense, return_metrics=True)[1] for r in self.layers]
+
     def clear(self):
         self._layers = {}
 
