@@ -11,7 +11,9 @@ flops (the scores, d(q) and the d(k) contributions) against the fp32 FMA peak.
 """
 import argparse
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -25,9 +27,10 @@ import deepseek_csa as dc  # noqa: E402
 from harness import Case  # noqa: E402
 
 
-def _kl_ref(q, k, w, idx, tgt, ratio, start_pos):
+def _kl_ref(q, k, w, idx, tgt, ratio, start_pos, joint=False, clip=None):
     """Eager reference over B = 1: gathered keys [S, K, Di] (dense: all Tc keys, -inf past
-    the visible ones), scores, KL(p || softmax(I)) mean over rows with mass."""
+    the visible ones), scores, KL(p || softmax(I)) mean over rows with mass; ``joint``:
+    each row times its target mass, ``clip``: log-softmax clamped below."""
     S, Tc = q.shape[1], k.shape[1]
     if idx is None:
         vis = (start_pos + torch.arange(S) + 1) // ratio
@@ -42,14 +45,19 @@ def _kl_ref(q, k, w, idx, tgt, ratio, start_pos):
     z = y.sum(-1, keepdim=True)
     rows = (z[:, 0] > 0)
     p = y / z.clamp(min=1e-30)
-    ls = torch.log_softmax(I, -1).masked_fill(~valid, 0.0)
+    ls = torch.log_softmax(I, -1)
+    if clip is not None:
+        ls = ls.clamp(min=clip)
+    ls = ls.masked_fill(~valid, 0.0)
     per = (torch.xlogy(p, p) - p * ls).sum(-1)
+    if joint:
+        per = per * z[:, 0]
     return (per * rows).sum() / rows.sum()
 
 
-def _eager_step(q, k, w, idx, tgt, ratio, start_pos):
+def _eager_step(q, k, w, idx, tgt, ratio, start_pos, **kw):
     qt, kt, wt = (x.detach().requires_grad_() for x in (q, k, w))
-    loss = _kl_ref(qt, kt, wt, idx, tgt, ratio, start_pos)
+    loss = _kl_ref(qt, kt, wt, idx, tgt, ratio, start_pos, **kw)
     loss.backward()
     return loss, qt.grad, kt.grad, wt.grad
 
@@ -75,6 +83,9 @@ def cases(quick=False):
     tidx, ttgt, tdense = (torch.from_numpy(idx.astype(np.int64)), torch.from_numpy(tgt),
                           torch.from_numpy(dense))
     slots = float((idx >= 0).sum())
+    jtgt = (tgt / np.maximum(tgt.sum(-1, keepdims=True), 1e-30) * 0.5).astype(np.float32)
+    tjtgt = torch.from_numpy(jtgt)
+    pos = np.broadcast_to(np.arange(S, dtype=np.int32), (1, S))
     vis = np.minimum((np.arange(S) + 1) // ratio, Tc)
     dslots = float(vis.sum())
     nbytes = q.nbytes + k.nbytes + w.nbytes
@@ -84,6 +95,27 @@ def cases(quick=False):
              eager=lambda: _eager_step(tq, tk, tw, tidx, ttgt, ratio, 0),
              flops=6.0 * slots * Hi * Di, bytes=2 * nbytes + idx.nbytes + tgt.nbytes,
              bound="compute", reps=3),
+        # the variants (docs/kernels.md 11.3): joint target, clip, per-query positions and
+        # the metrics, all in the same pass
+        Case("indexer_kl_loss", f"sparse joint+clip+positions+metrics fwd+bwd S={S} Tc={Tc} "
+             f"K={K} Hi={Hi} Di={Di}",
+             ours=lambda: dc.indexer_kl_loss(q, k, w, idx, jtgt, ratio=ratio, positions=pos,
+                                             target="joint", clip=-8.0, return_grads=True,
+                                             return_metrics=True),
+             eager=lambda: _eager_step(tq, tk, tw, tidx, tjtgt, ratio, 0, joint=True,
+                                       clip=-8.0),
+             flops=6.0 * slots * Hi * Di, bytes=2 * nbytes + idx.nbytes + tgt.nbytes,
+             bound="compute", reps=3),
+        # the variants' cost over the default objective, timed interleaved: here the
+        # 'eager' column is our default call (selected target, no clip, start_pos)
+        Case("indexer_kl_loss", "variants' overhead (eager column = our default call)",
+             ours=lambda: dc.indexer_kl_loss(q, k, w, idx, jtgt, ratio=ratio, positions=pos,
+                                             target="joint", clip=-8.0, return_grads=True,
+                                             return_metrics=True),
+             eager=lambda: dc.indexer_kl_loss(q, k, w, idx, tgt, ratio=ratio,
+                                              return_grads=True),
+             flops=6.0 * slots * Hi * Di, bytes=2 * nbytes + idx.nbytes + tgt.nbytes,
+             bound="compute", reps=5),
         Case("indexer_kl_loss", f"dense warm-up fwd+bwd S={S} Tc={Tc} Hi={Hi} Di={Di}",
              ours=lambda: dc.indexer_kl_loss(q, k, w, None, dense, ratio=ratio,
                                              return_grads=True),
@@ -119,6 +151,8 @@ def main():
     ap.add_argument("--results", default=str(HERE / "results"))
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    t0 = time.perf_counter()
+    print("load average", os.getloadavg(), flush=True)
     from threadpoolctl import threadpool_limits
     with threadpool_limits(limits=a.threads, user_api="openmp"):
         peaks = harness.machine_peaks(a.threads)
@@ -130,8 +164,12 @@ def main():
     res = Path(a.results)
     res.mkdir(parents=True, exist_ok=True)
     name = "grad_index_quick" if a.quick else "grad_index"
+    env = harness.environment(a.threads)
+    env["loadavg_end"] = os.getloadavg()      # a shared host: how busy it was
+    env["cpu_s"] = time.process_time()        # this process's CPU time, all cases
+    env["wall_s"] = time.perf_counter() - t0
     (res / f"{name}.json").write_text(json.dumps(
-        {"environment": harness.environment(a.threads), "rows": rows}, indent=1))
+        {"environment": env, "rows": rows}, indent=1))
     harness.plot(rows, res / f"{name}.png")
     print("wrote", res / f"{name}.json", res / f"{name}.png")
 

@@ -139,26 +139,49 @@ int csa_index_scores_backward_ref(const struct csa_index_problem *p, const float
                                   csa_idx sgb, csa_idx sgs, csa_idx sgt, float *dq, float *dk,
                                   float *dw);
 
-/* The indexer's KL objective.  idx: int32 [B, S, K] (strides sib, sis, sik), -1 = no
- * entry, every other value a compressed entry row s can see (else CSA_EINDEX, checked
- * before anything is written); idx NULL = the dense warm-up: the slots of row s are
- * its visible entries t < (start_pos + s + 1) / ratio, with K = Tc.  target: float32
- * [B, S, K] (strides stb, sts, stk), the slot's attention target (>= 0).
+/* The indexer's KL objective (docs/kernels.md, section 11.3).  idx: int32 [B, S, K]
+ * (strides sib, sis, sik), -1 = no entry, every other value a compressed entry row s
+ * can see (else CSA_EINDEX, checked before anything is written); idx NULL = the dense
+ * warm-up: the slots of row s are its visible entries, with K = Tc.  Row (b, s) sees
+ * the entries t < nv(b, s) = clamp((P + 1) / ratio, 0, Tc) (floor division) of its
+ * position P: start_pos + s, or pos[b * spb + s * sps] when pos (int32, per query:
+ * padded batches, per-row positions) is not NULL.  target: float32 [B, S, K] (strides
+ * stb, sts, stk), the slot's attention target (>= 0).
  * Per row with valid slots j (idx >= 0) and Z = sum_j target_j != 0 (rows with no valid
- * slot or Z == 0 take no part): p_j = target_j / Z, l_j = log_softmax_j(I), loss_row =
- * sum_{p_j != 0} p_j (log p_j - l_j); *loss = mean of loss_row over the n_rows rows
- * taking part (0 when none).  Duplicate slots count as often as they appear.  With dq
- * (then dk and dw) non-NULL the gradients of *loss are written too:
- * G_j = (softmax_j(I) - p_j) / n_rows, through the scores as above.  Row sums run in
- * double; memory O(B*S + threads*K*Hi + chunks in flight*Tc*Di), never [S, Tc]. */
+ * slot or Z == 0 take no part): p_j = target_j / Z, l_j = log_softmax_j(I),
+ * L_j = l_j, or max(l_j, clip) when clip_on; the row weight rho = 1 (CSA_KL_SELECTED)
+ * or Z (CSA_KL_JOINT: target_j is a probability of the joint attention distribution,
+ * Z the mass that distribution puts on the row's slots); loss_row =
+ * rho * sum_{p_j != 0} p_j (log p_j - L_j); *loss = mean of loss_row over the n_rows
+ * rows taking part (0 when none).  Duplicate slots count as often as they appear.
+ * With dq (then dk and dw) non-NULL the gradients of *loss are written too:
+ * G_j = rho (softmax_j(I) - p_j) / n_rows, through the scores as above; when clipping
+ * is on and some slot with p_j != 0 has l_j < clip, the clipped slots pass no gradient
+ * (u_j = [l_j >= clip], U = sum_j p_j u_j): G_j = rho (softmax_j(I) U - p_j u_j) / n_rows.
+ * stats (may be NULL): kl_uniform = mean over the rows taking part of
+ * rho (log n + sum_{p_j != 0} p_j log p_j) (KL of p to the uniform distribution over the
+ * row's n slots, weighted as the loss), rows = n_rows, degenerate = rows taking part
+ * whose slots are every entry they can see (all rows of the dense warm-up).  Row sums
+ * run in double; memory O(B*S + threads*K*Hi + chunks in flight*Tc*Di), never [S, Tc]. */
+enum { CSA_KL_SELECTED = 0, CSA_KL_JOINT = 1 };
 struct csa_kl_target {
     const int32_t *idx; /* NULL: dense warm-up */
     csa_idx K, sib, sis, sik;
     const float *t;
     csa_idx stb, sts, stk;
+    const int32_t *pos; /* NULL: row s at start_pos + s */
+    csa_idx spb, sps;
+    int target;  /* CSA_KL_SELECTED (0) or CSA_KL_JOINT */
+    int clip_on; /* 0: no clipping */
+    double clip;
+};
+struct csa_kl_stats {
+    double kl_uniform;
+    csa_idx rows, degenerate;
 };
 int csa_indexer_kl(const struct csa_index_problem *p, const struct csa_kl_target *x,
-                   double *loss, float *dq, float *dk, float *dw);
+                   double *loss, struct csa_kl_stats *stats, float *dq, float *dk, float *dw);
 int csa_indexer_kl_ref(const struct csa_index_problem *p, const struct csa_kl_target *x,
-                       double *loss, float *dq, float *dk, float *dw);
+                       double *loss, struct csa_kl_stats *stats, float *dq, float *dk,
+                       float *dw);
 #endif

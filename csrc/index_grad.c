@@ -24,13 +24,23 @@ static inline csa_idx ixg_nv(const struct csa_index_problem *p, csa_idx s)
     return ixg_min(ixg_visible(p->start_pos + s, p->ratio), p->Tc);
 }
 
+/* Entries query (b, s) of a KL call can see: its position is start_pos + s, or the
+ * caller's per-query position (floor division: a position below -1 sees nothing). */
+static inline csa_idx ixg_kl_nv(const struct csa_index_problem *p, const struct csa_kl_target *x,
+                                csa_idx b, csa_idx s)
+{
+    if (!x->pos) return ixg_nv(p, s);
+    const csa_idx P = x->pos[b * x->spb + s * x->sps];
+    return P + 1 <= 0 ? 0 : ixg_min((P + 1) / p->ratio, p->Tc);
+}
+
 /* Every index is -1 or an entry its row can see. */
 static int ixg_check_idx(const struct csa_index_problem *p, const struct csa_kl_target *x)
 {
     if (!x->idx) return CSA_OK;
     for (csa_idx b = 0; b < p->B; b++)
         for (csa_idx s = 0; s < p->S; s++) {
-            const csa_idx nv = ixg_nv(p, s);
+            const csa_idx nv = ixg_kl_nv(p, x, b, s);
             const int32_t *ir = x->idx + b * x->sib + s * x->sis;
             for (csa_idx j = 0; j < x->K; j++) {
                 const int32_t t = ir[j * x->sik];
@@ -55,7 +65,7 @@ static csa_idx ixg_row_mass(const struct csa_index_problem *p, const struct csa_
                 n++;
             }
     } else {
-        n = ixg_nv(p, s);
+        n = ixg_kl_nv(p, x, b, s);
         for (csa_idx t = 0; t < n; t++) z += (double)tr[t * x->stk];
     }
     *Z = z;
@@ -92,7 +102,7 @@ static csa_idx ixg_row_slots(const struct csa_index_problem *p, const struct csa
             y[n++] = tr[j * x->stk];
         }
     } else {
-        n = ixg_nv(p, s);
+        n = ixg_kl_nv(p, x, b, s);
         for (csa_idx t = 0; t < n; t++) {
             pos[t] = t;
             y[t] = tr[t * x->stk];
@@ -101,11 +111,34 @@ static csa_idx ixg_row_slots(const struct csa_index_problem *p, const struct csa
     return n;
 }
 
+/* 1 when the n slots pos[0..n) of row (b, s) are every entry it can see (the sparse
+ * loss is the dense one there); seen: scratch of n bytes.  Only rows with n >= nv
+ * can be, so the check costs O(n) for those and nothing for the others. */
+static int ixg_row_degenerate(const struct csa_index_problem *p, const struct csa_kl_target *x,
+                              csa_idx b, csa_idx s, const csa_idx *pos, csa_idx n,
+                              unsigned char *seen)
+{
+    if (!x->idx) return 1;
+    const csa_idx nv = ixg_kl_nv(p, x, b, s);
+    if (n < nv) return 0;
+    memset(seen, 0, (size_t)nv);
+    csa_idx distinct = 0;
+    for (csa_idx j = 0; j < n; j++)
+        if (!seen[pos[j]]) {
+            seen[pos[j]] = 1;
+            distinct++;
+        }
+    return distinct == nv;
+}
+
 /* The KL row statistics, shared by both paths: from the scores I[0..n) and targets
- * y[0..n) with sum Z, the row's loss (returned) and, when G is not NULL,
- * G[j] = (softmax_j - p_j) / n_rows.  Everything in double, in slot order. */
-static double ixg_kl_row(const float *I, const float *y, csa_idx n, double Z, csa_idx n_rows,
-                         float *G)
+ * y[0..n) with sum Z, the row's loss (returned), its kl_uniform term (*klu) and, when
+ * G is not NULL, the score gradients G[j] (index.h: rho, clipping).  Everything in
+ * double, in slot order.  The default (selected target, no clipping) is the
+ * arithmetic of the first version of this function, bit for bit: rho = 1 multiplies
+ * exactly, and a row where clipping changes nothing takes the unclipped formula. */
+static double ixg_kl_row(const struct csa_kl_target *x, const float *I, const float *y,
+                         csa_idx n, double Z, csa_idx n_rows, float *G, double *klu)
 {
     double m = -INFINITY;
     int nan = 0;
@@ -118,13 +151,34 @@ static double ixg_kl_row(const float *I, const float *y, csa_idx n, double Z, cs
     double se = 0.0;
     for (csa_idx j = 0; j < n; j++) se += exp((double)I[j] - m);
     const double lse = m + log(se);
-    double loss = 0.0;
+    const double rho = x->target == CSA_KL_JOINT ? Z : 1.0;
+    /* clipping: which slots (with p_j != 0) have l_j below the clip, and U */
+    int clipped = 0;
+    double U = 0.0;
+    if (x->clip_on) {
+        for (csa_idx j = 0; j < n; j++) {
+            const double pj = (double)y[j] / Z, ls = (double)I[j] - lse;
+            if (pj == 0.0) continue;
+            if (ls < x->clip) clipped = 1;
+            else U += pj;
+        }
+    }
+    double loss = 0.0, plogp = 0.0;
     for (csa_idx j = 0; j < n; j++) {
         const double pj = (double)y[j] / Z, ls = (double)I[j] - lse;
-        if (pj != 0.0) loss += pj * (log(pj) - ls); /* 0 log 0 = 0 */
-        if (G) G[j] = (float)((exp(ls) - pj) / (double)n_rows);
+        const int cut = clipped && ls < x->clip;
+        if (pj != 0.0) { /* 0 log 0 = 0 */
+            const double lp = log(pj);
+            loss += pj * (lp - (cut ? x->clip : ls));
+            plogp += pj * lp;
+        }
+        if (G) {
+            const double g = clipped ? exp(ls) * U - (cut ? 0.0 : pj) : exp(ls) - pj;
+            G[j] = (float)(rho * g / (double)n_rows);
+        }
     }
-    return loss;
+    *klu = rho * (log((double)n) + plogp);
+    return rho * loss;
 }
 
 /* ------------------------------------------------------------------ oracle */
@@ -195,41 +249,58 @@ int csa_index_scores_backward_ref(const struct csa_index_problem *p, const float
     return CSA_OK;
 }
 
+/* stats from the sums over the rows taking part (row order) */
+static void ixg_stats(struct csa_kl_stats *stats, double klu, csa_idx n_rows, csa_idx degen)
+{
+    if (!stats) return;
+    stats->kl_uniform = n_rows ? klu / (double)n_rows : 0.0;
+    stats->rows = n_rows;
+    stats->degenerate = degen;
+}
+
 int csa_indexer_kl_ref(const struct csa_index_problem *p, const struct csa_kl_target *x,
-                       double *loss, float *dq, float *dk, float *dw)
+                       double *loss, struct csa_kl_stats *stats, float *dq, float *dk,
+                       float *dw)
 {
     if (!ixg_args_ok(p)) return CSA_EINVAL;
     int st = ixg_check_idx(p, x);
     if (st) return st;
     const csa_idx n_rows = ixg_count_rows(p, x);
     const csa_idx nmax = x->idx ? x->K : p->Tc;
-    csa_idx *pos = malloc((size_t)(nmax > 0 ? nmax : 1) * sizeof(csa_idx));
-    float *y = malloc((size_t)(nmax > 0 ? nmax : 1) * sizeof(float));
-    float *I = malloc((size_t)(nmax > 0 ? nmax : 1) * sizeof(float));
-    float *G = malloc((size_t)(nmax > 0 ? nmax : 1) * sizeof(float));
-    if (!pos || !y || !I || !G) {
+    const size_t nm = (size_t)(nmax > 0 ? nmax : 1);
+    csa_idx *pos = malloc(nm * sizeof(csa_idx));
+    float *y = malloc(nm * sizeof(float));
+    float *I = malloc(nm * sizeof(float));
+    float *G = malloc(nm * sizeof(float));
+    unsigned char *seen = malloc(nm);
+    if (!pos || !y || !I || !G || !seen) {
         st = CSA_ENOMEM;
         goto done;
     }
     if (dq) ixg_zero(p, dq, dk, dw);
-    double sum = 0.0;
+    double sum = 0.0, klu_sum = 0.0;
+    csa_idx degen = 0;
     for (csa_idx b = 0; b < p->B; b++)
         for (csa_idx s = 0; s < p->S; s++) {
-            double Z = 0.0;
+            double Z = 0.0, klu = 0.0;
             const csa_idx nz = ixg_row_mass(p, x, b, s, &Z);
             if (!ixg_row_takes_part(nz, Z)) continue;
             const csa_idx n = ixg_row_slots(p, x, b, s, pos, y);
             for (csa_idx j = 0; j < n; j++) I[j] = ixg_score_ref(p, b, s, pos[j]);
-            sum += ixg_kl_row(I, y, n, Z, n_rows, dq ? G : NULL);
+            sum += ixg_kl_row(x, I, y, n, Z, n_rows, dq ? G : NULL, &klu);
+            klu_sum += klu;
+            degen += ixg_row_degenerate(p, x, b, s, pos, n, seen);
             if (dq)
                 for (csa_idx j = 0; j < n; j++) ixg_pair_ref(p, b, s, pos[j], G[j], dq, dk, dw);
         }
     *loss = n_rows ? sum / (double)n_rows : 0.0;
+    ixg_stats(stats, klu_sum, n_rows, degen);
 done:
     free(pos);
     free(y);
     free(I);
     free(G);
+    free(seen);
     return st;
 }
 
@@ -242,7 +313,8 @@ struct ixg_call {
     csa_idx sgb, sgs, sgt;
     const struct csa_kl_target *x; /* KL: slots and targets */
     csa_idx n_rows;
-    double *rowloss; /* KL: per row, [B * S] */
+    double *rowloss, *rowklu; /* KL: per row, [B * S]: loss, kl_uniform term */
+    unsigned char *rowdeg;    /* KL: per row, 1 = degenerate */
     float *dq, *dk, *dw; /* NULL dq: loss only */
 };
 
@@ -259,17 +331,22 @@ int csa_index_scores_backward(const struct csa_index_problem *p, const float *g,
 }
 
 int csa_indexer_kl(const struct csa_index_problem *p, const struct csa_kl_target *x,
-                   double *loss, float *dq, float *dk, float *dw)
+                   double *loss, struct csa_kl_stats *stats, float *dq, float *dk, float *dw)
 {
     if (!ixg_args_ok(p)) return CSA_EINVAL;
-    if (csa_isa_get() == CSA_ISA_REF) return csa_indexer_kl_ref(p, x, loss, dq, dk, dw);
+    if (csa_isa_get() == CSA_ISA_REF) return csa_indexer_kl_ref(p, x, loss, stats, dq, dk, dw);
     int st = ixg_check_idx(p, x);
     if (st) return st;
-    const size_t rows = (size_t)(p->B * p->S);
-    double *rl = malloc((rows > 0 ? rows : 1) * sizeof(double));
-    if (!rl) return CSA_ENOMEM;
+    const size_t rows = (size_t)(p->B * p->S), nr = rows > 0 ? rows : 1;
+    double *rl = malloc(2 * nr * sizeof(double));
+    unsigned char *rd = malloc(nr);
+    if (!rl || !rd) {
+        free(rl);
+        free(rd);
+        return CSA_ENOMEM;
+    }
     const struct ixg_call c = {.p = p, .x = x, .n_rows = ixg_count_rows(p, x), .rowloss = rl,
-                               .dq = dq, .dk = dk, .dw = dw};
+                               .rowklu = rl + nr, .rowdeg = rd, .dq = dq, .dk = dk, .dw = dw};
     switch (csa_isa_get()) {
     case CSA_ISA_AMX:
     case CSA_ISA_AVX512: st = ixg_run_avx512(&c); break;
@@ -277,10 +354,18 @@ int csa_indexer_kl(const struct csa_index_problem *p, const struct csa_kl_target
     default: st = ixg_run_base(&c); break;
     }
     if (!st) {
-        double sum = 0.0; /* row order: the bits do not depend on the thread count */
-        for (size_t r = 0; r < rows; r++) sum += rl[r];
+        /* row order: the bits do not depend on the thread count */
+        double sum = 0.0, klu = 0.0;
+        csa_idx degen = 0;
+        for (size_t r = 0; r < rows; r++) {
+            sum += rl[r];
+            klu += rl[nr + r];
+            degen += rd[r];
+        }
         *loss = c.n_rows ? sum / (double)c.n_rows : 0.0;
+        ixg_stats(stats, klu, c.n_rows, degen);
     }
     free(rl);
+    free(rd);
     return st;
 }

@@ -50,6 +50,7 @@ struct CSA_V(ixg_ws) {
     float *qt, *wv, *dwa, *a, *y, *I, *G;
     int32_t *lm;
     csa_idx *pos;
+    unsigned char *seen; /* KL: the degenerate-row check */
 };
 
 static void CSA_V(ixg_ws_free)(struct CSA_V(ixg_ws) *w)
@@ -60,6 +61,7 @@ static void CSA_V(ixg_ws_free)(struct CSA_V(ixg_ws) *w)
     free(w->I);
     free(w->G);
     free(w->pos);
+    free(w->seen);
     memset(w, 0, sizeof *w);
 }
 
@@ -77,7 +79,8 @@ static int CSA_V(ixg_ws_alloc)(struct CSA_V(ixg_ws) *w, csa_idx HP, csa_idx Di, 
     w->I = malloc(n * sizeof(float));
     w->G = malloc(n * sizeof(float));
     w->pos = malloc(n * sizeof(csa_idx));
-    if (!w->qt || !w->a || !w->y || !w->I || !w->G || !w->pos) {
+    w->seen = malloc(n);
+    if (!w->qt || !w->a || !w->y || !w->I || !w->G || !w->pos || !w->seen) {
         CSA_V(ixg_ws_free)(w);
         return CSA_ENOMEM;
     }
@@ -208,7 +211,9 @@ static void CSA_V(ixg_row)(const struct ixg_call *c, struct CSA_V(ixg_ws) *ws, c
         n = ixg_row_mass(p, c->x, b, s, &Z);
         if (ixg_row_takes_part(n, Z)) n = ixg_row_slots(p, c->x, b, s, ws->pos, ws->y);
         else n = 0;
-        c->rowloss[r] = 0.0;
+        c->rowloss[r] = c->rowklu[r] = 0.0;
+        c->rowdeg[r] = n ? (unsigned char)ixg_row_degenerate(p, c->x, b, s, ws->pos, n, ws->seen)
+                         : 0;
     } else {
         n = ixg_nv(p, s);
         for (csa_idx t = 0; t < n; t++) ws->pos[t] = t;
@@ -265,7 +270,19 @@ static void CSA_V(ixg_row)(const struct ixg_call *c, struct CSA_V(ixg_ws) *ws, c
             }
             ws->I[j] = CSA_V(ixg_hsum)(acc);
         }
-        c->rowloss[r] = ixg_kl_row(ws->I, ws->y, n, Z, c->n_rows, dqr ? G : NULL);
+#if defined(CSA_MUTANT_IXG_JOINT_AS_SELECTED) || defined(CSA_MUTANT_IXG_CLIP_DROPPED)
+        struct csa_kl_target xm = *c->x;
+#ifdef CSA_MUTANT_IXG_JOINT_AS_SELECTED
+        xm.target = CSA_KL_SELECTED;
+#else
+        xm.clip_on = 0;
+#endif
+        c->rowloss[r] = ixg_kl_row(&xm, ws->I, ws->y, n, Z, c->n_rows, dqr ? G : NULL,
+                                   &c->rowklu[r]);
+#else
+        c->rowloss[r] = ixg_kl_row(c->x, ws->I, ws->y, n, Z, c->n_rows, dqr ? G : NULL,
+                                   &c->rowklu[r]);
+#endif
         if (!dqr) return;
     } else {
         const float *gr = c->g + b * c->sgb + s * c->sgs;
@@ -330,9 +347,16 @@ static csa_idx CSA_V(ixg_chunk_tmax)(const struct ixg_call *c, csa_idx b, csa_id
 {
     const struct csa_index_problem *p = c->p;
     if (s1 <= s0) return 0;
-    if (!c->x || !c->x->idx) return ixg_nv(p, s1 - 1);
+    if (!c->x) return ixg_nv(p, s1 - 1);
     const struct csa_kl_target *x = c->x;
     csa_idx m = 0;
+    if (!x->idx) { /* the dense warm-up: per-query positions need not grow with s */
+        for (csa_idx s = s0; s < s1; s++) {
+            const csa_idx nv = ixg_kl_nv(p, x, b, s);
+            m = nv > m ? nv : m;
+        }
+        return m;
+    }
     for (csa_idx s = s0; s < s1; s++) {
         const int32_t *ir = x->idx + b * x->sib + s * x->sis;
         for (csa_idx j = 0; j < x->K; j++) {

@@ -33,9 +33,11 @@ FP4 per 32 features as the released indexer rounds its queries, or q packed too)
 Gradients (docs/kernels.md, section 11.3; float32 only, bits independent of the thread
 count): ``index_scores_backward(grad_scores, q, k, weights, *, ratio, start_pos=0)`` ->
 (grad_q, grad_k, grad_weights); ``indexer_kl_loss(q, k, weights, topk_idxs, attn_target,
-*, ratio, start_pos=0, return_grads=False)``, the indexer's KL training objective (sparse
-stage over the topk slots, or the dense warm-up with ``topk_idxs=None``), loss and
-gradients in one pass without an [S, Tc] array.
+*, ratio, start_pos=0, positions=None, target="selected", clip=None, return_grads=False,
+return_metrics=False)``, the indexer's KL training objective (sparse stage over the topk
+slots, or the dense warm-up with ``topk_idxs=None``; the joint-attention variant, a
+clamped log, per-query positions, kl_uniform / kl_captured metrics), loss and gradients
+in one pass without an [S, Tc] array.
 """
 from ._core import (compress_topk_idxs, fp4_pack, fp4_unpack, index_scores, index_topk,
                     select_candidate_blocks, topk_indices, window_topk_idxs)

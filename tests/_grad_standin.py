@@ -12,7 +12,8 @@ tests/test_ops.py).  Same names, signatures and semantics:
     apply_rotary_emb(x, freqs_cis, inverse=False)                      differentiable (x)
     gated_pool(kv, score, ratio, *, ape=None, overlap=False)           differentiable
     index_scores(q, k, weights, *, ratio, start_pos=0)                 differentiable
-    indexer_kl_loss(q, k, weights, topk_idxs, attn_target, *, ratio, start_pos=0)
+    indexer_kl_loss(q, k, weights, topk_idxs, attn_target, *, ratio, start_pos=0,
+                    positions=None, target="selected", clip=None)
 
 ``install(monkeypatch)`` patches them onto ``deepseek_csa.torch`` (the committed code
 resolves the names there at call time).  Never used outside the tests.  Written from
@@ -117,8 +118,14 @@ def index_scores(q, k, weights, *, ratio, start_pos=0):
     return s.masked_fill(~vis[None], float("-inf"))
 
 
-def indexer_kl_loss(q, k, weights, topk_idxs, attn_target, *, ratio, start_pos=0):
+def indexer_kl_loss(q, k, weights, topk_idxs, attn_target, *, ratio, start_pos=0,
+                    positions=None, target="selected", clip=None):
     scores = index_scores(q, k, weights, ratio=ratio, start_pos=start_pos)   # [B, S, Tc]
+    if positions is not None:       # each query's own position: t < (P + 1) // ratio
+        P = torch.as_tensor(positions).long().expand(q.shape[0], q.shape[1])
+        vis = torch.arange(k.shape[1], device=q.device) < ((P + 1) // ratio)[..., None]
+        scores = torch.where(vis, index_scores(q, k, weights, ratio=1,
+                                               start_pos=k.shape[1]), float("-inf"))
     if topk_idxs is None:
         valid = torch.isfinite(scores)
         I, tgt = scores, attn_target.float()
@@ -128,10 +135,13 @@ def indexer_kl_loss(q, k, weights, topk_idxs, attn_target, *, ratio, start_pos=0
         I = torch.gather(scores, 2, idx.clamp(min=0)).masked_fill(~valid, float("-inf"))
         tgt = attn_target.float()
     tgt = torch.where(valid, tgt, torch.zeros_like(tgt))
-    p = tgt / tgt.sum(-1, keepdim=True).clamp_min(1e-30)
+    Z = tgt.sum(-1, keepdim=True)
+    p = tgt / Z.clamp_min(1e-30)
     logq = torch.log_softmax(I, dim=-1)
+    if clip is not None:
+        logq = torch.clamp(logq, min=clip)
     term = torch.where(p > 0, p * (torch.log(p.clamp_min(1e-30)) - logq),
                        torch.zeros_like(p))
-    rows = valid.any(-1)
-    per_row = term.sum(-1)
+    rows = valid.any(-1) & (Z[..., 0] != 0)
+    per_row = term.sum(-1) * (Z[..., 0] if target == "joint" else 1.0)
     return per_row[rows].sum() / rows.sum().clamp_min(1)

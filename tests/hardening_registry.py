@@ -849,9 +849,20 @@ def _kl_target_fill(rng, shape, sizes):
     return rng.random(shape).astype(np.float32)
 
 
+def _kl_joint_fill(rng, shape, sizes):
+    """Joint probabilities: a row's K slots sum to at most 1."""
+    return rng.random(shape).astype(np.float32) / max(shape[-1], 1)
+
+
+def _kl_positions_fill(rng, shape, sizes):
+    """Every query at p + s, as start_pos would put it (the same for each batch row)."""
+    return np.broadcast_to(sizes["p"] + np.arange(shape[1], dtype=np.int32), shape)
+
+
 def _kl_result(ret, vals):
-    if isinstance(ret, tuple):
-        return (np.float64(ret[0]),) + ret[1:]
+    if isinstance(ret, tuple):   # the metrics (last, with return_metrics) as an array
+        return (np.float64(ret[0]),) + tuple(np.array(tuple(r)) if isinstance(r, tuple) else r
+                                             for r in ret[1:])
     return (np.float64(ret),)
 
 
@@ -904,6 +915,24 @@ ENTRIES += [
           derive=_kl_derive, zero_ok=("B", "S", "Hi", "Di"), huge_skip=("Hi", "Di"),
           call=_kl_dense_call, result=_kl_result,
           medium=dict(B=1, S=512, Hi=64, Di=128, ratio=4, p=0)),
+    # the variants: joint target (rows sum to <= 1), clip, per-query positions, metrics
+    Entry("indexer_kl_loss_variants", "indexer_kl_loss",
+          dict(**_IXG_QKW,
+               topk_idxs=Arr(("B", "S", "K"), dtype=np.int32, fill=_kl_idx_fill,
+                             index=lambda s: (-1, s["Tc"] - 1), optional=True),
+               attn_target=Arr(("B", "S", "K"), fill=_kl_joint_fill),
+               ratio=Int(_S("ratio"), lo=1, hi=2**31 - 1, huge_ok=True),
+               positions=Arr(("B", "S"), dtype=np.int32, fill=_kl_positions_fill,
+                             optional=True),
+               target=Choice(_C("joint"), ("selected", "joint"), none_ok=True),
+               clip=Real(_C(-1.0), optional=True),
+               return_grads=Flag(_C(True)), return_metrics=Flag(_C(True))),
+          positional=("q", "k", "weights", "topk_idxs", "attn_target"),
+          sizes=dict(B=(1, 2), S=(1, 9), Hi=(1, 5), Di=(1, 20), ratio=(1, 4), p=(0, 12),
+                     K=(1, 7)),
+          derive=_kl_derive, zero_ok=("B", "S", "Hi", "Di", "K"), huge_skip=("Hi", "Di", "K"),
+          result=_kl_result,
+          medium=dict(B=1, S=1024, Hi=64, Di=128, ratio=4, p=0, K=64)),
 ]
 
 

@@ -376,3 +376,295 @@ def test_torch_gradcheck(rng):
     for fn in (scores, kl):
         assert torch.autograd.gradcheck(fn, (q64, k64, w64), eps=1e-2, atol=2e-3, rtol=2e-3,
                                          nondet_tol=0.0)
+
+
+# ---------------------------------------------------------------- objective variants
+# target='joint', clip, positions, metrics, degenerate rows (docs/kernels.md, section
+# 11.3, "Variants").  The reference restates each formula in float64 (never our code).
+# Error budget: the loss is a double sum over float32 scores (relative error ~1e-7 of
+# each score), held to 1e-6 relative; gradients as above (TOL, max-norm).
+
+VTOL = 1e-6
+
+
+def ref_kl_variant(q, k, w, idx, target, ratio, start_pos=0, positions=None,
+                   mode="selected", clip=None):
+    """(loss, kl_uniform, rows, degenerate rows) in float64: per row with slots and
+    Z != 0, p = y / Z, L = log_softmax(I) (clamped below at clip), rho = 1 or Z,
+    loss_row = rho sum p (log p - L), kl_uniform_row = rho (log n + sum p log p)."""
+    a = torch.einsum("bshd,btd->bsht", q, k)
+    I = (torch.relu(a) * w[..., None]).sum(2)
+    B, S, Tc = I.shape
+    tgt = torch.tensor(np.asarray(target, np.float64))
+    total, klu, rows, degen = 0.0, 0.0, 0, 0
+    for b in range(B):
+        for s in range(S):
+            P = int(positions[b if positions.shape[0] > 1 else 0, s]) if positions is not None \
+                else start_pos + s
+            nv = min(max((P + 1) // ratio, 0), Tc)
+            if idx is None:
+                sl = list(range(nv))
+                y = tgt[b, s, :nv]
+            else:
+                keep = [j for j in range(idx.shape[2]) if idx[b, s, j] >= 0]
+                sl = [int(idx[b, s, j]) for j in keep]
+                y = tgt[b, s, keep]
+            if not sl or float(y.sum()) == 0.0:
+                continue
+            Z = float(y.sum())
+            p = y / Z
+            ls = torch.log_softmax(I[b, s, torch.tensor(sl, dtype=torch.long)], 0)
+            L = ls if clip is None else torch.clamp(ls, min=clip)
+            rho = Z if mode == "joint" else 1.0
+            nz = p > 0
+            total = total + rho * (p[nz] * (torch.log(p[nz]) - L[nz])).sum()
+            klu += rho * (np.log(len(sl)) + float((p[nz] * torch.log(p[nz])).sum()))
+            rows += 1
+            degen += idx is None or set(sl) == set(range(nv))
+    if not rows:
+        return torch.zeros((), dtype=torch.float64), 0.0, 0, 0
+    return total / rows, klu / rows, rows, degen
+
+
+def joint_target(rng, shape):
+    """Joint probabilities: each row's slots hold a random share (<= 1) of the mass."""
+    t = kl_target(rng, shape)
+    share = rng.uniform(0.05, 0.95, shape[:2] + (1,))
+    return (t / np.maximum(t.sum(-1, keepdims=True), 1e-30) * share).astype(np.float32)
+
+
+def check_variant(got, ref_loss, qt, kt, wt, what):
+    loss, gq, gk, gw = got[:4]
+    L = ref_loss.item()
+    assert abs(loss - L) <= VTOL * abs(L) + 1e-9, f"{what}: loss {loss} vs {L}"
+    for g, r, n in zip((gq, gk, gw), ref_grads(ref_loss, qt, kt, wt), "qkw"):
+        close(g, r, f"{what} grad_{n}")
+
+
+@pytest.mark.parametrize("mode", ["selected", "joint"])
+@pytest.mark.parametrize("clip", [None, -100.0, -2.5])
+@pytest.mark.parametrize("dense", [False, True])
+def test_kl_variants_match_reference(isa, rng, mode, clip, dense):
+    """Every (target, clip, stage) against its float64 reference, the metrics too.
+    Scores are spread wide (weights x 4) so clip=-2.5 cuts slots that carry target mass."""
+    B, S, Hi, Di, ratio, sp, K = 2, 41, 5, 13, 2, 3, 7
+    q, k, w, Tc = make(rng, B, S, Hi, Di, ratio, sp, 1, zero_heads=True)
+    w *= 4.0
+    idx = None if dense else make_idx(rng, B, S, K, ratio, sp)
+    shape = (B, S, Tc if dense else K)
+    tgt = joint_target(rng, shape) if mode == "joint" else kl_target(rng, shape)
+    with unchanged(q, k, w, tgt):
+        got = dc.indexer_kl_loss(q, k, w, idx, tgt, ratio=ratio, start_pos=sp, target=mode,
+                                 clip=clip, return_grads=True, return_metrics=True)
+    qt, kt, wt = _t(q), _t(k), _t(w)
+    L, klu, rows, degen = ref_kl_variant(qt, kt, wt, idx, tgt, ratio, sp, mode=mode, clip=clip)
+    check_variant(got, L, qt, kt, wt, f"{mode} clip={clip}")
+    m = got[4]
+    assert m.kl == got[0] and m.rows == rows and m.degenerate_rows == degen
+    assert abs(m.kl_uniform - klu) <= VTOL * abs(klu)
+    assert abs(m.kl_captured - (1 - L.item() / klu)) <= 1e-5
+    if clip == -2.5:                 # the clip does bite: the loss moved
+        unclipped = dc.indexer_kl_loss(q, k, w, idx, tgt, ratio=ratio, start_pos=sp,
+                                       target=mode)
+        assert got[0] < unclipped
+    # the loss alone, with or without metrics: the same bits
+    assert dc.indexer_kl_loss(q, k, w, idx, tgt, ratio=ratio, start_pos=sp, target=mode,
+                              clip=clip) == got[0]
+
+
+def test_kl_clip_gradient_is_zero_where_clipped(rng):
+    """One row, two slots, the second far below the clip: its log term is the constant
+    clip, so G = softmax * U - p * u with U = p_0: d(loss)/dI_1 = q_1 p_0 (not q_1 - p_1,
+    nor -p_1 as an unclamped log would give).  Checked through grad_weights of a
+    one-head, one-feature problem where I_j = w relu(q k_j)."""
+    q = np.ones((1, 1, 1, 1), np.float32)
+    k = np.array([[[1.0], [0.01]]], np.float32)
+    w = np.array([[[30.0]]], np.float32)
+    idx = np.array([[[0, 1]]], np.int32)
+    tgt = np.array([[[0.5, 0.5]]], np.float32)
+    with pytest.warns(RuntimeWarning, match="dense warm-up"):     # one row, both entries
+        loss, gq, gk, gw = dc.indexer_kl_loss(q, k, w, idx, tgt, ratio=1, start_pos=1,
+                                              clip=-5.0, return_grads=True)
+    I = np.array([30.0, 0.3])
+    l = I - np.log(np.exp(I - I.max()).sum()) - I.max()
+    assert l[1] < -5.0 <= l[0]
+    qs = np.exp(l)
+    G = qs * 0.5 - np.array([0.5, 0.0])          # U = p_0 = 0.5, u = (1, 0)
+    assert abs(loss - (0.5 * (np.log(0.5) - l[0]) + 0.5 * (np.log(0.5) + 5.0))) < 1e-6
+    np.testing.assert_allclose(gw[0, 0, 0], G @ np.array([1.0, 0.01]), rtol=1e-5, atol=1e-9)
+
+
+def test_kl_clip_inactive_and_selected_default_same_bits(rng):
+    """clip=-100 where nothing reaches it, and target='selected' spelled out, give the
+    default call's bits (the default is unchanged)."""
+    q, k, w, Tc = make(rng, 2, 30, 4, 9, 2, 1, 1)
+    idx = make_idx(rng, 2, 30, 6, 2, 1)
+    tgt = kl_target(rng, (2, 30, 6))
+    base = dc.indexer_kl_loss(q, k, w, idx, tgt, ratio=2, start_pos=1, return_grads=True)
+    for kw in (dict(clip=-100.0), dict(target="selected"), dict(target="selected", clip=-1e9)):
+        got = dc.indexer_kl_loss(q, k, w, idx, tgt, ratio=2, start_pos=1, return_grads=True,
+                                 **kw)
+        assert got[0] == base[0]
+        for a, b in zip(got[1:], base[1:]):
+            assert a.tobytes() == b.tobytes()
+
+
+def test_kl_joint_is_mass_weighted_selected(rng):
+    """target='joint' is, row by row, the selected loss times the row's mass: with one
+    row per call the two differ by exactly that factor (loss and gradients)."""
+    q, k, w, Tc = make(rng, 1, 1, 3, 8, 1, 9)
+    idx = np.array([[[0, 4, 7, -1, 2]]], np.int32)
+    tgt = np.array([[[0.1, 0.2, 0.05, 0.9, 0.15]]], np.float32)   # -1 slot: not read
+    sel = dc.indexer_kl_loss(q, k, w, idx, tgt, ratio=1, start_pos=9, return_grads=True)
+    jnt = dc.indexer_kl_loss(q, k, w, idx, tgt, ratio=1, start_pos=9, target="joint",
+                             return_grads=True)
+    Z = 0.1 + 0.2 + 0.05 + 0.15
+    assert abs(jnt[0] - Z * sel[0]) <= 1e-6 * abs(jnt[0])
+    for a, b in zip(jnt[1:], sel[1:]):
+        np.testing.assert_allclose(a, Z * b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_kl_positions_match_reference(isa, rng, dense):
+    """Per-query positions (a left-padded batch: pad queries at position 1, real ones
+    from 0; another row from 5, one that skips): visibility (P + 1) // ratio clamped to
+    Tc, as the reference; metrics' degenerate rows follow it."""
+    B, S, Hi, Di, ratio, K = 3, 23, 4, 11, 2, 5
+    Tc = 9
+    q = rng.standard_normal((B, S, Hi, Di)).astype(np.float32)
+    k = rng.standard_normal((B, Tc, Di)).astype(np.float32)
+    w = rng.standard_normal((B, S, Hi)).astype(np.float32)
+    pos = np.empty((B, S), np.int32)
+    pos[0] = np.where(np.arange(S) < 6, 1, np.arange(S) - 6)       # left padding
+    pos[1] = 5 + np.arange(S)                                      # sees up to Tc (clamped)
+    pos[2] = np.arange(S) * 2 - 3                                  # skips, starts negative
+    idx = None
+    if not dense:
+        idx = np.full((B, S, K), -1, np.int32)
+        for b in range(B):
+            for s in range(S):
+                nv = min(max((int(pos[b, s]) + 1) // ratio, 0), Tc)
+                m = min(nv, K)
+                if m:
+                    idx[b, s, :m] = rng.choice(nv, m, replace=False)
+    tgt = kl_target(rng, (B, S, Tc if dense else K), zero_rows=False)
+    with unchanged(q, k, w, pos, tgt):
+        got = dc.indexer_kl_loss(q, k, w, idx, tgt, ratio=ratio, positions=pos,
+                                 return_grads=True, return_metrics=True)
+    qt, kt, wt = _t(q), _t(k), _t(w)
+    L, klu, rows, degen = ref_kl_variant(qt, kt, wt, idx, tgt, ratio, positions=pos)
+    check_variant(got, L, qt, kt, wt, "positions")
+    assert got[4].rows == rows and got[4].degenerate_rows == degen
+    assert 0 < degen < rows or dense
+    # positions = start_pos + s: the start_pos call's bits (a broadcast row too)
+    sp = 4
+    ar = (sp + np.arange(S, dtype=np.int32))[None]
+    q2, k2, w2, _ = make(rng, 2, S, Hi, Di, ratio, sp)
+    idx2 = None if dense else make_idx(rng, 2, S, K, ratio, sp)
+    t2 = kl_target(rng, (2, S, k2.shape[1] if dense else K))
+    a = dc.indexer_kl_loss(q2, k2, w2, idx2, t2, ratio=ratio, start_pos=sp, return_grads=True)
+    b = dc.indexer_kl_loss(q2, k2, w2, idx2, t2, ratio=ratio, positions=np.broadcast_to(
+        ar, (2, S)), return_grads=True)
+    c = dc.indexer_kl_loss(q2, k2, w2, idx2, t2, ratio=ratio,
+                           positions=np.repeat(ar, 2, 0), return_grads=True)
+    for r in (b, c):
+        assert r[0] == a[0] and all(x.tobytes() == y.tobytes() for x, y in zip(r[1:], a[1:]))
+
+
+def test_kl_degenerate_rows_warn(rng):
+    """Every row's slots = every entry it can see (top-k >= visible): the sparse loss is
+    the dense one; it says so (RuntimeWarning) and the metrics count the rows.  Some
+    rows degenerate, or the dense warm-up itself: no warning."""
+    import warnings
+    B, S, Hi, Di, ratio = 1, 12, 3, 8, 4
+    q, k, w, Tc = make(rng, B, S, Hi, Di, ratio, 0)
+    idx = np.full((B, S, 4), -1, np.int32)
+    for s in range(S):
+        nv = (s + 1) // ratio
+        idx[0, s, :nv] = rng.permutation(nv)
+    tgt = rng.random((B, S, 4)).astype(np.float32) + 0.1
+    with pytest.warns(RuntimeWarning, match="dense warm-up"):
+        loss, m = dc.indexer_kl_loss(q, k, w, idx, tgt, ratio=ratio, return_metrics=True)
+    assert m.rows == m.degenerate_rows == S - 3         # rows 0-2 see nothing
+    dense = rng.random((B, S, Tc)).astype(np.float32) + 0.1
+    idx2 = idx.copy()
+    idx2[0, -1, 1] = -1                                  # the last row misses one entry
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, m2 = dc.indexer_kl_loss(q, k, w, idx2, tgt, ratio=ratio, return_metrics=True)
+        _, m3 = dc.indexer_kl_loss(q, k, w, None, dense, ratio=ratio, return_metrics=True)
+    assert m2.rows == S - 3 and m2.degenerate_rows == S - 4
+    assert m3.degenerate_rows == m3.rows == S - 3
+
+
+def test_kl_variant_bits_independent_of_threads(isa, rng):
+    B, S, Hi, Di, ratio, sp, K = 2, 150, 7, 20, 2, 3, 12
+    q, k, w, Tc = make(rng, B, S, Hi, Di, ratio, sp, 1)
+    w *= 4.0
+    idx = make_idx(rng, B, S, K, ratio, sp)
+    tgt = joint_target(rng, (B, S, K))
+    pos = (sp + np.arange(S, dtype=np.int32))[None].repeat(B, 0)
+    pos[1, :7] = 1                       # pad queries (left padding): see entry 0 only
+    idx[1, :7] = -1
+    idx[1, :7, 0] = 0
+    for kw in (dict(target="joint", clip=-2.0, start_pos=sp), dict(positions=pos, clip=-1.0)):
+        same_bits_at_thread_counts(
+            lambda: [np.float64(x) if np.isscalar(x) else (np.array(tuple(x)) if
+                     not isinstance(x, np.ndarray) else x) for x in dc.indexer_kl_loss(
+                q, k, w, idx, tgt, ratio=ratio, return_grads=True, return_metrics=True,
+                **kw)])
+
+
+def test_kl_variant_bad_inputs(rng):
+    q, k, w, Tc = make(rng, 1, 8, 2, 4, 2, 0)
+    idx = np.zeros((1, 8, 2), np.int32)
+    idx[0, :2] = -1
+    tgt = np.full((1, 8, 2), 0.25, np.float32)
+    with pytest.raises(ValueError, match="'target' must be 'selected' or 'joint'"):
+        dc.indexer_kl_loss(q, k, w, idx, tgt, ratio=2, target="dense")
+    with pytest.raises(ValueError, match="'clip'"):
+        dc.indexer_kl_loss(q, k, w, idx, tgt, ratio=2, clip=0.5)
+    with pytest.raises(ValueError, match="'clip'"):
+        dc.indexer_kl_loss(q, k, w, idx, tgt, ratio=2, clip=float("nan"))
+    with pytest.raises(TypeError, match="clip"):
+        dc.indexer_kl_loss(q, k, w, idx, tgt, ratio=2, clip="low")
+    heads = tgt * 4                                     # a sum over 4 heads, undivided
+    with unchanged(q, k, w, idx, heads), pytest.raises(ValueError, match=r"joint.*\[0, 2\]"):
+        dc.indexer_kl_loss(q, k, w, idx, heads, ratio=2, target="joint")
+    pos = np.arange(8, dtype=np.int32)[None]
+    with pytest.raises(ValueError, match="start_pos must be 0"):
+        dc.indexer_kl_loss(q, k, w, idx, tgt, ratio=2, start_pos=1, positions=pos)
+    with pytest.raises(ValueError, match="'positions' must have shape"):
+        dc.indexer_kl_loss(q, k, w, idx, tgt, ratio=2, positions=pos[:, :5])
+    with pytest.raises(TypeError, match="positions"):
+        dc.indexer_kl_loss(q, k, w, idx, tgt, ratio=2, positions=pos.astype(np.int64))
+    bad = pos.copy()
+    bad[0, 5] = 2                                       # row 5 now sees entry 0 only
+    idx5 = idx.copy()
+    idx5[0, 5] = [0, 1]
+    with pytest.raises(IndexError, match=r"positions\[b, s\]"):
+        dc.indexer_kl_loss(q, k, w, idx5, tgt, ratio=2, positions=bad)
+
+
+@pytest.mark.parametrize("mode,clip", [("joint", None), ("selected", -2.0), ("joint", -2.0)])
+def test_torch_kl_variants_autograd(rng, mode, clip):
+    import deepseek_csa.torch as dct
+    B, S, Hi, Di, ratio, sp, K = 2, 19, 4, 10, 2, 1, 5
+    q, k, w, Tc = make(rng, B, S, Hi, Di, ratio, sp, 1)
+    w *= 4.0
+    idx = make_idx(rng, B, S, K, ratio, sp)
+    tgt = joint_target(rng, (B, S, K))
+    pos = torch.tensor(sp + np.arange(S))[None]                  # int64, as position ids
+    qt, kt, wt = (torch.tensor(x, requires_grad=True) for x in (q, k, w))
+    loss, m = dct.indexer_kl_loss(qt, kt, wt, torch.tensor(idx), torch.tensor(tgt),
+                                  ratio=ratio, positions=pos, target=mode, clip=clip,
+                                  return_metrics=True)
+    assert loss.requires_grad and not m.kl.requires_grad and m.kl.float().item() == loss.item()
+    (3.0 * loss).backward()
+    q64, k64, w64 = _t(q), _t(k), _t(w)
+    L, klu, rows, degen = ref_kl_variant(q64, k64, w64, idx, tgt, ratio, sp, mode=mode,
+                                         clip=clip)
+    assert abs(loss.item() - L.item()) <= VTOL * abs(L.item()) + 1e-7   # float32 result
+    assert int(m.rows) == rows and int(m.degenerate_rows) == degen
+    for t, r, n in zip((qt, kt, wt), ref_grads(3.0 * L, q64, k64, w64), "qkw"):
+        close(t.grad.numpy(), r, "torch grad " + n)

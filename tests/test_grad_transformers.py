@@ -400,14 +400,116 @@ def test_padded_batch_grads_match_eager(ops, left, monkeypatch):
     assert_grads_close(gs, ge, float64_noise(m, ids, **kw))
 
 
-def test_capture_with_padded_batch_falls_back(ops):
-    """capture_indexer's records take one start position: a padded batch falls back to
-    eager (one RuntimeWarning naming the reason), never a wrong record."""
-    m = make_model(layer_types=["compressed_sparse_attention"]).train()
-    ids = ids_for(2, 40, seed=33)
-    am = torch.ones(2, 40, dtype=torch.long)
-    am[1, :7] = 0
-    with dch.capture_indexer(m) as cap:
-        with pytest.warns(RuntimeWarning, match="capture_indexer with a padded batch"):
-            m(ids, attention_mask=am)
-        assert cap.layers == []
+def _row_loss(rec, b, dense=False, target="selected"):
+    """Row b's terms of a record's KL loss: the record cut to that row."""
+    tgt = rec.dense_target if dense else rec.attn_target
+    if target == "joint":
+        tgt = tgt / rec.n_heads
+    pos = None if rec.positions is None else rec.positions[b:b + 1]
+    return dct.indexer_kl_loss(rec.q[b:b + 1], rec.k[b:b + 1], rec.weights[b:b + 1],
+                               None if dense else rec.topk_idxs[b:b + 1], tgt[b:b + 1],
+                               ratio=rec.ratio, start_pos=rec.start_pos, positions=pos,
+                               target=target)
+
+
+def _indexer_grads(m, loss):
+    m.zero_grad(set_to_none=True)
+    loss.backward(retain_graph=True)        # the records serve several losses
+    return {n: p.grad.detach().clone() for n, p in m.named_parameters()
+            if ".indexer." in n and p.grad is not None}
+
+
+@pytest.mark.parametrize("left", [True, False], ids=["left", "right"])
+def test_capture_padded_batch_rows_equal_rows_alone(ops, left):
+    """capture_indexer on a padded batch (2-D mask with zeros; left padding with
+    generate()'s per-row positions, right padding with the default ones) runs swapped,
+    no fallback; pad queries take no part, and each row's KL terms (sparse and dense)
+    and their gradients to the indexer equal that row run alone: unpadded for right
+    padding, and for left padding the row with its own padding (eager pools pad tokens
+    into the compressed entries by index, so a left-padded row is not the unpadded
+    one: docs/transformers.md)."""
+    m = make_model(layer_types=["compressed_sparse_attention"] * 2, seed=41).train()
+    for n, p in m.named_parameters():
+        p.requires_grad_(".indexer." in n)
+    B, S, lengths = 3, 44, (44, 31, 17)
+    ids = ids_for(B, S, seed=42)
+    am = torch.zeros(B, S, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        if left:
+            am[b, S - n:] = 1
+        else:
+            am[b, :n] = 1
+    ids = ids.masked_fill(am == 0, 0)
+    kw = dict(attention_mask=am)
+    if left:
+        kw["position_ids"] = (am.cumsum(-1) - 1).masked_fill(am == 0, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # no fallback
+        with dch.capture_indexer(m, dense=True) as cap:
+            m(ids, **kw)
+    recs = cap.layers
+    assert [r.layer for r in recs] == [0, 1]
+    for r in recs:
+        real = am.bool()
+        assert bool((r.topk_idxs[~real] == -1).all()) and bool((r.attn_target[~real] == 0).all())
+        assert bool((r.dense_target[~real] == 0).all())
+        assert (r.positions is not None) == left
+    for b, n in enumerate(lengths):
+        if left:
+            one = dict(attention_mask=am[b:b + 1], position_ids=kw["position_ids"][b:b + 1])
+            ids_b = ids[b:b + 1]
+        else:
+            one, ids_b = {}, ids[b:b + 1, :n]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with dch.capture_indexer(m, dense=True) as alone:
+                m(ids_b, **one)
+        for dense in (False, True):
+            for target in ("selected", "joint"):
+                got = sum(_row_loss(r, b, dense, target) for r in recs)
+                want = sum(_row_loss(r, 0, dense, target) for r in alone.layers)
+                if b == 0 or target == "selected":
+                    want_total = alone.loss(dense) if target == "selected" else want
+                    assert torch.allclose(want, want_total)
+                g, w_ = got.item(), want.item()
+                assert abs(g - w_) <= 1e-5 * abs(w_) + 1e-7, (b, dense, target, g, w_)
+                gg, gw = _indexer_grads(m, got), _indexer_grads(m, want)
+                assert gg.keys() == gw.keys() and gg
+                for name in gw:
+                    err = float((gg[name] - gw[name]).norm())
+                    assert err <= 1e-4 * float(gw[name].norm()) + 1e-9, (name, b, dense)
+
+
+def test_capture_target_and_clip_pass_through(ops):
+    """capture_indexer(target="joint", clip=...): every record's loss is
+    indexer_kl_loss on the recorded head sums over n_heads with that target and clip;
+    the default is the selected target, unchanged."""
+    m = make_model(seed=2).train()
+    ids = ids_for(2, 70, seed=24)
+    with torch.no_grad(), dch.capture_indexer(m, dense=True) as cap0:
+        m(ids)
+    with dch.capture_indexer(m, dense=True, target="joint", clip=-3.0) as cap:
+        m(ids)
+    for dense in (False, True):
+        by_hand = sum(dct.indexer_kl_loss(
+            r.q, r.k, r.weights, None if dense else r.topk_idxs,
+            (r.dense_target if dense else r.attn_target) / r.n_heads, ratio=r.ratio,
+            start_pos=r.start_pos, target="joint", clip=-3.0) for r in cap.layers)
+        assert torch.allclose(cap.loss(dense), by_hand)
+        sel = sum(dct.indexer_kl_loss(r.q, r.k, r.weights, None if dense else r.topk_idxs,
+                                      r.dense_target if dense else r.attn_target,
+                                      ratio=r.ratio, start_pos=r.start_pos)
+                  for r in cap0.layers)
+        assert torch.equal(cap0.loss(dense), sel)
+        assert cap.loss(dense).item() < sel.item()     # weighted by masses < 1
+    assert all(r.n_heads == 4 and r.positions is None for r in cap.layers)
+    if ops == "real":                  # the metrics come from the kernel
+        ms = cap.metrics()
+        assert len(ms) == len(cap.layers)
+        for m_, r in zip(ms, cap.layers):
+            assert torch.allclose(m_.kl.float(), r.loss(True).detach())
+            assert 0 < int(m_.rows) <= 2 * 70 and float(m_.kl_uniform) > 0
+    with pytest.raises(ValueError, match="'target'"):
+        with dch.capture_indexer(m, target="dense"):
+            pass
+    assert not dch.is_swapped(m)

@@ -118,10 +118,20 @@ def _cases():
     def kl(dt):
         q, k, w = r(2, 5, 3, 32, grad=True), r(2, 4, 32, grad=True), r(2, 5, 3, grad=True)
         idx = O.index_topk(q.detach(), k.detach(), w.detach(), 3, 4, 11, 0, "score", None, 0)
-        return q, k, w, idx, torch.rand(idx.shape), 4, 11
+        return q, k, w, idx, torch.rand(idx.shape), 4, 11, None, "selected", None
+
+    def kl_joint(dt):
+        # joint probabilities (rows sum to <= 1), per-query positions (a left-padded row),
+        # a clip that bites
+        q, k, w = r(2, 5, 3, 32, grad=True), r(2, 4, 32, grad=True), r(2, 5, 3, grad=True)
+        pos = torch.tensor([[11, 12, 13, 14, 15], [1, 1, 0, 1, 3]], dtype=torch.int32)
+        idx = torch.tensor([[[0, 1, 2]] * 5, [[-1] * 3] * 4 + [[-1, 0, -1]]], dtype=torch.int32)
+        return q, k, w, idx, torch.rand(idx.shape) / 4, 4, 0, pos, "joint", -1.0
     case("indexer_kl_loss", "sparse", kl, dtypes=(F32,))
+    case("indexer_kl_loss", "joint", kl_joint, dtypes=(F32,))
     case("indexer_kl_loss", "dense", lambda dt: (r(1, 3, 2, 32, grad=True), r(1, 4, 32, grad=True),
-                                                 r(1, 3, 2, grad=True), None, torch.rand(1, 3, 4), 2, 5),
+                                                 r(1, 3, 2, grad=True), None, torch.rand(1, 3, 4), 2, 5,
+                                                 None, "selected", -100.0),
          dtypes=(F32,))
     for nm, scale, blk in (("fp8_round", "ue8m0", 64), ("fp8_round", "fp32", 32),
                            ("fp4_round", "ue8m0", 32), ("fp4_round", "e4m3", 16)):
@@ -228,6 +238,9 @@ def _dropin_cases():
         ("indexer_kl_loss", lambda q, k, w: dct.indexer_kl_loss(q, k, w, ti, target, ratio=4,
                                                                 start_pos=11),
          (r(2, 5, 3, 32), r(2, 4, 32), r(2, 5, 3))),
+        ("indexer_kl_loss_joint", lambda q, k, w: dct.indexer_kl_loss(
+            q, k, w, ti, target / 4, ratio=4, positions=torch.arange(11, 16)[None],
+            target="joint", clip=-1.0), (r(2, 5, 3, 32), r(2, 4, 32), r(2, 5, 3))),
         ("rotate_activation", dct.rotate_activation, (r(3, 64),)),
         ("qat", qat, (r(3, 128),)),
     ]

@@ -1,6 +1,7 @@
 /* Glue of the backward kernels of index_scores_backward, indexer_kl_loss. */
 #include "glue.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -42,8 +43,11 @@ static int parse_ratio(const char *fn, PyObject *ro, PyObject *spo, long long *r
     return 0;
 }
 
+/* check_tc: k must hold every entry a query at start_pos + s can see (not with
+ * per-query positions, whose visibility is clamped to Tc). */
 static int parse_gqkw(const char *fn, PyObject *qo, PyObject *ko, PyObject *wo, long long ratio,
-                      long long start_pos, struct gqkw *a, struct csa_index_problem *p)
+                      long long start_pos, int check_tc, struct gqkw *a,
+                      struct csa_index_problem *p)
 {
     char b1[256], b2[256];
     memset(a, 0, sizeof *a);
@@ -63,7 +67,7 @@ static int parse_gqkw(const char *fn, PyObject *qo, PyObject *ko, PyObject *wo, 
         goto fail;
     }
     const long long need = (start_pos + (long long)S) / ratio;
-    if ((long long)Tc < need) {
+    if (check_tc && (long long)Tc < need) {
         PyErr_Format(PyExc_ValueError,
                      "%s(): 'k' must hold at least (start_pos + S) // ratio = (%lld + %lld) // %lld "
                      "= %lld compressed entries, got shape %s",
@@ -108,7 +112,7 @@ static int make_gouts(const char *fn, PyObject **args, const struct csa_index_pr
                    sw[3] = {p->B, p->S, p->Hi};
     const npy_intp *shapes[3] = {sq, sk, sw};
     const int nd[3] = {4, 3, 3};
-    PyArrayObject *all[8];
+    PyArrayObject *all[10];
     memset(g, 0, sizeof *g);
     for (int i = 0; i < n_in; i++) all[i] = ins[i];
     for (int i = 0; i < 3; i++) {
@@ -173,7 +177,7 @@ static PyObject *py_index_scores_backward(PyObject *self, PyObject *args, PyObje
     if (parse_ratio(fn, ro, spo, &ratio, &start_pos)) return NULL;
     struct gqkw a;
     struct csa_index_problem p;
-    if (parse_gqkw(fn, qo, ko, wo, ratio, start_pos, &a, &p)) return NULL;
+    if (parse_gqkw(fn, qo, ko, wo, ratio, start_pos, 1, &a, &p)) return NULL;
     PyObject *ret = NULL;
     struct gouts g;
     memset(&g, 0, sizeof g);
@@ -207,17 +211,33 @@ done:
 
 /* ------------------------------------------------------------------ indexer_kl_loss */
 
+/* Entries query (b, s) can see (index.h: start_pos + s or its own position). */
+static long long kl_nv(const struct csa_index_problem *p, const struct csa_kl_target *x,
+                       csa_idx b, csa_idx s)
+{
+    const long long P = x->pos ? (long long)x->pos[b * x->spb + s * x->sps]
+                               : (long long)p->start_pos + s;
+    const long long nv = P + 1 <= 0 ? 0 : (P + 1) / p->ratio;
+    return nv < p->Tc ? nv : p->Tc;
+}
+
+/* A joint target's row mass above this is not a probability (float32 sums of
+ * probabilities are ~1e-7 off; a sum over H heads passed as it is exceeds it as soon
+ * as the row's slots hold more than 1/H of the attention). */
+#define KL_JOINT_MAX_MASS 1.001
+
 /* topk_idxs values: -1 or an entry the row can see; targets at valid slots >= 0 (or
- * NaN).  Checked under the GIL so the error names the slot. */
+ * NaN); a joint target's row mass <= 1.  Checked under the GIL so the error names the
+ * slot. */
 static int check_slots(const char *fn, const struct csa_index_problem *p,
                        const struct csa_kl_target *x)
 {
     const csa_idx K = x->idx ? x->K : p->Tc;
     for (csa_idx b = 0; b < p->B; b++)
         for (csa_idx s = 0; s < p->S; s++) {
-            const long long nvr = (p->start_pos + s + 1) / p->ratio,
-                            nv = nvr < p->Tc ? nvr : p->Tc;
+            const long long nv = kl_nv(p, x, b, s);
             const float *tr = x->t + b * x->stb + s * x->sts;
+            double mass = 0.0;
             for (csa_idx j = 0; j < K; j++) {
                 if (x->idx) {
                     const int32_t t = x->idx[b * x->sib + s * x->sis + j * x->sik];
@@ -225,11 +245,12 @@ static int check_slots(const char *fn, const struct csa_index_problem *p,
                     if (t < -1 || t >= nv) {
                         PyErr_Format(PyExc_IndexError,
                                      "%s(): 'topk_idxs'[%lld, %lld, %lld] = %d must be -1 or a "
-                                     "compressed entry query %lld can see, 0 <= t < (start_pos + "
-                                     "s + 1) // ratio = %lld (indices without the window offset, "
-                                     "as index_topk(..., offset=0) gives them)",
+                                     "compressed entry query %lld can see, 0 <= t < (%s + 1) // "
+                                     "ratio = %lld (indices without the window offset, as "
+                                     "index_topk(..., offset=0) gives them)",
                                      fn, (long long)b, (long long)s, (long long)j, (int)t,
-                                     (long long)s, nv);
+                                     (long long)s, x->pos ? "positions[b, s]" : "start_pos + s",
+                                     nv);
                         return -1;
                     }
                 } else if (j >= nv) {
@@ -245,58 +266,171 @@ static int check_slots(const char *fn, const struct csa_index_problem *p,
                                  (long long)s, (long long)j, vb);
                     return -1;
                 }
+                mass += (double)v;
+            }
+            if (x->target == CSA_KL_JOINT && mass > KL_JOINT_MAX_MASS) {
+                char vb[64];
+                snprintf(vb, sizeof vb, "%.9g", mass);
+                PyErr_Format(PyExc_ValueError,
+                             "%s(): target='joint' reads 'attn_target' as probabilities of "
+                             "the joint attention distribution (a row's slots sum to at most "
+                             "1), got a sum of %s over the slots of row [%lld, %lld]; "
+                             "sparse_attn_weights sums over the heads: divide it by their "
+                             "number", fn, vb, (long long)b, (long long)s);
+                return -1;
             }
         }
     return 0;
 }
 
+/* The metrics result of indexer_kl_loss(..., return_metrics=True), created once. */
+static PyTypeObject *kl_metrics_type;
+
+static PyStructSequence_Field kl_metrics_fields[] = {
+    {"kl", "the loss (the mean over the rows taking part)"},
+    {"kl_uniform", "the same mean of the target's KL to the uniform distribution over "
+                   "each row's slots, weighted as the loss"},
+    {"kl_captured", "1 - kl / kl_uniform (nan when kl_uniform is 0)"},
+    {"rows", "rows taking part"},
+    {"degenerate_rows", "rows taking part whose slots are every entry they can see"},
+    {NULL, NULL},
+};
+
+static PyStructSequence_Desc kl_metrics_desc = {
+    "deepseek_csa.IndexerKLMetrics",
+    "indexer_kl_loss(..., return_metrics=True)'s last result (no gradient).",
+    kl_metrics_fields, 5,
+};
+
+static PyObject *kl_metrics(double loss, const struct csa_kl_stats *st)
+{
+    if (!kl_metrics_type && !(kl_metrics_type = PyStructSequence_NewType(&kl_metrics_desc)))
+        return NULL;
+    PyObject *m = PyStructSequence_New(kl_metrics_type);
+    if (!m) return NULL;
+    const double cap = st->kl_uniform != 0.0 ? 1.0 - loss / st->kl_uniform : NAN;
+    PyObject *v[5] = {PyFloat_FromDouble(loss), PyFloat_FromDouble(st->kl_uniform),
+                      PyFloat_FromDouble(cap), PyLong_FromLongLong(st->rows),
+                      PyLong_FromLongLong(st->degenerate)};
+    for (int i = 0; i < 5; i++) {
+        if (!v[i]) {
+            for (int j = i; j < 5; j++) Py_XDECREF(v[j]);
+            Py_DECREF(m);
+            return NULL;
+        }
+        PyStructSequence_SET_ITEM(m, i, v[i]);
+    }
+    return m;
+}
+
 PyDoc_STRVAR(indexer_kl_loss_doc,
 "indexer_kl_loss(q, k, weights, topk_idxs, attn_target, *, ratio, start_pos=0,\n"
-"                return_grads=False)\n--\n\n"
+"                positions=None, target='selected', clip=None, return_grads=False,\n"
+"                return_metrics=False)\n--\n\n"
 "The lightning indexer's training objective (docs/kernels.md, section 11.3), forward\n"
 "and backward in one pass.  I[b,s,t] = sum_h weights[b,s,h] relu(q[b,s,h] . k[b,t])\n"
-"(index_scores).  For each query row, its slots j with topk_idxs[b,s,j] >= 0 (sparse\n"
-"stage) or every entry it can see, t < (start_pos + s + 1) // ratio (topk_idxs=None:\n"
-"the dense warm-up): p_j = attn_target_j / sum of the row's attn_target over its slots,\n"
-"loss_row = sum_j p_j (log p_j - log_softmax_j(I)) with 0 log 0 = 0; the result is the\n"
-"mean of loss_row over the rows with at least one slot and a nonzero target sum (rows\n"
-"whose target sums to 0 carry no information: they take no part and get no\n"
-"gradient; 0.0 when no row takes part).  Duplicate slots count as often as they appear.\n\n"
+"(index_scores).  Query (b, s) sits at position P = start_pos + s (or positions[b, s])\n"
+"and sees the entries t < (P + 1) // ratio (at most Tc).  For each query row, its slots\n"
+"j with topk_idxs[b,s,j] >= 0 (sparse stage) or every entry it can see (topk_idxs=None:\n"
+"the dense warm-up), Z = the sum of the row's attn_target over its slots,\n"
+"p_j = attn_target_j / Z and l_j = log_softmax_j(I):\n"
+"  loss_row = rho * sum_j p_j (log p_j - L_j),  0 log 0 = 0,\n"
+"  L_j = l_j, or max(l_j, clip) with clip given (clipped slots pass no gradient),\n"
+"  rho = 1 (target='selected': the row's target L1-normalized over its slots) or Z\n"
+"  (target='joint': attn_target is the joint attention probability of each slot, a\n"
+"  mean over heads of the softmax over window + compressed entries + sink, i.e.\n"
+"  sparse_attn_weights / n_heads; each row then weighs by the mass its slots hold).\n"
+"The result is the mean of loss_row over the rows with at least one slot and a nonzero\n"
+"target sum (the others take no part and get no gradient; 0.0 when no row takes part).\n"
+"Duplicate slots count as often as they appear.\n\n"
 "q, k, weights : float32, as index_scores().\n"
 "topk_idxs     : int32 [B, S, K], -1 = no entry, else a compressed entry the row can see\n"
 "                (positions as index_topk(..., offset=0) gives them); or None.\n"
 "attn_target   : float32 [B, S, K] (sparse) or [B, S, Tc] (dense), >= 0; a constant.\n"
+"                target='joint': each row's slots sum to at most 1.\n"
+"positions     : int32 [B, S] (any strides: a broadcast row serves every batch row),\n"
+"                each query's position (padded batches, per-row positions); start_pos\n"
+"                must then be 0.  None: start_pos + s.\n"
+"target        : 'selected' (default) or 'joint'.\n"
+"clip          : None, or a float <= 0: log-probabilities below it count as clip in\n"
+"                the loss and pass no gradient.\n"
 "return_grads  : also return the gradients of the loss, float32 arrays of the shapes of\n"
 "                q, k and weights (grad_k summed in a fixed order: bitwise identical at\n"
 "                any thread count).\n"
-"Returns loss (a float), or (loss, grad_q, grad_k, grad_weights).  Memory: O(B*S) +\n"
-"O(threads * K * Hi) + a few [Tc, Di] partials of grad_k; never an [S, Tc] array in\n"
-"the sparse stage.");
+"return_metrics: also return an IndexerKLMetrics (kl, kl_uniform, kl_captured, rows,\n"
+"                degenerate_rows), last.\n"
+"Returns loss (a float), or (loss, grad_q, grad_k, grad_weights), then the metrics when\n"
+"asked.  A sparse-stage call in which every row taking part is degenerate (its slots\n"
+"are every entry it can see: the loss is the dense warm-up's) warns (RuntimeWarning).\n"
+"Memory: O(B*S) + O(threads * K * Hi) + a few [Tc, Di] partials of grad_k; never an\n"
+"[S, Tc] array in the sparse stage.");
 
 static PyObject *py_indexer_kl_loss(PyObject *self, PyObject *args, PyObject *kw)
 {
     static const char *fn = "indexer_kl_loss";
     static char *kwlist[] = {"q", "k", "weights", "topk_idxs", "attn_target", "ratio",
-                             "start_pos", "return_grads", NULL};
-    PyObject *qo, *ko, *wo, *io, *to, *ro = NULL, *spo = NULL, *rgo = Py_False;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO|$OOO:indexer_kl_loss", kwlist, &qo, &ko,
-                                     &wo, &io, &to, &ro, &spo, &rgo))
+                             "start_pos", "positions", "target", "clip", "return_grads",
+                             "return_metrics", NULL};
+    PyObject *qo, *ko, *wo, *io, *to, *ro = NULL, *spo = NULL, *po = Py_None, *tgo = NULL,
+             *clo = Py_None, *rgo = Py_False, *rmo = Py_False;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO|$OOOOOOO:indexer_kl_loss", kwlist, &qo,
+                                     &ko, &wo, &io, &to, &ro, &spo, &po, &tgo, &clo, &rgo, &rmo))
         return NULL;
-    const int rg = PyObject_IsTrue(rgo);
-    if (rg < 0) return NULL;
+    const int rg = PyObject_IsTrue(rgo), rm = PyObject_IsTrue(rmo);
+    if (rg < 0 || rm < 0) return NULL;
     long long ratio, start_pos = 0;
     if (parse_ratio(fn, ro, spo, &ratio, &start_pos)) return NULL;
+    int target = CSA_KL_SELECTED;
+    if (tgo && tgo != Py_None) {
+        const char *ts = PyUnicode_Check(tgo) ? PyUnicode_AsUTF8(tgo) : NULL;
+        if (ts && !strcmp(ts, "joint")) target = CSA_KL_JOINT;
+        else if (!ts || strcmp(ts, "selected")) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "%s(): 'target' must be 'selected' or 'joint', got %R",
+                         fn, tgo);
+            return NULL;
+        }
+    }
+    double clip = 0.0;
+    const int clip_on = clo != Py_None;
+    if (clip_on) {
+        if (csa_float_arg(clo, fn, "clip", &clip)) return NULL;
+        if (!(clip <= 0.0 && isfinite(clip))) /* a log-probability is <= 0; None: no clip */
+            return csa_value_error_f(fn, "clip",
+                                     "None or a finite log-probability <= 0 (e.g. -100)", clip);
+    }
+    if (po != Py_None && start_pos != 0) {
+        PyErr_Format(PyExc_ValueError, "%s(): 'positions' gives every query's position: "
+                     "start_pos must be 0 with it, got %lld", fn, start_pos);
+        return NULL;
+    }
     struct gqkw a;
     struct csa_index_problem p;
-    if (parse_gqkw(fn, qo, ko, wo, ratio, start_pos, &a, &p)) return NULL;
+    if (parse_gqkw(fn, qo, ko, wo, ratio, start_pos, po == Py_None, &a, &p)) return NULL;
     PyObject *ret = NULL, *outs[3] = {Py_None, Py_None, Py_None};
     struct gouts g;
     memset(&g, 0, sizeof g);
     char b1[256];
-    PyArrayObject *ia = NULL, *ta = NULL;
+    PyArrayObject *ia = NULL, *ta = NULL, *pa = NULL;
     struct csa_kl_target x;
     memset(&x, 0, sizeof x);
+    x.target = target;
+    x.clip_on = clip_on;
+    x.clip = clip;
     csa_idx K = p.Tc;
+    if (po != Py_None) {
+        if (!(pa = csa_array(po, fn, "positions", CSA_I32, 2, 2, 0))) goto done;
+        if (PyArray_DIM(pa, 0) != p.B || PyArray_DIM(pa, 1) != p.S) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s(): 'positions' must have shape [B, S] = [%lld, %lld] (one row for "
+                         "all: a broadcast view), got %s", fn, (long long)p.B, (long long)p.S,
+                         csa_shape_str(pa, b1, sizeof b1));
+            goto done;
+        }
+        x.pos = (const int32_t *)PyArray_DATA(pa);
+        x.spb = csa_stride(pa, 0);
+        x.sps = csa_stride(pa, 1);
+    }
     if (io != Py_None) {
         if (!(ia = csa_array(io, fn, "topk_idxs", CSA_I32, 3, 3, 0))) goto done;
         if (csa_check_dim(ia, fn, "topk_idxs", 0, p.B, "batch, q.shape[0]") ||
@@ -322,14 +456,16 @@ static PyObject *py_indexer_kl_loss(PyObject *self, PyObject *args, PyObject *kw
     x.sts = csa_stride(ta, 1);
     x.stk = csa_stride(ta, 2);
     if (rg) { /* first: a batch too large to allocate fails before the O(B*S*K) checks */
-        PyArrayObject *ins[5] = {a.q, a.k, a.w, ia, ta};
-        if (make_gouts(fn, outs, &p, ins, 5, &g)) goto done;
+        PyArrayObject *ins[6] = {a.q, a.k, a.w, ia, ta, pa};
+        if (make_gouts(fn, outs, &p, ins, 6, &g)) goto done;
     }
     if (check_slots(fn, &p, &x)) goto done;
     double loss = 0.0;
+    struct csa_kl_stats stats;
+    memset(&stats, 0, sizeof stats);
     int st;
     Py_BEGIN_ALLOW_THREADS
-    st = csa_indexer_kl(&p, &x, &loss, rg ? (float *)PyArray_DATA(g.w[0]) : NULL,
+    st = csa_indexer_kl(&p, &x, &loss, &stats, rg ? (float *)PyArray_DATA(g.w[0]) : NULL,
                         rg ? (float *)PyArray_DATA(g.w[1]) : NULL,
                         rg ? (float *)PyArray_DATA(g.w[2]) : NULL);
     Py_END_ALLOW_THREADS
@@ -337,19 +473,37 @@ static PyObject *py_indexer_kl_loss(PyObject *self, PyObject *args, PyObject *kw
         csa_raise_status(st, fn);
         goto done;
     }
+    /* the sparse stage degenerated into the dense warm-up: say so (a fixed message, so
+     * Python's default filter shows it once per call site) */
+    if (x.idx && stats.rows > 0 && stats.degenerate == stats.rows &&
+        PyErr_WarnEx(PyExc_RuntimeWarning,
+                     "indexer_kl_loss(): every row's slots are all the entries it can see "
+                     "(top-k >= visible entries), so this sparse-stage loss is the dense "
+                     "warm-up's; return_metrics=True counts such rows (degenerate_rows)", 1))
+        goto done;
+    PyObject *met = NULL;
+    if (rm && !(met = kl_metrics(loss, &stats))) goto done;
     if (!rg) {
-        ret = PyFloat_FromDouble(loss);
+        ret = met ? Py_BuildValue("(dN)", loss, met) : PyFloat_FromDouble(loss);
         goto done;
     }
     PyObject *grads = finish_gouts(fn, outs, &g);
-    if (!grads) goto done;
-    ret = Py_BuildValue("(dOOO)", loss, PyTuple_GET_ITEM(grads, 0), PyTuple_GET_ITEM(grads, 1),
-                        PyTuple_GET_ITEM(grads, 2));
+    if (!grads) {
+        Py_XDECREF(met);
+        goto done;
+    }
+    if (met)
+        ret = Py_BuildValue("(dOOON)", loss, PyTuple_GET_ITEM(grads, 0),
+                            PyTuple_GET_ITEM(grads, 1), PyTuple_GET_ITEM(grads, 2), met);
+    else
+        ret = Py_BuildValue("(dOOO)", loss, PyTuple_GET_ITEM(grads, 0),
+                            PyTuple_GET_ITEM(grads, 1), PyTuple_GET_ITEM(grads, 2));
     Py_DECREF(grads);
 done:
     gouts_clear(&g);
     Py_XDECREF(ia);
     Py_XDECREF(ta);
+    Py_XDECREF(pa);
     gqkw_clear(&a);
     return ret;
 }

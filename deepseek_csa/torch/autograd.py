@@ -11,12 +11,15 @@ so the bits do not depend on the thread count.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from . import ops
 from ._tensors import kernel_dtype, kernel_f32, kernel_pair, kernel_i32
 
-__all__ = ["gated_pool", "sparse_attn_weights", "index_scores", "indexer_kl_loss"]
+__all__ = ["gated_pool", "sparse_attn_weights", "index_scores", "indexer_kl_loss",
+           "IndexerKLMetrics"]
 
 
 def gated_pool(kv, score, ratio, *, ape=None, overlap=False):
@@ -61,15 +64,40 @@ def index_scores(q, k, weights, *, ratio, start_pos=0):
     return s if q.device.type == "cpu" else s.to(q.device)
 
 
-def indexer_kl_loss(q, k, weights, topk_idxs, attn_target, *, ratio, start_pos=0):
+class IndexerKLMetrics(NamedTuple):
+    """``indexer_kl_loss(..., return_metrics=True)``'s second result: 0-dim tensors,
+    no gradient (docs/kernels.md, section 11.3, "Metrics")."""
+    kl: torch.Tensor               # the loss's value
+    kl_uniform: torch.Tensor       # the target's KL to uniform over each row's slots
+    kl_captured: torch.Tensor      # 1 - kl / kl_uniform (nan when kl_uniform is 0)
+    rows: torch.Tensor             # rows taking part
+    degenerate_rows: torch.Tensor  # of which: slots = every entry the row can see
+
+
+def indexer_kl_loss(q, k, weights, topk_idxs, attn_target, *, ratio, start_pos=0,
+                    positions=None, target="selected", clip=None, return_metrics=False):
     """The indexer's KL objective (docs/kernels.md, section 11.3): the mean over query
     rows with slots and nonzero target mass of KL(p || softmax(I)) over the row's slots
     (``topk_idxs`` >= 0, or every visible entry when ``topk_idxs`` is None), p the
-    L1-normalized ``attn_target``.  A 0-dim float32 tensor, differentiable in q, k and
-    weights; the kernel computes the loss and its gradients in one pass (memory
-    O(S K)), and the backward scales them by the incoming gradient."""
+    L1-normalized ``attn_target``; ``target="joint"`` weighs each row by its target mass
+    (``attn_target`` then holds joint attention probabilities: ``sparse_attn_weights``
+    divided by the number of heads); ``clip`` (e.g. -100) clamps log softmax(I) below in
+    the loss, and clamped slots pass no gradient.  ``positions`` (int [B or 1, S]): each
+    query's position (padded batches), instead of ``start_pos + s``.  A 0-dim float32
+    tensor, differentiable in q, k and weights; the kernel computes the loss and its
+    gradients in one pass (memory O(S K)), and the backward scales them by the incoming
+    gradient.  ``return_metrics=True``: ``(loss, IndexerKLMetrics)``."""
     idx = None if topk_idxs is None else kernel_i32(torch.as_tensor(topk_idxs))
+    pos = None
+    if positions is not None:      # [B or 1, S]: one row serves every batch row
+        pos = kernel_i32(torch.as_tensor(positions))
+        pos = pos.expand(q.shape[0], pos.shape[-1]) if pos.dim() == 2 else pos
     tgt = kernel_f32(torch.as_tensor(attn_target)).detach()
-    loss = ops.call("indexer_kl_loss", kernel_f32(q), kernel_f32(k), kernel_f32(weights), idx,
-                    tgt, int(ratio), int(start_pos))[0]
-    return loss if q.device.type == "cpu" else loss.to(q.device)
+    out = ops.call("indexer_kl_loss", kernel_f32(q), kernel_f32(k), kernel_f32(weights), idx,
+                   tgt, int(ratio), int(start_pos), pos, str(target),
+                   None if clip is None else float(clip))
+    loss = out[0] if q.device.type == "cpu" else out[0].to(q.device)
+    if not return_metrics:
+        return loss
+    m = out[4]
+    return loss, IndexerKLMetrics(m[0], m[1], m[2], m[3].long(), m[4].long())

@@ -34,7 +34,8 @@ compress_topk_idxs         int32 HCA index lists                     --
 sparse_attn                (out in q's dtype, lse f32 [B, S, H])     q, kv, attn_sink
 sparse_attn_backward       (grad_q, grad_kv, grad_sink) f32          --
 sparse_attn_weights        f32 [B, S, K]                             --
-indexer_kl_loss            (loss f32 [], grad_q, grad_k, grad_w)     q, k, weights
+indexer_kl_loss            (loss f32 [], grad_q, grad_k, grad_w,     q, k, weights
+                           metrics f64 [5])
 fp8_round, fp4_round       QAT rounding, a new tensor                x (straight through)
 fp8_round_, fp4_round_     QAT rounding in place (mutates x)         --
 hadamard                   [..., n] in x's dtype                     x
@@ -43,7 +44,7 @@ fp8_quant, fp4_quant       (codes, scales) in torch's float8/4 dtypes --
 hc_split_sinkhorn          (pre, post, comb) f32                     --
 =========================  ========================================  ===========
 
-``lse`` of sparse_attn and the gradients returned by indexer_kl_loss are marked
+``lse`` of sparse_attn and the gradients and metrics returned by indexer_kl_loss are marked
 non-differentiable: nothing flows back through them.
 
 Eager calls: the public functions below call the operators.  In plain eager mode with
@@ -431,21 +432,24 @@ _define("sparse_attn_weights(Tensor q, Tensor kv, Tensor attn_sink, Tensor topk_
         "float softmax_scale) -> Tensor", _weights_impl, _weights_fake)
 
 
-def _kl_impl(q, k, weights, topk_idxs, attn_target, ratio, start_pos):
-    loss, gq, gk, gw = _dc.indexer_kl_loss(q, k, weights, topk_idxs, attn_target, ratio=ratio,
-                                           start_pos=start_pos, return_grads=True)
+def _kl_impl(q, k, weights, topk_idxs, attn_target, ratio, start_pos, positions, target, clip):
+    loss, gq, gk, gw, m = _dc.indexer_kl_loss(q, k, weights, topk_idxs, attn_target, ratio=ratio,
+                                              start_pos=start_pos, positions=positions,
+                                              target=target, clip=clip, return_grads=True,
+                                              return_metrics=True)
     return (torch.tensor(loss, dtype=_f32), torch.from_numpy(gq), torch.from_numpy(gk),
-            torch.from_numpy(gw))
+            torch.from_numpy(gw), torch.tensor(tuple(m), dtype=torch.float64))
 
 
-def _kl_fake(q, k, weights, topk_idxs, attn_target, ratio, start_pos):
+def _kl_fake(q, k, weights, topk_idxs, attn_target, ratio, start_pos, positions, target, clip):
     return (q.new_empty((), dtype=_f32), q.new_empty(q.shape, dtype=_f32),
-            k.new_empty(k.shape, dtype=_f32), weights.new_empty(weights.shape, dtype=_f32))
+            k.new_empty(k.shape, dtype=_f32), weights.new_empty(weights.shape, dtype=_f32),
+            q.new_empty((5,), dtype=torch.float64))
 
 
 def _kl_setup(ctx, inputs, output):
-    _, gq, gk, gw = output
-    ctx.mark_non_differentiable(gq, gk, gw)
+    _, gq, gk, gw, metrics = output
+    ctx.mark_non_differentiable(gq, gk, gw, metrics)
     ctx.save_for_backward(gq, gk, gw)
     ctx.dtypes = tuple(t.dtype for t in inputs[:3])
 
@@ -455,11 +459,13 @@ def _kl_backward(ctx, grad, *_):
     gq, gk, gw = ctx.saved_tensors
     need = ctx.needs_input_grad
     return tuple((g * grad).to(dt) if n else None
-                 for g, dt, n in zip((gq, gk, gw), ctx.dtypes, need[:3])) + (None,) * 4
+                 for g, dt, n in zip((gq, gk, gw), ctx.dtypes, need[:3])) + (None,) * 7
 
 
+# the last result: (kl, kl_uniform, kl_captured, rows, degenerate_rows) as float64
 _define("indexer_kl_loss(Tensor q, Tensor k, Tensor weights, Tensor? topk_idxs, Tensor attn_target, "
-        "int ratio, int start_pos) -> (Tensor, Tensor, Tensor, Tensor)", _kl_impl, _kl_fake,
+        "int ratio, int start_pos, Tensor? positions, str target, float? clip) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)", _kl_impl, _kl_fake,
         backward=_kl_backward, setup_context=_kl_setup)
 
 

@@ -89,9 +89,9 @@ as it is (never the dense [B, 1, S, L+T] mask when every layer is swapped).
 Falls back to transformers' own forward (one warning per reason, never silently wrong):
 a prebuilt 4-D / dict mask, a 2-D mask whose length is not cached + new tokens, position
 ids not of shape [B or 1, S], attention dropout in training mode, autograd with a build
-lacking the differentiable ops, ``output_attentions``, ``capture_indexer`` with a padded
-batch or per-row / non-contiguous positions (its records take one start position),
-tensors not on the CPU or not float32 / bfloat16.
+lacking the differentiable ops, ``output_attentions``, tensors not on the CPU or not
+float32 / bfloat16.  ``capture_indexer`` records padded batches and per-row positions
+(each query's position; pad queries take no part).
 
 bfloat16: the kernels read bf16 activations in place and compute in float32 with one
 rounding per op (norms, RoPE, pooled entries, attention output).  transformers' bf16 path

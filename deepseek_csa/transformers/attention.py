@@ -252,11 +252,6 @@ def _layer_reason(st, m, h, position_ids, past_key_values, kw):
         if st.pad_mask.shape != (h.shape[0], past + S):
             return (f"a 2-D attention mask of shape {tuple(st.pad_mask.shape)} for "
                     f"{past} cached + {S} new tokens")
-    if st.capture is not None and m.compressor is not None and \
-            hasattr(m.compressor, "indexer"):
-        r = _cap._capture_reason(st.pad_mask, position_ids, S)
-        if r is not None:
-            return r
     return None
 
 
@@ -425,8 +420,8 @@ def _attention(st, m, h, position_embeddings, position_ids, cache, grad_mode=Fal
             kvbuf = torch.cat([rows, entries.to(rows.dtype)], dim=1)
         if hasattr(comp, "indexer"):
             if st.capture is not None:
-                sel, rec = _cap._indexer_capture(st, m, layer, h, qr, cos, sin, pos, off, T,
-                                            grad_mode)
+                sel, rec = _cap._indexer_capture(st, m, layer, h, qr, cos, sin, pos, start,
+                                                 off, T, grad_mode)
             else:
                 with torch.no_grad():
                     sel = _indexer_select(st, m, layer, h.detach(), qr.detach(), cos, sin,

@@ -8,7 +8,6 @@ from typing import Iterable, Optional
 
 from .attention import _make_forward, _make_hc_forward, _missing_grad_ops, _missing_reason
 from .cache import _cache_classes
-from .capture import _capture_reason
 from .versions import _check_version, _torch
 
 _ATTR = "_deepseek_csa_swap"
@@ -58,7 +57,7 @@ def _make_model_forward(st, base):
         if am is not None:
             if isinstance(am, dict) or am.dim() != 2:
                 reason = "a prebuilt 4-D or per-layer-type attention mask"
-            elif st.capture is None or not bool(am.bool().all()):
+            else:
                 # the mask goes to the layers as it is (an all-ones mask drops nothing:
                 # no branch on its values, which torch.compile would have to break at)
                 pad = am.detach().bool()
@@ -86,8 +85,6 @@ def _make_model_forward(st, base):
             elif pos is not None and (pos.shape[-1] != S or
                                       pos.reshape(-1, S).shape[0] not in (1, B)):
                 reason = f"position_ids of shape {tuple(pos.shape)} for {B} x {S} tokens"
-            elif st.capture is not None:
-                reason = _capture_reason(pad, pos, S)
             if reason is None and st.all_layers:
                 skip = base.embed_tokens.weight.device.type == "cpu"
         prev = (st.call_reason, st.mask_skipped, st.pad_mask, st.arange_positions)

@@ -30,7 +30,7 @@ def _torch_kl_ignores_grad_output():
 
     def backward(ctx, grad, *_):
         gq, gk, gw = ctx.saved_tensors
-        return gq, gk, gw, None, None, None, None
+        return gq, gk, gw, None, None, None, None, None, None, None
     torch.library.register_autograd("deepseek_csa::indexer_kl_loss", backward,
                                     setup_context=O._kl_setup, lib=O.LIB)
 
@@ -42,6 +42,10 @@ MUTANTS = [
          what="d(k) drops the second of two adjacent duplicate slots"),
     dict(name="ixg_dq_scale", kind="c", define="CSA_MUTANT_IXG_DQ_SCALE", targets=TARGETS,
          what="d(q) off by a relative 1e-4"),
+    dict(name="ixg_joint_as_selected", kind="c", define="CSA_MUTANT_IXG_JOINT_AS_SELECTED",
+         targets=TARGETS, what="target='joint' computed as 'selected' in the tuned body"),
+    dict(name="ixg_clip_dropped", kind="c", define="CSA_MUTANT_IXG_CLIP_DROPPED",
+         targets=TARGETS, what="the tuned body ignores clip (loss and gradient unclipped)"),
     dict(name="kl_sum_not_mean", kind="py", targets=TARGETS,
          what="the KL loss summed over rows instead of averaged", apply=_loss_sum_not_mean),
     dict(name="torch_kl_no_grad_scale", kind="py", targets=TARGETS,

@@ -84,7 +84,43 @@ def _target_window_slots():
     dch._capture_target = f
 
 
+def _capture_pad_queries_kept():
+    # the capture records a padded batch's pad queries as if they were real
+    import deepseek_csa.transformers.capture as dch
+    for name in ("_indexer_capture", "_capture_target"):
+        real = getattr(dch, name)
+
+        def f(st, *a, _real=real):
+            pad, st.pad_mask = st.pad_mask, None
+            try:
+                return _real(st, *a)
+            finally:
+                st.pad_mask = pad
+        setattr(dch, name, f)
+
+
+def _capture_positions_dropped():
+    # per-query positions not recorded: the loss takes start_pos 0 for every row
+    import deepseek_csa.transformers.capture as dch
+    real = dch._indexer_capture
+
+    def f(*a):
+        sel, rec = real(*a)
+        if rec is not None:
+            rec.positions = None
+        return sel, rec
+    dch._indexer_capture = f
+
+
+PADDED = ["tests/test_grad_transformers.py::test_capture_padded_batch_rows_equal_rows_alone"]
+
 MUTANTS = [
+    dict(name="capture_pad_queries_kept", kind="py", targets=PADDED,
+         apply=_capture_pad_queries_kept,
+         what="a padded batch's pad queries take part in the captured KL loss"),
+    dict(name="capture_positions_dropped", kind="py", targets=PADDED,
+         apply=_capture_positions_dropped,
+         what="the capture records no per-query positions for a left-padded batch"),
     dict(name="sink_no_grad", kind="py", targets=TARGETS, apply=_sink_no_grad,
          what="the attention sink gets no gradient (detached before sparse_attn)"),
     dict(name="compressor_detached", kind="py", targets=TARGETS, apply=_compressor_detached,
