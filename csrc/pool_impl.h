@@ -637,6 +637,17 @@ static int CSA_V(gated_pool_tuned)(const struct csa_pool_problem *p)
 #ifndef POOL_GRAD_LB
 #define POOL_GRAD_LB 8192
 #endif
+/* One copy of a pass's loop body: GCC's -O3 splits a loop on a condition that changes
+ * once (the first, alignment-masked vector; the last), unswitches it on a loop-invariant
+ * one (a bfloat16 flag) and peels it, and each copy may order a commutative operation's
+ * operands its own way -- which decides the sign and payload of a NaN result (the zoo
+ * saw d(ape)'s NaN signs follow d(kv)'s address between two identical calls). */
+#if defined(__GNUC__) && !defined(__clang__)
+#define PG_ONE_COPY __attribute__((noinline, optimize("no-split-loops", "no-unswitch-loops", \
+                                                      "no-peel-loops")))
+#else
+#define PG_ONE_COPY __attribute__((noinline))
+#endif
 #ifndef POOL_GRAD_FC
 #define POOL_GRAD_FC 256
 #endif
@@ -675,7 +686,7 @@ static inline __attribute__((always_inline)) void CSA_V(pg_st)(void *p, int bf, 
 }
 
 /* l[0, fcp) = score (+ ape) of one candidate (0 past fc), m = max(m, l). */
-static __attribute__((noinline)) void CSA_V(pg_logits)(const void *sc, int scbf, const float *ap,
+static PG_ONE_COPY void CSA_V(pg_logits)(const void *sc, int scbf, const float *ap,
                                                        float *l, float *m, csa_idx fc, csa_idx fcp)
 {
 #pragma GCC unroll 1
@@ -689,7 +700,7 @@ static __attribute__((noinline)) void CSA_V(pg_logits)(const void *sc, int scbf,
 }
 
 /* l = exp(l - m) in place, s += l, acc += l * kv over [0, fcp). */
-static __attribute__((noinline)) void CSA_V(pg_expsum)(float *l, const float *m, const void *kv,
+static PG_ONE_COPY void CSA_V(pg_expsum)(float *l, const float *m, const void *kv,
                                                        int kvbf, float *s, float *acc, csa_idx fc,
                                                        csa_idx fcp)
 {
@@ -706,7 +717,7 @@ static __attribute__((noinline)) void CSA_V(pg_expsum)(float *l, const float *m,
 
 /* One candidate row's gradients over [0, fc): dk = e / s * dy, ds = dk (kv - y),
  * ga += ds; the loop starts where gk's lines do (lanes before 0 masked off). */
-static __attribute__((noinline)) void CSA_V(pg_grads)(const float *e, const float *s,
+static PG_ONE_COPY void CSA_V(pg_grads)(const float *e, const float *s,
                                                       const float *dyv, const void *kv, int kvbf,
                                                       const float *y, float *ga, void *gk,
                                                       int gkbf, void *gs, int gsbf, csa_idx fc)
@@ -773,7 +784,7 @@ static inline __attribute__((always_inline)) void CSA_V(pg_st)(void *p, int bf, 
     }
 }
 
-static __attribute__((noinline)) void CSA_V(pg_logits)(const void *sc, int scbf, const float *ap,
+static PG_ONE_COPY void CSA_V(pg_logits)(const void *sc, int scbf, const float *ap,
                                                        float *l, float *m, csa_idx fc, csa_idx fcp)
 {
 #pragma GCC unroll 1
@@ -786,7 +797,7 @@ static __attribute__((noinline)) void CSA_V(pg_logits)(const void *sc, int scbf,
     }
 }
 
-static __attribute__((noinline)) void CSA_V(pg_expsum)(float *l, const float *m, const void *kv,
+static PG_ONE_COPY void CSA_V(pg_expsum)(float *l, const float *m, const void *kv,
                                                        int kvbf, float *s, float *acc, csa_idx fc,
                                                        csa_idx fcp)
 {
@@ -801,7 +812,7 @@ static __attribute__((noinline)) void CSA_V(pg_expsum)(float *l, const float *m,
     }
 }
 
-static __attribute__((noinline)) void CSA_V(pg_grads)(const float *e, const float *s,
+static PG_ONE_COPY void CSA_V(pg_grads)(const float *e, const float *s,
                                                       const float *dyv, const void *kv, int kvbf,
                                                       const float *y, float *ga, void *gk,
                                                       int gkbf, void *gs, int gsbf, csa_idx fc)
