@@ -823,12 +823,13 @@ static PG_ONE_COPY void CSA_V(pg_grads)(const float *e, const float *s,
     for (csa_idx f = pre ? pre - 8 : 0; f < fc; f += 8) {
         const csa_idx lo = f < 0 ? -f : 0, hi = fc - f;
         const __m256i mk = CSA_V(pg_mask)(lo, hi);
-        const __m256 sv = _mm256_blendv_ps(_mm256_set1_ps(1.0f), _mm256_maskload_ps(s + f, mk),
-                                           _mm256_castsi256_ps(mk));
-        const __m256 dk = _mm256_mul_ps(_mm256_div_ps(_mm256_maskload_ps(e + f, mk), sv),
-                                        _mm256_maskload_ps(dyv + f, mk));
+        /* e, s, dy, y are pg_entry's buffers, padded to whole vectors and with a
+         * vector of margin in front (PG_MARGIN): plain loads, whatever the lanes outside
+         * [lo, hi) hold is never stored (a masked load costs an extra uop at avx2) */
+        const __m256 dk = _mm256_mul_ps(_mm256_div_ps(_mm256_loadu_ps(e + f), _mm256_loadu_ps(s + f)),
+                                        _mm256_loadu_ps(dyv + f));
         const __m256 ds = _mm256_mul_ps(dk, _mm256_sub_ps(CSA_V(pg_ld)(pool_off(kv, kvbf, f), kvbf, mk, lo, hi),
-                                                          _mm256_maskload_ps(y + f, mk)));
+                                                          _mm256_loadu_ps(y + f)));
         if (ga) _mm256_maskstore_ps(ga + f, mk, _mm256_add_ps(_mm256_maskload_ps(ga + f, mk), ds));
         CSA_V(pg_st)((void *)pool_off(gk, gkbf, f), gkbf, mk, lo, hi, dk);
         CSA_V(pg_st)((void *)pool_off(gs, gsbf, f), gsbf, mk, lo, hi, ds);
@@ -885,10 +886,17 @@ static void CSA_V(pg_entry)(const struct csa_pool_grad_problem *p, csa_idx b, cs
     const csa_idx nc = pt[0].n + (np > 1 ? pt[1].n : 0);
     csa_idx fcm = POOL_GRAD_LB / (nc > 0 ? nc : 1) / 16 * 16;
     if (fcm > POOL_GRAD_FC) fcm = POOL_GRAD_FC;
-    float lb[POOL_GRAD_LB] __attribute__((aligned(64)));
-    float m[POOL_GRAD_FC] __attribute__((aligned(64))), s[POOL_GRAD_FC] __attribute__((aligned(64)));
-    float acc[POOL_GRAD_FC] __attribute__((aligned(64))), y[POOL_GRAD_FC] __attribute__((aligned(64)));
-    float dyv[POOL_GRAD_FC] __attribute__((aligned(64)));
+    /* the buffers pg_grads reads at offsets down to -15 have 16 floats in front (1.0:
+     * nothing there is ever stored, but every lane stays a number) */
+#define PG_MARGIN 16
+    float lbm[PG_MARGIN + POOL_GRAD_LB] __attribute__((aligned(64)));
+    float sm[PG_MARGIN + POOL_GRAD_FC] __attribute__((aligned(64)));
+    float ym[PG_MARGIN + POOL_GRAD_FC] __attribute__((aligned(64)));
+    float dym[PG_MARGIN + POOL_GRAD_FC] __attribute__((aligned(64)));
+    float m[POOL_GRAD_FC] __attribute__((aligned(64))), acc[POOL_GRAD_FC] __attribute__((aligned(64)));
+    float *lb = lbm + PG_MARGIN, *s = sm + PG_MARGIN, *y = ym + PG_MARGIN, *dyv = dym + PG_MARGIN;
+    for (int i = 0; i < PG_MARGIN; i++) lbm[i] = sm[i] = ym[i] = dym[i] = 1.0f;
+#undef PG_MARGIN
     for (csa_idx f0 = f_lo; f0 < f_hi; f0 += fcm) {
         const csa_idx fc = f_hi - f0 < fcm ? f_hi - f0 : fcm;
         const csa_idx fcp = (fc + PG_VL - 1) / PG_VL * PG_VL;
