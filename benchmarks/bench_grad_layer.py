@@ -205,7 +205,8 @@ def main():
     import transformers
     rows = []
     if a.label and out_path.exists():   # keep the rows of other labels (another build's run)
-        rows = [r for r in json.loads(out_path.read_text())["rows"] if r.get("label") != a.label]
+        rows = [r for r in json.loads(out_path.read_text())["rows"]
+                if r.get("label") != a.label or r["S"] not in a.sizes]
     layer = GradLayer(getattr(torch, a.dtype))
     for S in a.sizes:
         rows.append(bench(layer, S, a.rounds, a.eager_max, a.label))
