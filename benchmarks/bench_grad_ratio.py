@@ -15,7 +15,8 @@ with its results preallocated; the bf16 rows show what reading bf16 as it is sav
 widening the inputs to float32 copies first (what the torch Function did before).
 
 bf16 rows are what bf16 training runs: bf16 inputs and bf16 gradients (grad_dtype='bfloat16',
-rounded by the kernels as they store them).
+rounded by the kernels as they store them).  Results start on a 64-byte line, as torch's
+tensors do (NumPy's large arrays start 16 bytes past one).
 
 Every row carries the CPU, the ISA level, the thread count and the 1-minute load average:
 on a shared host the absolute times move, the interleaved ratios much less.  Each row also
@@ -48,6 +49,15 @@ def _bf16():
     return ml_dtypes.bfloat16
 
 
+def _empty64(shape, dtype):
+    """An empty array starting on a 64-byte line, as torch allocates (the training path's
+    gradients are torch tensors); NumPy's large arrays start 16 bytes past one."""
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.empty(n + 64, np.uint8)
+    o = (-raw.ctypes.data) % 64
+    return raw[o:o + n].view(dtype).reshape(shape)
+
+
 def attn_pair(S, dtype, rng, H=64, D=512, K=640):
     """(forward, backward, backward-with-copies, work) at the V4-Flash CSA shape; N = S + 512
     distinct rows a query (every slot valid)."""
@@ -64,7 +74,7 @@ def attn_pair(S, dtype, rng, H=64, D=512, K=640):
     out, lse = dc.sparse_attn(q, kv, sink, idx, scale, return_lse=True)
     o_buf = np.empty_like(out)
     gdt = _bf16() if dtype == "bf16" else np.float32
-    gq, gkv = np.empty(q.shape, gdt), np.empty(kv.shape, gdt)
+    gq, gkv = _empty64(q.shape, gdt), _empty64(kv.shape, gdt)
     gs = np.empty_like(sink)
 
     def fwd():
@@ -94,9 +104,9 @@ def pool_pair(T, d, ratio, overlap, dtype, rng):
     if dtype == "bf16":
         bf = _bf16()
         kv, sc, dy = kv.astype(bf), sc.astype(bf), dy.astype(bf)
-    out = np.empty((1, T // ratio, d), kv.dtype)
+    out = _empty64((1, T // ratio, d), kv.dtype)
     gdt = _bf16() if dtype == "bf16" else np.float32
-    gk, gs = np.empty(kv.shape, gdt), np.empty(sc.shape, gdt)
+    gk, gs = _empty64(kv.shape, gdt), _empty64(sc.shape, gdt)
     ga = np.empty_like(ape)
 
     def fwd():
