@@ -17,7 +17,14 @@ approach 24 GiB).
         # (--standin: tests/_grad_standin.py's plain-torch ops instead of the real ones,
         #  only to exercise the script before they land: its times mean nothing)
 
-Writes benchmarks/results/grad_layer.json (+ grad_layer.png), after every row.
+    OMP_NUM_THREADS=2 flock /tmp/mem.lock .venv/bin/python benchmarks/bench_grad_layer.py \
+        --dtype bfloat16 --eager-max 0 --sizes 1024 2048 --rounds 2 --label after
+        # the layer in bf16 (weights, activations, gradients), ours alone: peak memory of
+        # bf16 training; rows are appended to grad_layer_bf16.json under --label, so a run
+        # of this script against an older build of the package gives the "before" rows
+
+Writes benchmarks/results/grad_layer.json (+ grad_layer.png), after every row
+(grad_layer_bf16.json for --dtype bfloat16).
 """
 from __future__ import annotations
 
@@ -42,23 +49,25 @@ from harness import RESULTS, environment  # noqa: E402
 class GradLayer:
     """One CSA DeepseekV4Attention, eager and swapped copies, parameters requiring grad."""
 
-    def __init__(self):
+    def __init__(self, dtype=torch.float32):
         from transformers.models.deepseek_v4 import modeling_deepseek_v4 as mdl
         import deepseek_csa.transformers as dch
         self.cfg = flash_config()
+        self.dtype = dtype
         self.eager = mdl.DeepseekV4Attention(self.cfg, 0).train()
         randomize(self.eager)
+        self.eager.to(dtype)
         self.ours = copy.deepcopy(self.eager)
         dch.swap(self.ours)
         self.rot = mdl.DeepseekV4RotaryEmbedding(self.cfg)
 
     def inputs(self, S, seed=1):
         g = torch.Generator().manual_seed(seed)
-        x = torch.randn((1, S, self.cfg.hidden_size), generator=g)
+        x = torch.randn((1, S, self.cfg.hidden_size), generator=g).to(self.dtype)
         pos = torch.arange(S)[None]
         with torch.no_grad():
             pe = {k: self.rot(x, pos, layer_type=k) for k in ("main", "compress")}
-        gout = torch.randn((1, S, self.cfg.hidden_size), generator=g)
+        gout = torch.randn((1, S, self.cfg.hidden_size), generator=g).to(self.dtype)
         return x, pos, pe, gout
 
     def step(self, which, x, pos, pe, gout):
@@ -74,7 +83,7 @@ class GradLayer:
             out = mod(xi, pe, pos, mask, None)[0]
         else:
             out = mod(xi, pe, pos, None, None)[0]
-        loss = (out * gout).sum()
+        loss = (out * gout).float().sum()
         loss.backward()
         return (float(loss.detach()), xi.grad, mod.compressor.kv_proj.weight.grad,
                 mod.sinks.grad)
@@ -84,7 +93,7 @@ def rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
-def bench(layer, S, rounds, eager_max):
+def bench(layer, S, rounds, eager_max, label=None):
     x, pos, pe, gout = layer.inputs(S)
     outs = {}
 
@@ -99,7 +108,10 @@ def bench(layer, S, rounds, eager_max):
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)      # a fallback would be a lie
         res = interleaved(sides, rounds, warm=S <= 1024)
-    row = {"case": f"CSA layer fwd+bwd S={S}", "S": S, "rounds": rounds}
+    row = {"case": f"CSA layer fwd+bwd S={S}", "S": S, "rounds": rounds,
+           "dtype": str(layer.dtype).replace("torch.", "")}
+    if label:
+        row.update(label=label, case=f"{row['case']} {row['dtype']} {label}")
     if "eager" in outs:
         o, e = outs["ours"], outs["eager"]
         row["loss_rel_err"] = abs(o[0] - e[0]) / abs(e[0])
@@ -167,6 +179,11 @@ def main():
     ap.add_argument("--no-checkpoint", action="store_true",
                     help="keep the attention segment's tensors for the backward instead of "
                          "recomputing them (deepseek_csa.transformers.CHECKPOINT_ATTENTION)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="the layer's dtype (weights, activations, gradients)")
+    ap.add_argument("--label", default=None,
+                    help="names the rows (e.g. before / after a change) and appends them to "
+                         "the JSON's rows of other labels")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     import deepseek_csa.transformers as dch
@@ -181,15 +198,20 @@ def main():
     elif not real_ops_available():
         sys.exit("bench_grad_layer: this build of deepseek_csa.torch has no differentiable "
                  "ops yet (--standin runs the script on the plain-torch stand-in)")
-    out_path = Path(a.out or RESULTS / ("grad_layer_standin.json" if a.standin
-                                        else "grad_layer.json"))
+    stem = "grad_layer" + ("_bf16" if a.dtype == "bfloat16" else "")
+    out_path = Path(a.out or RESULTS / (stem + "_standin.json" if a.standin else stem + ".json"))
     threads = int(os.environ.get("OMP_NUM_THREADS", "2"))
     torch.set_num_threads(threads)
     import transformers
     rows = []
-    layer = GradLayer()
+    if a.label and out_path.exists():   # keep the rows of other labels (another build's run)
+        rows = [r for r in json.loads(out_path.read_text())["rows"]
+                if r.get("label") != a.label or r["S"] not in a.sizes]
+    layer = GradLayer(getattr(torch, a.dtype))
     for S in a.sizes:
-        rows.append(bench(layer, S, a.rounds, a.eager_max))
+        rows.append(bench(layer, S, a.rounds, a.eager_max, a.label))
+        rows[-1]["environment"] = dict(environment(threads), load_average=os.getloadavg(),
+                                       package=str(Path(dct.__file__).resolve().parent.parent))
         out = {"environment": dict(environment(threads), transformers=transformers.__version__,
                                    load_average=os.getloadavg()),
                "ops": "standin (tests/_grad_standin.py)" if a.standin else "deepseek_csa",

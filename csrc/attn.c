@@ -180,17 +180,20 @@ static int attn_bwd_ref(const struct csa_attn_bwd_problem *g)
     return CSA_OK;
 }
 
-/* Runs body (the oracle or the tuned one, float32 outputs) for g: directly when dq and
- * dkv are float32, else into float32 scratch that is then rounded once into them. */
+/* Runs body (the oracle or the tuned one) for g: directly when dq and dkv are float32
+ * (or dq is bfloat16 and the body writes it itself: `own_dq`), else into float32
+ * scratch that is then rounded once into them.  The tuned body rounds each row's d(q)
+ * as it stores it; d(kv), which every row adds into, is summed in float32 scratch of
+ * [B, N, D] (N kv rows, not the [B, S, H, D] of d(q)). */
 static int attn_bwd_outputs(const struct csa_attn_bwd_problem *g,
-                            int (*body)(const struct csa_attn_bwd_problem *))
+                            int (*body)(const struct csa_attn_bwd_problem *), int own_dq)
 {
-    if (!g->dq_bf16 && !g->dkv_bf16) return body(g);
+    if ((!g->dq_bf16 || own_dq) && !g->dkv_bf16) return body(g);
     const struct csa_attn_problem *a = &g->f;
     const csa_idx B = a->B, S = a->S, H = a->H, N = a->N, D = a->D;
     struct csa_attn_bwd_problem h = *g;
     float *tq = NULL, *tkv = NULL;
-    if (g->dq_bf16) {
+    if (g->dq_bf16 && !own_dq) {
         if (!(tq = malloc((size_t)(B * S * H * D > 0 ? B * S * H * D : 1) * sizeof(float)))) return CSA_ENOMEM;
         h.dq = tq, h.dq_bf16 = 0, h.sdq_b = S * H * D, h.sdq_s = H * D, h.sdq_h = D;
     }
@@ -210,12 +213,6 @@ static int attn_bwd_outputs(const struct csa_attn_bwd_problem *g,
                 csa_bf16 *o = (csa_bf16 *)g->dq + (r / S) * g->sdq_b + (r % S) * g->sdq_s + hh * g->sdq_h;
                 const float *x = tq + (r * H + hh) * D;
                 for (csa_idx d = 0; d < D; d++) o[d] = csa_f32_to_bf16(x[d]);
-#ifdef CSA_MUTANT_ATTN_BWD_BF16_TRUNC /* planted: the bf16 d(q) truncated, not rounded */
-                for (csa_idx d = 0; d < D; d++) {
-                    union { float f; uint32_t u; } v = {x[d]};
-                    o[d] = (csa_bf16)(v.u >> 16);
-                }
-#endif
             }
     }
     if (st == CSA_OK && tkv) {
@@ -238,7 +235,7 @@ int csa_sparse_attn_backward_ref(const struct csa_attn_bwd_problem *g)
     csa_idx b, s, k;
     if (!a->out || !a->lse) return CSA_EINVAL;
     if (csa_attn_bad_index(a, &b, &s, &k)) return CSA_EINDEX;
-    return attn_bwd_outputs(g, attn_bwd_ref);
+    return attn_bwd_outputs(g, attn_bwd_ref, 0);
 }
 
 static int omp_tid(void)
@@ -313,10 +310,8 @@ int csa_sparse_attn_weights(const struct csa_attn_problem *a)
     CSA_DISPATCH(sparse_attn_weights_tuned, (a), attn_ref(a));
 }
 
-static int attn_bwd_dispatch(const struct csa_attn_bwd_problem *g)
+static int attn_bwd_tuned(const struct csa_attn_bwd_problem *g)
 {
-    const struct csa_attn_problem *a = &g->f;
-    if (a->D <= 0 || a->K <= 0 || a->H <= 0 || a->B <= 0 || a->S <= 0) return attn_bwd_ref(g);
     CSA_DISPATCH(sparse_attn_backward_tuned, (g), attn_bwd_ref(g));
 }
 
@@ -326,5 +321,8 @@ int csa_sparse_attn_backward(const struct csa_attn_bwd_problem *g)
     csa_idx b, s, k;
     if (!a->out || !a->lse) return CSA_EINVAL;
     if (csa_attn_bad_index(a, &b, &s, &k)) return CSA_EINDEX;
-    return attn_bwd_outputs(g, attn_bwd_dispatch);
+    if (a->D <= 0 || a->K <= 0 || a->H <= 0 || a->B <= 0 || a->S <= 0 ||
+        csa_isa_get() == CSA_ISA_REF)
+        return attn_bwd_outputs(g, attn_bwd_ref, 0);
+    return attn_bwd_outputs(g, attn_bwd_tuned, 1);
 }

@@ -79,7 +79,8 @@ struct csa_attn_problem {
  * by dout_bf16: bfloat16 inputs are widened exactly where they are read (no copy), and
  * all arithmetic is float32, so the results are bitwise those of the float32 call on
  * the widened values.  dq and dkv are float32, or bfloat16 by dq_bf16 / dkv_bf16: the
- * float32 result rounded once (csa_f32_to_bf16), through a float32 scratch of the
+ * float32 result rounded once (csa_f32_to_bf16).  The tuned bodies round each row's d(q)
+ * as they store it; d(kv) (and the oracle's d(q)) go through float32 scratch of the
  * result's size; dsink is float32. */
 struct csa_attn_bwd_problem {
     struct csa_attn_problem f;

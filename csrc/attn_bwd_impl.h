@@ -252,7 +252,11 @@ static void CSA_V(bwd_item)(const struct csa_attn_bwd_problem *g, csa_idx b, csa
     const char *q = (const char *)a->q + (size_t)(b * a->sq_b + s * a->sq_s) * es;
     const char *o = (const char *)a->out + (size_t)(b * a->so_b + s * a->so_s) * es;
     const char *dO = (const char *)g->dout + (size_t)(b * g->sdo_b + s * g->sdo_s) * des;
-    float *dq = (float *)g->dq + b * g->sdq_b + s * g->sdq_s;
+    /* d(q) belongs to this row: a bfloat16 d(q) is rounded once from the row's float32
+     * tile as it is stored (no float32 copy of d(q)) */
+    const int qbf = g->dq_bf16;
+    char *dq = (char *)g->dq + (size_t)(b * g->sdq_b + s * g->sdq_s) *
+                                   (qbf ? sizeof(csa_bf16) : sizeof(float));
     const float *lse = a->lse + b * a->sl_b + s * a->sl_s;
 
     csa_idx n = 0;
@@ -264,7 +268,8 @@ static void CSA_V(bwd_item)(const struct csa_attn_bwd_problem *g, csa_idx b, csa
     *cnt = n;
     if (n == 0) { /* the output is the constant 0: no gradient anywhere */
         for (csa_idx h = 0; h < H; h++) {
-            memset(dq + h * g->sdq_h, 0, (size_t)D * sizeof(float));
+            memset(dq + (size_t)(h * g->sdq_h) * (qbf ? sizeof(csa_bf16) : sizeof(float)), 0,
+                   (size_t)D * (qbf ? sizeof(csa_bf16) : sizeof(float)));
             rs[h] = 0.0f;
         }
         return;
@@ -347,7 +352,15 @@ static void CSA_V(bwd_item)(const struct csa_attn_bwd_problem *g, csa_idx b, csa
 #ifdef CSA_MUTANT_ATTN_BWD_DQ_SCALE
     for (csa_idx h = 0; h < hcp; h++) w->ones[h] = 1.0f - 1e-4f;
 #endif
-    CSA_V(attn_store)(w->dqT, hcp, w->ones, H, D, dq, g->sdq_h, 0);
+    CSA_V(attn_store)(w->dqT, hcp, w->ones, H, D, dq, g->sdq_h, qbf);
+#ifdef CSA_MUTANT_ATTN_BWD_BF16_TRUNC /* planted: the bf16 d(q) truncated, not rounded */
+    if (qbf)
+        for (csa_idx h = 0; h < H; h++)
+            for (csa_idx d = 0; d < D; d++) {
+                union { float f; uint32_t u; } v = {w->dqT[d * hcp + h]};
+                ((csa_bf16 *)dq)[h * g->sdq_h + d] = (csa_bf16)(v.u >> 16);
+            }
+#endif
 }
 
 static int CSA_V(sparse_attn_backward_tuned)(const struct csa_attn_bwd_problem *g)

@@ -3,6 +3,9 @@
 #include <math.h>
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #endif
 
 int csa_rms_norm_ref(const float *x, csa_idx rows, csa_idx d, csa_idx sx_row, csa_idx sx_col,
@@ -61,7 +64,8 @@ static inline const void *norm_off(const void *p, int bf, csa_idx i)
 
 int csa_rms_norm_backward_ref(const void *dy, int dy_bf16, csa_idx sdy_row, const void *x,
                               int x_bf16, csa_idx sx_row, csa_idx rows, csa_idx d,
-                              const float *w, float eps, float *dx, csa_idx sdx_row, float *dw)
+                              const float *w, float eps, void *dx, int dx_bf16, csa_idx sdx_row,
+                              float *dw)
 {
     if (rows < 0 || d < 0 || (dw && !w)) return CSA_EINVAL;
     const csa_idx nb = (rows + CSA_NORM_GRAD_ROWS - 1) / CSA_NORM_GRAD_ROWS;
@@ -87,7 +91,9 @@ int csa_rms_norm_backward_ref(const void *dy, int dy_bf16, csa_idx sdy_row, cons
         for (csa_idx i = 0; i < d; i++) {
             const float v = norm_ld(xr, x_bf16, i), gy = norm_ld(gr, dy_bf16, i);
             const float g = w ? gy * w[i] : gy;
-            dx[r * sdx_row + i] = inv * g - v * k;
+            const float o = inv * g - v * k;
+            if (dx_bf16) ((csa_bf16 *)dx)[r * sdx_row + i] = csa_f32_to_bf16(o);
+            else ((float *)dx)[r * sdx_row + i] = o;
             if (pr) pr[i] += gy * (v * inv);
         }
     }
@@ -125,11 +131,12 @@ int csa_rms_norm_bf16(const csa_bf16 *x, csa_idx rows, csa_idx d, csa_idx sx_row
 
 int csa_rms_norm_backward(const void *dy, int dy_bf16, csa_idx sdy_row, const void *x,
                           int x_bf16, csa_idx sx_row, csa_idx rows, csa_idx d, const float *w,
-                          float eps, float *dx, csa_idx sdx_row, float *dw)
+                          float eps, void *dx, int dx_bf16, csa_idx sdx_row, float *dw)
 {
     if (rows < 0 || d < 0 || (dw && !w)) return CSA_EINVAL;
     CSA_DISPATCH(rms_norm_backward_tuned,
-                 (dy, dy_bf16, sdy_row, x, x_bf16, sx_row, rows, d, w, eps, dx, sdx_row, dw),
+                 (dy, dy_bf16, sdy_row, x, x_bf16, sx_row, rows, d, w, eps, dx, dx_bf16, sdx_row,
+                  dw),
                  csa_rms_norm_backward_ref(dy, dy_bf16, sdy_row, x, x_bf16, sx_row, rows, d, w,
-                                           eps, dx, sdx_row, dw));
+                                           eps, dx, dx_bf16, sdx_row, dw));
 }

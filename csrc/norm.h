@@ -27,13 +27,15 @@ int csa_rms_norm_bf16(const csa_bf16 *x, csa_idx rows, csa_idx d, csa_idx sx_row
  * dw summed over fixed blocks of CSA_NORM_GRAD_ROWS rows (each block's rows in order),
  * then the block partials in block order: bits independent of the thread count.
  * dy, x, dx: [rows, d] (row strides, unit inner stride); w, dw: [d], unit stride.
- * x and dy: float32, or bfloat16 when x_bf16 / dy_bf16 (widened exactly).
- * CSA_ENOMEM if the partials cannot be allocated. */
+ * x and dy: float32, or bfloat16 when x_bf16 / dy_bf16 (widened exactly); dx float32,
+ * or bfloat16 when dx_bf16 (each element rounded once, csa_f32_to_bf16, as it is stored:
+ * no float32 copy of dx is made).  CSA_ENOMEM if the partials cannot be allocated. */
 #define CSA_NORM_GRAD_ROWS 64
 int csa_rms_norm_backward(const void *dy, int dy_bf16, csa_idx sdy_row, const void *x,
                           int x_bf16, csa_idx sx_row, csa_idx rows, csa_idx d, const float *w,
-                          float eps, float *dx, csa_idx sdx_row, float *dw);
+                          float eps, void *dx, int dx_bf16, csa_idx sdx_row, float *dw);
 int csa_rms_norm_backward_ref(const void *dy, int dy_bf16, csa_idx sdy_row, const void *x,
                               int x_bf16, csa_idx sx_row, csa_idx rows, csa_idx d,
-                              const float *w, float eps, float *dx, csa_idx sdx_row, float *dw);
+                              const float *w, float eps, void *dx, int dx_bf16, csa_idx sdx_row,
+                              float *dw);
 #endif

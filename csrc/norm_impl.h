@@ -305,13 +305,15 @@ static inline __attribute__((always_inline)) float CSA_V(nb_dx)(float inv, float
 static inline __attribute__((always_inline)) void CSA_V(nb_rows)(
     const void *dy, const int dybf, csa_idx sdy_row, const void *x, const int xbf,
     csa_idx sx_row, csa_idx r0, csa_idx r1, csa_idx d, const float *CSA_RESTRICT w, float eps,
-    float *dx, csa_idx sdx_row, float *CSA_RESTRICT pr)
+    void *dx, const int dxbf, csa_idx sdx_row, float *CSA_RESTRICT pr, float *CSA_RESTRICT row)
 {
     if (pr)
         for (csa_idx i = 0; i < d; i++) pr[i] = 0.0f;
     for (csa_idx r = r0; r < r1; r++) {
         const void *xr = norm_off(x, xbf, r * sx_row), *gr = norm_off(dy, dybf, r * sdy_row);
-        float *CSA_RESTRICT dr = dx + r * sdx_row;
+        /* a bfloat16 d(x) row is formed in float32 in `row` (one row of scratch per
+         * item), then rounded once into place */
+        float *CSA_RESTRICT dr = dxbf ? row : (float *)dx + r * sdx_row;
         const float ss = CSA_V(nb_dot)(xr, xbf, NULL, xr, xbf, d);
         const float inv = 1.0f / sqrtf(ss / (float)d + eps);
         const float dot = CSA_V(nb_dot)(gr, dybf, w, xr, xbf, d);
@@ -329,6 +331,11 @@ static inline __attribute__((always_inline)) void CSA_V(nb_rows)(
             for (csa_idx i = 0; i < d; i++)
                 dr[i] = CSA_V(nb_dx)(inv, norm_ld(gr, dybf, i), norm_ld(xr, xbf, i), k);
         }
+        if (dxbf) {
+            csa_bf16 *CSA_RESTRICT o = (csa_bf16 *)dx + r * sdx_row;
+#pragma omp simd
+            for (csa_idx i = 0; i < d; i++) o[i] = csa_f32_to_bf16(dr[i]);
+        }
         if (pr) {
 #pragma omp simd
             for (csa_idx i = 0; i < d; i++)
@@ -340,29 +347,45 @@ static inline __attribute__((always_inline)) void CSA_V(nb_rows)(
 static int CSA_V(rms_norm_backward_tuned)(const void *dy, int dy_bf16, csa_idx sdy_row,
                                           const void *x, int x_bf16, csa_idx sx_row,
                                           csa_idx rows, csa_idx d, const float *w, float eps,
-                                          float *dx, csa_idx sdx_row, float *dw)
+                                          void *dx, int dx_bf16, csa_idx sdx_row, float *dw)
 {
     const csa_idx nb = (rows + CSA_NORM_GRAD_ROWS - 1) / CSA_NORM_GRAD_ROWS;
+    const int nt = csa_threads(nb, 1 + 16384 / (CSA_NORM_GRAD_ROWS * (d + 1)));
+    /* d(w)'s partials (one per block), then a bfloat16 d(x)'s row scratch (one per thread) */
+    const size_t np = dw ? (size_t)(nb > 0 ? nb : 1) * (size_t)(d > 0 ? d : 1) : 0;
+    const size_t nr = dx_bf16 ? (size_t)nt * (size_t)(d > 0 ? d : 1) : 0;
     float *part = NULL;
-    if (dw) {
-        part = malloc((size_t)(nb > 0 ? nb : 1) * (size_t)(d > 0 ? d : 1) * sizeof(float));
+    if (np + nr) {
+        part = malloc((np + nr) * sizeof(float));
         if (!part) return CSA_ENOMEM;
     }
-    const int nt = csa_threads(nb, 1 + 16384 / (CSA_NORM_GRAD_ROWS * (d + 1)));
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (csa_idx bk = 0; bk < nb; bk++) {
-        const csa_idx r0 = bk * CSA_NORM_GRAD_ROWS;
-        const csa_idx r1 = rows - r0 < CSA_NORM_GRAD_ROWS ? rows : r0 + CSA_NORM_GRAD_ROWS;
-        float *pr = part ? part + bk * d : NULL;
-        if (x_bf16 && dy_bf16)
-            CSA_V(nb_rows)(dy, 1, sdy_row, x, 1, sx_row, r0, r1, d, w, eps, dx, sdx_row, pr);
-        else if (!x_bf16 && !dy_bf16)
-            CSA_V(nb_rows)(dy, 0, sdy_row, x, 0, sx_row, r0, r1, d, w, eps, dx, sdx_row, pr);
-        else
-            CSA_V(nb_rows)(dy, dy_bf16 != 0, sdy_row, x, x_bf16 != 0, sx_row, r0, r1, d, w, eps,
-                           dx, sdx_row, pr);
+#pragma omp parallel num_threads(nt)
+    {
+#ifdef _OPENMP
+        float *row = dx_bf16 ? part + np + (size_t)omp_get_thread_num() * (size_t)d : NULL;
+#else
+        float *row = dx_bf16 ? part + np : NULL;
+#endif
+#pragma omp for schedule(static)
+        for (csa_idx bk = 0; bk < nb; bk++) {
+            const csa_idx r0 = bk * CSA_NORM_GRAD_ROWS;
+            const csa_idx r1 = rows - r0 < CSA_NORM_GRAD_ROWS ? rows : r0 + CSA_NORM_GRAD_ROWS;
+            float *pr = dw ? part + bk * d : NULL;
+            if (x_bf16 && dy_bf16 && dx_bf16)
+                CSA_V(nb_rows)(dy, 1, sdy_row, x, 1, sx_row, r0, r1, d, w, eps, dx, 1, sdx_row,
+                               pr, row);
+            else if (!x_bf16 && !dy_bf16 && !dx_bf16)
+                CSA_V(nb_rows)(dy, 0, sdy_row, x, 0, sx_row, r0, r1, d, w, eps, dx, 0, sdx_row,
+                               pr, row);
+            else
+                CSA_V(nb_rows)(dy, dy_bf16 != 0, sdy_row, x, x_bf16 != 0, sx_row, r0, r1, d, w,
+                               eps, dx, dx_bf16 != 0, sdx_row, pr, row);
+        }
     }
-    if (!dw) return CSA_OK;
+    if (!dw) {
+        free(part);
+        return CSA_OK;
+    }
     const csa_idx nf = (d + 255) / 256;
     const int ntf = csa_threads(nf, 1 + 16384 / (256 * (nb + 1)));
 #pragma omp parallel for num_threads(ntf) schedule(static)

@@ -190,16 +190,49 @@ static void grad_zero_row(const struct csa_pool_grad_problem *p, csa_idx i)
     if (t >= G * r) n = cd;
     else if (p->overlap && t >= (G - 1) * r) n = d;
     if (!n) return;
-    float *k = p->dkv + b * p->sgkb + t * p->sgkt, *s = p->dsc ? p->dsc + b * p->sgsb + t * p->sgst : NULL;
-    for (csa_idx f = 0; f < n; f++) k[f] = 0.0f;
-    if (s)
-        for (csa_idx f = 0; f < n; f++) s[f] = 0.0f;
+    /* zero bits are 0.0 in float32 and in bfloat16 */
+    memset((char *)p->dkv + (size_t)(b * p->sgkb + t * p->sgkt) * (p->dkv_bf16 ? 2 : 4), 0,
+           (size_t)n * (p->dkv_bf16 ? 2 : 4));
+    if (p->dsc)
+        memset((char *)p->dsc + (size_t)(b * p->sgsb + t * p->sgst) * (p->dsc_bf16 ? 2 : 4), 0,
+               (size_t)n * (p->dsc_bf16 ? 2 : 4));
 }
 
+static int pool_bwd_ref_f32(const struct csa_pool_grad_problem *p);
+
+/* The oracle with bfloat16 d(kv) / d(score): into float32 scratch, rounded once after
+ * (d(ape) summed from the float32 d(score), as the tuned bodies do). */
 int csa_gated_pool_backward_ref(const struct csa_pool_grad_problem *p)
 {
     int st = grad_check(p);
     if (st != CSA_OK) return st;
+    if (!p->dkv_bf16 && !p->dsc_bf16) return pool_bwd_ref_f32(p);
+    const csa_idx B = p->B, T = p->T, cd = (p->overlap ? 2 : 1) * p->d;
+    const size_t n = (size_t)(B * T * cd > 0 ? B * T * cd : 1);
+    struct csa_pool_grad_problem h = *p;
+    float *tk = malloc(n * sizeof(float)), *ts = p->dsc ? malloc(n * sizeof(float)) : NULL;
+    if (!tk || (p->dsc && !ts)) {
+        free(tk);
+        free(ts);
+        return CSA_ENOMEM;
+    }
+    h.dkv = tk, h.sgkb = T * cd, h.sgkt = cd, h.dkv_bf16 = 0;
+    if (ts) h.dsc = ts, h.sgsb = T * cd, h.sgst = cd, h.dsc_bf16 = 0;
+    st = pool_bwd_ref_f32(&h);
+    for (csa_idx b = 0; st == CSA_OK && b < B; b++)
+        for (csa_idx t = 0; t < T; t++)
+            for (csa_idx f = 0; f < cd; f++) {
+                const csa_idx i = (b * T + t) * cd + f;
+                pool_st(p->dkv, p->dkv_bf16, b * p->sgkb + t * p->sgkt + f, tk[i]);
+                if (ts) pool_st(p->dsc, p->dsc_bf16, b * p->sgsb + t * p->sgst + f, ts[i]);
+            }
+    free(tk);
+    free(ts);
+    return st;
+}
+
+static int pool_bwd_ref_f32(const struct csa_pool_grad_problem *p)
+{
     const csa_idx B = p->B, T = p->T, d = p->d, r = p->ratio, G = T / r;
     const csa_idx cd = (p->overlap ? 2 : 1) * d;
     for (csa_idx i = 0; i < B * T; i++) grad_zero_row(p, i);
@@ -209,8 +242,8 @@ int csa_gated_pool_backward_ref(const struct csa_pool_grad_problem *p)
     if (r == 1 && !p->overlap) {   /* ungated: out = kv */
         for (csa_idx b = 0; b < B; b++)
             for (csa_idx t = 0; t < T; t++) {
-                float *k = p->dkv + b * p->sgkb + t * p->sgkt;
-                float *s = p->dsc ? p->dsc + b * p->sgsb + t * p->sgst : NULL;
+                float *k = (float *)p->dkv + b * p->sgkb + t * p->sgkt;
+                float *s = p->dsc ? (float *)p->dsc + b * p->sgsb + t * p->sgst : NULL;
                 for (csa_idx f = 0; f < d; f++) {
                     k[f] = pool_ld(p->dy, p->dy_bf16, b * p->sdb + t * p->sdg + f);
                     if (s) s[f] = 0.0f;
@@ -247,8 +280,8 @@ int csa_gated_pool_backward_ref(const struct csa_pool_grad_problem *p)
                         const float w = expf(GP_L(k, j) - m) / s;
                         const float dk = w * dy;
                         const csa_idx t = pt[k].t0 + j, ff = pt[k].foff + f;
-                        p->dkv[b * p->sgkb + t * p->sgkt + ff] = dk;
-                        p->dsc[b * p->sgsb + t * p->sgst + ff] = dk * (GP_KV(k, j) - y);
+                        ((float *)p->dkv)[b * p->sgkb + t * p->sgkt + ff] = dk;
+                        ((float *)p->dsc)[b * p->sgsb + t * p->sgst + ff] = dk * (GP_KV(k, j) - y);
                     }
 #undef GP_L
 #undef GP_KV
@@ -259,7 +292,7 @@ int csa_gated_pool_backward_ref(const struct csa_pool_grad_problem *p)
             for (csa_idx g = 0; g < G; g++)
                 for (csa_idx j = 0; j < r; j++)
                     for (csa_idx f = 0; f < cd; f++)
-                        p->dape[j * p->sgar + f] += p->dsc[b * p->sgsb + (g * r + j) * p->sgst + f];
+                        p->dape[j * p->sgar + f] += ((const float *)p->dsc)[b * p->sgsb + (g * r + j) * p->sgst + f];
     return CSA_OK;
 }
 

@@ -50,8 +50,11 @@ int csa_gated_pool_ref(const struct csa_pool_problem *p);
  * dy: [B, T/ratio, d] (strides sdb, sdg); kv, score: [B, T, c*d]; ape [ratio, c*d] or
  * NULL; dkv, dsc: [B, T, c*d] float32 (dsc may be NULL only at ratio 1 without
  * overlap); dape [ratio, c*d] float32 or NULL (not wanted).  Every feature stride is 1.
- * kv, score, dy: float32 or bfloat16 by their flags (widened exactly); arithmetic and
- * results float32.  Bits do not depend on the thread count. */
+ * kv, score, dy: float32 or bfloat16 by their flags (widened exactly); arithmetic
+ * float32.  dkv / dsc are float32, or bfloat16 by dkv_bf16 / dsc_bf16: the float32 result
+ * rounded once (csa_f32_to_bf16) as the tuned bodies store it (the oracle goes through
+ * float32 scratch); d(ape) is summed from the float32 d(score) either way.  Bits do not
+ * depend on the thread count. */
 struct csa_pool_grad_problem {
     const void *dy;
     csa_idx sdb, sdg;
@@ -61,15 +64,15 @@ struct csa_pool_grad_problem {
     csa_idx ssb, sst;
     const float *ape;
     csa_idx sar;
-    float *dkv;
+    void *dkv;
     csa_idx sgkb, sgkt;
-    float *dsc;
+    void *dsc;
     csa_idx sgsb, sgst;
     float *dape;
     csa_idx sgar;
     csa_idx B, T, d, ratio;
     int overlap;
-    int dy_bf16, kv_bf16, sc_bf16;
+    int dy_bf16, kv_bf16, sc_bf16, dkv_bf16, dsc_bf16;
 };
 
 int csa_gated_pool_backward(const struct csa_pool_grad_problem *p);

@@ -607,108 +607,331 @@ static int CSA_V(gated_pool_tuned)(const struct csa_pool_problem *p)
  * the parallel items are blocks of output features [f_lo, f_hi) (as many as threads),
  * each over every entry (b, g) in order: its d(kv), d(score) elements (features f and,
  * with overlap, d + f) are written by it alone, and its d(ape) columns are summed right
- * there, over b, then g, in order -- the `_ref`'s order, so d(ape) is the same bits as a
- * separate pass over d(score) gave.  (Items were entries, and d(ape) a second pass that
- * re-read all of d(score): measured on the 2-core Sapphire Rapids, shared host, ratio 4
- * with overlap, T = 8192, D = 512, that pass was 12% of the backward and its two extra
- * parallel regions most of the 30% spent waiting in OpenMP.)  Per entry and chunk of
- * features the logits of every candidate go to a buffer (POOL_GRAD_LB floats, rows of
- * the chunk's padded width), then: the max, e = exp(l - m) in place, s and acc = sum e
- * kv, y = acc / s, and per candidate w = e / s, d(kv) = w dy, d(score) = d(kv) (kv - y)
- * -- the arithmetic of the `_ref` in its order, only exp differs (the vector exp of
- * vexp_impl.h).  Candidates are read row by row in chunks of up to POOL_GRAD_FC
- * features. */
+ * there, over b, then g, in order -- the `_ref`'s order.  Per entry and chunk of
+ * features (up to POOL_GRAD_FC, fewer for many candidates: every candidate's logits of
+ * the chunk fit the POOL_GRAD_LB-float buffer) three passes over the candidate rows:
+ *
+ *   logits  l = score + ape into the buffer, m = max(m, l)        (pg_logits)
+ *   exp     e = exp(l - m) in place, s += e, acc = fma(e, kv, acc) (pg_expsum)
+ *           y = acc / s
+ *   grads   d(kv) = e / s * dy, d(score) = d(kv) (kv - y),
+ *           d(ape) += d(score), both gradients stored             (pg_grads)
+ *
+ * Each pass is one function with one copy of its vector instructions (not inlined,
+ * not unrolled, masked loads at the edges): every element goes through the same
+ * instructions wherever it falls, so a NaN's sign and payload (which operand order
+ * decides) does not depend on where an array starts (the hardening zoo saw d(ape)'s
+ * NaN sign change between two identical calls when an inlined loop was peeled by
+ * alignment), and bfloat16 inputs, widened exactly in the loads, get the bits of
+ * float32 inputs of the same values.  Gradients go out with streaming stores where a
+ * vector covers whole lines (nothing reads them back; a plain store first reads the
+ * line it fills), bfloat16 ones rounded once in the register (no float32 copy).
+ *
+ * Where the time went (rdtsc around the three passes, 1 thread, ratio 4 with overlap,
+ * T = 8192, D = 512, Sapphire Rapids under load): the gradient pass ~60% (at avx2 a
+ * call per 8-float vector with masked loads and stores everywhere), the exp pass ~25%
+ * (three loops over the buffer: subtract, exp, sums), the logits ~15%; bfloat16 inputs
+ * took a plain scalar loop with ordinary stores (5-6x the forward).  So: one loop per
+ * pass with the sums fused into the exp loop, whole-row functions at avx2, and the
+ * bfloat16 loads and stores in the same vector loop. */
 #ifndef POOL_GRAD_LB
 #define POOL_GRAD_LB 8192
+#endif
+/* One copy of a pass's loop body: GCC's -O3 splits a loop on a condition that changes
+ * once (the first, alignment-masked vector; the last), unswitches it on a loop-invariant
+ * one (a bfloat16 flag) and peels it, and each copy may order a commutative operation's
+ * operands its own way -- which decides the sign and payload of a NaN result (the zoo
+ * saw d(ape)'s NaN signs follow d(kv)'s address between two identical calls). */
+#if defined(__GNUC__) && !defined(__clang__)
+#define PG_ONE_COPY __attribute__((noinline, optimize("no-split-loops", "no-unswitch-loops", \
+                                                      "no-peel-loops")))
+#else
+#define PG_ONE_COPY __attribute__((noinline))
 #endif
 #ifndef POOL_GRAD_FC
 #define POOL_GRAD_FC 256
 #endif
 _Static_assert(POOL_GRAD_FC % 16 == 0 && POOL_GRAD_LB % POOL_GRAD_FC == 0, "grad chunk");
 
-/* x[i] = exp(x[i]) for the n (a multiple of 16) values of x, each <= 0 or NaN. */
-static inline __attribute__((always_inline)) void CSA_V(pg_exp)(float *CSA_RESTRICT x, csa_idx n)
+/* 1 when the whole 64-byte line holding p (element f of a row segment of fc elements,
+ * es bytes each) lies inside the segment: only such lines are streamed.  A line that
+ * also takes a masked plain store (a segment's edge) is never streamed: a streaming store
+ * to a line the plain store brought into the cache evicts it (bf16 d(kv) rows 16 bytes
+ * past a line, ratio 128, avx512: 28x the forward when the halves of edge lines mixed). */
+static inline __attribute__((always_inline)) int CSA_V(pg_line_inside)(const void *p, csa_idx es,
+                                                                      csa_idx f, csa_idx fc)
 {
-#ifdef __AVX512F__
-    for (csa_idx i = 0; i < n; i += 16)
-        _mm512_store_ps(x + i, CSA_V(exp512_neg)(_mm512_load_ps(x + i)));
-#elif defined(__AVX2__) && defined(__FMA__)
-    for (csa_idx i = 0; i < n; i += 8)
-        _mm256_store_ps(x + i, CSA_V(exp256_neg)(_mm256_load_ps(x + i)));
-#else
-    for (csa_idx i = 0; i < n; i++) x[i] = expf(x[i]);
-#endif
+    const csa_idx ls = f - (csa_idx)((uintptr_t)p % 64) / es;
+    return (uintptr_t)p % (uintptr_t)es == 0 && ls >= 0 && ls + 64 / es <= fc;
 }
 
 #ifdef __AVX512F__
-/* The backward's last pass over one candidate row (fc features): dk = l / s * dy,
- * ds = dk (kv - y), ga += ds, d(kv) and d(score) streamed where a vector covers a whole
- * line.  Not inlined and not unrolled: one copy of these instructions serves every
- * element whichever vector it falls in, so a NaN's sign and payload (which the
- * compiler's operand order decides) does not depend on where the arrays start (the
- * hardening zoo saw d(ape)'s NaN sign change between two identical calls when the
- * inlined loop was peeled by alignment). */
-static __attribute__((noinline)) void CSA_V(pg_row16)(const float *l, const float *s, const float *dyv,
-                                                      const float *kr, const float *y, float *ga,
-                                                      float *gk, float *gs, csa_idx fc)
+/* Lanes [lo, n) of 16. */
+static inline __attribute__((always_inline)) __mmask16 CSA_V(pg_mask)(csa_idx lo, csa_idx n)
 {
-    const csa_idx pre = (csa_idx)((64 - (uintptr_t)gk % 64) % 64 / 4) % 16;
-#pragma GCC unroll 1
-    for (csa_idx f = pre ? pre - 16 : 0; f < fc; f += 16) {
-        const csa_idx lo = f < 0 ? -f : 0, n = fc - f < 16 ? fc - f : 16;
-        const __mmask16 mk = (__mmask16)(((1u << n) - 1) & ~((1u << lo) - 1));
-        const __m512 dk = _mm512_mul_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(mk, l + f),
-                                                      _mm512_mask_loadu_ps(_mm512_set1_ps(1.0f), mk, s + f)),
-                                        _mm512_maskz_loadu_ps(mk, dyv + f));
-        const __m512 ds = _mm512_mul_ps(dk, _mm512_sub_ps(_mm512_maskz_loadu_ps(mk, kr + f),
-                                                          _mm512_maskz_loadu_ps(mk, y + f)));
-        if (ga) _mm512_mask_storeu_ps(ga + f, mk, _mm512_add_ps(_mm512_maskz_loadu_ps(mk, ga + f), ds));
-        if (mk == 0xffff && (uintptr_t)(gk + f) % 64 == 0)
-            _mm512_stream_ps(gk + f, dk);
+    const unsigned hi = n >= 16 ? 0xffffu : n <= 0 ? 0u : (1u << n) - 1u;
+    return (__mmask16)(hi & ~((1u << lo) - 1u));
+}
+
+/* The masked lanes of p (float32 or bfloat16, widened exactly), 0 elsewhere. */
+static inline __attribute__((always_inline)) __m512 CSA_V(pg_ld)(const void *p, int bf,
+                                                                 __mmask16 mk)
+{
+    if (bf) return CSA_V(bf16_widen16)(_mm256_maskz_loadu_epi16(mk, p));
+    return _mm512_maskz_loadu_ps(mk, p);
+}
+
+/* Stores the masked lanes of v at p (element f of fc) as float32 or bfloat16 (rounded
+ * once); streamed when the vector is full and aligned and its line inside the row. */
+static inline __attribute__((always_inline)) void CSA_V(pg_st)(void *p, int bf, __mmask16 mk,
+                                                              __m512 v, csa_idx f, csa_idx fc)
+{
+    if (bf) {
+        const __m256i h = CSA_V(bf16_narrow16)(v);
+        if (mk == 0xffff && (uintptr_t)p % 32 == 0 && CSA_V(pg_line_inside)(p, 2, f, fc))
+            _mm256_stream_si256((__m256i *)p, h);
         else
-            _mm512_mask_storeu_ps(gk + f, mk, dk);
-        if (mk == 0xffff && (uintptr_t)(gs + f) % 64 == 0)
-            _mm512_stream_ps(gs + f, ds);
-        else
-            _mm512_mask_storeu_ps(gs + f, mk, ds);
+            _mm256_mask_storeu_epi16(p, mk, h);
+    } else if (mk == 0xffff && (uintptr_t)p % 64 == 0) {
+        _mm512_stream_ps((float *)p, v);
+    } else {
+        _mm512_mask_storeu_ps((float *)p, mk, v);
     }
 }
 
-#elif defined(__AVX2__)
-/* One vector of pg_row16's arithmetic at AVX2 (mk: all-ones lanes), not inlined for the
- * same reason. */
-static __attribute__((noinline)) void CSA_V(pg_vec8)(const float *l, const float *s, const float *dyv,
-                                                     const float *kr, const float *y, float *ga,
-                                                     __m256i mk, __m256 *dko, __m256 *dso)
+/* l[0, fcp) = score (+ ape) of one candidate (0 past fc), m = max(m, l). */
+static PG_ONE_COPY void CSA_V(pg_logits)(const void *sc, int scbf, const float *ap,
+                                                       float *l, float *m, csa_idx fc, csa_idx fcp)
 {
-    const __m256 sv = _mm256_blendv_ps(_mm256_set1_ps(1.0f), _mm256_maskload_ps(s, mk), _mm256_castsi256_ps(mk));
-    const __m256 dk = _mm256_mul_ps(_mm256_div_ps(_mm256_maskload_ps(l, mk), sv), _mm256_maskload_ps(dyv, mk));
-    const __m256 ds = _mm256_mul_ps(dk, _mm256_sub_ps(_mm256_maskload_ps(kr, mk), _mm256_maskload_ps(y, mk)));
-    if (ga) _mm256_maskstore_ps(ga, mk, _mm256_add_ps(_mm256_maskload_ps(ga, mk), ds));
-    *dko = dk;
-    *dso = ds;
+#pragma GCC unroll 1
+    for (csa_idx f = 0; f < fcp; f += 16) {
+        const __mmask16 mk = CSA_V(pg_mask)(0, fc - f);
+        __m512 v = CSA_V(pg_ld)(pool_off(sc, scbf, f), scbf, mk);
+        if (ap) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mk, ap + f));
+        _mm512_store_ps(l + f, v);
+        _mm512_store_ps(m + f, _mm512_max_ps(v, _mm512_load_ps(m + f)));
+    }
 }
+
+/* l = exp(l - m) in place, s += l, acc += l * kv over [0, fcp). */
+static PG_ONE_COPY void CSA_V(pg_expsum)(float *l, const float *m, const void *kv,
+                                                       int kvbf, float *s, float *acc, csa_idx fc,
+                                                       csa_idx fcp)
+{
+#pragma GCC unroll 1
+    for (csa_idx f = 0; f < fcp; f += 16) {
+        const __mmask16 mk = CSA_V(pg_mask)(0, fc - f);
+        const __m512 e = CSA_V(exp512_neg)(_mm512_sub_ps(_mm512_load_ps(l + f), _mm512_load_ps(m + f)));
+        _mm512_store_ps(l + f, e);
+        _mm512_store_ps(s + f, _mm512_add_ps(_mm512_load_ps(s + f), e));
+        _mm512_store_ps(acc + f, _mm512_fmadd_ps(e, CSA_V(pg_ld)(pool_off(kv, kvbf, f), kvbf, mk),
+                                                 _mm512_load_ps(acc + f)));
+    }
+}
+
+/* One candidate row's gradients over [0, fc): dk = e / s * dy, ds = dk (kv - y),
+ * ga += ds; the loop starts where gk's lines do (lanes before 0 masked off). */
+static PG_ONE_COPY void CSA_V(pg_grads)(const float *e, const float *s,
+                                                      const float *dyv, const void *kv, int kvbf,
+                                                      const float *y, float *ga, void *gk,
+                                                      int gkbf, void *gs, int gsbf, csa_idx fc)
+{
+    const csa_idx line = gkbf ? 32 : 64, es = gkbf ? 2 : 4;
+    const csa_idx pre = (csa_idx)(((uintptr_t)line - (uintptr_t)gk % (uintptr_t)line) % (uintptr_t)line / (uintptr_t)es) % 16;
+#pragma GCC unroll 1
+    for (csa_idx f = pre ? pre - 16 : 0; f < fc; f += 16) {
+        const __mmask16 mk = CSA_V(pg_mask)(f < 0 ? -f : 0, fc - f);
+        const __m512 dk = _mm512_mul_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(mk, e + f),
+                                                      _mm512_mask_loadu_ps(_mm512_set1_ps(1.0f), mk, s + f)),
+                                        _mm512_maskz_loadu_ps(mk, dyv + f));
+        const __m512 ds = _mm512_mul_ps(dk, _mm512_sub_ps(CSA_V(pg_ld)(pool_off(kv, kvbf, f), kvbf, mk),
+                                                          _mm512_maskz_loadu_ps(mk, y + f)));
+        if (ga) _mm512_mask_storeu_ps(ga + f, mk, _mm512_add_ps(_mm512_maskz_loadu_ps(mk, ga + f), ds));
+        CSA_V(pg_st)((void *)pool_off(gk, gkbf, f), gkbf, mk, dk, f, fc);
+        CSA_V(pg_st)((void *)pool_off(gs, gsbf, f), gsbf, mk, ds, f, fc);
+    }
+}
+#define PG_VL 16
+
+#elif defined(__AVX2__) && defined(__FMA__)
+/* Lanes [lo, n) of 8 as an all-ones-lane mask. */
+static inline __attribute__((always_inline)) __m256i CSA_V(pg_mask)(csa_idx lo, csa_idx n)
+{
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const int hi = n > 8 ? 8 : n < 0 ? 0 : (int)n;
+    return _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)lo), lane),
+                               _mm256_cmpgt_epi32(_mm256_set1_epi32(hi), lane));
+}
+
+/* Lanes [lo, hi) of p (float32 or bfloat16, widened exactly), 0 elsewhere. */
+static inline __attribute__((always_inline)) __m256 CSA_V(pg_ld)(const void *p, int bf,
+                                                                 __m256i mk, csa_idx lo, csa_idx hi)
+{
+    if (!bf) return _mm256_maskload_ps((const float *)p, mk);
+    if (lo == 0 && hi >= 8) return CSA_V(bf16_widen8)(_mm_loadu_si128((const __m128i *)p));
+    csa_bf16 t[8] = {0};
+    for (csa_idx i = lo; i < hi && i < 8; i++) t[i] = ((const csa_bf16 *)p)[i];
+    return CSA_V(bf16_widen8)(_mm_loadu_si128((const __m128i *)t));
+}
+
+/* Stores lanes [lo, hi) of v at p (element f of fc) as float32 or bfloat16 (rounded
+ * once); streamed when the vector is full and aligned and its line inside the row. */
+static inline __attribute__((always_inline)) void CSA_V(pg_st)(void *p, int bf, __m256i mk,
+                                                              csa_idx lo, csa_idx hi, __m256 v,
+                                                              csa_idx f, csa_idx fc)
+{
+    const int full = lo == 0 && hi >= 8;
+    if (bf) {
+        const __m128i h = CSA_V(bf16_pack8)(CSA_V(bf16_round8)(v));
+        if (full && (uintptr_t)p % 16 == 0 && CSA_V(pg_line_inside)(p, 2, f, fc)) {
+            _mm_stream_si128((__m128i *)p, h);
+        } else if (full) {
+            _mm_storeu_si128((__m128i *)p, h);
+        } else {
+            csa_bf16 t[8];
+            _mm_storeu_si128((__m128i *)t, h);
+            for (csa_idx i = lo; i < hi && i < 8; i++) ((csa_bf16 *)p)[i] = t[i];
+        }
+    } else if (full && (uintptr_t)p % 32 == 0 && CSA_V(pg_line_inside)(p, 4, f, fc)) {
+        _mm256_stream_ps((float *)p, v);
+    } else {
+        _mm256_maskstore_ps((float *)p, mk, v);
+    }
+}
+
+static PG_ONE_COPY void CSA_V(pg_logits)(const void *sc, int scbf, const float *ap,
+                                                       float *l, float *m, csa_idx fc, csa_idx fcp)
+{
+#pragma GCC unroll 1
+    for (csa_idx f = 0; f < fcp; f += 8) {
+        const __m256i mk = CSA_V(pg_mask)(0, fc - f);
+        __m256 v = CSA_V(pg_ld)(pool_off(sc, scbf, f), scbf, mk, 0, fc - f);
+        if (ap) v = _mm256_add_ps(v, _mm256_maskload_ps(ap + f, mk));
+        _mm256_store_ps(l + f, v);
+        _mm256_store_ps(m + f, _mm256_max_ps(v, _mm256_load_ps(m + f)));
+    }
+}
+
+static PG_ONE_COPY void CSA_V(pg_expsum)(float *l, const float *m, const void *kv,
+                                                       int kvbf, float *s, float *acc, csa_idx fc,
+                                                       csa_idx fcp)
+{
+#pragma GCC unroll 1
+    for (csa_idx f = 0; f < fcp; f += 8) {
+        const __m256i mk = CSA_V(pg_mask)(0, fc - f);
+        const __m256 e = CSA_V(exp256_neg)(_mm256_sub_ps(_mm256_load_ps(l + f), _mm256_load_ps(m + f)));
+        _mm256_store_ps(l + f, e);
+        _mm256_store_ps(s + f, _mm256_add_ps(_mm256_load_ps(s + f), e));
+        _mm256_store_ps(acc + f, _mm256_fmadd_ps(e, CSA_V(pg_ld)(pool_off(kv, kvbf, f), kvbf, mk, 0, fc - f),
+                                                 _mm256_load_ps(acc + f)));
+    }
+}
+
+static PG_ONE_COPY void CSA_V(pg_grads)(const float *e, const float *s,
+                                                      const float *dyv, const void *kv, int kvbf,
+                                                      const float *y, float *ga, void *gk,
+                                                      int gkbf, void *gs, int gsbf, csa_idx fc)
+{
+    const csa_idx line = gkbf ? 16 : 32, es = gkbf ? 2 : 4;
+    const csa_idx pre = (csa_idx)(((uintptr_t)line - (uintptr_t)gk % (uintptr_t)line) % (uintptr_t)line / (uintptr_t)es) % 8;
+#pragma GCC unroll 1
+    for (csa_idx f = pre ? pre - 8 : 0; f < fc; f += 8) {
+        const csa_idx lo = f < 0 ? -f : 0, hi = fc - f;
+        const __m256i mk = CSA_V(pg_mask)(lo, hi);
+        /* e, s, dy, y are pg_entry's buffers, padded to whole vectors and with a
+         * vector of margin in front (PG_MARGIN): plain loads, whatever the lanes outside
+         * [lo, hi) hold is never stored (a masked load costs an extra uop at avx2) */
+        const __m256 dk = _mm256_mul_ps(_mm256_div_ps(_mm256_loadu_ps(e + f), _mm256_loadu_ps(s + f)),
+                                        _mm256_loadu_ps(dyv + f));
+        const __m256 ds = _mm256_mul_ps(dk, _mm256_sub_ps(CSA_V(pg_ld)(pool_off(kv, kvbf, f), kvbf, mk, lo, hi),
+                                                          _mm256_loadu_ps(y + f)));
+        if (ga) _mm256_maskstore_ps(ga + f, mk, _mm256_add_ps(_mm256_maskload_ps(ga + f, mk), ds));
+        CSA_V(pg_st)((void *)pool_off(gk, gkbf, f), gkbf, mk, lo, hi, dk, f, fc);
+        CSA_V(pg_st)((void *)pool_off(gs, gsbf, f), gsbf, mk, lo, hi, ds, f, fc);
+    }
+}
+#define PG_VL 8
+
+#else
+/* The baseline build: plain loops of the same arithmetic. */
+static void CSA_V(pg_logits)(const void *sc, int scbf, const float *ap, float *l, float *m,
+                             csa_idx fc, csa_idx fcp)
+{
+    for (csa_idx f = 0; f < fcp; f++) {
+        const float v = f < fc ? pool_ld(sc, scbf, f) + (ap ? ap[f] : 0.0f) : 0.0f;
+        l[f] = v;
+        m[f] = v > m[f] ? v : m[f];
+    }
+}
+
+static void CSA_V(pg_expsum)(float *l, const float *m, const void *kv, int kvbf, float *s,
+                             float *acc, csa_idx fc, csa_idx fcp)
+{
+    for (csa_idx f = 0; f < fcp; f++) {
+        const float e = expf(l[f] - m[f]);
+        l[f] = e;
+        s[f] += e;
+        acc[f] += e * (f < fc ? pool_ld(kv, kvbf, f) : 0.0f);
+    }
+}
+
+static void CSA_V(pg_grads)(const float *e, const float *s, const float *dyv, const void *kv,
+                            int kvbf, const float *y, float *ga, void *gk, int gkbf, void *gs,
+                            int gsbf, csa_idx fc)
+{
+    for (csa_idx f = 0; f < fc; f++) {
+        const float dk = e[f] / s[f] * dyv[f];
+        const float ds = dk * (pool_ld(kv, kvbf, f) - y[f]);
+        if (ga) ga[f] += ds;
+        pool_st(gk, gkbf, f, dk);
+        pool_st(gs, gsbf, f, ds);
+    }
+}
+#define PG_VL 16
 #endif
 
-static inline __attribute__((always_inline)) void CSA_V(pg_entry)(
-    const struct csa_pool_grad_problem *p, csa_idx b, csa_idx g, csa_idx f_lo, csa_idx f_hi,
-    float *dape, const int kvbf, const int scbf, const int dybf)
+static void CSA_V(pg_entry)(const struct csa_pool_grad_problem *p, csa_idx b, csa_idx g,
+                            csa_idx f_lo, csa_idx f_hi, float *dape)
 {
     const csa_idx r = p->ratio, d = p->d;
+    const int kvbf = p->kv_bf16, scbf = p->sc_bf16, dybf = p->dy_bf16;
+    const int gkbf = p->dkv_bf16, gsbf = p->dsc_bf16;
     pool_part pt[2];
     const int np = grad_parts(pt, g, r, d, p->overlap);
     const csa_idx nc = pt[0].n + (np > 1 ? pt[1].n : 0);
     csa_idx fcm = POOL_GRAD_LB / (nc > 0 ? nc : 1) / 16 * 16;
     if (fcm > POOL_GRAD_FC) fcm = POOL_GRAD_FC;
-    float lb[POOL_GRAD_LB] __attribute__((aligned(64)));
-    float m[POOL_GRAD_FC] __attribute__((aligned(64))), s[POOL_GRAD_FC] __attribute__((aligned(64)));
-    float acc[POOL_GRAD_FC] __attribute__((aligned(64))), y[POOL_GRAD_FC] __attribute__((aligned(64)));
-    float dyv[POOL_GRAD_FC] __attribute__((aligned(64)));
-    for (csa_idx f0 = f_lo; f0 < f_hi; f0 += fcm) {
-        const csa_idx fc = f_hi - f0 < fcm ? f_hi - f0 : fcm, fcp = (fc + 15) / 16 * 16;
+    /* the buffers pg_grads reads at offsets down to -15 have 16 floats in front (1.0:
+     * nothing there is ever stored, but every lane stays a number) */
+#define PG_MARGIN 16
+    float lbm[PG_MARGIN + POOL_GRAD_LB] __attribute__((aligned(64)));
+    float sm[PG_MARGIN + POOL_GRAD_FC] __attribute__((aligned(64)));
+    float ym[PG_MARGIN + POOL_GRAD_FC] __attribute__((aligned(64)));
+    float dym[PG_MARGIN + POOL_GRAD_FC] __attribute__((aligned(64)));
+    float m[POOL_GRAD_FC] __attribute__((aligned(64))), acc[POOL_GRAD_FC] __attribute__((aligned(64)));
+    float *lb = lbm + PG_MARGIN, *s = sm + PG_MARGIN, *y = ym + PG_MARGIN, *dyv = dym + PG_MARGIN;
+    for (int i = 0; i < PG_MARGIN; i++) lbm[i] = sm[i] = ym[i] = dym[i] = 1.0f;
+#undef PG_MARGIN
+    /* Chunk boundaries on d(kv)'s 64-byte lines: a line that two chunks share is written
+     * by two masked plain stores, each reading the line first, instead of one streaming
+     * store (rows 16 bytes past a line, as NumPy's large arrays are: ratio 128, 1 thread,
+     * 5.1x -> 2.3x the forward at avx512, 4.6x -> 3.0x at avx2, vs lines aligned).  Where
+     * the chunks end changes no bit: every element's arithmetic is its own. */
+    const pool_part *pl = &pt[np - 1];
+    const csa_idx es = gkbf ? 2 : 4, le = 64 / es;
+    const uintptr_t a0 = (uintptr_t)pool_off(p->dkv, gkbf, b * p->sgkb + pl->t0 * p->sgkt + pl->foff + f_lo);
+    const csa_idx head = a0 % (uintptr_t)es ? 0 : (csa_idx)((64 - a0 % 64) % 64) / es;
+    for (csa_idx f0 = f_lo, fc; f0 < f_hi; f0 += fc) {
+        const csa_idx lim = f0 == f_lo && head && fcm > le ? fcm - le + head : fcm;
+        fc = f_hi - f0 < lim ? f_hi - f0 : lim;
+        const csa_idx fcp = (fc + PG_VL - 1) / PG_VL * PG_VL;
         const void *dyr = pool_off(p->dy, dybf, b * p->sdb + g * p->sdg + f0);
-        for (csa_idx f = 0; f < fc; f++) {
-            dyv[f] = pool_ld(dyr, dybf, f);
+        for (csa_idx f = 0; f < fcp; f++) {
+            dyv[f] = f < fc ? pool_ld(dyr, dybf, f) : 0.0f;
+#ifdef CSA_MUTANT_POOL_GRAD_FIRST_GROUP
+            /* mutant: entry 0 with overlap treated as if group -1 were there */
+            if (p->overlap && g == 0) dyv[f] *= 0.999f;
+#endif
             m[f] = -INFINITY;
             s[f] = 0.0f;
             acc[f] = 0.0f;
@@ -718,8 +941,6 @@ static inline __attribute__((always_inline)) void CSA_V(pg_entry)(
             for (csa_idx j = 0; j < pt[k].n; j++, q++) {
                 const csa_idx t = pt[k].t0 + j, ff = pt[k].foff + f0;
                 const void *sc = pool_off(p->score, scbf, b * p->ssb + t * p->sst + ff);
-                const float *CSA_RESTRICT ap = p->ape ? p->ape + j * p->sar + ff : NULL;
-                float *CSA_RESTRICT l = lb + q * fcp;
                 if (f0 + fc < f_hi) {
                     /* the candidate's next chunk of score and kv: with many candidates a
                      * chunk is a few lines of each of many rows, which the hardware
@@ -727,37 +948,22 @@ static inline __attribute__((always_inline)) void CSA_V(pg_entry)(
                      * the forward) */
                     const char *ns = (const char *)pool_off(sc, scbf, fc);
                     const char *nk = (const char *)pool_off(p->kv, kvbf, b * p->skb + t * p->skt + ff + fc);
-                    const csa_idx nb = (f_hi - f0 - fc < fc ? f_hi - f0 - fc : fc) * (scbf ? 2 : 4);
-                    for (csa_idx c = 0; c < nb; c += 64) __builtin_prefetch(ns + c, 0, 3);
-                    for (csa_idx c = 0; c < nb * (kvbf ? 2 : 4) / (scbf ? 2 : 4); c += 64) __builtin_prefetch(nk + c, 0, 3);
+                    const csa_idx nf = f_hi - f0 - fc < fc ? f_hi - f0 - fc : fc;
+                    for (csa_idx c = 0; c < nf * (scbf ? 2 : 4); c += 64) __builtin_prefetch(ns + c, 0, 3);
+                    for (csa_idx c = 0; c < nf * (kvbf ? 2 : 4); c += 64) __builtin_prefetch(nk + c, 0, 3);
                 }
-                if (ap) {
-#pragma omp simd
-                    for (csa_idx f = 0; f < fc; f++) l[f] = pool_ld(sc, scbf, f) + ap[f];
-                } else {
-#pragma omp simd
-                    for (csa_idx f = 0; f < fc; f++) l[f] = pool_ld(sc, scbf, f);
-                }
-                for (csa_idx f = 0; f < fc; f++) m[f] = l[f] > m[f] ? l[f] : m[f];
+                CSA_V(pg_logits)(sc, scbf, p->ape ? p->ape + j * p->sar + ff : NULL, lb + q * fcp,
+                                 m, fc, fcp);
             }
         q = 0;
         for (int k = 0; k < np; k++)
             for (csa_idx j = 0; j < pt[k].n; j++, q++) {
                 const csa_idx t = pt[k].t0 + j, ff = pt[k].foff + f0;
-                const void *kv = pool_off(p->kv, kvbf, b * p->skb + t * p->skt + ff);
-                float *CSA_RESTRICT l = lb + q * fcp;
-#pragma omp simd
-                for (csa_idx f = 0; f < fc; f++) l[f] -= m[f];
-                for (csa_idx f = fc; f < fcp; f++) l[f] = 0.0f;
-                CSA_V(pg_exp)(l, fcp);
-#pragma omp simd
-                for (csa_idx f = 0; f < fc; f++) {
-                    s[f] += l[f];
-                    acc[f] += l[f] * pool_ld(kv, kvbf, f);
-                }
+                CSA_V(pg_expsum)(lb + q * fcp, m, pool_off(p->kv, kvbf, b * p->skb + t * p->skt + ff),
+                                 kvbf, s, acc, fc, fcp);
             }
 #pragma omp simd
-        for (csa_idx f = 0; f < fc; f++) y[f] = acc[f] / s[f];
+        for (csa_idx f = 0; f < fcp; f++) y[f] = acc[f] / s[f];
 #ifdef CSA_MUTANT_POOL_GRAD_Y
         for (csa_idx f = 0; f < fc; f++) y[f] *= 1.0f + 1e-4f;   /* mutant: y off 1e-4 */
 #endif
@@ -765,71 +971,22 @@ static inline __attribute__((always_inline)) void CSA_V(pg_entry)(
         for (int k = 0; k < np; k++)
             for (csa_idx j = 0; j < pt[k].n; j++, q++) {
                 const csa_idx t = pt[k].t0 + j, ff = pt[k].foff + f0;
-                const void *kv = pool_off(p->kv, kvbf, b * p->skb + t * p->skt + ff);
-                const float *CSA_RESTRICT l = lb + q * fcp;
-                float *CSA_RESTRICT gk = p->dkv + b * p->sgkb + t * p->sgkt + ff;
-                float *CSA_RESTRICT gs = p->dsc + b * p->sgsb + t * p->sgst + ff;
-                float *CSA_RESTRICT ga = dape ? dape + j * p->sgar + ff : NULL;
-#if !defined(CSA_MUTANT_POOL_GRAD_FIRST_GROUP) && (defined(__AVX512F__) || defined(__AVX2__))
-                /* float32 kv: every element through the same vector instructions (so a
-                 * NaN's payload does not depend on where an array starts), d(kv) and
-                 * d(score) written around the caches where a vector covers a whole line
-                 * (nothing reads them back, and a plain store first reads the line it
-                 * fills), masked plain stores elsewhere; the arithmetic of the loop below
-                 * (ratio 4 with overlap, 1 thread, avx512: 2.94x -> 2.55x the forward) */
-                if (!kvbf) {
-                    const float *CSA_RESTRICT kr = (const float *)kv;
-#ifdef __AVX512F__
-                    CSA_V(pg_row16)(l, s, dyv, kr, y, ga, gk, gs, fc);
-#else
-                    const csa_idx pre = (csa_idx)((32 - (uintptr_t)gk % 32) % 32 / 4) % 8;
-                    for (csa_idx f = pre ? pre - 8 : 0; f < fc; f += 8) {
-                        const csa_idx lo = f < 0 ? -f : 0, n = fc - f < 8 ? fc - f : 8;
-                        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-                        const __m256i mk = _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)lo), lane),
-                                                               _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), lane));
-                        const int full = lo == 0 && n == 8;
-                        __m256 dk, ds;
-                        CSA_V(pg_vec8)(l + f, s + f, dyv + f, kr + f, y + f, ga ? ga + f : NULL, mk, &dk, &ds);
-                        if (full && (uintptr_t)(gk + f) % 32 == 0)
-                            _mm256_stream_ps(gk + f, dk);
-                        else
-                            _mm256_maskstore_ps(gk + f, mk, dk);
-                        if (full && (uintptr_t)(gs + f) % 32 == 0)
-                            _mm256_stream_ps(gs + f, ds);
-                        else
-                            _mm256_maskstore_ps(gs + f, mk, ds);
-                    }
-#endif
-                    continue;
-                }
-#endif
-#pragma omp simd
-                for (csa_idx f = 0; f < fc; f++) {
-                    const float dk = l[f] / s[f] * dyv[f];
-#ifdef CSA_MUTANT_POOL_GRAD_FIRST_GROUP
-                    /* mutant: entry 0 with overlap treated as if group -1 were there */
-                    const float dk2 = (p->overlap && g == 0) ? dk * 0.999f : dk;
-                    gk[f] = dk2;
-                    gs[f] = dk2 * (pool_ld(kv, kvbf, f) - y[f]);
-#else
-                    gk[f] = dk;
-                    gs[f] = dk * (pool_ld(kv, kvbf, f) - y[f]);
-#endif
-                }
-                if (ga) {
-#pragma omp simd
-                    for (csa_idx f = 0; f < fc; f++) ga[f] += gs[f];
-                }
+                CSA_V(pg_grads)(lb + q * fcp, s, dyv,
+                                pool_off(p->kv, kvbf, b * p->skb + t * p->skt + ff), kvbf, y,
+                                dape ? dape + j * p->sgar + ff : NULL,
+                                (void *)pool_off(p->dkv, gkbf, b * p->sgkb + t * p->sgkt + ff), gkbf,
+                                (void *)pool_off(p->dsc, gsbf, b * p->sgsb + t * p->sgst + ff), gsbf,
+                                fc);
             }
     }
 }
+#undef PG_VL
 
 static int CSA_V(gated_pool_backward_tuned)(const struct csa_pool_grad_problem *p)
 {
     const csa_idx B = p->B, T = p->T, d = p->d, r = p->ratio, G = T / r;
     const csa_idx cd = (p->overlap ? 2 : 1) * d;
-    const int kvbf = p->kv_bf16, scbf = p->sc_bf16, dybf = p->dy_bf16;
+    const int dybf = p->dy_bf16, gkbf = p->dkv_bf16;
     {
         const int nt = csa_threads(B * T, 1 + 16384 / (cd + 1));
 #pragma omp parallel for num_threads(nt) schedule(static)
@@ -840,10 +997,11 @@ static int CSA_V(gated_pool_backward_tuned)(const struct csa_pool_grad_problem *
 #pragma omp parallel for num_threads(nt) schedule(static)
         for (csa_idx i = 0; i < B * T; i++) {
             const csa_idx b = i / T, t = i % T;
-            float *k = p->dkv + b * p->sgkb + t * p->sgkt;
-            const void *dy = pool_off(p->dy, dybf, b * p->sdb + t * p->sdg);
-            for (csa_idx f = 0; f < d; f++) k[f] = pool_ld(dy, dybf, f);
-            if (p->dsc) memset(p->dsc + b * p->sgsb + t * p->sgst, 0, (size_t)d * sizeof(float));
+            pool_copy((void *)pool_off(p->dkv, gkbf, b * p->sgkb + t * p->sgkt), gkbf,
+                      pool_off(p->dy, dybf, b * p->sdb + t * p->sdg), dybf, d);
+            if (p->dsc)
+                memset((char *)p->dsc + (size_t)(b * p->sgsb + t * p->sgst) * (p->dsc_bf16 ? 2 : 4),
+                       0, (size_t)d * (p->dsc_bf16 ? 2 : 4));
         }
         if (p->dape)
             for (csa_idx f = 0; f < cd; f++) p->dape[f] = 0.0f;
@@ -868,9 +1026,7 @@ static int CSA_V(gated_pool_backward_tuned)(const struct csa_pool_grad_problem *
 #ifdef CSA_MUTANT_POOL_GRAD_APE_DROP
                 if (b == 0 && g == G - 1 && G > 1) da = NULL;   /* mutant: one group dropped */
 #endif
-                if (kvbf && scbf && dybf) CSA_V(pg_entry)(p, b, g, f_lo, f_hi, da, 1, 1, 1);
-                else if (!kvbf && !scbf && !dybf) CSA_V(pg_entry)(p, b, g, f_lo, f_hi, da, 0, 0, 0);
-                else CSA_V(pg_entry)(p, b, g, f_lo, f_hi, da, kvbf != 0, scbf != 0, dybf != 0);
+                CSA_V(pg_entry)(p, b, g, f_lo, f_hi, da);
             }
 #if defined(__AVX512F__) || defined(__AVX2__)
         _mm_sfence(); /* the streaming stores are visible to every thread after the loop */

@@ -313,6 +313,31 @@ def test_gated_pool_backward_bits_at_thread_counts(isa, rng):
                                                                   overlap=ov))
 
 
+def test_gated_pool_backward_bits_at_any_output_alignment(isa, rng):
+    """The tuned body streams whole lines and cuts its feature chunks on d(kv)'s lines:
+    where the results start (any 4-byte offset in a line) changes no bit, float32 or
+    bfloat16 gradients, NaN signs included."""
+    import ml_dtypes
+    bf = ml_dtypes.bfloat16
+    for (T, D, r, ov) in [(259, 96, 4, True), (515, 72, 128, False)]:
+        cd = D * (2 if ov else 1)
+        kv, sc, ap, _ = _inputs(rng, 1, T, cd, r)
+        sc[0, ::7, ::5] = np.nan
+        dy = _dy(rng, 1, T, r, D)
+        for gdt in (np.float32, bf):
+            n = T * cd * np.dtype(gdt).itemsize
+            got = []
+            for off in (0, 4, 16, 36):
+                raw = [np.zeros(n + 128, np.uint8) for _ in range(2)]
+                o = [(-x.ctypes.data) % 64 + off for x in raw]
+                gk, gs = (x[k:k + n].view(gdt).reshape(1, T, cd) for x, k in zip(raw, o))
+                r3 = dc.gated_pool_backward(dy, kv, sc, r, ape=ap, overlap=ov, grad_kv=gk,
+                                            grad_score=gs, grad_dtype=gdt)
+                got.append([np.asarray(a).view(np.uint8).copy() for a in r3])
+            for g in got[1:]:
+                assert all(np.array_equal(a, b) for a, b in zip(got[0], g))
+
+
 def test_gated_pool_backward_errors(rng):
     kv, sc, ap, _ = _inputs(rng, 1, 8, 8, 4)
     dy = _dy(rng, 1, 8, 4, 4)

@@ -81,6 +81,8 @@ def _cases():
                                                r(128, 512, grad=True), False))
     case("gated_pool_backward", "odd", lambda dt: (r(2, 2, 32), r(2, 11, 64, dtype=dt),
                                                    r(2, 11, 64, dtype=dt), 4, r(4, 64), True))
+    case("gated_pool_backward", "plain", lambda dt: (r(1, 3, 24, dtype=dt), r(1, 9, 24, dtype=dt),
+                                                     r(1, 9, 24, dtype=dt), 3, None, False))
     case("index_scores", "odd", lambda dt: (r(2, 5, 3, 32, grad=True), r(2, 4, 32, grad=True),
                                             r(2, 5, 3, grad=True), 4, 7), dtypes=(F32,))
     case("index_scores", "bf16", lambda dt: (r(2, 5, 3, 32, dtype=dt), r(2, 4, 32, dtype=dt),
@@ -107,11 +109,11 @@ def _cases():
     case("sparse_attn", "released", lambda dt: (r(1, 2, 64, 512, dtype=dt, grad=True),
                                                 r(1, 700, 512, dtype=dt, grad=True), r(64, grad=True),
                                                 _idx(1, 2, 640, 700), 512 ** -0.5))
-    case("sparse_attn_backward", "odd", lambda dt: (r(2, 5, 3, 24), r(2, 5, 3, 24), r(2, 9, 24),
-                                                    r(3), _idx(2, 5, 6, 9), 0.2,
-                                                    *O.sparse_attn(r(2, 5, 3, 24), r(2, 9, 24), r(3),
-                                                                   _idx(2, 5, 6, 9), 0.2)),
-         dtypes=(F32,))
+    case("sparse_attn_backward", "odd", lambda dt: (r(2, 5, 3, 24, dtype=dt), r(2, 5, 3, 24, dtype=dt),
+                                                    r(2, 9, 24, dtype=dt), r(3), _idx(2, 5, 6, 9), 0.2,
+                                                    *O.sparse_attn(r(2, 5, 3, 24, dtype=dt),
+                                                                   r(2, 9, 24, dtype=dt), r(3),
+                                                                   _idx(2, 5, 6, 9), 0.2)))
     case("sparse_attn_weights", "odd", lambda dt: (r(2, 5, 3, 24, dtype=dt), r(2, 9, 24, dtype=dt),
                                                    r(3), _idx(2, 5, 6, 9), 0.2))
 

@@ -551,27 +551,6 @@ int csa_grad_dtype_arg(PyObject *o, const char *fn, PyArrayObject **proto)
     return 1;
 }
 
-/* glue.h */
-PyArrayObject *csa_f32_work(PyArrayObject *out)
-{
-    if (!csa_is_bf16(out)) return csa_work_array(out, CSA_WORK_UNIT_INNER);
-    return (PyArrayObject *)PyArray_EMPTY(PyArray_NDIM(out), PyArray_DIMS(out), NPY_FLOAT32, 0);
-}
-
-/* glue.h */
-int csa_round_into(PyArrayObject *out, PyArrayObject *work)
-{
-    if (work == out || !csa_is_bf16(out)) return work != out && PyArray_CopyInto(out, work) ? -1 : 0;
-    PyArrayObject *t = csa_empty_like_dtype(out, PyArray_NDIM(out), PyArray_DIMS(out));
-    if (!t) return -1;
-    const float *src = PyArray_DATA(work);
-    csa_bf16 *dst = PyArray_DATA(t);
-    for (npy_intp i = 0, n = PyArray_SIZE(work); i < n; i++) dst[i] = csa_f32_to_bf16(src[i]);
-    const int r = PyArray_CopyInto(out, t);
-    Py_DECREF(t);
-    return r ? -1 : 0;
-}
-
 PyObject *csa_finish(int status, const char *fn, PyObject *out_arg, PyArrayObject *out,
                      PyArrayObject *work)
 {

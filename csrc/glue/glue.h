@@ -142,13 +142,6 @@ int csa_fold_rows(PyArrayObject *a, csa_idx *rows, csa_idx *row_stride);
  * naming the argument. */
 int csa_grad_dtype_arg(PyObject *o, const char *fn, PyArrayObject **proto);
 
-/* Where a float32 kernel writes the result `out`: csa_work_array(out, unit inner) for a
- * float32 out, a new C-contiguous float32 array of its shape for a bfloat16 one.  Then
- * csa_round_into(out, work) puts it there: a copy, or csa_f32_to_bf16 of every element
- * (0, or -1 with the exception set). */
-PyArrayObject *csa_f32_work(PyArrayObject *out);
-int csa_round_into(PyArrayObject *out, PyArrayObject *work);
-
 /* The end of a call that returns an array: raises for a bad kernel status, copies
  * the kernel's `work` buffer into `out` when they differ (work may be NULL), and
  * returns a new reference to what the caller gets: their `out_arg` object when they

@@ -146,8 +146,8 @@ PyDoc_STRVAR(sparse_attn_backward_doc,
 "grad_q, grad_kv, grad_sink: results of those shapes and dtypes, or None.\n"
 "bfloat16 inputs are read as they are and widened exactly: all arithmetic is float32,\n"
 "so the float32 gradients are bitwise those of the float32 call on the widened values;\n"
-"bfloat16 gradients are those rounded once to nearest-even (through float32 scratch of\n"
-"the gradient's size).  Returns (grad_q, grad_kv, grad_sink).  Every grad_kv element is\n"
+"bfloat16 gradients are those rounded once to nearest-even (grad_q as each row is stored;\n"
+"grad_kv through float32 scratch of its size).  Returns (grad_q, grad_kv, grad_sink).  Every grad_kv element is\n"
 "summed in (b, s, slot) order: bitwise identical at any thread count.");
 
 /* The argument object the caller gets back for one result. */

@@ -115,9 +115,8 @@ static PyObject *py_rms_norm_backward(PyObject *self, PyObject *args, PyObject *
     if (!(dyc = foldable(dy, &rows, &sdy))) goto done;
     if (!(xc = foldable(x, &rows, &sx))) goto done;
     if (w && !(wc = csa_unit_inner(w))) goto done;
-    if (!(gxw = csa_is_bf16(gx) ? (PyArrayObject *)PyArray_EMPTY(nd, PyArray_DIMS(x), NPY_FLOAT32, 0)
-                                : csa_work_array(gx, CSA_WORK_C_CONTIG)))
-        goto done;
+    /* a bfloat16 grad_x is written as it is (rounded once per element by the kernel) */
+    if (!(gxw = csa_work_array(gx, CSA_WORK_C_CONTIG))) goto done;
     sgx = (csa_idx)d;
     float *gwp = NULL, *gwtmp = NULL;
     const int gw_direct = gw && PyArray_IS_C_CONTIGUOUS(gw);
@@ -128,18 +127,17 @@ static PyObject *py_rms_norm_backward(PyObject *self, PyObject *args, PyObject *
             goto done;
         }
     }
-    const int dybf = csa_is_bf16(dyc), xbf = csa_is_bf16(xc);
+    const int dybf = csa_is_bf16(dyc), xbf = csa_is_bf16(xc), gxbf = csa_is_bf16(gxw);
     int st;
     Py_BEGIN_ALLOW_THREADS
     st = csa_rms_norm_backward(PyArray_DATA(dyc), dybf, sdy, PyArray_DATA(xc), xbf, sx, rows,
                                (csa_idx)d, wc ? PyArray_DATA(wc) : NULL, (float)eps,
-                               PyArray_DATA(gxw), sgx, gwp);
+                               PyArray_DATA(gxw), gxbf, sgx, gwp);
     Py_END_ALLOW_THREADS
     if (st == CSA_OK && gwtmp)
         for (npy_intp i = 0; i < d; i++) *(float *)PyArray_GETPTR1(gw, i) = gwtmp[i];
     PyMem_Free(gwtmp);
-    if (st == CSA_OK && csa_round_into(gx, gxw)) goto done;
-    if (!(r1 = csa_finish(st, fn, gxo, gx, NULL))) goto done;
+    if (!(r1 = csa_finish(st, fn, gxo, gx, gxw))) goto done;
     if (gw) {
         if (!(r2 = csa_finish(CSA_OK, fn, gwo, gw, NULL))) goto done;
     } else {
@@ -256,8 +254,9 @@ static PyObject *py_gated_pool_backward(PyObject *self, PyObject *args, PyObject
     if (!(dyc = csa_unit_inner(dy)) || !(kvc = csa_unit_inner(kv))) goto done;
     if (sc && !(scc = csa_unit_inner(sc))) goto done;
     if (ape && !(apc = f32_unit(ape))) goto done;
-    if (!(gkw = csa_f32_work(gk))) goto done;
-    if (!(gsw = csa_f32_work(gs))) goto done;
+    /* bfloat16 gradients are written as they are (rounded once by the kernel) */
+    if (!(gkw = csa_work_array(gk, CSA_WORK_UNIT_INNER))) goto done;
+    if (!(gsw = csa_work_array(gs, CSA_WORK_UNIT_INNER))) goto done;
     if (ga && !(gaw = csa_work_array(ga, CSA_WORK_UNIT_INNER))) goto done;
     const struct csa_pool_grad_problem p = {
         .dy = PyArray_DATA(dyc), .sdb = csa_stride(dyc, 0), .sdg = csa_stride(dyc, 1),
@@ -271,14 +270,14 @@ static PyObject *py_gated_pool_backward(PyObject *self, PyObject *args, PyObject
         .B = B, .T = T, .d = d, .ratio = ratio, .overlap = overlap,
         .dy_bf16 = csa_is_bf16(dyc), .kv_bf16 = csa_is_bf16(kvc),
         .sc_bf16 = scc ? csa_is_bf16(scc) : 0,
+        .dkv_bf16 = csa_is_bf16(gkw), .dsc_bf16 = csa_is_bf16(gsw),
     };
     int st;
     Py_BEGIN_ALLOW_THREADS
     st = csa_gated_pool_backward(&p);
     Py_END_ALLOW_THREADS
-    if (st == CSA_OK && (csa_round_into(gk, gkw) || csa_round_into(gs, gsw))) goto done;
-    if (!(r1 = csa_finish(st, fn, gko, gk, NULL))) goto done;
-    if (!(r2 = csa_finish(CSA_OK, fn, gso, gs, NULL))) goto done;
+    if (!(r1 = csa_finish(st, fn, gko, gk, gkw))) goto done;
+    if (!(r2 = csa_finish(CSA_OK, fn, gso, gs, gsw))) goto done;
     if (ga) {
         if (!(r3 = csa_finish(CSA_OK, fn, gao, ga, gaw))) goto done;
     } else {

@@ -20,11 +20,13 @@ NumPy docstring in ``deepseek_csa`` for the arithmetic):
 operator                   result                                    gradient
 =========================  ========================================  ===========
 rms_norm                   [..., D] in x's dtype                     x, weight
-rms_norm_backward          (grad_x f32, grad_weight f32 or [0])      --
+rms_norm_backward          (grad_x in x's dtype, grad_weight f32     --
+                           or [0])
 apply_rope                 rotated copy of x                         x
 apply_rope_                x rotated in place (mutates x)            --
 gated_pool                 [B, T // ratio, D] in kv's dtype          kv, score, ape
-gated_pool_backward        (grad_kv, grad_score, grad_ape) f32       --
+gated_pool_backward        (grad_kv, grad_score: bf16 when kv and    --
+                           score are, else f32; grad_ape f32)
 index_scores               f32 [B, S, Tc]                            q, k, weights
 index_scores_backward      (grad_q, grad_k, grad_weights) f32        --
 index_topk, topk_indices   int32 [B, S, min(topk, (p + S) // r)]     --
@@ -32,7 +34,8 @@ select_candidate_blocks    bool [B, S, ceil(Tc / block_size)]        --
 window_topk_idxs           int32 window index lists                  --
 compress_topk_idxs         int32 HCA index lists                     --
 sparse_attn                (out in q's dtype, lse f32 [B, S, H])     q, kv, attn_sink
-sparse_attn_backward       (grad_q, grad_kv, grad_sink) f32          --
+sparse_attn_backward       (grad_q, grad_kv in q's dtype,            --
+                           grad_sink f32)
 sparse_attn_weights        f32 [B, S, K]                             --
 indexer_kl_loss            (loss f32 [], grad_q, grad_k, grad_w,     q, k, weights
                            metrics f64 [5])
@@ -46,6 +49,12 @@ hc_split_sinkhorn          (pre, post, comb) f32                     --
 
 ``lse`` of sparse_attn and the gradients and metrics returned by indexer_kl_loss are marked
 non-differentiable: nothing flows back through them.
+
+bfloat16 training: the backward operators of rms_norm, gated_pool and sparse_attn read
+bfloat16 tensors as they are (widened exactly where the kernel reads them, float32
+arithmetic) and write bfloat16 gradients rounded once from the float32 result, so a
+bf16 layer's backward makes no float32 copy of q, out, grad_out or d(q) (docs/training.md,
+"bfloat16").  The indexer's index_scores / indexer_kl_loss still compute in float32.
 
 Eager calls: the public functions below call the operators.  In plain eager mode with
 no gradient to record (no input requires grad, or grad mode is off), nothing can
@@ -139,18 +148,24 @@ def _rms_norm_fake(x, weight, eps):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
+def _grad_dtype(dtype):
+    """The backward kernels' grad_dtype= for gradients of this torch dtype."""
+    return "bfloat16" if dtype == _bf16 else "float32"
+
+
 def _rms_norm_bwd_impl(grad, x, weight, eps):
-    gx = torch.empty(x.shape, dtype=_f32)
+    gx = torch.empty(x.shape, dtype=x.dtype)
+    gd = _grad_dtype(x.dtype)
     if weight is None:
-        _dc.rms_norm_backward(grad, x, None, eps, grad_x=gx)
+        _dc.rms_norm_backward(grad, x, None, eps, grad_x=gx, grad_dtype=gd)
         return gx, torch.empty(0, dtype=_f32)
     gw = torch.empty(weight.shape, dtype=_f32)
-    _dc.rms_norm_backward(grad, x, weight, eps, grad_x=gx, grad_weight=gw)
+    _dc.rms_norm_backward(grad, x, weight, eps, grad_x=gx, grad_weight=gw, grad_dtype=gd)
     return gx, gw
 
 
 def _rms_norm_bwd_fake(grad, x, weight, eps):
-    return (x.new_empty(x.shape, dtype=_f32),
+    return (x.new_empty(x.shape),
             x.new_empty(weight.shape if weight is not None else (0,), dtype=_f32))
 
 
@@ -226,19 +241,27 @@ def _pool_fake(kv, score, ratio, ape, overlap):
     return kv.new_empty(_pool_shape(kv, ratio, overlap))
 
 
+def _pool_grad_dtype(kv, score):
+    """d(kv) and d(score) share one dtype: bfloat16 when kv and score (if any) are."""
+    return _bf16 if kv.dtype == _bf16 and (score is None or score.dtype == _bf16) else _f32
+
+
 def _pool_bwd_impl(grad, kv, score, ratio, ape, overlap):
-    gk = torch.empty(kv.shape, dtype=_f32)
-    gs = torch.empty(score.shape if score is not None else (0,), dtype=_f32)
+    gd = _pool_grad_dtype(kv, score)
+    gk = torch.empty(kv.shape, dtype=gd)
+    gs = torch.empty(score.shape if score is not None else (0,), dtype=gd)
     ga = torch.empty(ape.shape if ape is not None else (0,), dtype=_f32)
     _dc.gated_pool_backward(grad, kv, score, ratio, ape=ape, overlap=overlap, grad_kv=gk,
                             grad_score=gs if score is not None else None,
-                            grad_ape=ga if ape is not None else None)
+                            grad_ape=ga if ape is not None else None,
+                            grad_dtype=_grad_dtype(gd))
     return gk, gs, ga
 
 
 def _pool_bwd_fake(grad, kv, score, ratio, ape, overlap):
-    return (kv.new_empty(kv.shape, dtype=_f32),
-            kv.new_empty(score.shape if score is not None else (0,), dtype=_f32),
+    gd = _pool_grad_dtype(kv, score)
+    return (kv.new_empty(kv.shape, dtype=gd),
+            kv.new_empty(score.shape if score is not None else (0,), dtype=gd),
             kv.new_empty(ape.shape if ape is not None else (0,), dtype=_f32))
 
 
@@ -386,12 +409,12 @@ def _attn_fake(q, kv, attn_sink, topk_idxs, softmax_scale):
 
 def _attn_bwd_impl(grad_out, q, kv, attn_sink, topk_idxs, softmax_scale, out, lse):
     dq, dkv, ds = _dc.sparse_attn_backward(grad_out, q, kv, attn_sink, topk_idxs, softmax_scale,
-                                           out, lse)
-    return torch.from_numpy(dq), torch.from_numpy(dkv), torch.from_numpy(ds)
+                                           out, lse, grad_dtype=_grad_dtype(q.dtype))
+    return _tensor(dq), _tensor(dkv), torch.from_numpy(ds)
 
 
 def _attn_bwd_fake(grad_out, q, kv, attn_sink, topk_idxs, softmax_scale, out, lse):
-    return (q.new_empty(q.shape, dtype=_f32), kv.new_empty(kv.shape, dtype=_f32),
+    return (q.new_empty(q.shape), kv.new_empty(kv.shape, dtype=q.dtype),
             attn_sink.new_empty(attn_sink.shape, dtype=_f32))
 
 
@@ -405,10 +428,9 @@ def _attn_setup(ctx, inputs, output):
 
 def _attn_backward(ctx, grad_out, grad_lse):
     q, kv, attn_sink, idx, out, lse = ctx.saved_tensors
-    f = (lambda t: t if t.dtype == _f32 else t.float())
-    # the backward kernel reads float32
-    dq, dkv, ds = OPS["sparse_attn_backward"](f(grad_out), f(q), f(kv), attn_sink, idx,
-                                              ctx.scale, f(out), lse)
+    # the kernel reads bf16 q / kv / out / grad_out as they are and returns q's dtype
+    dq, dkv, ds = OPS["sparse_attn_backward"](grad_out, q, kv, attn_sink, idx, ctx.scale, out,
+                                              lse)
     need = ctx.needs_input_grad
     return (dq.to(q.dtype) if need[0] else None, dkv.to(kv.dtype) if need[1] else None,
             ds.to(attn_sink.dtype) if need[2] else None, None, None)
