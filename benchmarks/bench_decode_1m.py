@@ -78,15 +78,16 @@ def _pad(n, m=256):
     return -(-n // m) * m
 
 
-def llama_cache_bytes(ctx, ratio, cfg=CFG, cell=2):
+def llama_cache_bytes(ctx, ratio, cfg=CFG, cell=2, n_ubatch=512):
     """llama.cpp's K-only caches of one layer at its default F16 type (cell bytes per
     value): the window (raw) cache, the compressed cache and, for ratio 4, the
     lightning-indexer cache, each ceil(ctx / ratio) cells padded to 256
-    (src/llama-kv-cache-dsv4.cpp).  The raw cache is the sliding window's."""
+    (src/llama-kv-cache-dsv4.cpp); the raw cache is its sliding-window cache, window +
+    n_ubatch (default 512) cells padded to 256 (src/llama-kv-cache-iswa.cpp)."""
     D, Di = cfg.head_dim, cfg.index_head_dim
     comp = _pad(max(1, -(-ctx // ratio))) * D * cell
     idx = _pad(max(1, -(-ctx // ratio))) * Di * cell if ratio == 4 else 0
-    raw = _pad(cfg.window) * D * cell
+    raw = _pad(min(ctx, cfg.window + n_ubatch)) * D * cell
     return {"window": raw, "compressed": comp, "index_keys": idx, "total": raw + comp + idx,
             "rope_table": 0, "total_with_rope": raw + comp + idx, "fixed": raw}
 
@@ -219,6 +220,21 @@ def point(ctx, weights, g, threads, reps, seed=0):
         del kf
         for name, gr in graphs.items():
             sides[name] = gr.run
+    # checks, before the layer steps below write the window ring the ops read: the same
+    # inputs give the same answers on both sides
+    checks = {}
+    if graphs:
+        gi = graphs["llama.cpp indexer+top_k F16"]
+        gi.run()
+        a, b = set(sel.tolist()), set(gi.output()[0].tolist())
+        checks["topk_set_agreement"] = len(a & b) / len(a | b)
+        for kind, gname, o, idx, kv in (("csa", "llama.cpp CSA attn F16", o_c, cidx, kv_c),
+                                        ("hca", "llama.cpp HCA attn F16", o_h, hidx, kv_h)):
+            dc.sparse_attn(q, kv, sink, idx, scale, out=o)
+            graphs[gname].run()
+            go = graphs[gname].output()
+            checks[f"{kind}_attn_rel_ours_vs_llama"] = float(np.linalg.norm(go - o[0])
+                                                            / np.linalg.norm(o[0]))
     csa.reset_timings()
     hca.reset_timings()
     p0 = {"csa": csa._pos, "hca": hca._pos}
@@ -256,19 +272,8 @@ def point(ctx, weights, g, threads, reps, seed=0):
            # the process's high-water mark since this point's allocation began: weights,
            # both layers, llama.cpp's graphs (its own F16 copies of the caches) and all
            "process_peak_rss": _vm("VmHWM:")}
-    # checks: the same inputs give the same answers on both sides
+    row.update(checks)
     if graphs:
-        gi = graphs["llama.cpp indexer+top_k F16"]
-        gi.run()
-        a, b = set(sel.tolist()), set(gi.output()[0].tolist())
-        row["topk_set_agreement"] = len(a & b) / len(a | b)
-        for kind, gname, o, idx, kv in (("csa", "llama.cpp CSA attn F16", o_c, cidx, kv_c),
-                                        ("hca", "llama.cpp HCA attn F16", o_h, hidx, kv_h)):
-            dc.sparse_attn(q, kv, sink, idx, scale, out=o)
-            graphs[gname].run()
-            go = graphs[gname].output()
-            row[f"{kind}_attn_rel_ours_vs_llama"] = float(np.linalg.norm(go - o[0])
-                                                         / np.linalg.norm(o[0]))
         row["speedup_csa_indexer_attn"] = per_round(
             ["llama.cpp indexer+top_k F16", "llama.cpp CSA attn F16"],
             ["ours index_topk FP4", "ours CSA sparse_attn"])
@@ -290,7 +295,10 @@ def point(ctx, weights, g, threads, reps, seed=0):
                 f"{m['llama.cpp CSA attn F16']:6.2f}, HCA attn {m['llama.cpp HCA attn F16']:6.2f}"
                 f" ms | CSA idx+attn x{row['speedup_csa_indexer_attn']:.2f} (CPU time "
                 f"x{row['cpu_speedup_csa_indexer_attn']:.2f}), HCA attn "
-                f"x{row['speedup_hca_attn']:.2f} (CPU x{row['cpu_speedup_hca_attn']:.2f})")
+                f"x{row['speedup_hca_attn']:.2f} (CPU x{row['cpu_speedup_hca_attn']:.2f}); "
+                f"top-k sets {100 * row['topk_set_agreement']:.0f}% equal, attention ours vs "
+                f"llama.cpp {row['csa_attn_rel_ours_vs_llama']:.1e} (CSA), "
+                f"{row['hca_attn_rel_ours_vs_llama']:.1e} (HCA)")
     elif llama_err:
         msg += f" | llama.cpp: {llama_err}"
     print(msg + f" | peak +{peak / 2**30:.2f} GiB, load {t_load0[0]:.1f}", flush=True)
