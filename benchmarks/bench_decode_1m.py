@@ -452,7 +452,8 @@ def main(argv=None):
                      + ("_quick" if a.quick else ""))
     (res / f"{name}.json").write_text(json.dumps(out, indent=1, default=float))
     try:
-        plot(rows, res / f"{name}.png", title)
+        plot(rows, res / f"{name}.png", title + f"; load average {env['loadavg_start'][0]:.1f} "
+             f"at the start (2 cores)")
     except ImportError as e:
         print(f"no plot: {e}")
     print(f"wrote {res / (name + '.json')}")
