@@ -31,8 +31,11 @@ float32 state), and the peak resident memory of allocating, filling and decoding
 two layers, measured.  Then the whole V4-Flash per token at 1M from the released layer
 counts (CSA / HCA / window-only layers of ``V4_FLASH.compress_ratios``).
 
-Needs `make peers` (llama.cpp's ggml, build/peers/libcsa_ggml_ops.so); without it the
-llama.cpp sides are left out.  Writes benchmarks/results/decode_1m[_avx2][_quick].json
+Needs `make peers` (llama.cpp's ggml, build/peers/libcsa_ggml_ops.so, compiled from
+benchmarks/llamacpp_ops.c; `make peers` again after that file changes: the HCA graph is
+newer than the first harness builds, and an older harness is refused); without the
+build the llama.cpp sides are left out.  --ggml-isa avx2 reads
+build/peers/libcsa_ggml_ops-avx2.so (`PEERS_GGML_ISA=avx2 make peers`).  Writes benchmarks/results/decode_1m[_avx2][_quick].json
 and .png.  Memory: about 3 GiB resident at 1M (run under `flock /tmp/mem.lock`).
 run.py finds no cases here (cases() is empty): this is its own run.
 """
@@ -406,6 +409,12 @@ def main(argv=None):
     if not a.no_llama:
         import bench_llamacpp as bl
         lib = bl.LIB if a.ggml_isa == "native" else bl.PEERS / "libcsa_ggml_ops-avx2.so"
+        src = HERE / "llamacpp_ops.c"
+        if lib.exists() and lib.stat().st_mtime < src.stat().st_mtime:
+            # the HCA graph (topk = 0) is newer than some harness builds: an old one
+            # would build a top-k mask of zero rows
+            raise SystemExit(f"{lib} is older than {src}: rebuild it (`make peers`"
+                             + (", PEERS_GGML_ISA=avx2" if a.ggml_isa == "avx2" else "") + ")")
         try:
             g = bl.GGML(lib)
         except (FileNotFoundError, OSError) as e:
