@@ -131,6 +131,8 @@ gb *gb_indexer(int Hi, int Di, int S, int Tc, int topk, int k_type, int with_top
  *   sinks, F32 accumulation and the sparse hint n_kv_max = min(Nw, n_swa) + topk.
  *   q [S][H][D] f32, kv [Nw + Tc][D] f32, sink [H] f32, raw_mask [S][Nw] f16,
  *   csa_mask [S][Tc] f16 (causal part), topk_idx [S][topk] int32 (positions in [0, Tc)).
+ * topk = 0 builds build_hca_attention instead: no top-k mask (the compressed mask is
+ * csa_mask as given, joined to the window mask), no sparse hint; topk_idx unused.
  * Output: float32 [S][H][D]. */
 gb *gb_attn(int H, int D, int S, int Nw, int Tc, int topk, int kv_type, int with_concat,
             const float *q, const float *kv, const float *sink, const uint16_t *raw_mask,
@@ -147,7 +149,7 @@ gb *gb_attn(int H, int D, int S, int Nw, int Tc, int topk, int kv_type, int with
     struct ggml_tensor *tsink = ggml_new_tensor_1d(c, GGML_TYPE_F32, H);
     struct ggml_tensor *trm = ggml_new_tensor_4d(c, GGML_TYPE_F16, Nw, S, 1, 1);
     struct ggml_tensor *tcm = ggml_new_tensor_4d(c, GGML_TYPE_F16, Tc, S, 1, 1);
-    struct ggml_tensor *tidx = ggml_new_tensor_4d(c, GGML_TYPE_I32, topk, S, 1, 1);
+    struct ggml_tensor *tidx = topk ? ggml_new_tensor_4d(c, GGML_TYPE_I32, topk, S, 1, 1) : NULL;
     b->buf_in = ggml_backend_alloc_ctx_tensors(c, b->backend);
     set_f32(tq, q);
     set_f32(tall, kv);
@@ -165,27 +167,32 @@ gb *gb_attn(int H, int D, int S, int Nw, int Tc, int topk, int kv_type, int with
     ggml_backend_tensor_set(tsink, sink, 0, ggml_nbytes(tsink));
     ggml_backend_tensor_set(trm, raw_mask, 0, ggml_nbytes(trm));
     ggml_backend_tensor_set(tcm, csa_mask, 0, ggml_nbytes(tcm));
-    ggml_backend_tensor_set(tidx, topk_idx, 0, ggml_nbytes(tidx));
+    if (tidx) ggml_backend_tensor_set(tidx, topk_idx, 0, ggml_nbytes(tidx));
 
     struct ggml_context *g = b->ctx_graph;
     struct ggml_tensor *k_all = with_concat ? ggml_concat(g, traw, tcsa, 2) : tall;
-    /* the top-k mask */
-    struct ggml_tensor *m_all = ggml_fill(g, tcm, -INFINITY);
-    m_all = ggml_view_4d(g, m_all, 1, m_all->ne[0], m_all->ne[1], m_all->ne[3],
-                         m_all->nb[0], m_all->nb[1], m_all->nb[2], 0);
-    struct ggml_tensor *zeros = ggml_new_tensor_4d(g, GGML_TYPE_F16, 1, topk, S, 1);
-    zeros = ggml_fill(g, zeros, 0.0f);
-    struct ggml_tensor *m_top = ggml_set_rows(g, m_all, zeros, tidx);
-    m_top = ggml_view_4d(g, m_top, m_top->ne[1], m_top->ne[2], 1, m_top->ne[3],
-                         m_top->nb[2], m_top->nb[3], m_top->nb[3], 0);
-    m_top = ggml_add(g, m_top, tcm);
-    struct ggml_tensor *mask = ggml_concat(g, trm, m_top, 0);
+    struct ggml_tensor *mask;
+    if (!topk) {    /* HCA: every compressed entry the causal mask lets through */
+        mask = ggml_concat(g, trm, tcm, 0);
+    } else {
+        /* the top-k mask */
+        struct ggml_tensor *m_all = ggml_fill(g, tcm, -INFINITY);
+        m_all = ggml_view_4d(g, m_all, 1, m_all->ne[0], m_all->ne[1], m_all->ne[3],
+                             m_all->nb[0], m_all->nb[1], m_all->nb[2], 0);
+        struct ggml_tensor *zeros = ggml_new_tensor_4d(g, GGML_TYPE_F16, 1, topk, S, 1);
+        zeros = ggml_fill(g, zeros, 0.0f);
+        struct ggml_tensor *m_top = ggml_set_rows(g, m_all, zeros, tidx);
+        m_top = ggml_view_4d(g, m_top, m_top->ne[1], m_top->ne[2], 1, m_top->ne[3],
+                             m_top->nb[2], m_top->nb[3], m_top->nb[3], 0);
+        m_top = ggml_add(g, m_top, tcm);
+        mask = ggml_concat(g, trm, m_top, 0);
+    }
     /* attention, as build_attn_mha does it */
     struct ggml_tensor *qp = ggml_permute(g, tq, 0, 2, 1, 3);
     struct ggml_tensor *kp = ggml_permute(g, k_all, 0, 2, 1, 3);
     struct ggml_tensor *out = ggml_flash_attn_ext(g, qp, kp, kp, mask, scale, 0.0f, 0.0f);
     ggml_flash_attn_ext_add_sinks(out, tsink);
-    ggml_flash_attn_ext_set_n_kv_max(out, (Nw < n_swa ? Nw : n_swa) + topk);
+    if (topk) ggml_flash_attn_ext_set_n_kv_max(out, (Nw < n_swa ? Nw : n_swa) + topk);
     ggml_prec_set_acc(out, GGML_PREC_F32);
     if (gb_finish(b, out)) { gb_free(b); return NULL; }
     return b;

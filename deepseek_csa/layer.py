@@ -356,6 +356,68 @@ class CSALayer:
     def reset_timings(self):
         self.timings = {}
 
+    def fill_synthetic(self, n_tokens: int, *, seed: int = 0, rows: Optional[int] = None,
+                       chunk: int = 1 << 16):
+        """Puts rows 0..rows-1 (default: all) at position ``n_tokens`` as if that many
+        tokens had been prefilled, without running a prefill: the window ring (its last
+        ``min(n_tokens, window)`` slots), the ``n_tokens // ratio`` compressed entries,
+        the index keys and each compressor's open group get random values, each rounded
+        to its QAT grid as the forward pass would leave it (window KV and V4 entries
+        FP8, index keys [Hadamard +] FP4 and stored as FP4 rows, V4.1 entries FP4-e4m3;
+        no rounding with ``qat=False``).  The next call must be the decode step at
+        ``start_pos = n_tokens``.  Meant for measuring long contexts (a 1M-token
+        prefill is out of reach on a CPU); the values are Gaussian, scaled by each
+        cache's RMSNorm weight, not what a model would write.  Caches are written in
+        ``chunk`` entries at a time (bounded scratch).  V4 layout only (V4.1's reader
+        layers hold no cache of their own)."""
+        if self.version != "v4":
+            raise ValueError("CSALayer.fill_synthetic: V4 layout only (cfg.kv_source_layers "
+                             "is None); this layer is V4.1's")
+        B = self.batch if rows is None else int(rows)
+        n_tokens = int(n_tokens)
+        if not 1 <= B <= self.batch:
+            raise ValueError(f"CSALayer.fill_synthetic: 'rows' must be in 1..{self.batch}, "
+                             f"got {rows}")
+        if not 0 <= n_tokens < self.max_seq_len:
+            raise ValueError(f"CSALayer.fill_synthetic: 'n_tokens' must be in "
+                             f"0..{self.max_seq_len - 1} (a decode step follows), got {n_tokens}")
+        cfg, W, r = self.cfg, self.w, self.ratio
+        D, Dr, win = cfg.head_dim, cfg.rope_dim, cfg.window
+        rng = np.random.default_rng(seed)
+        self.reset()
+
+        def gauss(n, d, weight):
+            x = rng.standard_normal((B, n, d), dtype=np.float32)
+            x *= weight
+            return x
+
+        # window ring: positions n-keep .. n-1 at slots p % window
+        keep = min(n_tokens, win)
+        if keep:
+            kv = gauss(keep, D, W["kv_norm.weight"])
+            self._fp8(kv if cfg.window_fp8_rope else kv[..., :-Dr], cfg.window_fp8_block)
+            self._kv[:B, np.arange(n_tokens - keep, n_tokens) % win] = kv
+        n = n_tokens // r if r else 0
+        for a in range(0, n, chunk):
+            b = min(n, a + chunk)
+            e = gauss(b - a, D, W["compressor.norm.weight"])
+            self._round_entries(e)
+            self._kv[:B, win + a:win + b] = e
+            if self._ik is not None:
+                k = gauss(b - a, cfg.index_head_dim, W["indexer.compressor.norm.weight"])
+                self._index_rotate_round(k)
+                self._store_index_keys(k, B, a)
+        # the compressors' streaming state: every slot finite (the slots of tokens still
+        # to come are overwritten by them before their group is pooled)
+        for c in (self._comp, self._icomp):
+            if c is None:
+                continue
+            for buf in ((c._kv, c._score, c._prev_kv, c._prev_score) if c.overlap
+                        else (c._kv, c._score)):
+                buf[:B] = rng.standard_normal(buf.shape[1:], dtype=np.float32)
+            c._pos[:B] = n_tokens
+        self._pos = n_tokens
+
     def _fp8(self, x, block):
         if self.qat:
             _dc.fp8_round(x, block)

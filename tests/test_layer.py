@@ -181,6 +181,70 @@ def test_bad_inputs():
         reader(np.zeros((1, 4, cfg.dim), np.float32), 0)
 
 
+def _on_fp8_grid(a, block):
+    b = np.ascontiguousarray(a).copy()
+    dc.fp8_round(b, block)
+    return np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+def test_fill_synthetic_is_a_decodable_state_on_the_qat_grids(ratio):
+    """fill_synthetic(P): the caches of P prefilled tokens (their counts, on their QAT
+    grids), row 1 untouched, and decode continues at P: the next complete group lands
+    on the grid too, and the index lists only name entries that exist."""
+    cfg, P, n_max = SMALL, 517, 600
+    Dr, win = cfg.rope_dim, cfg.window
+    w = random_layer_weights(cfg, ratio, seed=4)
+    lay = CSALayer(w, cfg, ratio=ratio, batch=2, max_seq_len=n_max)
+    lay.fill_synthetic(P, rows=1, seed=3)
+    n = P // ratio if ratio else 0
+    assert lay._pos == P
+    for c in (lay._comp, lay._icomp):
+        if c is not None:
+            assert c.positions.tolist() == [P, 0]
+    kv = lay._kv
+    assert not kv[1].any()                                  # row 1 untouched
+    assert np.abs(kv[0, :win]).min() > 0                    # every ring slot written
+    if n:
+        assert np.abs(kv[0, win:win + n]).max(-1).min() > 0 and not kv[0, win + n:].any()
+    assert _on_fp8_grid(kv[0, :win + n, :-Dr], 64)          # V4: FP8 before the rope tail
+    if ratio == 4:
+        keys = dc.fp4_unpack(lay._ik[0, :n])
+        assert np.abs(keys).max(-1).min() > 0 and not lay._ik[0, n:].any()
+        np.testing.assert_array_equal(dc.fp4_round(keys.copy(), 32), keys)
+    again = CSALayer(w, cfg, ratio=ratio, batch=2, max_seq_len=n_max)
+    again.fill_synthetic(P, rows=1, seed=3)
+    np.testing.assert_array_equal(again._kv, kv)            # deterministic in the seed
+    x = np.random.default_rng(0).standard_normal((1, 4, cfg.dim), dtype=np.float32)
+    with pytest.raises(ValueError, match="position"):
+        lay(x[:, :1], P - 1)
+    for i, p in enumerate(range(P, P + 4)):                 # 517 .. 520: group 129 completes
+        y = lay(x[:, i:i + 1], p)
+        assert np.isfinite(y).all()
+        if ratio:
+            tk = lay.last_topk[0, 0]
+            want = min(lay.index_topk, (p + 1) // ratio) if ratio == 4 else (p + 1) // ratio
+            assert (tk >= 0).sum() == want
+            assert tk[tk >= 0].min() >= win and tk.max() < win + (p + 1) // ratio
+    if ratio == 4:
+        e = kv[0, win + P // 4]
+        assert np.abs(e).max() > 0 and _on_fp8_grid(e[None, :-Dr], 64)
+        assert lay._ik[0, P // 4].any()
+
+
+def test_fill_synthetic_bad_inputs():
+    lay = CSALayer(random_layer_weights(SMALL, 4), SMALL, ratio=4, batch=2, max_seq_len=64)
+    for kw, what in ((dict(n_tokens=64), "n_tokens"), (dict(n_tokens=-1), "n_tokens"),
+                     (dict(n_tokens=8, rows=3), "rows"), (dict(n_tokens=8, rows=0), "rows")):
+        with pytest.raises(ValueError, match=what):
+            lay.fill_synthetic(**kw)
+    assert not lay._kv.any() and lay._pos == 0              # nothing written
+    cfg41 = v41_config(**STACK_A)
+    src = CSALayer(random_layer_weights(cfg41, 2), cfg41, layer_id=1)
+    with pytest.raises(ValueError, match="V4 layout"):
+        src.fill_synthetic(8)
+
+
 # ---------------------------------------------------------------- V4.1
 
 SMALL41 = dict(dim=256, n_heads=8, head_dim=128, rope_dim=64, q_lora_rank=64, o_lora_rank=32,
