@@ -454,6 +454,10 @@ def summarize(side, raw, ctx, steps, triad):
     r = dict(side=side, ctx=ctx, steps=steps, rounds=len(raw), step_ms=1e3 * sec,
              tokens_per_s=1 / sec, must_bytes=sum(must.values()), must_parts=must,
              peak_rss_bytes=max(x["peak_rss_bytes"] for x in raw), raw=raw)
+    cpu = [x.get("decode_cpu_s", sum(x.get("step_cpu_s", [])) or None) for x in raw]
+    if all(cpu):
+        # process CPU seconds a step (every thread; OMP_WAIT_POLICY=passive: no spinning)
+        r["cpu_ms"] = 1e3 * statistics.median(cpu) / steps
     r["must_gbs"] = r["must_bytes"] / sec / 1e9
     r["must_gbs_over_triad"] = r["must_gbs"] / triad
     if "actual_bytes" in raw[0]:
@@ -477,7 +481,8 @@ def summarize(side, raw, ctx, steps, triad):
 
 def fmt(r):
     s = (f"width   ctx={r['ctx']:<6} {r['side']:<22} {r['step_ms']:7.2f} ms/step "
-         f"({r['tokens_per_s']:6.1f} tok/s) | must {r['must_bytes'] / 1e6:6.1f} MB -> "
+         + (f"({r['cpu_ms']:.1f} ms CPU) " if r.get("cpu_ms") else "")
+         + f"({r['tokens_per_s']:6.1f} tok/s) | must {r['must_bytes'] / 1e6:6.1f} MB -> "
          f"{r['must_gbs']:5.1f} GB/s = {100 * r['must_gbs_over_triad']:5.1f}% triad")
     if "actual_bytes" in r:
         s += (f" | actual {r['actual_bytes'] / 1e6:6.1f} MB -> {r['actual_gbs']:5.1f} GB/s = "
@@ -504,8 +509,7 @@ def plot(snap, path):
             ys = [r[key] for c in ctxs for r in rows if r["side"] == side and r["ctx"] == c]
             ax.bar(xs, ys, w, label=side)
     tri = snap["triad_gbs"]
-    floor = [1e3 * must_bytes(c)["index keys"] * 0 + 1e3 * sum(must_bytes(c).values()) / (tri * 1e9)
-             for c in ctxs]
+    floor = [1e3 * sum(must_bytes(c).values()) / (tri * 1e9) for c in ctxs]
     for i, f in enumerate(floor):
         axes[0].hlines(f, i - 0.1, i + 0.9, colors="k", linestyles="--",
                        label="must-read bytes at the triad" if i == 0 else None)
@@ -520,7 +524,8 @@ def plot(snap, path):
         ax.set_ylabel(yl)
         ax.legend(fontsize=7)
     fig.suptitle(f"One V4-Flash layer at the released width (256 FP4 experts, FP8 attention), "
-                 f"{snap['cpu']}, {snap['threads']} threads, ours at {snap['isa']}", fontsize=9)
+                 f"{snap['cpu']}, {snap['threads']} threads, ours at {snap['isa']}; load average "
+                 f"{snap['load_avg_start'][0]:.1f} at the start (a shared host)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -587,6 +592,8 @@ def main(argv=None):
         raw = {}
         for rd in range(a.rounds):
             for s in (sides if rd % 2 == 0 else sides[::-1]):
+                tri_before = triad_gbs(a.threads, 3)
+                triads.append(tri_before)
                 c0, w0 = os.times(), time.time()
                 if s == "llama.cpp":
                     if ctx > a.llama_max_ctx:
@@ -602,10 +609,11 @@ def main(argv=None):
                 # the whole process (load, prefill, decode): CPU seconds beside wall seconds
                 raw.setdefault(s, []).append(dict(
                     x, load_avg_1min=os.getloadavg()[0], process_wall_s=time.time() - w0,
+                    triad_gbs_before=tri_before,
                     process_cpu_s=(c1.children_user + c1.children_system
                                    - c0.children_user - c0.children_system)))
         for s, xs in raw.items():
-            r = summarize(s, xs, ctx, a.steps, triads[0])
+            r = summarize(s, xs, ctx, a.steps, statistics.mean(triads))
             r["load_avg_1min"] = max(x["load_avg_1min"] for x in xs)
             rows.append(r)
             print(fmt(r), flush=True)
@@ -614,14 +622,18 @@ def main(argv=None):
         if ours and ll:
             best = min(ours, key=lambda r: r["step_ms"])
             print(f"width   ctx={ctx:<6} ours ({best['side']}) / llama.cpp tokens/s "
-                  f"x{ll[0]['step_ms'] / best['step_ms']:.2f}", flush=True)
+                  f"x{ll[0]['step_ms'] / best['step_ms']:.2f} wall"
+                  + (f", x{ll[0]['cpu_ms'] / best['cpu_ms']:.2f} CPU time"
+                     if ll[0].get("cpu_ms") and best.get("cpu_ms") else ""), flush=True)
     triads.append(triad_gbs(a.threads))
     tri = statistics.mean(triads)
-    for r in rows:                       # against the mean of the run's two triads
+    for r in rows:                       # against the mean of the run's triads
         r["must_gbs_over_triad"] = r["must_gbs"] / tri
+        r["triad_gbs_just_before"] = statistics.mean(x["triad_gbs_before"] for x in r["raw"])
         if "actual_gbs" in r:
             r["actual_gbs_over_triad"] = r["actual_gbs"] / tri
-    print(f"width44: STREAM triad {triads[0]:.1f} before, {triads[1]:.1f} GB/s after", flush=True)
+    print(f"width44: STREAM triad {triads[0]:.1f} before, {triads[-1]:.1f} GB/s after, mean of "
+          f"{len(triads)} (one before each side's run) {tri:.1f}", flush=True)
     bars = []
     for ctx in sorted({r["ctx"] for r in rows}):
         ours = [r for r in rows if r["ctx"] == ctx and r["side"].startswith("runner")]
@@ -634,7 +646,10 @@ def main(argv=None):
             if ll:
                 x = ll[0]["step_ms"] / best["step_ms"]
                 bars.append(dict(ctx=ctx, bar="ours >= llama.cpp (tokens/s)", met=x >= 1,
-                                 value=x, side=best["side"]))
+                                 value=x, side=best["side"],
+                                 cpu_ratio=(ll[0]["cpu_ms"] / best["cpu_ms"]
+                                            if ll[0].get("cpu_ms") and best.get("cpu_ms")
+                                            else None)))
     for b in bars:
         print(f"bar     ctx={b['ctx']:<6} {b['bar']:<48} {'met' if b['met'] else 'NOT met'}: "
               f"{b['value']:.2f} ({b['side']})")
