@@ -8,13 +8,16 @@ and 64K tokens of context.
 
     PEERS_EXTRA_TARGETS="llama-bench llama" make peers   # once: libllama + harness
     PEERS_GGML_ISA=noamx make peers                       # once, AMX hosts
-    .venv/bin/python benchmarks/bench_released_width.py --prepare   # ~3.5 GB model, GGUF,
-                                                                    # runner checkpoint (~10 min)
-    flock /tmp/timing.lock .venv/bin/python benchmarks/bench_released_width.py
+    .venv/bin/python benchmarks/bench_released_width.py --prepare   # 3.6 GB model, GGUF,
+                                                                    # runner checkpoint
+    .venv/bin/python benchmarks/bench_released_width.py --llama-max-ctx 4096
+    .venv/bin/python benchmarks/bench_released_width.py --worker components   # where a
+                                                        # step's bytes go, each piece cold
 
-Durations (2 cores): --prepare ~10 min once (cached under build/peers/width44/<key>/,
-~11 GB on disk: hf/ 3.5 GB, model.gguf 3.6 GB, ckpt/ 3.7 GB); the timed run ~10 min
-(llama.cpp's 64K-token prefill is the long part; --llama-max-ctx caps it).
+Durations (2 cores, loaded host): --prepare ~8 min once (peak ~8 GB resident; cached
+under build/peers/width44/<key>/, 10 GB on disk: hf/, ckpt/ and model.gguf 3.4 GiB
+each); the timed run ~9 min with --llama-max-ctx 4096 (llama.cpp prefilled 4096 tokens
+in 266 s; its 65536-token prefill, the default, would take over an hour there).
 
 The model (CFG): bench_llamacpp_model.MODEL's V4-Flash widths (hidden 4096, 64 heads x
 512, q_lora 1024, 8 x 1024 output groups, window 128, 64 index heads x 128, top-512,
