@@ -30,6 +30,13 @@ static double now(void) {
     return ts.tv_sec + 1e-9 * ts.tv_nsec;
 }
 
+/* CPU seconds of the whole process (every thread): beside the wall time on a shared host */
+static double cpu_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+
 static int log_level = GGML_LOG_LEVEL_WARN;   /* LLAMACPP_LOG=info: llama.cpp's INFO lines too */
 
 static void quiet(enum ggml_log_level level, const char *text, void *ud) {
@@ -158,15 +165,16 @@ int main(int argc, char **argv) {
             double a = now();
             decode(ctx, ids, n);
             llama_synchronize(ctx);
-            double b = now();
+            double b = now(), cb = cpu_now();
             for (int i = 0; i < steps; i++) {
                 llama_token t = argmax(llama_get_logits_ith(ctx, -1), n_vocab);
                 decode(ctx, &t, 1);
             }
             llama_synchronize(ctx);
-            double c = now();
+            double c = now(), cc = cpu_now();
             printf("{\"round\": %d, \"n_prompt\": %d, \"n_decode\": %d, \"prefill_s\": %.6f, "
-                   "\"decode_s\": %.6f, \"load_s\": %.3f}\n", r, n, steps, b - a, c - b, t_load);
+                   "\"decode_s\": %.6f, \"decode_cpu_s\": %.6f, \"load_s\": %.3f}\n", r, n,
+                   steps, b - a, c - b, cc - cb, t_load);
             fflush(stdout);
         }
         llama_free(ctx);

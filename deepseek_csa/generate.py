@@ -144,9 +144,18 @@ def _st_shape(sl):
     return tuple(shape)
 
 
+def _copyable(src, dst):
+    torch = _torch()
+    return src == dst or (dst == torch.float32 and src in (torch.bfloat16, torch.float16))
+
+
 def load_checkpoint(model, path, chunk_bytes=64 << 20, strict=False, log=print):
     """Copies the tensors of the safetensors file ``path`` into ``model``'s parameters
-    and persistent buffers in place (same dtype required: FP8 / FP4 stay as stored).
+    and persistent buffers in place (same dtype required: FP8 / FP4 stay as stored; the
+    one widening allowed is bf16 / f16 into a float32 parameter: model.py allocates its
+    head and its compressors' wkv / wgate in float32 while, as its own comments say, the
+    released checkpoint stores them in bf16, and the released generate.py's
+    load_state_dict copies them across).
     Every shape and dtype is checked against the model before any data is read.  The
     file is opened again for each ~``chunk_bytes`` of tensors (row ranges of larger
     ones) so that at most that much of its mapping is resident on top of the model.  ``strict=False`` (as the released
@@ -169,7 +178,7 @@ def load_checkpoint(model, path, chunk_bytes=64 << 20, strict=False, log=print):
                 f"checkpoint but {list(t.shape)} in the model built from the config "
                 f"(config and checkpoint disagree, or the shard is for another world size)")
         want = _st_dtype(dt)
-        if want is not None and want != t.dtype:
+        if want is not None and not _copyable(want, t.dtype):
             raise CheckpointError(
                 f"{os.path.basename(path)}: tensor {k!r} is {want} in the checkpoint but "
                 f"{t.dtype} in the model (check the config's dtype / expert_dtype / scale_fmt)")
@@ -201,7 +210,7 @@ def load_checkpoint(model, path, chunk_bytes=64 << 20, strict=False, log=print):
                     dst = targets[k]
                     whole = a == 0 and (dst.dim() <= 1 or b == dst.shape[0])
                     src = f.get_tensor(k) if whole else f.get_slice(k)[a:b]
-                    if src.dtype != dst.dtype:
+                    if not _copyable(src.dtype, dst.dtype):
                         raise CheckpointError(
                             f"{os.path.basename(path)}: tensor {k!r} is {src.dtype} in the "
                             f"checkpoint but {dst.dtype} in the model (check the config's "

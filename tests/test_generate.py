@@ -384,3 +384,22 @@ def test_error_dtype_mismatch_names_tensor(tiny, ckpt):
                                                     r"torch\.float8_e8m0fnu in the checkpoint but "
                                                     r"torch\.float32 in the model"):
             G.load_checkpoint(m, str(root / "mp1" / "model0-mp1.safetensors"))
+
+
+def test_bf16_checkpoint_tensor_widens_into_float32_parameter(tiny, ckpt, tmp_path):
+    """The released checkpoint stores the head (and the compressors' wkv / wgate) in bf16
+    where model.py allocates float32: loaded as the released load_state_dict would, by
+    widening; a float32 tensor into a bf16 parameter is still refused."""
+    root, _, state = ckpt
+    st = dict(state, head=state["head"].bfloat16())      # the test model.py's float32 head
+    save(st, str(tmp_path / "model0-mp1.safetensors"))
+    with bf16_default():
+        m = tiny.Transformer(tiny.ModelArgs(**CFG))
+        G.load_checkpoint(m, str(tmp_path / "model0-mp1.safetensors"))
+        assert m.head.dtype == torch.float32
+        assert torch.equal(m.head, state["head"].bfloat16().float())
+        bad = dict(state, **{"embed.weight": state["embed.weight"].float()})
+        save(bad, str(tmp_path / "model0-mp1.safetensors"))
+        with pytest.raises(G.CheckpointError, match=r"'embed\.weight' is torch\.float32 in the "
+                                                    r"checkpoint but torch\.bfloat16"):
+            G.load_checkpoint(m, str(tmp_path / "model0-mp1.safetensors"))
