@@ -75,7 +75,8 @@ enum csa_isa {
     CSA_ISA_AVX512 = 3,  /* AVX-512 F/BW/DQ/VL (and csa_cpu_features() where present) */
     CSA_ISA_AMX = 4,     /* AVX-512 + AVX512_BF16 / VNNI / VBMI + AMX-BF16 tiles the OS
                           * lets us use: the bfloat16 dot products of attention, the
-                          * indexer and the GEMMs of more than 16 rows */
+                          * indexer and the GEMMs of more than 16 rows; with AMX-INT8
+                          * (CSA_CPU_AMX_INT8) the FP4 indexer's integer dot products */
 };
 
 /* The tuned bodies are compiled once per x86 level (csa_isa_variants.h) with
