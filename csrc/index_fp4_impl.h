@@ -35,7 +35,8 @@
  * 48 without: [0, 96]); the query bytes are signed, 2q 2^de; the per-head start value
  * -OFF * sum(q bytes) removes the offset.  VPDPBUSD adds 4 products into an int32 lane;
  * without VNNI, VPMADDUBSW adds 2 into a saturating int16 lane and two of them are
- * added in int16 before VPMADDWD widens: 4 * 96 * 48 = 18432 < 2^15. */
+ * added in int16 before VPMADDWD widens: 4 * 96 * 48 = 18432 < 2^15.  At level amx
+ * with AMX-INT8 the same integer sums come from TDPBSUD on tiles (ix4_tiles_amx). */
 
 #ifndef IX4_TILE_FAST
 #define IX4_TILE_FAST 0   /* every key of the tile prescaled */
@@ -625,7 +626,7 @@ IX4_AMX_FN void CSA_V(ix4_amx_end)(void) { _tile_release(); }
  * rows, cb[i] + (h - h0) * 16; ek: 2^(ek - 127) per key as float32 bits; with fold,
  * x 2^(ek - 127) then the folded weights wv, else x 2^(ek + eq - 256) then the weights w). */
 static inline __attribute__((always_inline)) void
-CSA_V(ix4_amx_epi)(const int fold, int32_t cb[4][1024], csa_idx h0, csa_idx h1,
+CSA_V(ix4_amx_epi)(const int fold, const int32_t *const cb[4], csa_idx h0, csa_idx h1,
                    const __m512i ek[4], const int32_t *heqf, const float *wv, __m512 tot[4])
 {
     const __m512 zero = _mm512_setzero_ps();
@@ -689,7 +690,11 @@ IX4_AMX_FN void CSA_V(ix4_tiles_amx)(const struct ix_call *x, const uint8_t *qb,
             tt[n++] = t;
         }
         if (!n) continue;
-        for (int i = n; i < 4; i++) ek[i] = ek[0]; /* unused chains: computed and dropped */
+        const int32_t *cbp[4];
+        for (int i = 0; i < 4; i++) { /* unused chains repeat tile 0: computed and dropped */
+            cbp[i] = cbuf[i < n ? i : 0];
+            ek[i] = ek[i < n ? i : 0];
+        }
         __m512 tot[4];
         for (int i = 0; i < 4; i++) tot[i] = _mm512_setzero_ps();
         for (csa_idx g0 = 0; g0 < HG; g0 += 4) {
@@ -707,9 +712,9 @@ IX4_AMX_FN void CSA_V(ix4_tiles_amx)(const struct ix_call *x, const uint8_t *qb,
             __asm__ volatile("" ::: "memory"); /* the vector loads read the stored C */
             const csa_idx h1 = imin(Hi, 16 * (g0 + ng));
             if (fold)
-                CSA_V(ix4_amx_epi)(1, cbuf, 16 * g0, h1, ek, heqf, wf, tot);
+                CSA_V(ix4_amx_epi)(1, cbp, 16 * g0, h1, ek, heqf, wf, tot);
             else
-                CSA_V(ix4_amx_epi)(0, cbuf, 16 * g0, h1, ek, heqf, w, tot);
+                CSA_V(ix4_amx_epi)(0, cbp, 16 * g0, h1, ek, heqf, w, tot);
         }
         for (int i = 0; i < n; i++) {
             const csa_idx nk = imin(16, t1 - tt[i]);
