@@ -1,9 +1,11 @@
 """The FP4 lightning indexer at the integer-dot-product limit: index_topk decode (S=1,
 Hi=64, Di=128, top-512, ratio 4) on packed FP4 key rows against the float32 path on
 the same FP4-rounded values, at Tc = 16K, 64K and 256K compressed entries (64K .. 1M
-tokens), at the native ISA level and at avx2 (what DEEPSEEK_CSA_ISA=avx2 selects), and
-as a fraction of the level's integer dot-product peak (_peak_idot: VPDPBUSD where the
-CPU has AVX512_VNNI, VPMADDUBSW pairs below; 2 ops a byte product).
+tokens), at the native ISA level (amx: the scoring on AMX-INT8 tiles, TDPBSUD), at
+avx512 (VPDPBUSD on the same CPU) and at avx2 (what DEEPSEEK_CSA_ISA=avx2 selects), and
+as a fraction of the integer dot-product peak of the vector units (_peak_idot:
+VPDPBUSD where the CPU has AVX512_VNNI, VPMADDUBSW pairs below; 2 ops a byte product;
+the tiles of the amx level go past it).
 
     OMP_WAIT_POLICY=passive .venv/bin/python benchmarks/bench_fp4_index.py [--quick]
 
@@ -74,6 +76,8 @@ def cpu_times(sides, reps):
 def rows_at_level(level, tcs, reps, threads, rng):
     dc.set_isa(level)
     shape = _core._peak_idot_shape()
+    scoring = ("TDPBSUD (AMX-INT8 tiles)" if level == "amx" and
+               "amx_int8" in _core._build_info()["cpu_features"].split() else shape["instruction"])
     peak, peak_cpu = idot_peak(threads)
     out = []
     for Tc in tcs:
@@ -96,6 +100,7 @@ def rows_at_level(level, tcs, reps, threads, rng):
         out.append({
             "level": level, "isa": dc.get_isa(), "cpu": harness.cpu_model(),
             "cpu_features": _core._build_info()["cpu_features"], "threads": threads,
+            "fp4_scoring": scoring, "loadavg": os.getloadavg(),
             "Tc": Tc, "context_tokens": Tc * RATIO, "Hi": HI, "Di": DI, "topk": TOPK,
             "ms": {n: 1e3 * v for n, v in med.items()},
             "speedup_fp4_vs_float32": med["float32"] / med["fp4"],
@@ -120,6 +125,7 @@ def rows_at_level(level, tcs, reps, threads, rng):
               f"{r['cpu_ms']['float32']:6.2f} / {r['cpu_ms']['fp4']:5.2f} ms "
               f"{r['cpu_speedup_fp4_vs_float32']:.2f}x  "
               f"{r['fp4_frac_idot_peak_cpu'] * 100:4.1f}% of the {shape['instruction']} peak "
+              f"(scoring: {scoring}; load {r['loadavg'][0]:.1f}) "
               f"(CPU time; {peak_cpu / 1e9:.0f} Gop/s a CPU second)", flush=True)
     peak2, peak2_cpu = idot_peak(threads)
     for r in out:
@@ -162,7 +168,7 @@ def plot(rows, path):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="Tc = 16K and 64K, 5 rounds")
-    ap.add_argument("--levels", nargs="+", default=["native", "avx2"])
+    ap.add_argument("--levels", nargs="+", default=["native", "avx512", "avx2"])
     ap.add_argument("--tc", nargs="+", type=int, default=None)
     ap.add_argument("--reps", type=int, default=0)
     ap.add_argument("--out", default="fp4_index")
@@ -174,7 +180,9 @@ def main():
     before = dc.get_isa()
     rows = []
     for lv in a.levels:
-        rows += rows_at_level(dc.best_isa() if lv == "native" else lv, tcs, reps, threads, rng)
+        lv = dc.best_isa() if lv == "native" else lv
+        if dc.ISA_LEVELS.index(lv) <= dc.ISA_LEVELS.index(dc.best_isa()) and lv not in [r["level"] for r in rows]:
+            rows += rows_at_level(lv, tcs, reps, threads, rng)
     dc.set_isa(before)
     RESULTS.mkdir(exist_ok=True)
     out = {"rows": rows, "environment": harness.environment(threads)}

@@ -75,7 +75,8 @@ enum csa_isa {
     CSA_ISA_AVX512 = 3,  /* AVX-512 F/BW/DQ/VL (and csa_cpu_features() where present) */
     CSA_ISA_AMX = 4,     /* AVX-512 + AVX512_BF16 / VNNI / VBMI + AMX-BF16 tiles the OS
                           * lets us use: the bfloat16 dot products of attention, the
-                          * indexer and the GEMMs of more than 16 rows */
+                          * indexer and the GEMMs of more than 16 rows; with AMX-INT8
+                          * (CSA_CPU_AMX_INT8) the FP4 indexer's integer dot products */
 };
 
 /* The tuned bodies are compiled once per x86 level (csa_isa_variants.h) with
@@ -102,10 +103,16 @@ const char *csa_isa_name(int level);
  * results are the same bits either way, or within the stated bound of the bf16 GEMM):
  * CSA_CPU_VNNI_VBMI, AVX512_VNNI + AVX512_VBMI: the one-row GEMMs (int8 dot products,
  * byte permutes); CSA_CPU_BF16, AVX512_BF16: the GEMMs of more rows on CPUs without AMX
- * tiles, and the one-row FP8 GEMM by bf16 dot products (docs/kernels.md section 9).  0
- * where the compiler cannot build them; DEEPSEEK_CSA_CPU_FEATURES masks them (runtime.c). */
-enum csa_cpu_feature { CSA_CPU_VNNI_VBMI = 1, CSA_CPU_BF16 = 2 };
+ * tiles, and the one-row FP8 GEMM by bf16 dot products (docs/kernels.md section 9);
+ * CSA_CPU_AMX_INT8, AMX-INT8 tiles the process may use (so only where csa_isa_best() is
+ * amx): the FP4 indexer's integer dot products at level amx (docs/kernels.md section 4).
+ * 0 where the compiler cannot build them; DEEPSEEK_CSA_CPU_FEATURES masks them (runtime.c). */
+enum csa_cpu_feature { CSA_CPU_VNNI_VBMI = 1, CSA_CPU_BF16 = 2, CSA_CPU_AMX_INT8 = 4 };
 int csa_cpu_features(void);
+/* 1 when the CPU and the OS have AMX but the kernel refused this process the tile state
+ * (arch_prctl ARCH_REQ_XCOMP_PERM failed): the levels stop at avx512, and the glue says so
+ * once where a call would have used the tiles. */
+int csa_amx_refused(void);
 
 /* Threads for a parallel region over `items` independent output rows, so that each
  * thread gets at least `min_items` of them: min(omp_get_max_threads(), items/min_items),

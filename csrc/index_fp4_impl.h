@@ -35,7 +35,8 @@
  * 48 without: [0, 96]); the query bytes are signed, 2q 2^de; the per-head start value
  * -OFF * sum(q bytes) removes the offset.  VPDPBUSD adds 4 products into an int32 lane;
  * without VNNI, VPMADDUBSW adds 2 into a saturating int16 lane and two of them are
- * added in int16 before VPMADDWD widens: 4 * 96 * 48 = 18432 < 2^15. */
+ * added in int16 before VPMADDWD widens: 4 * 96 * 48 = 18432 < 2^15.  At level amx
+ * with AMX-INT8 the same integer sums come from TDPBSUD on tiles (ix4_tiles_amx). */
 
 #ifndef IX4_TILE_FAST
 #define IX4_TILE_FAST 0   /* every key of the tile prescaled */
@@ -55,16 +56,33 @@
 #if defined(CSA_HAVE_AMX)
 #define IX4_HAVE_VNNI 1
 #endif
+#if defined(CSA_HAVE_AMX)
+#define IX4_HAVE_AMX 1
+#endif
 #else
 #define IX4_NK 8
 #endif
 
+/* Level amx on a CPU with AMX-INT8: the tile path (ix4_tiles_amx below). */
+static inline int CSA_V(ix4_amx)(void)
+{
+#ifdef IX4_HAVE_AMX
+    return csa_isa_get() >= CSA_ISA_AMX && (csa_cpu_features() & CSA_CPU_AMX_INT8);
+#else
+    return 0;
+#endif
+}
+
 /* Byte offsets in a packed FP4 query row: a 64-byte header (int32 NaN flag, least
- * effective exponent, largest exponent, all heads prescaled), then per head its
- * prescaled flag, start value, base exponent, per block start value and exponent, the
- * weights (float32), and the query bytes (IX4_QOFF). */
+ * effective exponent, largest exponent, all heads prescaled; with the tiles: the row
+ * takes the tile path, the folded weights are exact), then per head its prescaled
+ * flag, start value, base exponent, per block start value and exponent, the weights
+ * (float32), and the query bytes (IX4_QOFF).  With the tiles (ix4_amx) also the A
+ * tiles [HG][NC][16 heads][64 bytes] (head group, 64-feature chunk; zero past Hi and
+ * Di), the C start tiles [HG][16 heads][16 keys] (int32, each head's start value
+ * across its row) and the folded weights [Hi] (float32). */
 struct CSA_V(ix4_geo) {
-    size_t hnice, hcorr, heqf, hcorrb, heqb, w, qop, bytes;
+    size_t hnice, hcorr, heqf, hcorrb, heqb, w, qop, qa, ci, wf, bytes;
 };
 
 static void CSA_V(ix4_row_geo)(const struct csa_index_problem *p, struct CSA_V(ix4_geo) *g)
@@ -86,15 +104,27 @@ static void CSA_V(ix4_row_geo)(const struct csa_index_problem *p, struct CSA_V(i
     o = (o + 63) / 64 * 64;
     g->qop = o;
     o += (Hi + 7) / 8 * 8 * (size_t)p->Di;
-    g->bytes = (o + 63) / 64 * 64;
+    o = (o + 63) / 64 * 64;
+    g->qa = g->ci = g->wf = o;
+    if (CSA_V(ix4_amx)()) {
+        const size_t HG = (Hi + 15) / 16, NC = (size_t)(p->Di + 63) / 64;
+        o += HG * NC * 1024;
+        g->ci = o;
+        o += HG * 1024;
+        g->wf = o;
+        o += HG * 64;
+    }
+    g->bytes = o;
 }
 
 /* A key tile: a 64-byte header (int32 kind, least effective exponent, largest
  * exponent), the effective exponents [nb][nk] (int32), then the key bytes transposed,
- * dword f of key l at (f * nk + l) * 4. */
+ * dword f of key l at (f * nk + l) * 4, padded to a whole number of 64-feature chunks
+ * (Di an odd number of blocks: the tiles read a chunk of 16 dwords; the padding bytes
+ * are zero, and so are the query bytes they meet). */
 static inline size_t CSA_V(ix4_tile_bytes)(csa_idx Di, csa_idx nk)
 {
-    return (64 + (size_t)(Di / 32) * (size_t)nk * 4 + (size_t)Di * (size_t)nk + 63) / 64 * 64;
+    return (64 + (size_t)(Di / 32) * (size_t)nk * 4 + (size_t)(Di + 63) / 64 * 64 * (size_t)nk + 63) / 64 * 64;
 }
 
 static inline int CSA_V(ix4_vnni)(void)
@@ -171,6 +201,29 @@ static void CSA_V(ix4_pack_row)(const struct ix_call *x, csa_idx b, csa_idx s, u
     hdr[3] = all;
     const csa_idx w0 = b * p->swb + s * p->sws;
     for (csa_idx h = 0; h < Hi; h++) w[h] = ld(p->w, p->w_bf16, w0 + h * p->swh);
+    if (!CSA_V(ix4_amx)()) return;
+    /* The tile path's operands (zeroed above with the query bytes): the A tiles, the C
+     * start tiles, and the weights with the head's scale folded in, w 2^(eq - 129), used
+     * when every one of them is exact (in double, then checked to round to itself):
+     * relu(N 2^(ek - 127)) * (w 2^(eq - 129)) is then the oracle's relu(dot) * w, the
+     * same real number rounded once. */
+    const csa_idx NC = (Di + 63) / 64;
+    int8_t *qa = (int8_t *)(buf + g.qa);
+    int32_t *ci = (int32_t *)(buf + g.ci);
+    float *wf = (float *)(buf + g.wf);
+    int fold = 1;
+    for (csa_idx h = 0; h < Hi; h++) {
+        int8_t *qah = qa + ((h / 16) * NC * 16 + h % 16) * 64;
+        for (csa_idx d = 0; d < Di; d++) qah[(d / 64) * 1024 + d % 64] = qop[IX4_QOFF(h, d / 4, Di) + d % 4];
+        for (int l = 0; l < 16; l++) ci[h * 16 + l] = hcorr[h];
+        const double a = (double)w[h] * ldexp(1.0, heqf[h] - 129);
+        wf[h] = (float)a;
+#ifndef CSA_MUTANT_FP4_INDEX_AMX /* planted (make mutants): the folded weights used unchecked */
+        fold &= w[h] != w[h] || (double)wf[h] == a;
+#endif
+    }
+    hdr[4] = all && Di <= IX4_FAST_DI;
+    hdr[5] = fold;
 }
 
 #ifdef IX4_HAVE_VNNI
@@ -272,6 +325,7 @@ static void CSA_V(ix4_pack_keys)(const struct csa_index_problem *p, csa_idx b, c
         uint8_t *tile = dst + (size_t)i * TB;
         int32_t *th = (int32_t *)tile, *ekb = (int32_t *)(tile + 64);
         uint8_t *kv = tile + 64 + (size_t)nb * NK * 4;
+        if (Di % 64) memset(kv + (size_t)Di * NK, 0, (size_t)(64 - Di % 64) * NK); /* chunk padding */
         int kind = IX4_TILE_FAST, tmn = 1 << 20, tmx = 0;
         int base[IX4_NK], nice[IX4_NK];
         const csa_idx nk = imin(NK, t1 - t);
@@ -481,6 +535,198 @@ CSA_TARGET_PUSH512(CSA_TARGET_AVX512)
 #undef IX4B_VNNI
 #endif
 
+#if defined(__AVX512F__)
+/* The VNNI path where the CPU has it, else the VPMADDUBSW pairs. */
+static void CSA_V(ix4_tiles_vnni_or_bw)(const struct ix_call *x, const uint8_t *qb, csa_idx b,
+                                        csa_idx s, const uint8_t *kc, csa_idx kt0, csa_idx t0,
+                                        csa_idx t1, const uint8_t *cm, csa_idx scn, csa_idx bs,
+                                        float *o)
+{
+#ifdef IX4_HAVE_VNNI
+    if (CSA_V(ix4_vnni)()) {
+        CSA_V(ix4_tiles_vnni)(x, qb, b, s, kc, kt0, t0, t1, cm, scn, bs, o);
+        return;
+    }
+#endif
+    CSA_V(ix4_tiles_bw)(x, qb, b, s, kc, kt0, t0, t1, cm, scn, bs, o);
+}
+#endif
+
+#ifdef IX4_HAVE_AMX
+/* ------------------------------------------------------------------ AMX-INT8
+ * The one-sum path on tiles: per key tile (16 keys) and head group (16 heads), one
+ * TDPBSUD does C[16 heads x 16 keys] += A[16 heads x 64 query bytes, signed] .
+ * B[64 key bytes x 16 keys, unsigned], B in the "VNNI" layout, row r holding dword r
+ * (features 4r .. 4r+3) of each key: exactly the key tile's layout (dword f of key l at
+ * (f * 16 + l) * 4), so a 64-feature chunk of a tile is a B tile read in place.  C
+ * starts at each head's start value (-OFF * sum of its query bytes), so row h of C is
+ * the accumulator the VNNI path has for head h: N_h of the 16 keys in the int32 lanes,
+ * the same exact integers.  The float epilogue then runs the oracle's per-key steps in
+ * head order as the VNNI path does, four key tiles side by side (four independent
+ * chains of head sums: a chain's additions wait on each other, 4 cycles each).  With
+ * the folded weights (ix4_pack_row) a head costs a conversion, two products, a max
+ * and an addition; without (a weight that w 2^(eq - 129) would round, or a tile whose
+ * keys' exponents leave N 2^(ek - 127) outside the normal range) the VNNI path's
+ * scale 2^(ek + eq - 256) and w.  Only query rows whose heads are all prescaled and
+ * FAST tiles come here; the others take the VNNI path (tile by tile) or the oracle's.
+ *
+ * Tiles (all 16 rows x 64 bytes, csa_amx_tiles_16x64): tmm0-3 C of four head groups
+ * (64 heads a pass, passes in head order), tmm4 / tmm6 A (alternating, so a load
+ * seldom waits for the product still reading its tile), tmm5 / tmm7 B (even / odd
+ * chunks). */
+#define IX4_AMX_FN                                                                         \
+    static __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c,"        \
+                                 "amx-tile,amx-int8"),                                      \
+                          noinline))
+
+IX4_AMX_FN void CSA_V(ix4_amx_begin)(void) { csa_amx_tiles_16x64(); }
+
+IX4_AMX_FN void CSA_V(ix4_amx_end)(void) { _tile_release(); }
+
+/* C tiles 0 .. NG-1 of one key tile (B chunks at kv) against head groups g0 .. g0+NG-1
+ * (A tiles at qa, start tiles at ci), stored to cb [NG][16 heads][16 keys]. */
+#define IX4_AMX_DP(NG, BT, c)                                                              \
+    do {                                                                                   \
+        const int8_t *qc = qa + (g0 * NC + (c)) * 1024;                                    \
+        _tile_loadd(BT, kv + (c) * 1024, 64);                                              \
+        _tile_loadd(4, qc, 64);                                                            \
+        _tile_dpbsud(0, 4, BT);                                                            \
+        if (NG > 1) {                                                                      \
+            _tile_loadd(6, qc + NC * 1024, 64);                                            \
+            _tile_dpbsud(1, 6, BT);                                                        \
+        }                                                                                  \
+        if (NG > 2) {                                                                      \
+            _tile_loadd(4, qc + 2 * NC * 1024, 64);                                        \
+            _tile_dpbsud(2, 4, BT);                                                        \
+        }                                                                                  \
+        if (NG > 3) {                                                                      \
+            _tile_loadd(6, qc + 3 * NC * 1024, 64);                                        \
+            _tile_dpbsud(3, 6, BT);                                                        \
+        }                                                                                  \
+    } while (0)
+#define IX4_AMX_C(NG)                                                                      \
+    do {                                                                                   \
+        _tile_loadd(0, ci + g0 * 256, 64);                                                 \
+        if (NG > 1) _tile_loadd(1, ci + (g0 + 1) * 256, 64);                               \
+        if (NG > 2) _tile_loadd(2, ci + (g0 + 2) * 256, 64);                               \
+        if (NG > 3) _tile_loadd(3, ci + (g0 + 3) * 256, 64);                               \
+        csa_idx c = 0;                                                                     \
+        for (; c + 2 <= NC; c += 2) {                                                      \
+            IX4_AMX_DP(NG, 5, c);                                                          \
+            IX4_AMX_DP(NG, 7, c + 1);                                                      \
+        }                                                                                  \
+        if (c < NC) IX4_AMX_DP(NG, 5, c);                                                  \
+        _tile_stored(0, cb, 64);                                                           \
+        if (NG > 1) _tile_stored(1, cb + 256, 64);                                         \
+        if (NG > 2) _tile_stored(2, cb + 512, 64);                                         \
+        if (NG > 3) _tile_stored(3, cb + 768, 64);                                         \
+    } while (0)
+
+/* tot + relu(x * sk) * wv for four key tiles at once, heads h0 .. h1-1 (x: their C
+ * rows, cb[i] + (h - h0) * 16; ek: 2^(ek - 127) per key as float32 bits; with fold,
+ * x 2^(ek - 127) then the folded weights wv, else x 2^(ek + eq - 256) then the weights w). */
+static inline __attribute__((always_inline)) void
+CSA_V(ix4_amx_epi)(const int fold, const int32_t *const cb[4], csa_idx h0, csa_idx h1,
+                   const __m512i ek[4], const int32_t *heqf, const float *wv, __m512 tot[4])
+{
+    const __m512 zero = _mm512_setzero_ps();
+    for (csa_idx h = h0; h < h1; h++) {
+        const __m512 w = _mm512_set1_ps(wv[h]);
+        const __m512i eq = _mm512_set1_epi32(fold ? 0 : (int32_t)((uint32_t)(heqf[h] - 129) << 23));
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            const __m512 x = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)(cb[i] + (h - h0) * 16)));
+            const __m512 sc = _mm512_castsi512_ps(fold ? ek[i] : _mm512_add_epi32(ek[i], eq));
+            __m512 m = _mm512_mul_ps(_mm512_max_ps(zero, _mm512_mul_ps(x, sc)), w);
+            __asm__("" : "+v"(m)); /* rounded on its own, as in the oracle */
+            tot[i] = _mm512_add_ps(tot[i], m);
+        }
+    }
+}
+
+/* Scores of query row (b, s), packed in qb, against keys [t0, t1) laid out in kc from
+ * kt0 = t0 (ix4_tiles_vnni's contract), on the tiles. */
+IX4_AMX_FN void CSA_V(ix4_tiles_amx)(const struct ix_call *x, const uint8_t *qb, csa_idx b,
+                                     csa_idx s, const uint8_t *kc, csa_idx kt0, csa_idx t0,
+                                     csa_idx t1, const uint8_t *cm, csa_idx scn, csa_idx bs,
+                                     float *o)
+{
+    const struct csa_index_problem *p = x->p;
+    const csa_idx Hi = p->Hi, Di = p->Di, nb = Di / 32, HG = (Hi + 15) / 16, NC = (Di + 63) / 64;
+    struct CSA_V(ix4_geo) g;
+    CSA_V(ix4_row_geo)(p, &g);
+    const int32_t *qh = (const int32_t *)qb;
+    if (!qh[4]) { /* a head past the prescaled reach: the VNNI path's block sums */
+        CSA_V(ix4_tiles_vnni_or_bw)(x, qb, b, s, kc, kt0, t0, t1, cm, scn, bs, o);
+        return;
+    }
+    const size_t TB = CSA_V(ix4_tile_bytes)(Di, 16);
+    const int8_t *qa = (const int8_t *)(qb + g.qa);
+    const int32_t *ci = (const int32_t *)(qb + g.ci), *heqf = (const int32_t *)(qb + g.heqf);
+    const float *w = (const float *)(qb + g.w), *wf = (const float *)(qb + g.wf);
+    int32_t cbuf[4][1024] __attribute__((aligned(64)));
+    __asm__ volatile("" ::: "memory"); /* the tile loads read the packed row */
+    for (csa_idx t = t0; t < t1;) {
+        /* up to four FAST tiles of the range, the others scored on the way */
+        __m512i ek[4];
+        csa_idx tt[4];
+        int n = 0, fold = qh[5];
+        for (; t < t1 && n < 4; t += 16) {
+            const csa_idx nk = imin(16, t1 - t);
+            if (cand_tile_skipped(cm, scn, bs, t, nk)) continue;
+            const uint8_t *tile = kc + (size_t)((t - kt0) / 16) * TB;
+            const int32_t *th = (const int32_t *)tile;
+            if (qh[0] || th[0] == IX4_TILE_SCALAR || th[1] + qh[1] < 130 || th[2] + qh[2] > 360) {
+                CSA_V(ix4_scalar)(x, b, s, t, t + nk, o);
+                continue;
+            }
+            if (th[0] != IX4_TILE_FAST) {
+                CSA_V(ix4_tiles_vnni_or_bw)(x, qb, b, s, kc, kt0, t, t + nk, cm, scn, bs, o);
+                continue;
+            }
+            /* N 2^(ek - 127) exact and normal: |N| < 2^24, every base ek in [1, 230] */
+            fold &= th[1] >= 1 && th[2] <= 230;
+            ek[n] = _mm512_slli_epi32(_mm512_load_si512((const void *)(tile + 64)), 23);
+            tt[n++] = t;
+        }
+        if (!n) continue;
+        const int32_t *cbp[4];
+        for (int i = 0; i < 4; i++) { /* unused chains repeat tile 0: computed and dropped */
+            cbp[i] = cbuf[i < n ? i : 0];
+            ek[i] = ek[i < n ? i : 0];
+        }
+        __m512 tot[4];
+        for (int i = 0; i < 4; i++) tot[i] = _mm512_setzero_ps();
+        for (csa_idx g0 = 0; g0 < HG; g0 += 4) {
+            const csa_idx ng = imin(4, HG - g0);
+            for (int i = 0; i < n; i++) {
+                const uint8_t *kv = kc + (size_t)((tt[i] - kt0) / 16) * TB + 64 + (size_t)nb * 64;
+                int32_t *cb = cbuf[i];
+                switch (ng) {
+                case 4: IX4_AMX_C(4); break;
+                case 3: IX4_AMX_C(3); break;
+                case 2: IX4_AMX_C(2); break;
+                default: IX4_AMX_C(1); break;
+                }
+            }
+            __asm__ volatile("" ::: "memory"); /* the vector loads read the stored C */
+            const csa_idx h1 = imin(Hi, 16 * (g0 + ng));
+            if (fold)
+                CSA_V(ix4_amx_epi)(1, cbp, 16 * g0, h1, ek, heqf, wf, tot);
+            else
+                CSA_V(ix4_amx_epi)(0, cbp, 16 * g0, h1, ek, heqf, w, tot);
+        }
+        for (int i = 0; i < n; i++) {
+            const csa_idx nk = imin(16, t1 - tt[i]);
+            _mm512_mask_storeu_ps(o + tt[i], (__mmask16)((1u << nk) - 1u), tot[i]);
+        }
+    }
+}
+#undef IX4_AMX_DP
+#undef IX4_AMX_C
+#undef IX4_AMX_FN
+#endif
+
 /* Scores of the packed FP4 query row qb against keys [t0, t1) laid out in kc from
  * kt0 (= t0, a tile boundary). */
 static void CSA_V(ix4_score_row)(const struct ix_call *x, const uint8_t *qb, csa_idx b,
@@ -489,13 +735,13 @@ static void CSA_V(ix4_score_row)(const struct ix_call *x, const uint8_t *qb, csa
                                  float *o)
 {
 #if defined(__AVX512F__)
-#ifdef IX4_HAVE_VNNI
-    if (CSA_V(ix4_vnni)()) {
-        CSA_V(ix4_tiles_vnni)(x, qb, b, s, kc, kt0, t0, t1, cm, scn, bs, o);
+#ifdef IX4_HAVE_AMX
+    if (CSA_V(ix4_amx)()) {
+        CSA_V(ix4_tiles_amx)(x, qb, b, s, kc, kt0, t0, t1, cm, scn, bs, o);
         return;
     }
 #endif
-    CSA_V(ix4_tiles_bw)(x, qb, b, s, kc, kt0, t0, t1, cm, scn, bs, o);
+    CSA_V(ix4_tiles_vnni_or_bw)(x, qb, b, s, kc, kt0, t0, t1, cm, scn, bs, o);
 #elif defined(__AVX2__)
     CSA_V(ix4_tiles_avx2)(x, qb, b, s, kc, kt0, t0, t1, cm, scn, bs, o);
 #else

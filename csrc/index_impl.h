@@ -568,6 +568,9 @@ static void CSA_V(ix_tiles_begin)(int mode)
 #ifdef IX_HAVE_AMX
     if (mode == IX_AMX) CSA_V(ix_amx_begin)();
 #endif
+#ifdef IX4_HAVE_AMX
+    if (mode == IX_FP4 && CSA_V(ix4_amx)()) CSA_V(ix4_amx_begin)();
+#endif
     (void)mode;
 }
 
@@ -575,6 +578,9 @@ static void CSA_V(ix_tiles_end)(int mode)
 {
 #ifdef IX_HAVE_AMX
     if (mode == IX_AMX) CSA_V(ix_amx_end)();
+#endif
+#ifdef IX4_HAVE_AMX
+    if (mode == IX_FP4 && CSA_V(ix4_amx)()) CSA_V(ix4_amx_end)();
 #endif
     (void)mode;
 }
@@ -714,6 +720,7 @@ static int CSA_V(ix_run_stream)(const struct ix_call *x)
         }
         const struct csa_index_cand *c = x->c;
         const csa_idx bs = c && c->mask ? c->block_size : 1, scn = c && c->mask ? c->scn : 0;
+        CSA_V(ix_tiles_begin)(mode);
 #pragma omp for schedule(dynamic, 1) nowait
         for (csa_idx it = 0; it < items; it++) {
             if (st) continue; /* err is set: the call fails, nothing to finish */
@@ -777,6 +784,7 @@ static int CSA_V(ix_run_stream)(const struct ix_call *x)
                 }
             }
         }
+        CSA_V(ix_tiles_end)(mode);
         free(kc);
         free(sc);
         free(cb);
@@ -960,6 +968,9 @@ static int CSA_V(index_topk_tuned)(const struct csa_index_problem *p,
 #undef IX4_NK
 #ifdef IX4_HAVE_VNNI
 #undef IX4_HAVE_VNNI
+#endif
+#ifdef IX4_HAVE_AMX
+#undef IX4_HAVE_AMX
 #endif
 #ifdef IX_HAVE_AMX
 #undef IX_HAVE_AMX

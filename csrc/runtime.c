@@ -18,6 +18,8 @@
  * (XCR0 bits 17 and 18), and on Linux the per-process permission to use it, which the kernel
  * grants once asked (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); without
  * it the first tile instruction would kill the process with SIGILL. */
+static int amx_refused_ = 0;
+
 static int amx_usable(void)
 {
 #if defined(CSA_HAVE_AMX) && defined(__linux__)
@@ -32,7 +34,9 @@ static int amx_usable(void)
     unsigned lo, hi;
     __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
     if ((lo & (3u << 17)) != (3u << 17)) return 0;
-    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0) return 1;
+    amx_refused_ = 1;
+    return 0;
 #else
     return 0;
 #endif
@@ -66,6 +70,9 @@ int csa_cpu_features(void)
                 f |= CSA_CPU_VNNI_VBMI;
             if (__builtin_cpu_supports("avx512bf16")) f |= CSA_CPU_BF16;
         }
+        unsigned a, b, c, d; /* AMX-INT8 (CPUID 7.0 EDX bit 25), and tiles this process may use */
+        if (__get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 25) & 1) && csa_isa_best() >= CSA_ISA_AMX)
+            f |= CSA_CPU_AMX_INT8;
 #endif
         /* DEEPSEEK_CSA_CPU_FEATURES=<names> keeps only the features named (vnni_vbmi,
          * bf16; "none" or empty keeps none): e.g. to test on a Zen 4 the paths an Ice
@@ -75,6 +82,7 @@ int csa_cpu_features(void)
             int keep = 0;
             if (strstr(s, "vnni_vbmi")) keep |= CSA_CPU_VNNI_VBMI;
             if (strstr(s, "bf16")) keep |= CSA_CPU_BF16;
+            if (strstr(s, "amx_int8")) keep |= CSA_CPU_AMX_INT8;
             f &= keep;
         }
         cpu_features = f;
@@ -89,6 +97,12 @@ int csa_isa_best(void)
 {
     if (isa_best < 0) isa_best = detect_best();
     return isa_best;
+}
+
+int csa_amx_refused(void)
+{
+    csa_isa_best();
+    return amx_refused_;
 }
 
 static int level_from_env(void)

@@ -52,9 +52,9 @@ del _env_isa
 
 _env_features = _os.environ.get("DEEPSEEK_CSA_CPU_FEATURES")
 if _env_features is not None and set(_env_features.replace(",", " ").split()) - {
-        "vnni_vbmi", "bf16", "none"}:
+        "vnni_vbmi", "bf16", "amx_int8", "none"}:
     _warnings.warn(f"DEEPSEEK_CSA_CPU_FEATURES={_env_features!r} names something other than "
-                   f"'vnni_vbmi', 'bf16' or 'none'; only those are kept, and only where the CPU "
+                   f"'vnni_vbmi', 'bf16', 'amx_int8' or 'none'; only those are kept, and only where the CPU "
                    f"has them (now: {_core._build_info()['cpu_features']!r})",
                    RuntimeWarning, stacklevel=2)
 del _env_features

@@ -27,7 +27,9 @@ FP4 key rows (docs/kernels.md, section 4): ``fp4_pack(k)`` stores FP4-rounded in
 as uint8 [..., D // 2 + D // 32] (68 bytes a row at D = 128 instead of 512), and a
 uint8 ``k`` of that width is scored from that format by ``index_scores`` /
 ``index_topk`` with exact integer block dot products (q float32 / bfloat16, rounded to
-FP4 per 32 features as the released indexer rounds its queries, or q packed too).
+FP4 per 32 features as the released indexer rounds its queries, or q packed too),
+bitwise the same scores at every ISA level (at 'amx' on AMX-INT8 tiles; a process the
+kernel refuses the tiles is told so once, with a RuntimeWarning, and runs AVX512_VNNI).
 ``fp4_unpack`` gives the float32 values back.
 
 Gradients (docs/kernels.md, section 11.3; float32 only, bits independent of the thread

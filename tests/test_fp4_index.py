@@ -1,11 +1,14 @@
 """index_scores / index_topk on FP4 key rows by exact integer dot products
 (docs/kernels.md, section 4, "The integer path"): bitwise the oracle's scores and the
 oracle's top-k at every ISA level, with every set of CPU features
-(DEEPSEEK_CSA_CPU_FEATURES), at 1, 2 and 3 threads, on the shapes and codes where an
-integer path could go wrong: Tc off the 8/16-key tiles, S = 1..8, batches, start_pos
-in the middle of a group, Di of 1 to 8 blocks, block exponents spread past the
-prescaled path's reach, zero blocks and zero rows, NaN scale bytes, exponents at both
-ends of the range.  The error budget is zero: the integer path claims the oracle's
+(DEEPSEEK_CSA_CPU_FEATURES: the AMX-INT8 tiles, VPDPBUSD, VPMADDUBSW), at 1, 2 and 3
+threads, on the shapes and codes where an integer path could go wrong: Tc off the
+8/16-key tiles, Hi off the 16-head tiles and past 64 (two passes of the tiles), S = 1..8,
+batches, start_pos in the middle of a group, Di of 1 to 8 blocks (an odd count: half a
+64-feature chunk), block exponents spread past the prescaled path's reach, zero blocks
+and zero rows, NaN scale bytes, exponents at both ends of the range, weights that the
+tiles' folded scales would round (tiny, huge) and key exponents past the folding's
+range.  The error budget is zero: the integer path claims the oracle's
 float32 operations in the oracle's order, so any difference is a bug."""
 import os
 import subprocess
@@ -52,7 +55,10 @@ def make_case(rng, B, S, Hi, Di, Tc, kind):
     """(q as FP4 rows, k as FP4 rows, w) of a kind: plain Gaussian; 'spread' block
     exponents spread by up to 2^12; 'zeros' zero blocks, zero keys and a zero head;
     'codes' NaN scale bytes and exponents at both ends (scalar fallbacks), infinite
-    and NaN weights."""
+    and NaN weights; 'weights' queries at 2^-20 and every fourth 16-key tile at 2^105
+    (key exponents past the AMX path's folded scales, inside the exact range: keys
+    16-31 and head 0 at the largest codes, so that a folded scale would overflow), and
+    in the last row (or batch entry) tiny and huge weights (w 2^(eq - 129) not exact)."""
     q, k = _grid(rng, (B, S, Hi, Di)), _grid(rng, (B, Tc, Di), 2.0)
     w = rng.standard_normal((B, S, Hi)).astype(np.float32)
     if kind == "spread":
@@ -64,6 +70,18 @@ def make_case(rng, B, S, Hi, Di, Tc, kind):
         for t, (lo, hi) in enumerate([(0, 2), (0, 3), (-6, 6), (0, 2)]):
             k[:, tile == t] = _blockscale(rng, k[:, tile == t], lo, hi)
         k[:, 16 * 3 + 5::64] = _blockscale(rng, k[:, 16 * 3 + 5::64], 0, 4)
+    if kind == "weights":
+        q *= np.float32(2.0 ** -20)
+        k[:, np.arange(Tc) // 16 % 4 == 2] *= np.float32(2.0 ** 105)
+        # head 0 and keys 16-31 all +6: N = 18432, whose N 2^(ek - 127) overflows at
+        # ek = 242 though the dot (N 2^(ek + eq - 256)) is finite
+        q[:, :, 0] = np.float32(6 * 2.0 ** -20)
+        k[:, 16:32] = np.float32(6 * 2.0 ** 115)
+        last = (slice(None), -1) if S > 1 else (-1,)
+        wl = w[last]
+        wl[..., ::3] *= np.float32(2.0 ** -130)     # subnormal: w 2^(eq - 129) rounds
+        wl[..., 1] = np.float32(3e38)
+        w[last] = wl
     if kind == "zeros":
         kb = k.reshape(B, Tc, Di // 32, 32)
         kb[rng.random(kb.shape[:3]) < 0.3] = 0
@@ -105,8 +123,9 @@ SHAPES = [  # B, S, Hi, Di, Tc, ratio, start_pos
     (1, 2, 9, 160, 50, 4, 190),         # 5 blocks: a partial pass
     (1, 40, 16, 128, 40, 1, 0),         # prefill (whole query rows per thread)
     (2, 1, 64, 128, 5000, 4, 19990),    # decode over several key chunks
+    (1, 2, 100, 96, 90, 4, 361),        # 100 heads: two passes of the tiles, half a chunk
 ]
-KINDS = ["plain", "spread", "zeros", "codes"]
+KINDS = ["plain", "spread", "zeros", "codes", "weights"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -181,13 +200,20 @@ np.savez(sys.argv[2], **outs)
 """
 
 
+FEATURE_SETS = [None, "none", "vnni_vbmi bf16", "amx_int8"]
+
+
 def test_every_level_with_every_feature_set(tmp_path, at_level):
-    """In a process per set of CPU features (all; none: the AVX-512 level without
-    VNNI takes VPMADDUBSW pairs), every level gives the oracle's bits."""
+    """In a process per set of CPU features, every level gives the oracle's bits: all
+    (level amx on AMX-INT8 tiles); none (the AVX-512 levels take VPMADDUBSW pairs);
+    without amx_int8 (level amx takes VPDPBUSD); amx_int8 alone (the tiles on keys laid
+    out for VPMADDUBSW: offset 48, blocks prescaled within 2^2)."""
     rng = np.random.default_rng(11)
     z, cases = {}, []
     for i, (shape, kind) in enumerate([(SHAPES[0], "plain"), (SHAPES[2], "spread"),
-                                       (SHAPES[5], "zeros"), (SHAPES[1], "codes")]):
+                                       (SHAPES[5], "zeros"), (SHAPES[1], "codes"),
+                                       (SHAPES[3], "weights"), (SHAPES[6], "spread"),
+                                       (SHAPES[7], "plain"), (SHAPES[9], "weights")]):
         B, S, Hi, Di, Tc, r, sp = shape
         qp, kp, w = make_case(rng, B, S, Hi, Di, Tc, kind)
         z.update({f"q{i}": qp, f"k{i}": kp, f"w{i}": w, f"a{i}": np.array([r, sp, 50])})
@@ -197,7 +223,8 @@ def test_every_level_with_every_feature_set(tmp_path, at_level):
     at_level("ref")
     refs = [(dc.index_scores(qp, kp, w, ratio=r, start_pos=sp),
              dc.index_topk(qp, kp, w, 50, ratio=r, start_pos=sp)) for qp, kp, w, r, sp in cases]
-    for feat in (None, "none"):
+    have = dc._core._build_info()["cpu_features"].split()
+    for feat in FEATURE_SETS:
         env = {k: v for k, v in os.environ.items() if k != "DEEPSEEK_CSA_CPU_FEATURES"}
         if feat is not None:
             env["DEEPSEEK_CSA_CPU_FEATURES"] = feat
@@ -205,10 +232,37 @@ def test_every_level_with_every_feature_set(tmp_path, at_level):
         subprocess.run([sys.executable, "-c", FEATURE_CODE, str(tmp_path / "in.npz"), str(out)],
                        env=env, check=True)
         got = np.load(out)
-        if feat == "none":
-            assert str(got["features"]).split() == []
+        if feat is not None:
+            assert str(got["features"]).split() == [f for f in feat.split() if f in have]
         for i, (sc, tk) in enumerate(refs):
             for lv in LEVELS:
                 what = f"{lv}, case {i}, features {str(got['features'])!r}"
                 _same(got[f"s{lv}{i}"], sc, what)
                 np.testing.assert_array_equal(got[f"t{lv}{i}"], tk, err_msg=what)
+
+
+REFUSED_CODE = """
+import ctypes, warnings
+class stack_t(ctypes.Structure):
+    _fields_ = [("sp", ctypes.c_void_p), ("flags", ctypes.c_int), ("size", ctypes.c_size_t)]
+# an alternate signal stack too small for the tile state: Linux then refuses the
+# permission to use it (ARCH_REQ_XCOMP_PERM fails with ENOSPC)
+buf = ctypes.create_string_buffer(4096)
+assert ctypes.CDLL(None).sigaltstack(ctypes.byref(stack_t(ctypes.addressof(buf), 0, 4096)), None) == 0
+import numpy as np, deepseek_csa as dc
+q, k, w = np.zeros((1, 1, 2, 32), np.float32), dc.fp4_pack(np.zeros((1, 16, 32), np.float32)), np.ones((1, 1, 2), np.float32)
+with warnings.catch_warnings(record=True) as r:
+    warnings.simplefilter("always")
+    for _ in range(2):
+        dc.index_topk(q, k, w, 4, ratio=1, start_pos=15)
+        dc.index_scores(q, k, w, ratio=1, start_pos=15)
+print(dc.best_isa(), len(r), *[str(x.message) for x in r])
+"""
+
+
+@pytest.mark.skipif(dc.best_isa() != "amx", reason="needs a CPU with AMX this process may use")
+def test_refused_tiles_run_the_vnni_path_and_say_so_once():
+    r = subprocess.run([sys.executable, "-c", REFUSED_CODE], capture_output=True, text=True, check=True)
+    level, n, msg = r.stdout.split(" ", 2)
+    assert (level, n) == ("avx512", "1"), r.stdout
+    assert "refused" in msg and "AVX512_VNNI" in msg

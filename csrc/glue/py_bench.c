@@ -114,8 +114,9 @@ static PyObject *py_build_info(PyObject *self, PyObject *noargs)
     if (!omp_version) return NULL;
     const int f = csa_cpu_features();
     char features[64];
-    snprintf(features, sizeof features, "%s%s", f & CSA_CPU_VNNI_VBMI ? "vnni_vbmi " : "",
-             f & CSA_CPU_BF16 ? "bf16" : "");
+    snprintf(features, sizeof features, "%s%s%s", f & CSA_CPU_VNNI_VBMI ? "vnni_vbmi " : "",
+             f & CSA_CPU_BF16 ? "bf16 " : "", f & CSA_CPU_AMX_INT8 ? "amx_int8" : "");
+    for (size_t n = strlen(features); n && features[n - 1] == ' ';) features[--n] = 0;
     return Py_BuildValue("{s:O,s:N,s:s,s:s,s:s,s:s}", "openmp", omp, "openmp_version", omp_version,
                          "compiler", __VERSION__, "arch", arch, "isa_levels", levels,
                          "cpu_features", features);
@@ -125,7 +126,7 @@ PyMethodDef csa_bench_methods[] = {
     {"_build_info", py_build_info, METH_NOARGS,
      "_build_info() -> dict: openmp (bool), openmp_version (_OPENMP or None), compiler,\n"
      "arch, isa_levels (space-separated levels compiled in), cpu_features (space-separated:\n"
-     "vnni_vbmi, bf16 -- extra paths the avx512 and amx levels take on this CPU)"},
+     "vnni_vbmi, bf16, amx_int8 -- extra paths the avx512 and amx levels take on this CPU)"},
     {"_peak_fma", py_peak_fma, METH_VARARGS, "_peak_fma(iters, threads) -> flops done at the current ISA level"},
     {"_peak_amx_bf16", py_peak_amx_bf16, METH_VARARGS,
      "_peak_amx_bf16(iters, threads) -> flops done, or None below ISA level amx"},

@@ -127,6 +127,17 @@ static int parse_qkw(const char *fn, PyObject *qo, PyObject *ko, PyObject *wo, l
             .ratio = ratio, .start_pos = start_pos, .k_fp4 = k_fp4, .q_fp4 = q_fp4,
         };
     }
+    /* FP4 keys take AMX-INT8 tiles at level amx; say once when the kernel refused them */
+    static int amx_warned = 0;
+    if (k_fp4 && !amx_warned && csa_amx_refused()) {
+        amx_warned = 1;
+        if (PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
+                             "%s(): this CPU has AMX, but the kernel refused this process the tile "
+                             "state (arch_prctl ARCH_REQ_XCOMP_PERM failed), so the levels stop at "
+                             "'avx512' and FP4 keys are scored by AVX512_VNNI instead of AMX-INT8 "
+                             "tiles: the same results, slower", fn) < 0)
+            goto fail;
+    }
     return 0;
 fail:
     qkw_clear(a);

@@ -63,4 +63,6 @@ MUTANTS = [
       "FP4 index_topk (integer path): relu(dot) * w fused into the head sum, one rounding instead of the oracle's two"),
     c("fp4_index_spread", "CSA_MUTANT_FP4_INDEX_SPREAD", [], ["tests/test_fp4_index.py"],
       "FP4 index_topk (integer path): keys whose blocks spread by 2^4 (2^3 without VNNI) prescaled, their bytes wrap"),
+    c("fp4_index_amx", "CSA_MUTANT_FP4_INDEX_AMX", [], ["tests/test_fp4_index.py"],
+      "FP4 index_topk (AMX-INT8 tiles): the head scales folded into weights that w 2^(eq - 129) rounds"),
 ]
