@@ -168,6 +168,41 @@ def test_opcheck(name, build, dtype):
     torch.library.opcheck(ops.OPS[name], args)
 
 
+def _outs(r):
+    return r if isinstance(r, tuple) else () if r is None else (r,)
+
+
+def _bits(t):
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t.view(torch.int16) \
+        if t.dtype == BF16 else t
+
+
+@pytest.mark.parametrize("name,build,dtype",
+                         [p for p in CASES if p.values[0] not in ops.DIFFERENTIABLE])
+def test_gradless_operator_reads_requires_grad_inputs(name, build, dtype):
+    """An operator without a gradient formula (integer lists, quantized copies, the
+    backward kernels) reads tensors that require grad as plain data: no error, the bits
+    of the call on detached inputs, and no result that autograd could differentiate
+    (integer results do not require grad)."""
+    args = build(dtype)
+    want = [t.clone() for t in _outs(ops.OPS[name](*[a.detach().clone() if isinstance(
+        a, torch.Tensor) else a for a in args]))]
+    mutated = name.endswith("_")            # the in-place ops rotate / round args[0]
+    grad_args = [a.detach().clone().requires_grad_(a.is_floating_point() and bool(i or not mutated))
+                 if isinstance(a, torch.Tensor) else a for i, a in enumerate(args)]
+    for door in (ops.OPS[name], lambda *a: ops.call(name, *a)):
+        a = [t.clone() if isinstance(t, torch.Tensor) and mutated and not i else t
+             for i, t in enumerate(grad_args)]
+        got = _outs(door(*a))
+        if mutated:
+            got = (a[0],)
+        assert len(got) == len(want) or mutated
+        for u, v in zip(got, want if not mutated else got):
+            assert torch.equal(_bits(u.detach()), _bits(v))
+            if not (u.is_floating_point() or u.is_complex()):
+                assert not u.requires_grad
+
+
 # --------------------------------------------------------------------------- direct path
 def test_direct_path_gives_the_dispatchers_bits():
     r = _gen(3)

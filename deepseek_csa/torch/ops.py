@@ -62,11 +62,12 @@ import torch
 
 import deepseek_csa as _dc
 
-__all__ = ["LIB", "NAMESPACE", "OPS", "call", "direct"]
+__all__ = ["DIFFERENTIABLE", "LIB", "NAMESPACE", "OPS", "call", "direct"]
 
 NAMESPACE = "deepseek_csa"
 LIB = torch.library.Library(NAMESPACE, "DEF")
 OPS = {}          # name -> OpOverload (torch.ops.deepseek_csa.<name>.default)
+DIFFERENTIABLE = set()   # the names with an autograd formula
 _IMPLS = {}       # name -> the CPU implementation (the direct eager path)
 
 _f32 = torch.float32
@@ -84,6 +85,20 @@ def _tensor(a):
     return torch.from_numpy(a)
 
 
+def _detached(impl):
+    """An operator without a gradient formula reads requires-grad tensors as plain data:
+    the CPU kernel runs with grad mode off (the glue views a tensor that requires grad
+    only then), so an integer result (top-k lists, candidate flags) or a quantized copy
+    never raises because an input happens to be a trained parameter."""
+    def kernel(*args):
+        if not torch.is_grad_enabled():
+            return impl(*args)
+        with torch.no_grad():
+            return impl(*args)
+    kernel.__name__ = kernel.__qualname__ = impl.__name__
+    return kernel
+
+
 def _define(schema, impl, fake, *, backward=None, setup_context=None, key="CPU"):
     """Defines deepseek_csa::<name> from its schema with its CPU and fake kernels (and
     its autograd formula); returns the OpOverload.  Operators without a tensor argument
@@ -91,11 +106,12 @@ def _define(schema, impl, fake, *, backward=None, setup_context=None, key="CPU")
     backend (``key="CompositeExplicitAutograd"``)."""
     name = schema.split("(", 1)[0]
     LIB.define(schema)
-    LIB.impl(name, impl, key)
+    LIB.impl(name, impl if backward is not None else _detached(impl), key)
     qual = f"{NAMESPACE}::{name}"
     torch.library.register_fake(qual, fake, lib=LIB)
     if backward is not None:
         torch.library.register_autograd(qual, backward, setup_context=setup_context, lib=LIB)
+        DIFFERENTIABLE.add(name)
     op = getattr(getattr(torch.ops, NAMESPACE), name).default
     OPS[name] = op
     _IMPLS[name] = impl
