@@ -99,6 +99,35 @@ def _detached(impl):
     return kernel
 
 
+_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+# the dispatch keys below autograd of a plain dense CPU tensor (CPU, ADInplaceOrView):
+# where the keys left are among these, nothing between the autograd kernel and the CPU
+# kernel would act on a functional operator
+_NOT_PLAIN = ~(torch._C._dispatch_keys(torch.empty(0)) & _AFTER_AUTOGRAD).raw_repr()
+_any_requires_grad = torch._C._any_requires_grad
+
+
+def _register_autograd(op, name, impl, backward, setup_context):
+    """The autograd kernel of a differentiable operator: torch.library.register_autograd's
+    own (an autograd.Function over the formula), plus a shortcut when there is nothing
+    to record and every tensor is a plain CPU tensor (the keys below autograd are CPU and
+    ADInplaceOrView only, which a functional operator passes through): the CPU kernel
+    is called right here instead of redispatched.  register_autograd's no-grad path
+    builds a metadata object, enters _AutoDispatchBelowAutograd and redispatches -- a
+    second trip from Python into the dispatcher and back (rms_norm [1, 4096], no_grad:
+    see benchmarks/bench_ops_overhead.py for what it saves)."""
+    from torch._library.autograd import Info, make_autograd_impl
+    generated = make_autograd_impl(op, Info(backward, setup_context))
+
+    def autograd_kernel(keyset, *args):
+        if not (keyset & _AFTER_AUTOGRAD).raw_repr() & _NOT_PLAIN and not (
+                torch.is_grad_enabled() and _any_requires_grad(*args)):
+            return impl(*args)
+        return generated(keyset, *args)
+    autograd_kernel.__name__ = autograd_kernel.__qualname__ = f"{name}_autograd"
+    LIB.impl(name, autograd_kernel, "Autograd", with_keyset=True)
+
+
 def _define(schema, impl, fake, *, backward=None, setup_context=None, key="CPU"):
     """Defines deepseek_csa::<name> from its schema with its CPU and fake kernels (and
     its autograd formula); returns the OpOverload.  Operators without a tensor argument
@@ -109,10 +138,10 @@ def _define(schema, impl, fake, *, backward=None, setup_context=None, key="CPU")
     LIB.impl(name, impl if backward is not None else _detached(impl), key)
     qual = f"{NAMESPACE}::{name}"
     torch.library.register_fake(qual, fake, lib=LIB)
-    if backward is not None:
-        torch.library.register_autograd(qual, backward, setup_context=setup_context, lib=LIB)
-        DIFFERENTIABLE.add(name)
     op = getattr(getattr(torch.ops, NAMESPACE), name).default
+    if backward is not None:
+        _register_autograd(op, name, impl, backward, setup_context)
+        DIFFERENTIABLE.add(name)
     OPS[name] = op
     _IMPLS[name] = impl
     return op
