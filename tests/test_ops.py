@@ -149,6 +149,8 @@ def _cases():
     case("fp8_quant", "fp32", lambda dt: (r(2, 64, dtype=dt), 32, "fp32", "float32"))
     case("fp4_quant", "e8m0", lambda dt: (r(3, 64, dtype=dt), 32, "ue8m0", "e8m0"))
     case("fp4_quant", "e4m3", lambda dt: (r(3, 64, dtype=dt), 16, "e4m3", "e4m3"))
+    case("fp4_pack", "on grid", lambda dt: (O.fp4_round(r(2, 3, 64, dtype=dt), 32, "ue8m0"), False))
+    case("fp4_pack", "round", lambda dt: (r(5, 96, dtype=dt), True))
     case("hc_split_sinkhorn", "odd", lambda dt: (r(2, 3, 24), torch.rand(3), r(24), 4, 20, 1e-6),
          dtypes=(F32,))
     return C

@@ -40,6 +40,7 @@ fp8_round_, fp4_round_     QAT rounding in place (mutates x)         --
 hadamard                   [..., n] in x's dtype                     x
 fp8_gemm, fp4_gemm         [..., N] in out_dtype                     --
 fp8_quant, fp4_quant       (codes, scales) in torch's float8/4 dtypes --
+fp4_pack                   uint8 [..., D / 2 + D / 32] FP4 key rows  --
 hc_split_sinkhorn          (pre, post, comb) f32                     --
 =========================  ========================================  ===========
 
@@ -342,8 +343,8 @@ def _scores_backward(ctx, grad):
 
 
 _define("index_scores_backward(Tensor grad_scores, Tensor q, Tensor k, Tensor weights, int ratio, "
-        "int start_pos) -> (Tensor, Tensor, Tensor)", _scores_bwd_impl, _scores_bwd_fake)
-_define("index_scores(Tensor q, Tensor k, Tensor weights, int ratio, int start_pos) -> Tensor",
+        "SymInt start_pos) -> (Tensor, Tensor, Tensor)", _scores_bwd_impl, _scores_bwd_fake)
+_define("index_scores(Tensor q, Tensor k, Tensor weights, int ratio, SymInt start_pos) -> Tensor",
         _scores_impl, _scores_fake, backward=_scores_backward, setup_context=_scores_setup)
 
 
@@ -387,12 +388,12 @@ def _blocks_fake(scores, topk_blocks, block_size, ratio, start_pos):
 
 
 _TOPK_TAIL = "str order, Tensor? candidates, int block_size) -> Tensor"
-_define("index_topk(Tensor q, Tensor k, Tensor weights, int topk, int ratio, int start_pos, "
-        "int offset, " + _TOPK_TAIL, _index_topk_impl, _index_topk_fake)
-_define("topk_indices(Tensor scores, int topk, int ratio, int start_pos, int offset, "
+_define("index_topk(Tensor q, Tensor k, Tensor weights, int topk, int ratio, SymInt start_pos, "
+        "SymInt offset, " + _TOPK_TAIL, _index_topk_impl, _index_topk_fake)
+_define("topk_indices(Tensor scores, int topk, int ratio, SymInt start_pos, SymInt offset, "
         + _TOPK_TAIL, _topk_indices_impl, _topk_indices_fake)
 _define("select_candidate_blocks(Tensor scores, int topk_blocks, int block_size, int ratio, "
-        "int start_pos) -> Tensor", _blocks_impl, _blocks_fake)
+        "SymInt start_pos) -> Tensor", _blocks_impl, _blocks_fake)
 
 
 def _window_impl(window_size, bsz, seqlen, start_pos):
@@ -412,9 +413,9 @@ def _compress_fake(ratio, bsz, seqlen, start_pos, offset):
     return torch.empty((bsz, seqlen, (start_pos + seqlen) // ratio), dtype=_i32, device="cpu")
 
 
-_define("window_topk_idxs(int window_size, int bsz, int seqlen, int start_pos) -> Tensor",
+_define("window_topk_idxs(int window_size, SymInt bsz, SymInt seqlen, SymInt start_pos) -> Tensor",
         _window_impl, _window_fake, key="CompositeExplicitAutograd")
-_define("compress_topk_idxs(int ratio, int bsz, int seqlen, int start_pos, int offset) -> Tensor",
+_define("compress_topk_idxs(int ratio, SymInt bsz, SymInt seqlen, SymInt start_pos, SymInt offset) -> Tensor",
         _compress_impl, _compress_fake, key="CompositeExplicitAutograd")
 
 
@@ -504,7 +505,7 @@ def _kl_backward(ctx, grad, *_):
 
 
 _define("indexer_kl_loss(Tensor q, Tensor k, Tensor weights, Tensor? topk_idxs, Tensor attn_target, "
-        "int ratio, int start_pos) -> (Tensor, Tensor, Tensor, Tensor)", _kl_impl, _kl_fake,
+        "int ratio, SymInt start_pos) -> (Tensor, Tensor, Tensor, Tensor)", _kl_impl, _kl_fake,
         backward=_kl_backward, setup_context=_kl_setup)
 
 
@@ -617,6 +618,18 @@ def _fp4_quant_fake(x, block_size, scale, scale_dtype):
                         dtype=_SCALE_DTYPES[scale_dtype]))
 
 
+def _fp4_pack_impl(x, round):
+    return torch.from_numpy(_dc.fp4_pack(x, round=round))
+
+
+def _fp4_pack_fake(x, round):
+    d = x.shape[-1]
+    return x.new_empty(tuple(x.shape[:-1]) + (d // 2 + d // 32,), dtype=torch.uint8)
+
+
+# the indexer's FP4 key rows (uint8 [..., D / 2 + D / 32]); round=False raises ValueError
+# on a block off the FP4 grid (callers that cannot know use the NumPy entry)
+_define("fp4_pack(Tensor x, bool round) -> Tensor", _fp4_pack_impl, _fp4_pack_fake)
 _define("fp8_quant(Tensor x, int block_size, str scale, str scale_dtype) "
         "-> (Tensor, Tensor)", _fp8_quant_impl, _fp8_quant_fake)
 _define("fp4_quant(Tensor x, int block_size, str scale, str scale_dtype) "
