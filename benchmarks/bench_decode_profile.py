@@ -66,7 +66,7 @@ def is_compute(func):
         return False
     if "cpp_fused" in func or "torchinductor" in func or func.endswith(".kernel>"):
         return True     # Inductor's compiled kernels: "<built-in method <hash>.kernel.kernel>"
-    return "torch" in func and "'torch._C._dynamo" not in func and "guard" not in func
+    return "torch" in func and "torch._C._dynamo" not in func and "guard" not in func
 
 
 def profile_steps(m, lg, cache, steps):
