@@ -154,20 +154,49 @@ def test_model_no_graph_break_of_ours(case):
         assert swapped <= _breaks(m, ids, **kw)[0]
 
 
-def test_generate_compiled_same_tokens():
-    """generate() with the swapped model's forward compiled: the eager swap's tokens.
-    (Every decode step changes the cache's shapes, so Dynamo recompiles a few times;
-    the Dynamo-only backend keeps that quick.)"""
-    m = make_model(["compressed_sparse_attention", "heavily_compressed_attention"], seed=7)
+def test_generate_compiled_decode_does_not_recompile_per_step():
+    """generate() with the swapped model's forward compiled with dynamic shapes
+    (``torch.compile(model.forward, dynamic=True)``): the eager swap's tokens, and the
+    decode steps stop compiling once every compressor phase has been seen.  Each step
+    grows the caches, but the sizes are symbolic (our index-list operators take the
+    positions as SymInt): what is left are a few graphs per phase of the compressors'
+    buffers (empty, one row, more; a window completed or not -- Python branches in
+    transformers' cache and in the swap), so with ratio 4 the graph count is final
+    after two periods and the next 6 steps add none (before the SymInt positions: a new
+    graph every step, until Dynamo's recompile limit sent the steps back to eager).
+    The Dynamo-only backend keeps the compilations quick."""
+    from torch._dynamo.utils import counters
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Graphs(LogitsProcessor):
+        """The number of graphs compiled so far, read at every generated token."""
+        def __init__(self):
+            self.seen = []
+
+        def __call__(self, ids, scores):
+            self.seen.append(counters["stats"]["unique_graphs"])
+            return scores
+
+    m = make_model(["compressed_sparse_attention"], seed=7)
     ids = ids_for(1, 21, seed=5)
+    new = 14
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = 32
     with torch.no_grad(), dch.swapped(m):
-        ref = m.generate(ids, max_new_tokens=4, do_sample=False)
-        m.forward = torch.compile(m.forward, backend="eager")
+        ref = m.generate(ids, max_new_tokens=new, do_sample=False)
+        m.forward = torch.compile(m.forward, backend="eager", dynamic=True)
+        counters.clear()
+        graphs = Graphs()
         try:
-            got = m.generate(ids, max_new_tokens=4, do_sample=False)
+            got = m.generate(ids, max_new_tokens=new, do_sample=False,
+                             logits_processor=LogitsProcessorList([graphs]))
         finally:
             del m.forward
+            torch._dynamo.config.recompile_limit = limit
     assert torch.equal(got, ref)
+    assert len(graphs.seen) == new
+    assert graphs.seen[-6] == graphs.seen[-1], graphs.seen
+    assert graphs.seen[-1] <= 10, graphs.seen
 
 
 def test_training_compiled_model():

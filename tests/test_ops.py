@@ -161,6 +161,8 @@ def _cases():
     case("fp8_quant", "fp32", lambda dt: (r(2, 64, dtype=dt), 32, "fp32", "float32"))
     case("fp4_quant", "e8m0", lambda dt: (r(3, 64, dtype=dt), 32, "ue8m0", "e8m0"))
     case("fp4_quant", "e4m3", lambda dt: (r(3, 64, dtype=dt), 16, "e4m3", "e4m3"))
+    case("fp4_pack", "on grid", lambda dt: (O.fp4_round(r(2, 3, 64, dtype=dt), 32, "ue8m0"), False))
+    case("fp4_pack", "round", lambda dt: (r(5, 96, dtype=dt), True))
     case("hc_split_sinkhorn", "odd", lambda dt: (r(2, 3, 24), torch.rand(3), r(24), 4, 20, 1e-6),
          dtypes=(F32,))
     return C
@@ -178,6 +180,41 @@ def test_every_operator_has_a_case():
 def test_opcheck(name, build, dtype):
     args = build(dtype)
     torch.library.opcheck(ops.OPS[name], args)
+
+
+def _outs(r):
+    return r if isinstance(r, tuple) else () if r is None else (r,)
+
+
+def _bits(t):
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t.view(torch.int16) \
+        if t.dtype == BF16 else t
+
+
+@pytest.mark.parametrize("name,build,dtype",
+                         [p for p in CASES if p.values[0] not in ops.DIFFERENTIABLE])
+def test_gradless_operator_reads_requires_grad_inputs(name, build, dtype):
+    """An operator without a gradient formula (integer lists, quantized copies, the
+    backward kernels) reads tensors that require grad as plain data: no error, the bits
+    of the call on detached inputs, and no result that autograd could differentiate
+    (integer results do not require grad)."""
+    args = build(dtype)
+    want = [t.clone() for t in _outs(ops.OPS[name](*[a.detach().clone() if isinstance(
+        a, torch.Tensor) else a for a in args]))]
+    mutated = name.endswith("_")            # the in-place ops rotate / round args[0]
+    grad_args = [a.detach().clone().requires_grad_(a.is_floating_point() and bool(i or not mutated))
+                 if isinstance(a, torch.Tensor) else a for i, a in enumerate(args)]
+    for door in (ops.OPS[name], lambda *a: ops.call(name, *a)):
+        a = [t.clone() if isinstance(t, torch.Tensor) and mutated and not i else t
+             for i, t in enumerate(grad_args)]
+        got = _outs(door(*a))
+        if mutated:
+            got = (a[0],)
+        assert len(got) == len(want) or mutated
+        for u, v in zip(got, want if not mutated else got):
+            assert torch.equal(_bits(u.detach()), _bits(v))
+            if not (u.is_floating_point() or u.is_complex()):
+                assert not u.requires_grad
 
 
 # --------------------------------------------------------------------------- direct path

@@ -231,7 +231,7 @@ def indexer_forward(self, x, qr, start_pos, offset):
     self.compressor(x, start_pos)
     w = self.weights_proj(x) * (self.softmax_scale * self.n_heads ** -0.5)
     qn, kn, wn = _index_operands(q, self.kv_cache[:b, :end // r], w)
-    kn = _fp4_keys(self, kn, b, 0 if start_pos == 0 else start_pos // r)
+    kn = _fp4_keys(self, kn, b, 0 if start_pos == 0 else start_pos // r, _rounds_fp4_32(G))
     k = self.index_topk                       # the kernels take min(k, visible) themselves
     if G.get("world_size", 1) > 1:
         sc = ops.call("index_scores", qn, kn, wn, r, start_pos)
@@ -242,11 +242,20 @@ def indexer_forward(self, x, qr, start_pos, offset):
     return idx.long()
 
 
-def _fp4_keys(owner, kn, b, first):
+def _rounds_fp4_32(G):
+    """True when the model module's in-place FP4 rounding is ours (the drop-in or the
+    kernel module's) in blocks of 32: the index keys it rounded are on fp4_pack's grid."""
+    from . import kernel_module
+    return G.get("fp4_block_size", 32) == 32 and \
+        G.get("fp4_act_quant") in (fp4_act_quant, kernel_module.fp4_act_quant)
+
+
+def _fp4_keys(owner, kn, b, first, on_grid=False):
     """The index keys kn [b, n, Di] (rows from `first` new since the last call) as FP4
     rows (docs/kernels.md, section 4) kept beside the module's key cache on `owner`, so
     the indexer scores 68-byte keys instead of float rows; kn itself when the keys are
-    not on the FP4 grid (QAT off) or Di % 32 != 0."""
+    not on the FP4 grid (QAT off) or Di % 32 != 0.  on_grid: the keys were rounded by
+    our FP4 QAT rounding in blocks of 32 (see _rounds_fp4_32)."""
     n, Di = kn.shape[1], kn.shape[2]
     if Di % 32 or n == 0:
         return kn
@@ -258,11 +267,19 @@ def _fp4_keys(owner, kn, b, first):
         new = torch.zeros((max(b, st.shape[0] if st is not None else 0), rows,
                            Di // 2 + Di // 32), dtype=torch.uint8)
         st, first = new, 0
-    try:
-        _dc.fp4_pack(kn[:, first:n], out=st[:b, first:n])
-    except ValueError:
-        owner._csa_fp4_keys, owner._csa_fp4_valid = None, 0
-        return kn
+    if torch.compiler.is_compiling():
+        # inside a graph the packing is the fp4_pack operator, which cannot fall back
+        # at run time: it runs where the keys are known to be on the FP4 grid (our
+        # in-place FP4 rounding of blocks of 32 ran on them); elsewhere the float keys
+        if not on_grid:
+            return kn
+        st[:b, first:n].copy_(ops.OPS["fp4_pack"](kn[:, first:n], False))
+    else:
+        try:
+            _dc.fp4_pack(kn[:, first:n], out=st[:b, first:n])
+        except ValueError:
+            owner._csa_fp4_keys, owner._csa_fp4_valid = None, 0
+            return kn
     owner._csa_fp4_keys, owner._csa_fp4_valid = st, n
     return st[:b, :n]
 
@@ -305,7 +322,8 @@ def indexer_forward_v41(self, x, qr, latent, start_pos, offset):
         self.k_cache[:b, first:first + g] = k
         sh.index_k = self.k_cache
         # FP4 rows of the new keys beside k_cache, published with it (_fp4_keys)
-        kf = _fp4_keys(self, _index_operands(k, self.k_cache[:b, :first + g], k)[1], b, first)
+        kf = _fp4_keys(self, _index_operands(k, self.k_cache[:b, :first + g], k)[1], b, first,
+                       _rounds_fp4_32(G))
         sh._csa_index_fp4 = ((self.k_cache, self._csa_fp4_keys, first + g)
                              if kf.dtype == torch.uint8 else None)
     q = self.wq_b(qr).unflatten(-1, (self.n_local_heads, self.index_head_dim))

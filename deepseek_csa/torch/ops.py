@@ -44,6 +44,7 @@ fp8_round_, fp4_round_     QAT rounding in place (mutates x)         --
 hadamard                   [..., n] in x's dtype                     x
 fp8_gemm, fp4_gemm         [..., N] in out_dtype                     --
 fp8_quant, fp4_quant       (codes, scales) in torch's float8/4 dtypes --
+fp4_pack                   uint8 [..., D / 2 + D / 32] FP4 key rows  --
 hc_split_sinkhorn          (pre, post, comb) f32                     --
 =========================  ========================================  ===========
 
@@ -72,11 +73,12 @@ import torch
 
 import deepseek_csa as _dc
 
-__all__ = ["LIB", "NAMESPACE", "OPS", "call", "direct"]
+__all__ = ["DIFFERENTIABLE", "LIB", "NAMESPACE", "OPS", "call", "direct"]
 
 NAMESPACE = "deepseek_csa"
 LIB = torch.library.Library(NAMESPACE, "DEF")
 OPS = {}          # name -> OpOverload (torch.ops.deepseek_csa.<name>.default)
+DIFFERENTIABLE = set()   # the names with an autograd formula
 _IMPLS = {}       # name -> the CPU implementation (the direct eager path)
 
 _f32 = torch.float32
@@ -94,6 +96,49 @@ def _tensor(a):
     return torch.from_numpy(a)
 
 
+def _detached(impl):
+    """An operator without a gradient formula reads requires-grad tensors as plain data:
+    the CPU kernel runs with grad mode off (the glue views a tensor that requires grad
+    only then), so an integer result (top-k lists, candidate flags) or a quantized copy
+    never raises because an input happens to be a trained parameter."""
+    def kernel(*args):
+        if not torch.is_grad_enabled():
+            return impl(*args)
+        with torch.no_grad():
+            return impl(*args)
+    kernel.__name__ = kernel.__qualname__ = impl.__name__
+    return kernel
+
+
+_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+# the dispatch keys below autograd of a plain dense CPU tensor (CPU, ADInplaceOrView):
+# where the keys left are among these, nothing between the autograd kernel and the CPU
+# kernel would act on a functional operator
+_NOT_PLAIN = ~(torch._C._dispatch_keys(torch.empty(0)) & _AFTER_AUTOGRAD).raw_repr()
+_any_requires_grad = torch._C._any_requires_grad
+
+
+def _register_autograd(op, name, impl, backward, setup_context):
+    """The autograd kernel of a differentiable operator: torch.library.register_autograd's
+    own (an autograd.Function over the formula), plus a shortcut when there is nothing
+    to record and every tensor is a plain CPU tensor (the keys below autograd are CPU and
+    ADInplaceOrView only, which a functional operator passes through): the CPU kernel
+    is called right here instead of redispatched.  register_autograd's no-grad path
+    builds a metadata object, enters _AutoDispatchBelowAutograd and redispatches -- a
+    second trip from Python into the dispatcher and back (rms_norm [1, 4096], no_grad:
+    see benchmarks/bench_ops_overhead.py for what it saves)."""
+    from torch._library.autograd import Info, make_autograd_impl
+    generated = make_autograd_impl(op, Info(backward, setup_context))
+
+    def autograd_kernel(keyset, *args):
+        if not (keyset & _AFTER_AUTOGRAD).raw_repr() & _NOT_PLAIN and not (
+                torch.is_grad_enabled() and _any_requires_grad(*args)):
+            return impl(*args)
+        return generated(keyset, *args)
+    autograd_kernel.__name__ = autograd_kernel.__qualname__ = f"{name}_autograd"
+    LIB.impl(name, autograd_kernel, "Autograd", with_keyset=True)
+
+
 def _define(schema, impl, fake, *, backward=None, setup_context=None, key="CPU"):
     """Defines deepseek_csa::<name> from its schema with its CPU and fake kernels (and
     its autograd formula); returns the OpOverload.  Operators without a tensor argument
@@ -101,12 +146,13 @@ def _define(schema, impl, fake, *, backward=None, setup_context=None, key="CPU")
     backend (``key="CompositeExplicitAutograd"``)."""
     name = schema.split("(", 1)[0]
     LIB.define(schema)
-    LIB.impl(name, impl, key)
+    LIB.impl(name, impl if backward is not None else _detached(impl), key)
     qual = f"{NAMESPACE}::{name}"
     torch.library.register_fake(qual, fake, lib=LIB)
-    if backward is not None:
-        torch.library.register_autograd(qual, backward, setup_context=setup_context, lib=LIB)
     op = getattr(getattr(torch.ops, NAMESPACE), name).default
+    if backward is not None:
+        _register_autograd(op, name, impl, backward, setup_context)
+        DIFFERENTIABLE.add(name)
     OPS[name] = op
     _IMPLS[name] = impl
     return op
@@ -321,8 +367,8 @@ def _scores_backward(ctx, grad):
 
 
 _define("index_scores_backward(Tensor grad_scores, Tensor q, Tensor k, Tensor weights, int ratio, "
-        "int start_pos) -> (Tensor, Tensor, Tensor)", _scores_bwd_impl, _scores_bwd_fake)
-_define("index_scores(Tensor q, Tensor k, Tensor weights, int ratio, int start_pos) -> Tensor",
+        "SymInt start_pos) -> (Tensor, Tensor, Tensor)", _scores_bwd_impl, _scores_bwd_fake)
+_define("index_scores(Tensor q, Tensor k, Tensor weights, int ratio, SymInt start_pos) -> Tensor",
         _scores_impl, _scores_fake, backward=_scores_backward, setup_context=_scores_setup)
 
 
@@ -366,12 +412,12 @@ def _blocks_fake(scores, topk_blocks, block_size, ratio, start_pos):
 
 
 _TOPK_TAIL = "str order, Tensor? candidates, int block_size) -> Tensor"
-_define("index_topk(Tensor q, Tensor k, Tensor weights, int topk, int ratio, int start_pos, "
-        "int offset, " + _TOPK_TAIL, _index_topk_impl, _index_topk_fake)
-_define("topk_indices(Tensor scores, int topk, int ratio, int start_pos, int offset, "
+_define("index_topk(Tensor q, Tensor k, Tensor weights, int topk, int ratio, SymInt start_pos, "
+        "SymInt offset, " + _TOPK_TAIL, _index_topk_impl, _index_topk_fake)
+_define("topk_indices(Tensor scores, int topk, int ratio, SymInt start_pos, SymInt offset, "
         + _TOPK_TAIL, _topk_indices_impl, _topk_indices_fake)
 _define("select_candidate_blocks(Tensor scores, int topk_blocks, int block_size, int ratio, "
-        "int start_pos) -> Tensor", _blocks_impl, _blocks_fake)
+        "SymInt start_pos) -> Tensor", _blocks_impl, _blocks_fake)
 
 
 def _window_impl(window_size, bsz, seqlen, start_pos):
@@ -391,9 +437,9 @@ def _compress_fake(ratio, bsz, seqlen, start_pos, offset):
     return torch.empty((bsz, seqlen, (start_pos + seqlen) // ratio), dtype=_i32, device="cpu")
 
 
-_define("window_topk_idxs(int window_size, int bsz, int seqlen, int start_pos) -> Tensor",
+_define("window_topk_idxs(int window_size, SymInt bsz, SymInt seqlen, SymInt start_pos) -> Tensor",
         _window_impl, _window_fake, key="CompositeExplicitAutograd")
-_define("compress_topk_idxs(int ratio, int bsz, int seqlen, int start_pos, int offset) -> Tensor",
+_define("compress_topk_idxs(int ratio, SymInt bsz, SymInt seqlen, SymInt start_pos, SymInt offset) -> Tensor",
         _compress_impl, _compress_fake, key="CompositeExplicitAutograd")
 
 
@@ -486,7 +532,7 @@ def _kl_backward(ctx, grad, *_):
 
 # the last result: (kl, kl_uniform, kl_captured, rows, degenerate_rows) as float64
 _define("indexer_kl_loss(Tensor q, Tensor k, Tensor weights, Tensor? topk_idxs, Tensor attn_target, "
-        "int ratio, int start_pos, Tensor? positions, str target, float? clip) "
+        "int ratio, SymInt start_pos, Tensor? positions, str target, float? clip) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)", _kl_impl, _kl_fake,
         backward=_kl_backward, setup_context=_kl_setup)
 
@@ -600,6 +646,18 @@ def _fp4_quant_fake(x, block_size, scale, scale_dtype):
                         dtype=_SCALE_DTYPES[scale_dtype]))
 
 
+def _fp4_pack_impl(x, round):
+    return torch.from_numpy(_dc.fp4_pack(x, round=round))
+
+
+def _fp4_pack_fake(x, round):
+    d = x.shape[-1]
+    return x.new_empty(tuple(x.shape[:-1]) + (d // 2 + d // 32,), dtype=torch.uint8)
+
+
+# the indexer's FP4 key rows (uint8 [..., D / 2 + D / 32]); round=False raises ValueError
+# on a block off the FP4 grid (callers that cannot know use the NumPy entry)
+_define("fp4_pack(Tensor x, bool round) -> Tensor", _fp4_pack_impl, _fp4_pack_fake)
 _define("fp8_quant(Tensor x, int block_size, str scale, str scale_dtype) "
         "-> (Tensor, Tensor)", _fp8_quant_impl, _fp8_quant_fake)
 _define("fp4_quant(Tensor x, int block_size, str scale, str scale_dtype) "

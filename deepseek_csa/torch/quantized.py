@@ -293,8 +293,14 @@ def _define_classes():
                 return final
             counts = torch.bincount(e_sorted, minlength=self.num_experts).tolist()
             tok, pos = order // k, order % k
-            xq, xs = _act_q(x_all)                   # per row: round once, gather the pairs
-            xq, xs = xq.view(torch.uint8)[tok], xs.view(torch.uint8)[tok]
+            if torch.compiler.is_compiling():
+                # the pairs' rows gathered first, then rounded (the rounding is per row:
+                # the same bits): Inductor's C++ code has no float8_e8m0fnu type, and a
+                # gather of the scales is a kernel it would generate over them
+                xq, xs = _act_q(x_all[tok])
+            else:
+                xq, xs = _act_q(x_all)               # per row: round once, gather the pairs
+                xq, xs = xq.view(torch.uint8)[tok], xs.view(torch.uint8)[tok]
             spans = []
             lo = 0
             for e, n in enumerate(counts):
