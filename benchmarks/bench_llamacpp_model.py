@@ -73,7 +73,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-from bench_llamacpp import LLAMACPP_VERSION, PEERS  # noqa: E402  (one pin, one build folder)
+from llamacpp_pin import LLAMACPP_VERSION, PEERS  # noqa: E402  (one pin, one build folder)
 
 LLAMA_TREE = PEERS / f"llama_cpp_python-{LLAMACPP_VERSION}" / "vendor" / "llama.cpp"
 HARNESS = PEERS / "llamacpp_model"
