@@ -39,19 +39,24 @@ attn_implementation eager, float32, "hf + swap" = the same model after
 deepseek_csa.transformers.swap(model), "hf + swap bf16" = the model in bfloat16 (the
 FP8 / FP4 values are exact in bf16; half the weight bytes of float32), swapped.  llama.cpp
 runs over the ggml built without AMX (--ggml noamx, the default when built): with the
-native ggml its defaults abort on an AMX host (docs/peers.md section 7).  Our runner
-(python -m deepseek_csa.generate) needs DeepSeek's released inference/model.py, which is
-not on this machine: its rows say so, and --inference-dir DIR --runner-ckpt CKPT
---runner-config CFG (the checkpoint made from hf/ by DIR's convert.py) runs it (untested
-here).
+native ggml its defaults abort on an AMX host (docs/peers.md section 7).  "runner" = our
+runner, python -m deepseek_csa.generate: DeepSeek's released inference/model.py on
+deepseek_csa's kernel module, on the checkpoint the released convert.py makes from hf/
+(run once, cached under build/peers/model27/<key>/runner-<sha of convert.py>/, with the
+ModelArgs config.json beside it); the released files are found where
+tests/released_files.py looks (or --inference-dir DIR); without them its rows say so.
 
 Rows: prefill tokens/s at 512 / 2048 / 8192 prompt tokens; decode tokens/s after 4K and
 32K tokens of context; peak resident memory of each run (its own process); the weight
 formats each side multiplies.  Cross-engine row: the same prompt, last-position logits
-relative error against transformers eager (the reference here, released model.py being
-absent) and greedy-token agreement over 32 steps, free-running and teacher-forced; without
---quick also llama.cpp on diagnostic GGUFs (F32 instead of Q8_0 / BF16, F32 experts
-instead of MXFP4) and K/V settings, which locate its deviation (docs/peers.md section 7).
+relative error against transformers eager and greedy-token agreement over 32 steps,
+free-running and teacher-forced; with the released files also against DeepSeek's
+released model.py run in plain PyTorch (bf16, its own torch code on the float32 torch
+stand-ins of its GPU kernel module, deepseek_csa.reference.kernel_module: every row's
+"vs_model_py"), and, without --quick, that model with its GEMMs summed in float64 (how
+far a last-bit difference travels through its FP8 roundings); without --quick also
+llama.cpp on diagnostic GGUFs (F32 instead of Q8_0 / BF16, F32 experts instead of MXFP4)
+and K/V settings, which locate its deviation (docs/peers.md section 7).
 """
 from __future__ import annotations
 
@@ -609,6 +614,7 @@ def hf_chunk(n_prompt, chunk):
 # the released ModelArgs' max_seq_len sizes the caches (and the RoPE tables): the 32K
 # decode row's context and steps fit
 RUNNER_MAX_SEQ = 33792
+RUNNER_PLAIN_MAX = 8192
 
 
 def runner_config(cfg=None, max_seq_len=RUNNER_MAX_SEQ):
@@ -695,6 +701,11 @@ def run_runner(runner, threads, n_prompt, n_decode, env):
                runner["config"], "--input-file", str(td / "p.txt"), "--max-new-tokens",
                str(n_decode + 1), "--warmup", "64", "--eos-id", "-1",
                "--output-json", str(td / "o.json")]
+        if n_prompt > RUNNER_PLAIN_MAX:
+            # the released Indexer scores [S, 64 heads, S / 4] in one einsum at prefill
+            # (34 GB in bf16 at 32K tokens): beyond 8K the runner routes the indexer
+            # through deepseek_csa's (fused scoring + top-k, no [S, T] scores)
+            cmd += ["--swap", "indexer"]
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(ROOT))
         if r.returncode != 0:
             raise RuntimeError(f"runner failed ({r.returncode}):\n{r.stderr[-2000:]}")
@@ -977,8 +988,10 @@ def weight_formats(root, ggml):
                              "projections (deepseek_csa.transformers.quantize: fp8_gemm / "
                              "fp4_gemm, activations e4m3 per 128 as the released Linear), "
                              "the rest bf16; our kernels for attention / indexer / compressor",
-            "runner": "FP8 e4m3 and FP4 e2m1 weights in place (fp8_gemm / fp4_gemm), "
-                      "bf16 activations, the released model.py's QAT roundings"}
+            "runner": "the released model.py's formats: FP8 e4m3 (e8m0 block scales) and "
+                      "FP4 e2m1 weights in place (fp8_gemm / fp4_gemm, activations e4m3 "
+                      "per 128), wo_a bf16 (convert.py widens it), compressors / norms / "
+                      "head float32, bf16 activations and K/V, its QAT roundings"}
 
 
 def fmt_row(r):
@@ -1124,7 +1137,8 @@ def run(argv=None):
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--variants", default="",
                     help="comma-separated llama.cpp cross-engine variants (default: the row "
-                         "only with --quick, all without); names: " + ", ".join(LLAMA_VARIANTS))
+                         "only with --quick, all without; 'none': no llama.cpp); names: "
+                         + ", ".join(LLAMA_VARIANTS))
     ap.add_argument("--reuse-ref", action="store_true",
                     help="cross-engine: reuse the cached transformers-eager reference logits")
     ap.add_argument("--no-swap-check", action="store_true", help=argparse.SUPPRESS)
@@ -1202,7 +1216,7 @@ def run(argv=None):
     if not a.no_check:
         variants = ["default"] if a.quick else list(LLAMA_VARIANTS)
         if a.variants:
-            variants = [v.strip() for v in a.variants.split(",")]
+            variants = [v.strip() for v in a.variants.split(",") if v.strip() != "none"]
         cross = cross_engine(root, a.threads, a.prompt_len, a.steps, ggml, variants,
                              reuse_ref=a.reuse_ref, with_swap=not a.no_swap_check,
                              runner=runner)
@@ -1216,8 +1230,10 @@ def run(argv=None):
                 head_gain=HEAD_GAIN, seed=SEED, gguf=how, ggml=ggml, cpu=cpu,
                 threads=a.threads, env=harness.environment(a.threads), host=platform.node(),
                 runner=runner_note, weight_formats=formats, rows=rows, cross_engine=cross,
-                reference=("transformers eager float32 (DeepSeek's released model.py, the "
-                           "issue's reference, is not on this machine)"),
+                reference=("transformers eager float32; vs_model_py: DeepSeek's released "
+                           "model.py in plain PyTorch (bf16, float32 torch stand-ins of its "
+                           "kernel module)" if runner else "transformers eager float32 "
+                           "(DeepSeek's released model.py not found)"),
                 seconds=time.time() - t_start)
     out = Path(a.out) if a.out else harness.RESULTS / "llamacpp_model.json"
     out.parent.mkdir(parents=True, exist_ok=True)
