@@ -581,7 +581,17 @@ def hf_worker(side, hf_dir, threads, n_prompt, n_decode, chunk):
 
 def run_side(side, root, threads, n_prompt, n_decode, ggml="noamx", chunk=2048,
              runner=None):
-    """One fresh process of a side; returns {prefill_s, decode_s, peak_rss_bytes}."""
+    """One fresh process of a side; returns {prefill_s, decode_s, peak_rss_bytes,
+    process_cpu_s: the process's whole CPU time, load and warm-up included}."""
+    import resource
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = _run_side(side, root, threads, n_prompt, n_decode, ggml, chunk, runner)
+    ru2 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out["process_cpu_s"] = ru2.ru_utime + ru2.ru_stime - ru.ru_utime - ru.ru_stime
+    return out
+
+
+def _run_side(side, root, threads, n_prompt, n_decode, ggml, chunk, runner):
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     if side == "llama.cpp":
         env.update(llama_env(ggml))
@@ -711,7 +721,8 @@ def run_runner(runner, threads, n_prompt, n_decode, env):
             raise RuntimeError(f"runner failed ({r.returncode}):\n{r.stderr[-2000:]}")
         o = json.loads((td / "o.json").read_text())
     return dict(prefill_s=o["prefill_s"], decode_s=o["decode_s"],
-                decode_steps=o["decode_steps"],
+                decode_steps=o["decode_steps"], prefill_cpu_s=o.get("prefill_cpu_s"),
+                decode_cpu_s=o.get("decode_cpu_s"),
                 peak_rss_bytes=max(x["peak_rss"] for x in o["ranks"]))
 
 
@@ -1007,7 +1018,8 @@ def fmt_row(r):
     ratio = r.get("swap_over_llama")
     return (f"model     {r['kind']:<7} {r['label']:<40} | " + " | ".join(parts)
             + (f" | {r['swap_best']} / llama.cpp x{ratio:.2f}" if ratio else "")
-            + f" | runner: {r['runner_note']} | {r['cpu']} {r['threads']}t ({r['rounds']} rounds)")
+            + f" | runner: {r['runner_note']} | {r['cpu']} {r.get('isa', '')} {r['threads']}t "
+              f"({r['rounds']} rounds, load {r.get('load_avg_1min', 0):.1f})")
 
 
 def measure_rows(root, plan, sides, rounds, threads, ggml, chunk, runner, log=print):
@@ -1026,7 +1038,11 @@ def measure_rows(root, plan, sides, rounds, threads, ggml, chunk, runner, log=pr
             key = "prefill_s" if kind == "prefill" else "decode_s"
             sec = statistics.median(x[key] for x in raw[s])
             r[s] = dict(seconds=sec, tokens_per_s=(n if kind == "prefill" else k) / sec,
-                        peak_rss_bytes=max(x["peak_rss_bytes"] for x in raw[s]))
+                        peak_rss_bytes=max(x["peak_rss_bytes"] for x in raw[s]),
+                        process_cpu_s=statistics.median(x["process_cpu_s"] for x in raw[s]))
+            if all(x.get(key.replace("_s", "_cpu_s")) is not None for x in raw[s]):
+                # the runner's own CPU time of the phase (all threads), beside its wall time
+                r[s]["cpu_s"] = statistics.median(x[key.replace("_s", "_cpu_s")] for x in raw[s])
             if all("rss_end_bytes" in x for x in raw[s]):     # transformers sides
                 r[s]["rss_end_bytes"] = max(x["rss_end_bytes"] for x in raw[s])
         swaps = [x for x in ("hf + swap", "hf + swap bf16", "hf + swap fp8") if x in r]
@@ -1210,6 +1226,8 @@ def run(argv=None):
                               a.threads, ggml, a.chunk, runner)
             for r in rr:
                 r.update(cpu=cpu, threads=a.threads, runner_note=runner_note,
+                         isa=harness.environment(a.threads)["isa"],
+                         omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
                          load_avg_1min=os.getloadavg()[0])
                 print(fmt_row(r), flush=True)
             rows += rr

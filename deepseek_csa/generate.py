@@ -293,14 +293,15 @@ def generate(model, prompts, max_new_tokens, eos_id=None, temperature=0.0, seed=
     in_prompt = tokens != -1
     done = torch.zeros(bsz, dtype=torch.bool)
     gen = torch.Generator().manual_seed(seed)
-    prev, t0 = 0, time.perf_counter()
+    prev, t0, c0 = 0, time.perf_counter(), time.process_time()
     stats = {"prefill_tokens": bsz * min(lens), "decode_steps": 0}
     for cur in range(min(lens), total):
         logits = model.forward(tokens[:, prev:cur], prev)
         if prev == 0:
             stats["prefill_s"] = time.perf_counter() - t0
+            stats["prefill_cpu_s"] = time.process_time() - c0
             stats["prefill_logits"] = logits
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             if log:
                 log(f"[generate] prefill {bsz} x {min(lens)} tokens: {stats['prefill_s']:.3f} s")
         else:
@@ -316,6 +317,7 @@ def generate(model, prompts, max_new_tokens, eos_id=None, temperature=0.0, seed=
         if done.all():
             break
     stats["decode_s"] = time.perf_counter() - t1 if total > min(lens) else 0.0
+    stats["decode_cpu_s"] = time.process_time() - c1 if total > min(lens) else 0.0
     out = []
     for i, p in enumerate(prompts):
         row = tokens[i, len(p):prev + 1].tolist()
@@ -564,6 +566,8 @@ def _report(args, st, outs, world_size, rank, dist, rss0, ckpt_bytes, t_load, lo
             json.dump({"tokens": outs, "world_size": world_size,
                        "prefill_tokens_per_s": pre, "decode_tokens_per_s": dec,
                        "prefill_s": st.get("prefill_s"), "decode_s": st["decode_s"],
+                       "prefill_cpu_s": st.get("prefill_cpu_s"),
+                       "decode_cpu_s": st.get("decode_cpu_s"),
                        "decode_steps": st["decode_steps"], "load_s": t_load,
                        "ranks": [{"rank": r, "peak_rss": pk, "rss_before_model": r0,
                                   "shard_bytes": cb} for r, pk, r0, cb in rows],
