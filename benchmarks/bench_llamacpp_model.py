@@ -1084,9 +1084,12 @@ def plot(rows, path, title):
 
 
 def plot_snapshot(snap, path):
+    sides = [x for x in dict.fromkeys(x for r in snap["rows"] for x in r["sides"])
+             if x != "llama.cpp"]
     plot(snap["rows"], path,
          f"V4-Flash-width 3-layer model, {snap['cpu']}, {snap['threads']} threads: llama.cpp "
-         f"{snap['llamacpp_version']} ({snap['ggml']}) vs transformers eager / + deepseek_csa swap")
+         f"{snap['llamacpp_version']} ({snap['ggml']}) vs "
+         + (" / ".join(sides) or "transformers eager / + deepseek_csa swap"))
 
 
 # ---------------------------------------------------------------- main
