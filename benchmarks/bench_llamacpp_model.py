@@ -12,7 +12,10 @@ deepseek_csa.transformers.swap, on the very same weights.
 Durations (2 cores): the model and its GGUF are written once (~2 min, ~4 GB under
 build/peers/model27/); --quick ~8 min; --check-only ~15 min (with the diagnostic GGUFs,
 written once, ~2 min more); the full run an estimated 2 h, most of it the decode row
-after 32K tokens (one round: llama.cpp alone needs ~13 min to prefill them).  bench_llamacpp.py can call run(argv) and bench_summary().
+after 32K tokens (one round: llama.cpp alone needs ~13 min to prefill them).  With the
+released files: the runner's checkpoint once (~10 s), and in the cross-engine rows the
+released model.py's two reference runs (~5 min on a loaded 2-core host, cached with
+--reuse-ref; ~14 GB resident for the float64 diagnostic, ~6 GB else) and the runner's.  bench_llamacpp.py can call run(argv) and bench_summary().
 
 The model (MODEL below): hidden 4096, 64 heads x 512 (RoPE 64), q_lora 1024, 8 x 1024
 output groups, window 128, 64 index heads x 128, top-512, hyper-connections x4, YaRN on
