@@ -434,3 +434,13 @@ def test_runner_warmup_keeps_tokens(ckpt, in_process):
     root, _, _ = ckpt
     out, _ = runner(root, 1, extra=("--warmup", "4"))
     assert out["tokens"] == in_process[3]
+
+
+def test_runner_swap_indexer(ckpt, in_process):
+    """--swap indexer (what the bench's prompts beyond 8K tokens use) routes every
+    CSA layer's indexer through deepseek_csa and names what it routed; the decisive
+    model's tokens stay the in-process run's."""
+    root, _, _ = ckpt
+    out, p = runner(root, 1, extra=("--swap", "indexer"))
+    assert out["tokens"] == in_process[3]
+    assert "[swap] indexer:" in p.stdout
