@@ -67,9 +67,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
 import harness  # noqa: E402
+from llamacpp_pin import LLAMACPP_VERSION, PEERS  # noqa: E402,F401  (one pin, one build folder)
 
-LLAMACPP_VERSION = "0.3.36"
-PEERS = Path(os.environ.get("PEERS_DIR") or ROOT / "build" / "peers")
 LIB = PEERS / "libcsa_ggml_ops.so"
 
 NEG_INF_F16 = np.uint16(0xFC00)

@@ -12,7 +12,10 @@ deepseek_csa.transformers.swap, on the very same weights.
 Durations (2 cores): the model and its GGUF are written once (~2 min, ~4 GB under
 build/peers/model27/); --quick ~8 min; --check-only ~15 min (with the diagnostic GGUFs,
 written once, ~2 min more); the full run an estimated 2 h, most of it the decode row
-after 32K tokens (one round: llama.cpp alone needs ~13 min to prefill them).  bench_llamacpp.py can call run(argv) and bench_summary().
+after 32K tokens (one round: llama.cpp alone needs ~13 min to prefill them).  With the
+released files: the runner's checkpoint once (~10 s), and in the cross-engine rows the
+released model.py's two reference runs (~5 min on a loaded 2-core host, cached with
+--reuse-ref; ~14 GB resident for the float64 diagnostic, ~6 GB else) and the runner's.  bench_llamacpp.py can call run(argv) and bench_summary().
 
 The model (MODEL below): hidden 4096, 64 heads x 512 (RoPE 64), q_lora 1024, 8 x 1024
 output groups, window 128, 64 index heads x 128, top-512, hyper-connections x4, YaRN on
@@ -39,19 +42,24 @@ attn_implementation eager, float32, "hf + swap" = the same model after
 deepseek_csa.transformers.swap(model), "hf + swap bf16" = the model in bfloat16 (the
 FP8 / FP4 values are exact in bf16; half the weight bytes of float32), swapped.  llama.cpp
 runs over the ggml built without AMX (--ggml noamx, the default when built): with the
-native ggml its defaults abort on an AMX host (docs/peers.md section 7).  Our runner
-(python -m deepseek_csa.generate) needs DeepSeek's released inference/model.py, which is
-not on this machine: its rows say so, and --inference-dir DIR --runner-ckpt CKPT
---runner-config CFG (the checkpoint made from hf/ by DIR's convert.py) runs it (untested
-here).
+native ggml its defaults abort on an AMX host (docs/peers.md section 7).  "runner" = our
+runner, python -m deepseek_csa.generate: DeepSeek's released inference/model.py on
+deepseek_csa's kernel module, on the checkpoint the released convert.py makes from hf/
+(run once, cached under build/peers/model27/<key>/runner-<sha of convert.py>/, with the
+ModelArgs config.json beside it); the released files are found where
+tests/released_files.py looks (or --inference-dir DIR); without them its rows say so.
 
 Rows: prefill tokens/s at 512 / 2048 / 8192 prompt tokens; decode tokens/s after 4K and
 32K tokens of context; peak resident memory of each run (its own process); the weight
 formats each side multiplies.  Cross-engine row: the same prompt, last-position logits
-relative error against transformers eager (the reference here, released model.py being
-absent) and greedy-token agreement over 32 steps, free-running and teacher-forced; without
---quick also llama.cpp on diagnostic GGUFs (F32 instead of Q8_0 / BF16, F32 experts
-instead of MXFP4) and K/V settings, which locate its deviation (docs/peers.md section 7).
+relative error against transformers eager and greedy-token agreement over 32 steps,
+free-running and teacher-forced; with the released files also against DeepSeek's
+released model.py run in plain PyTorch (bf16, its own torch code on the float32 torch
+stand-ins of its GPU kernel module, deepseek_csa.reference.kernel_module: every row's
+"vs_model_py"), and, without --quick, that model with its GEMMs summed in float64 (how
+far a last-bit difference travels through its FP8 roundings); without --quick also
+llama.cpp on diagnostic GGUFs (F32 instead of Q8_0 / BF16, F32 experts instead of MXFP4)
+and K/V settings, which locate its deviation (docs/peers.md section 7).
 """
 from __future__ import annotations
 
@@ -73,7 +81,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-from bench_llamacpp import LLAMACPP_VERSION, PEERS  # noqa: E402  (one pin, one build folder)
+from llamacpp_pin import LLAMACPP_VERSION, PEERS  # noqa: E402  (one pin, one build folder)
 
 LLAMA_TREE = PEERS / f"llama_cpp_python-{LLAMACPP_VERSION}" / "vendor" / "llama.cpp"
 HARNESS = PEERS / "llamacpp_model"
@@ -486,23 +494,27 @@ def rel_err(a, ref):
     return float(np.linalg.norm(a - ref) / np.linalg.norm(ref))
 
 
-def compare(name, lg_free, lg_forced, ref_free, steps):
+def compare(name, lg_free, lg_forced, ref_free, steps, ref_forced=None):
     """One cross-engine line: last-prompt-position logits error, free-running greedy
-    agreement over `steps` tokens, and teacher-forced (fed the reference's tokens)
-    argmax agreement and logits error per step."""
+    agreement over `steps` tokens, and teacher-forced (fed the transformers-eager
+    reference's tokens) argmax agreement and logits error per step; ref_forced: the
+    reference's own logits when it was fed those tokens (default: ref_free, which are
+    when the reference is transformers eager itself)."""
+    ref_forced = ref_free if ref_forced is None else ref_forced
     toks, ref = greedy_tokens(lg_free)[:steps], greedy_tokens(ref_free)[:steps]
     same = sum(a == b for a, b in zip(toks, ref))
     prefix = next((i for i, (a, b) in enumerate(zip(toks, ref)) if a != b), steps)
     forced_agree = sum(int(a == b) for a, b in zip(lg_forced.argmax(-1)[:steps],
-                                                   ref_free.argmax(-1)[:steps]))
-    errs = [rel_err(lg_forced[i], ref_free[i]) for i in range(min(len(lg_forced), len(ref_free)))]
-    top2 = np.sort(ref_free, -1)[:, -2:]
+                                                   ref_forced.argmax(-1)[:steps]))
+    errs = [rel_err(lg_forced[i], ref_forced[i])
+            for i in range(min(len(lg_forced), len(ref_forced)))]
+    top2 = np.sort(ref_forced, -1)[:, -2:]
     # where the forced argmax differs: the reference's margin between its own choice and
     # this side's (small margins = a near-tie flipped by the side's perturbation)
-    n = min(steps, len(lg_forced), len(ref_free))
-    flips = [dict(step=i, margin=float(ref_free[i].max() - ref_free[i][lg_forced[i].argmax()]),
-                  logit_err_max=float(np.abs(lg_forced[i] - ref_free[i]).max()))
-             for i in range(n) if lg_forced[i].argmax() != ref_free[i].argmax()]
+    n = min(steps, len(lg_forced), len(ref_forced))
+    flips = [dict(step=i, margin=float(ref_forced[i].max() - ref_forced[i][lg_forced[i].argmax()]),
+                  logit_err_max=float(np.abs(lg_forced[i] - ref_forced[i]).max()))
+             for i in range(n) if lg_forced[i].argmax() != ref_forced[i].argmax()]
     return dict(forced_flips=flips, side=name, last_logits_rel_err=rel_err(lg_free[0], ref_free[0]),
                 greedy_same=same, greedy_common_prefix=prefix, steps=steps,
                 forced_argmax_agree=forced_agree, forced_rel_err_median=float(np.median(errs)),
@@ -597,7 +609,17 @@ def compile_for_run(m, prompt, n_decode, chunk):
 
 def run_side(side, root, threads, n_prompt, n_decode, ggml="noamx", chunk=2048,
              runner=None):
-    """One fresh process of a side; returns {prefill_s, decode_s, peak_rss_bytes}."""
+    """One fresh process of a side; returns {prefill_s, decode_s, peak_rss_bytes,
+    process_cpu_s: the process's whole CPU time, load and warm-up included}."""
+    import resource
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = _run_side(side, root, threads, n_prompt, n_decode, ggml, chunk, runner)
+    ru2 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out["process_cpu_s"] = ru2.ru_utime + ru2.ru_stime - ru.ru_utime - ru.ru_stime
+    return out
+
+
+def _run_side(side, root, threads, n_prompt, n_decode, ggml, chunk, runner):
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     if side == "llama.cpp":
         env.update(llama_env(ggml))
@@ -626,10 +648,87 @@ def hf_chunk(n_prompt, chunk):
     return chunk if n_prompt <= 8192 else min(chunk, 1024)
 
 
+# ---------------------------------------------------------------- our runner
+# the released ModelArgs' max_seq_len sizes the caches (and the RoPE tables): the 32K
+# decode row's context and steps fit
+RUNNER_MAX_SEQ = 33792
+RUNNER_PLAIN_MAX = 8192
+
+
+def runner_config(cfg=None, max_seq_len=RUNNER_MAX_SEQ):
+    """MODEL in the keys of the released inference/config.json (its ModelArgs): FP8
+    weights with ue8m0 (e8m0) scales, FP4 experts, batch 1, no MTP layer."""
+    c = cfg or MODEL
+    yarn = c["rope_scaling"]
+    return dict(max_batch_size=1, max_seq_len=max_seq_len, dtype="fp8", scale_fmt="ue8m0",
+                expert_dtype="fp4", scale_dtype="fp8", vocab_size=c["vocab_size"],
+                dim=c["hidden_size"], moe_inter_dim=c["moe_intermediate_size"],
+                n_layers=c["num_hidden_layers"], n_hash_layers=c["num_hash_layers"],
+                n_mtp_layers=c["num_nextn_predict_layers"], n_heads=c["num_attention_heads"],
+                n_routed_experts=c["n_routed_experts"], n_shared_experts=c["n_shared_experts"],
+                n_activated_experts=c["num_experts_per_tok"], score_func=c["scoring_func"],
+                route_scale=c["routed_scaling_factor"], swiglu_limit=c["swiglu_limit"],
+                q_lora_rank=c["q_lora_rank"], head_dim=c["head_dim"],
+                rope_head_dim=c["qk_rope_head_dim"], norm_eps=c["rms_norm_eps"],
+                o_groups=c["o_groups"], o_lora_rank=c["o_lora_rank"],
+                window_size=c["sliding_window"], compress_ratios=list(c["compress_ratios"]),
+                compress_rope_theta=c["compress_rope_theta"],
+                original_seq_len=yarn["original_max_position_embeddings"],
+                rope_theta=c["rope_theta"], rope_factor=yarn["factor"],
+                beta_fast=yarn["beta_fast"], beta_slow=yarn["beta_slow"],
+                index_n_heads=c["index_n_heads"], index_head_dim=c["index_head_dim"],
+                index_topk=c["index_topk"], hc_mult=c["hc_mult"],
+                hc_sinkhorn_iters=c["hc_sinkhorn_iters"], hc_eps=c["hc_eps"])
+
+
+def find_inference_dir():
+    """(DeepSeek's released inference/ folder or None, where it was looked for):
+    tests/released_files.py's place (or DEEPSEEK_MODEL_PY)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        import released_files
+    finally:
+        sys.path.remove(str(ROOT / "tests"))
+    path, where = released_files.find_v4("model.py")
+    return (str(Path(path).parent) if path else None), where
+
+
+def prepare_runner(root, inference_dir, py=sys.executable, log=print):
+    """{inference_dir, ckpt, config} for the runner: root/hf converted by the released
+    convert.py of inference_dir (--n-experts E --model-parallel 1 --expert-dtype fp4: the
+    FP4 experts kept, wo_a widened to bf16 as the released layout has it), written once
+    under root/runner-<sha of convert.py>/ with the ModelArgs config beside it."""
+    conv = Path(inference_dir) / "convert.py"
+    if not conv.exists():
+        raise FileNotFoundError(f"{conv} not found (the runner's checkpoint is made by it)")
+    sha = hashlib.sha256(conv.read_bytes()).hexdigest()[:12]
+    out = root / f"runner-{sha}"
+    cfg = out / "config.json"
+    ckpt = out / "mp1"
+    if not (ckpt / "model0-mp1.safetensors").exists():
+        tmp = out / "mp1.tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        t0 = time.time()
+        r = subprocess.run([py, str(conv), "--hf-ckpt-path", str(root / "hf"), "--save-path",
+                            str(tmp), "--n-experts", str(MODEL["n_routed_experts"]),
+                            "--model-parallel", "1", "--expert-dtype", "fp4"],
+                           capture_output=True, text=True, cwd=str(inference_dir))
+        if r.returncode != 0:
+            raise RuntimeError(f"{conv} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+        tmp.rename(ckpt)
+        log(f"model27: {ckpt} written by {conv} ({time.time() - t0:.0f} s)")
+    if not cfg.exists():
+        cfg.write_text(json.dumps(runner_config(), indent=1))
+    return dict(inference_dir=str(inference_dir), ckpt=str(ckpt), config=str(cfg),
+                convert_sha=sha)
+
+
 def run_runner(runner, threads, n_prompt, n_decode, env):
-    """Our runner (python -m deepseek_csa.generate) on the released model.py: needs
-    runner = {inference_dir, ckpt, config} (the checkpoint made from hf/ by DeepSeek's
-    convert.py); token-id prompts, its --output-json timings."""
+    """Our runner (python -m deepseek_csa.generate) on the released model.py and the
+    checkpoint its convert.py made: a token-id prompt of n_prompt, a warm-up as
+    llama.cpp's harness has (64 tokens + 2 steps), then one prefill call and n_decode
+    decode steps (--max-new-tokens n_decode + 1: the prefill gives the first token);
+    the timings and peak RSS of its --output-json."""
     import tempfile
     with tempfile.TemporaryDirectory() as td:
         td = Path(td)
@@ -638,12 +737,20 @@ def run_runner(runner, threads, n_prompt, n_decode, env):
         cmd = [sys.executable, "-m", "deepseek_csa.generate", "--inference-dir",
                runner["inference_dir"], "--ckpt-path", runner["ckpt"], "--config",
                runner["config"], "--input-file", str(td / "p.txt"), "--max-new-tokens",
-               str(max(n_decode, 1)), "--output-json", str(td / "o.json")]
+               str(n_decode + 1), "--warmup", "64", "--eos-id", "-1",
+               "--output-json", str(td / "o.json")]
+        if n_prompt > RUNNER_PLAIN_MAX:
+            # the released Indexer scores [S, 64 heads, S / 4] in one einsum at prefill
+            # (34 GB in bf16 at 32K tokens): beyond 8K the runner routes the indexer
+            # through deepseek_csa's (fused scoring + top-k, no [S, T] scores)
+            cmd += ["--swap", "indexer"]
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(ROOT))
         if r.returncode != 0:
             raise RuntimeError(f"runner failed ({r.returncode}):\n{r.stderr[-2000:]}")
         o = json.loads((td / "o.json").read_text())
     return dict(prefill_s=o["prefill_s"], decode_s=o["decode_s"],
+                decode_steps=o["decode_steps"], prefill_cpu_s=o.get("prefill_cpu_s"),
+                decode_cpu_s=o.get("decode_cpu_s"),
                 peak_rss_bytes=max(x["peak_rss"] for x in o["ranks"]))
 
 
@@ -687,12 +794,90 @@ LLAMA_VARIANTS = {
 }
 
 
+def _gemms_in_float64(mod):
+    """The reference's FP8 / FP4 GEMMs accumulated in float64 (then rounded as before):
+    a perturbation below float32 rounding, to size how far the released arithmetic's
+    FP8 roundings carry a last-bit difference."""
+    import torch
+    from deepseek_csa.reference import kernel_module as KM
+    G = vars(mod)
+    w8, w4 = {}, {}
+
+    def gemm(weights, fn):
+        def f(a, a_s, b, b_s, scale_dtype=None):
+            key = (b.data_ptr(), tuple(b.shape))
+            if key not in weights:
+                weights[key] = fn(b, b_s).double()
+            return (KM._deq_a(a, a_s).double() @ weights[key].T).float().to(
+                torch.get_default_dtype())
+        return f
+    G["fp8_gemm"], G["fp4_gemm"] = gemm(w8, KM.fp8_weight_f32), gemm(w4, KM.fp4_weight_f32)
+
+
+def model_py_logits(runner, prompt, steps, threads, forced=None, reference=False,
+                    gemm64=False):
+    """DeepSeek's released model.py (runner["inference_dir"]) on the runner's
+    checkpoint (its convert.py's output), bf16 as the released generate.py runs it:
+    logits after the prompt (one prefill call) and after each of `steps` decode steps,
+    fed forced[i] or its own argmax.  reference=True: the file's own torch code on the
+    float32 torch stand-ins of its kernel module (deepseek_csa.reference.kernel_module:
+    the released model in plain PyTorch); else on deepseek_csa's kernel module with the
+    runner's set-up (what python -m deepseek_csa.generate runs)."""
+    import contextlib
+    import torch
+    import deepseek_csa.torch as dct
+    from deepseek_csa import generate as G
+    from deepseek_csa.reference import kernel_module as KM
+    from deepseek_csa.torch.kernel_module import preserved_modules
+    torch.set_num_threads(threads)
+    prev = torch.get_default_dtype()
+    out = []
+    with preserved_modules(("kernel", "fast_hadamard_transform")):
+        mod = dct.load_model_py(runner["inference_dir"])
+        if not reference:
+            G._rows_hc_post(mod)
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            args, _ = G.read_config(runner["config"], mod.ModelArgs)
+            model = mod.Transformer(args)
+            G.load_checkpoint(model, G.shard_path(runner["ckpt"], 0, 1), log=lambda *a: None)
+            with (KM.installed_in(mod, cache_weights=True) if reference
+                  else contextlib.nullcontext()):
+                if gemm64:
+                    _gemms_in_float64(mod)
+                lg = model(torch.tensor([prompt]), 0)[0]
+                out.append(lg.float().numpy().copy())
+                for i in range(steps):
+                    t = int(forced[i]) if forced is not None else int(lg.argmax())
+                    lg = model(torch.tensor([[t]]), len(prompt) + i)[0]
+                    out.append(lg.float().numpy().copy())
+        finally:
+            torch.set_default_dtype(prev)
+    return np.stack(out)
+
+
+def vs_model_py(row, free, forced, mp):
+    """row["vs_model_py"]: this side against the released model.py (mp = its free
+    logits and its logits fed the eager reference's tokens, as every side's forced run
+    is): last-position logits error, free-running greedy agreement, forced argmax."""
+    if mp is None:
+        return row
+    c = compare(row["side"], free, forced, mp[0], row["steps"], ref_forced=mp[1])
+    row["vs_model_py"] = {k: c[k] for k in (
+        "last_logits_rel_err", "greedy_same", "greedy_common_prefix", "forced_argmax_agree",
+        "forced_rel_err_median", "forced_rel_err_max", "forced_flips", "ref_top2_gap_min")}
+    return row
+
+
 def cross_engine(root, threads, prompt_len, steps, ggml, variants, log=print,
-                 reuse_ref=False, with_swap=True):
+                 reuse_ref=False, with_swap=True, runner=None):
     """The cross-engine rows: transformers eager is the reference (DeepSeek's released
     model.py is absent here); each other side is run free (its own greedy tokens) and
     teacher-forced with the reference's tokens.  reuse_ref: take eager's logits from the
-    previous run's cache file (root/ref-<prompt>-<steps>.npy) when present."""
+    previous run's cache file (root/ref-<prompt>-<steps>.npy) when present.  With
+    `runner` (the released inference/ folder and the checkpoint its convert.py made):
+    the released model.py in plain PyTorch is the second reference (every row's
+    "vs_model_py"), and our runner is a side."""
     import random
     import transformers
     rng = random.Random(SEED)
@@ -707,9 +892,42 @@ def cross_engine(root, threads, prompt_len, steps, ggml, variants, log=print,
         ref = hf_logits(m, prompt, steps)
         np.save(cache, ref)
     toks = greedy_tokens(ref)[:steps]
-    out = [dict(compare("hf eager (reference)", ref, ref, ref, steps),
-                seconds=time.time() - t0)]
-    log(fmt_cross(out[-1]))
+    mp = None
+    out = []
+    if runner is not None:
+        t1 = time.time()
+        mcache = root / f"modelpy-ref-{prompt_len}-{steps}-{runner.get('convert_sha', 'x')}.npz"
+        if reuse_ref and mcache.exists():
+            z = np.load(mcache)
+            mp = (z["free"], z["forced"])
+        else:
+            mp = (model_py_logits(runner, prompt, steps, threads, reference=True),
+                  model_py_logits(runner, prompt, steps, threads, forced=toks, reference=True))
+            np.savez(mcache, free=mp[0], forced=mp[1])
+        row = compare("released model.py (plain PyTorch, bf16)", mp[0], mp[1], ref, steps)
+        out.append(vs_model_py(dict(row, seconds=time.time() - t1), *mp, mp))
+        log(fmt_cross(out[-1]))
+        if "default" not in variants or len(variants) > 1:
+            # diagnostic: the same file with its GEMMs summed in float64 -- how far a
+            # last-bit difference travels through the released FP8 / FP4 roundings
+            t1 = time.time()
+            g = model_py_logits(runner, prompt, steps, threads, reference=True, gemm64=True)
+            gf = model_py_logits(runner, prompt, steps, threads, forced=toks, reference=True,
+                                 gemm64=True)
+            out.append(vs_model_py(dict(compare("released model.py, GEMMs summed in float64",
+                                                g, gf, ref, steps),
+                                        seconds=time.time() - t1), g, gf, mp))
+            log(fmt_cross(out[-1]))
+    out.insert(0, vs_model_py(dict(compare("hf eager (reference)", ref, ref, ref, steps),
+                                   seconds=time.time() - t0), ref, ref, mp))
+    log(fmt_cross(out[0]))
+    if runner is not None:
+        t0 = time.time()
+        rf = model_py_logits(runner, prompt, steps, threads)
+        rff = model_py_logits(runner, prompt, steps, threads, forced=toks)
+        out.append(vs_model_py(dict(compare("runner", rf, rff, ref, steps),
+                                    seconds=time.time() - t0), rf, rff, mp))
+        log(fmt_cross(out[-1]))
     if with_swap:
         from deepseek_csa.transformers import swap, unswap
         t0 = time.time()
@@ -717,13 +935,15 @@ def cross_engine(root, threads, prompt_len, steps, ggml, variants, log=print,
         swap(m)
         sw, swf = hf_logits(m, prompt, steps), hf_logits(m, prompt, steps, forced=toks)
         unswap(m)
-        out.append(dict(compare("hf + swap", sw, swf, ref, steps), seconds=time.time() - t0))
+        out.append(vs_model_py(dict(compare("hf + swap", sw, swf, ref, steps),
+                                    seconds=time.time() - t0), sw, swf, mp))
         log(fmt_cross(out[-1]))
         del m
         t0 = time.time()
         m = load_hf(root / "hf-bf16", threads, swapped=True, bf16=True)
         sw, swf = hf_logits(m, prompt, steps), hf_logits(m, prompt, steps, forced=toks)
-        out.append(dict(compare("hf + swap bf16", sw, swf, ref, steps), seconds=time.time() - t0))
+        out.append(vs_model_py(dict(compare("hf + swap bf16", sw, swf, ref, steps),
+                                    seconds=time.time() - t0), sw, swf, mp))
         log(fmt_cross(out[-1]))
         # the same model on the checkpoint's FP8 / FP4 codes: the released Linear's
         # arithmetic (e4m3 activations), so its distance from eager is that rounding's
@@ -731,7 +951,8 @@ def cross_engine(root, threads, prompt_len, steps, ggml, variants, log=print,
         t0 = time.time()
         quantize(m)
         sw, swf = hf_logits(m, prompt, steps), hf_logits(m, prompt, steps, forced=toks)
-        out.append(dict(compare("hf + swap fp8", sw, swf, ref, steps), seconds=time.time() - t0))
+        out.append(vs_model_py(dict(compare("hf + swap fp8", sw, swf, ref, steps),
+                                    seconds=time.time() - t0), sw, swf, mp))
         log(fmt_cross(out[-1]))
     del m
     for name in variants:
@@ -742,8 +963,8 @@ def cross_engine(root, threads, prompt_len, steps, ggml, variants, log=print,
         t0 = time.time()
         ll, _ = llama_logits(root / gg, prompt, steps, threads, env=env)
         llf, _ = llama_logits(root / gg, prompt, steps, threads, forced=toks, env=env)
-        out.append(dict(compare(name, ll, llf, ref, steps), seconds=time.time() - t0,
-                        ggml=ggml, gguf=gg, env=extra))
+        out.append(vs_model_py(dict(compare(name, ll, llf, ref, steps), seconds=time.time() - t0,
+                                    ggml=ggml, gguf=gg, env=extra), ll, llf, mp))
         log(fmt_cross(out[-1]))
     for r in out:
         r.update(prompt_len=prompt_len, ref_tokens=toks)
@@ -757,7 +978,18 @@ def fmt_cross(r):
             f"{r['steps']}, rel err median {r['forced_rel_err_median']:.2e} max "
             f"{r['forced_rel_err_max']:.2e} | ref min top-2 gap {r['ref_top2_gap_min']:.3f}"
             + "".join(f" | flip@{f['step']}: ref margin {f['margin']:.3f}, max |dlogit| "
-                      f"{f['logit_err_max']:.3f}" for f in r.get("forced_flips", [])))
+                      f"{f['logit_err_max']:.3f}" for f in r.get("forced_flips", []))
+            + ("" if "vs_model_py" not in r else
+               f"\n          vs released model.py: last-logits rel err "
+               f"{r['vs_model_py']['last_logits_rel_err']:.2e} | greedy "
+               f"{r['vs_model_py']['greedy_same']}/{r['steps']} same (common prefix "
+               f"{r['vs_model_py']['greedy_common_prefix']}) | forced: argmax "
+               f"{r['vs_model_py']['forced_argmax_agree']}/{r['steps']}, rel err median "
+               f"{r['vs_model_py']['forced_rel_err_median']:.2e} max "
+               f"{r['vs_model_py']['forced_rel_err_max']:.2e}"
+               + "".join(f" | flip@{f['step']}: model.py margin {f['margin']:.3f}, max "
+                         f"|dlogit| {f['logit_err_max']:.3f}"
+                         for f in r["vs_model_py"]["forced_flips"])))
 
 
 # ---------------------------------------------------------------- rows
@@ -795,8 +1027,10 @@ def weight_formats(root, ggml):
                              "projections (deepseek_csa.transformers.quantize: fp8_gemm / "
                              "fp4_gemm, activations e4m3 per 128 as the released Linear), "
                              "the rest bf16; our kernels for attention / indexer / compressor",
-            "runner": "FP8 e4m3 and FP4 e2m1 weights in place (fp8_gemm / fp4_gemm), "
-                      "bf16 activations, the released model.py's QAT roundings"}
+            "runner": "the released model.py's formats: FP8 e4m3 (e8m0 block scales) and "
+                      "FP4 e2m1 weights in place (fp8_gemm / fp4_gemm, activations e4m3 "
+                      "per 128), wo_a bf16 (convert.py widens it), compressors / norms / "
+                      "head float32, bf16 activations and K/V, its QAT roundings"}
 
 
 def fmt_row(r):
@@ -812,7 +1046,8 @@ def fmt_row(r):
     ratio = r.get("swap_over_llama")
     return (f"model     {r['kind']:<7} {r['label']:<40} | " + " | ".join(parts)
             + (f" | {r['swap_best']} / llama.cpp x{ratio:.2f}" if ratio else "")
-            + f" | runner: {r['runner_note']} | {r['cpu']} {r['threads']}t ({r['rounds']} rounds)")
+            + f" | runner: {r['runner_note']} | {r['cpu']} {r.get('isa', '')} {r['threads']}t "
+              f"({r['rounds']} rounds, load {r.get('load_avg_1min', 0):.1f})")
 
 
 def measure_rows(root, plan, sides, rounds, threads, ggml, chunk, runner, log=print):
@@ -831,7 +1066,11 @@ def measure_rows(root, plan, sides, rounds, threads, ggml, chunk, runner, log=pr
             key = "prefill_s" if kind == "prefill" else "decode_s"
             sec = statistics.median(x[key] for x in raw[s])
             r[s] = dict(seconds=sec, tokens_per_s=(n if kind == "prefill" else k) / sec,
-                        peak_rss_bytes=max(x["peak_rss_bytes"] for x in raw[s]))
+                        peak_rss_bytes=max(x["peak_rss_bytes"] for x in raw[s]),
+                        process_cpu_s=statistics.median(x["process_cpu_s"] for x in raw[s]))
+            if all(x.get(key.replace("_s", "_cpu_s")) is not None for x in raw[s]):
+                # the runner's own CPU time of the phase (all threads), beside its wall time
+                r[s]["cpu_s"] = statistics.median(x[key.replace("_s", "_cpu_s")] for x in raw[s])
             if all("rss_end_bytes" in x for x in raw[s]):     # transformers sides
                 r[s]["rss_end_bytes"] = max(x["rss_end_bytes"] for x in raw[s])
         swaps = [x for x in ("hf + swap", "hf + swap bf16", "hf + swap fp8") if x in r]
@@ -873,9 +1112,12 @@ def plot(rows, path, title):
 
 
 def plot_snapshot(snap, path):
+    sides = [x for x in dict.fromkeys(x for r in snap["rows"] for x in r["sides"])
+             if x != "llama.cpp"]
     plot(snap["rows"], path,
          f"V4-Flash-width 3-layer model, {snap['cpu']}, {snap['threads']} threads: llama.cpp "
-         f"{snap['llamacpp_version']} ({snap['ggml']}) vs transformers eager / + deepseek_csa swap")
+         f"{snap['llamacpp_version']} ({snap['ggml']}) vs "
+         + (" / ".join(sides) or "transformers eager / + deepseek_csa swap"))
 
 
 # ---------------------------------------------------------------- main
@@ -942,7 +1184,8 @@ def run(argv=None):
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--variants", default="",
                     help="comma-separated llama.cpp cross-engine variants (default: the row "
-                         "only with --quick, all without); names: " + ", ".join(LLAMA_VARIANTS))
+                         "only with --quick, all without; 'none': no llama.cpp); names: "
+                         + ", ".join(LLAMA_VARIANTS))
     ap.add_argument("--reuse-ref", action="store_true",
                     help="cross-engine: reuse the cached transformers-eager reference logits")
     ap.add_argument("--no-swap-check", action="store_true", help=argparse.SUPPRESS)
@@ -954,8 +1197,11 @@ def run(argv=None):
                     "hf eager, hf + swap, hf + swap bf16, hf + swap fp8, hf + swap compile "
                     "(runner is added by --inference-dir)")
     ap.add_argument("--rows", default="", help="custom rows, e.g. prefill:512,decode:4096:16")
-    ap.add_argument("--inference-dir", help="DeepSeek's inference/ (model.py): adds our runner")
-    ap.add_argument("--runner-ckpt", help="hf/ converted by that folder's convert.py")
+    ap.add_argument("--inference-dir", help="DeepSeek's inference/ (model.py, convert.py) for "
+                    "our runner and the released-model.py reference (default: where "
+                    "tests/released_files.py finds it)")
+    ap.add_argument("--runner-ckpt", help="hf/ converted by that folder's convert.py (default: "
+                    "converted once under build/peers/model27/<key>/runner-<sha>/)")
     ap.add_argument("--runner-config", help="that folder's ModelArgs config.json for this model")
     ap.add_argument("--out", default=None,
                     help="JSON path (default benchmarks/results/llamacpp_model.json)")
@@ -984,11 +1230,14 @@ def run(argv=None):
     ggml = a.ggml or default_ggml()
     cpu = harness.cpu_model()
     runner = None
-    runner_note = ("not run: DeepSeek's released inference/model.py is not on this machine "
-                   "(--inference-dir DIR --runner-ckpt CKPT --runner-config CFG runs it)")
-    if a.inference_dir:
-        runner = dict(inference_dir=a.inference_dir, ckpt=a.runner_ckpt, config=a.runner_config)
-        runner_note = "run"
+    inference_dir, where = (a.inference_dir, a.inference_dir) if a.inference_dir else find_inference_dir()
+    runner_note = (f"not run: DeepSeek's released inference/model.py not found at {where} "
+                   "(tests/released_files.py; --inference-dir DIR)")
+    if inference_dir:
+        runner = (dict(inference_dir=inference_dir, ckpt=a.runner_ckpt, config=a.runner_config)
+                  if a.runner_ckpt else prepare_runner(root, inference_dir))
+        runner_note = (f"python -m deepseek_csa.generate on {inference_dir}/model.py, "
+                       f"checkpoint {runner['ckpt']} (its convert.py)")
     sides = (["llama.cpp", "hf eager", "hf + swap", "hf + swap bf16", "hf + swap fp8"]
              + (["runner"] if runner else []))
     if a.sides:
@@ -1008,15 +1257,18 @@ def run(argv=None):
                               a.threads, ggml, a.chunk, runner)
             for r in rr:
                 r.update(cpu=cpu, threads=a.threads, runner_note=runner_note,
+                         isa=harness.environment(a.threads)["isa"],
+                         omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
                          load_avg_1min=os.getloadavg()[0])
                 print(fmt_row(r), flush=True)
             rows += rr
     if not a.no_check:
         variants = ["default"] if a.quick else list(LLAMA_VARIANTS)
         if a.variants:
-            variants = [v.strip() for v in a.variants.split(",")]
+            variants = [v.strip() for v in a.variants.split(",") if v.strip() != "none"]
         cross = cross_engine(root, a.threads, a.prompt_len, a.steps, ggml, variants,
-                             reuse_ref=a.reuse_ref, with_swap=not a.no_swap_check)
+                             reuse_ref=a.reuse_ref, with_swap=not a.no_swap_check,
+                             runner=runner)
     formats = weight_formats(root, ggml)
     for k, v in formats.items():
         print(f"formats   {k:<10} {v}")
@@ -1027,8 +1279,10 @@ def run(argv=None):
                 head_gain=HEAD_GAIN, seed=SEED, gguf=how, ggml=ggml, cpu=cpu,
                 threads=a.threads, env=harness.environment(a.threads), host=platform.node(),
                 runner=runner_note, weight_formats=formats, rows=rows, cross_engine=cross,
-                reference=("transformers eager float32 (DeepSeek's released model.py, the "
-                           "issue's reference, is not on this machine)"),
+                reference=("transformers eager float32; vs_model_py: DeepSeek's released "
+                           "model.py in plain PyTorch (bf16, float32 torch stand-ins of its "
+                           "kernel module)" if runner else "transformers eager float32 "
+                           "(DeepSeek's released model.py not found)"),
                 seconds=time.time() - t_start)
     out = Path(a.out) if a.out else harness.RESULTS / "llamacpp_model.json"
     out.parent.mkdir(parents=True, exist_ok=True)

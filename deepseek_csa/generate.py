@@ -144,18 +144,22 @@ def _st_shape(sl):
     return tuple(shape)
 
 
-def _copyable(src, dst):
+def _widens(src, dst):
+    """A 16-bit float stored for a float32 parameter: the released model.py keeps its
+    norms, compressor projections and head in float32 while the released checkpoints
+    store them in bf16 ("stored in bf16, while the parameter here is stored in fp32"),
+    and its generate.py loads through load_state_dict, which converts; so does this
+    loader, exactly (every bf16 / f16 value is a float32 value).  Nothing else converts:
+    FP8 / FP4 codes, scales and integers must match."""
     torch = _torch()
-    return src == dst or (dst == torch.float32 and src in (torch.bfloat16, torch.float16))
+    return dst == torch.float32 and src in (torch.bfloat16, torch.float16)
 
 
 def load_checkpoint(model, path, chunk_bytes=64 << 20, strict=False, log=print):
     """Copies the tensors of the safetensors file ``path`` into ``model``'s parameters
-    and persistent buffers in place (same dtype required: FP8 / FP4 stay as stored; the
-    one widening allowed is bf16 / f16 into a float32 parameter: model.py allocates its
-    head and its compressors' wkv / wgate in float32 while, as its own comments say, the
-    released checkpoint stores them in bf16, and the released generate.py's
-    load_state_dict copies them across).
+    and persistent buffers in place (same dtype required, FP8 / FP4 stay as stored;
+    the one conversion is a bf16 / f16 tensor into a float32 parameter, exact, as the
+    released loader does).
     Every shape and dtype is checked against the model before any data is read.  The
     file is opened again for each ~``chunk_bytes`` of tensors (row ranges of larger
     ones) so that at most that much of its mapping is resident on top of the model.  ``strict=False`` (as the released
@@ -178,7 +182,7 @@ def load_checkpoint(model, path, chunk_bytes=64 << 20, strict=False, log=print):
                 f"checkpoint but {list(t.shape)} in the model built from the config "
                 f"(config and checkpoint disagree, or the shard is for another world size)")
         want = _st_dtype(dt)
-        if want is not None and not _copyable(want, t.dtype):
+        if want is not None and want != t.dtype and not _widens(want, t.dtype):
             raise CheckpointError(
                 f"{os.path.basename(path)}: tensor {k!r} is {want} in the checkpoint but "
                 f"{t.dtype} in the model (check the config's dtype / expert_dtype / scale_fmt)")
@@ -210,7 +214,7 @@ def load_checkpoint(model, path, chunk_bytes=64 << 20, strict=False, log=print):
                     dst = targets[k]
                     whole = a == 0 and (dst.dim() <= 1 or b == dst.shape[0])
                     src = f.get_tensor(k) if whole else f.get_slice(k)[a:b]
-                    if not _copyable(src.dtype, dst.dtype):
+                    if src.dtype != dst.dtype and not _widens(src.dtype, dst.dtype):
                         raise CheckpointError(
                             f"{os.path.basename(path)}: tensor {k!r} is {src.dtype} in the "
                             f"checkpoint but {dst.dtype} in the model (check the config's "
@@ -224,6 +228,39 @@ def load_checkpoint(model, path, chunk_bytes=64 << 20, strict=False, log=print):
         log(f"[load] {len(unexpected)} checkpoint tensor(s) the model has no place for "
             f"(ignored): {', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
     return missing, unexpected
+
+
+HC_POST_ROWS = 2048
+
+
+def _rows_hc_post(mod):
+    """The released ``Block.hc_post`` broadcasts to [batch, S, hc, hc, dim] in float32
+    before it sums (8.6 GB at 32K prompt tokens, V4-Flash's width, 16 bytes a weight of
+    the model); it is elementwise per token, so the runner hands it at most
+    HC_POST_ROWS tokens at a time and writes each slice into the output: the same
+    values bit for bit (tests/test_generate.py), a 2048-token slice's transient
+    instead of the whole prompt's.  ``mod`` is the runner's own import of model.py."""
+    blk = getattr(mod, "Block", None)
+    orig = getattr(blk, "hc_post", None)
+    if orig is None or getattr(orig, "_by_rows", False):
+        return
+    torch = _torch()
+
+    def hc_post(self, x, residual, post, comb):
+        s = x.shape[1]
+        if x.dim() != 3 or s <= HC_POST_ROWS:
+            return orig(self, x, residual, post, comb)
+        out = None
+        for a in range(0, s, HC_POST_ROWS):
+            b = min(s, a + HC_POST_ROWS)
+            y = orig(self, x[:, a:b], residual[:, a:b], post[:, a:b], comb[:, a:b])
+            if out is None:
+                out = torch.empty((y.shape[0], s) + tuple(y.shape[2:]), dtype=y.dtype)
+            out[:, a:b] = y
+        return out
+
+    hc_post._by_rows = True
+    blk.hc_post = hc_post
 
 
 def sample(logits, temperature, generator=None):
@@ -256,14 +293,15 @@ def generate(model, prompts, max_new_tokens, eos_id=None, temperature=0.0, seed=
     in_prompt = tokens != -1
     done = torch.zeros(bsz, dtype=torch.bool)
     gen = torch.Generator().manual_seed(seed)
-    prev, t0 = 0, time.perf_counter()
+    prev, t0, c0 = 0, time.perf_counter(), time.process_time()
     stats = {"prefill_tokens": bsz * min(lens), "decode_steps": 0}
     for cur in range(min(lens), total):
         logits = model.forward(tokens[:, prev:cur], prev)
         if prev == 0:
             stats["prefill_s"] = time.perf_counter() - t0
+            stats["prefill_cpu_s"] = time.process_time() - c0
             stats["prefill_logits"] = logits
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             if log:
                 log(f"[generate] prefill {bsz} x {min(lens)} tokens: {stats['prefill_s']:.3f} s")
         else:
@@ -279,6 +317,7 @@ def generate(model, prompts, max_new_tokens, eos_id=None, temperature=0.0, seed=
         if done.all():
             break
     stats["decode_s"] = time.perf_counter() - t1 if total > min(lens) else 0.0
+    stats["decode_cpu_s"] = time.process_time() - c1 if total > min(lens) else 0.0
     out = []
     for i, p in enumerate(prompts):
         row = tokens[i, len(p):prev + 1].tolist()
@@ -380,6 +419,14 @@ def _parser():
     p.add_argument("--eos-id", type=int, default=None,
                    help="stop token (default: the tokenizer's eos, none without one)")
     p.add_argument("--output-json", help="rank 0 writes tokens, timings and peak RSS here")
+    p.add_argument("--swap", default="", metavar="OPS",
+                   help="route the attention layers' OPS (comma-separated names of "
+                        "deepseek_csa.torch.OPS, or 'all') through deepseek_csa's drop-ins; "
+                        "'indexer' is what long prompts need: the released Indexer scores "
+                        "[S, heads, S/4] at once (34 GB in bf16 at 32K tokens)")
+    p.add_argument("--warmup", type=int, default=0, metavar="N",
+                   help="before the first prompt, generate 2 tokens after its first N "
+                        "tokens and discard them (first-call costs out of the timings)")
     p.add_argument("--output-logits", action="store_true",
                    help="--output-json also holds the prefill's last-position logits "
                         "(float32, one list per prompt)")
@@ -416,9 +463,15 @@ def _run(args, torch, dist, world_size, rank, log):
     check_divisible(margs, world_size)
     path = check_layout(args.ckpt_path, rank, world_size)
     t0 = time.perf_counter()
+    _rows_hc_post(mod)
     with torch.device("cpu"):
         model = mod.Transformer(margs)
     load_checkpoint(model, path, log=log)
+    if args.swap:
+        ops = None if args.swap == "all" else [o.strip() for o in args.swap.split(",")]
+        routed = dct.swap(model, ops=ops).routed
+        log(f"[swap] {args.swap}: " + "; ".join(f"layer {k}: {', '.join(v) or '-'}"
+                                                for k, v in routed.items()))
     t_load = time.perf_counter() - t0
     ckpt_bytes = os.path.getsize(path)
     log(f"[load] rank 0 of {world_size}: {path} ({ckpt_bytes / 2**20:.1f} MiB) in "
@@ -435,7 +488,17 @@ def _run(args, torch, dist, world_size, rank, log):
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    warm = [args.warmup > 0]
+
     def run(prompts):
+        if warm[0]:
+            # the thread pool's start, first touches of the caches and workspaces, lazy
+            # tables: paid here, not in the timed call (llama.cpp's harness warms up too);
+            # the timed prefill starts at position 0 and rewrites every cache row and
+            # compressor state slot it later reads
+            warm[0] = False
+            generate(model, [prompts[0][:args.warmup]], 2, None, 0.0, args.seed,
+                     getattr(margs, "max_seq_len", None))
         outs, st = generate(model, prompts, args.max_new_tokens, eos, args.temperature,
                             args.seed, getattr(margs, "max_seq_len", None), log)
         return outs, st
@@ -503,6 +566,8 @@ def _report(args, st, outs, world_size, rank, dist, rss0, ckpt_bytes, t_load, lo
             json.dump({"tokens": outs, "world_size": world_size,
                        "prefill_tokens_per_s": pre, "decode_tokens_per_s": dec,
                        "prefill_s": st.get("prefill_s"), "decode_s": st["decode_s"],
+                       "prefill_cpu_s": st.get("prefill_cpu_s"),
+                       "decode_cpu_s": st.get("decode_cpu_s"),
                        "decode_steps": st["decode_steps"], "load_s": t_load,
                        "ranks": [{"rank": r, "peak_rss": pk, "rss_before_model": r0,
                                   "shard_bytes": cb} for r, pk, r0, cb in rows],
@@ -510,7 +575,22 @@ def _report(args, st, outs, world_size, rank, dist, rss0, ckpt_bytes, t_load, lo
                           if args.output_logits else {})}, f)
 
 
+def _passive_wait_exec():
+    """OpenMP threads that spin at barriers (the runtime's default) lose most of a shared
+    host: a thread spins while the peer it waits for is descheduled.  Measured on the
+    2-core test host at load average 12-15, decode of the V4-Flash-width 3-layer model
+    (benchmarks/bench_llamacpp_model.py) at 2 threads: 3.5 s a step by default, 0.42-0.50
+    s with OMP_WAIT_POLICY=passive (1 thread: 0.34 s).  The runtime reads the variable
+    when it loads (importing deepseek_csa already has), so when the user has not set it
+    the CLI runs itself again with it set to passive; any value set is kept."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        return
+    os.environ["OMP_WAIT_POLICY"] = "passive"
+    os.execv(sys.executable, [sys.executable, "-m", "deepseek_csa.generate"] + sys.argv[1:])
+
+
 if __name__ == "__main__":
+    _passive_wait_exec()
     try:
         main()
     except (CheckpointError, ValueError, FileNotFoundError) as e:

@@ -12,7 +12,7 @@ override the location (a ``model.py`` or the folder holding it):
 
 A test that needs a file calls ``v4_model_py()`` / ``v4_convert_py()`` /
 ``v41_model_py()``: the path, or ``pytest.skip`` with a reason naming where the file was
-looked for and which variable to set.
+looked for and which variable to set (``find_v4(filename)``: the path or None, and where).
 
 ``load_v41(path)`` imports the V4.1 file, whose relative imports (``.kernel_cpu``,
 ``.engram``, ``.vision``, ``.image_processor``) are not shipped with it, with the
@@ -96,6 +96,12 @@ def v4_convert_py():
     """The released V4 ``inference/convert.py`` (beside its model.py), or skip."""
     return _require(ENV_V4, V4_DEFAULT, "DeepSeek-V4's released inference/convert.py",
                     "convert.py")
+
+
+def find_v4(filename="model.py"):
+    """(path of the released V4 ``inference/<filename>`` or None, where it was looked
+    for), without skipping: for the benchmarks, which say what they did not run."""
+    return _locate(ENV_V4, V4_DEFAULT, "", filename)
 
 
 def v41_model_py():

@@ -161,3 +161,44 @@ def test_quantize_gives_back_the_released_codes(tmp_path):
     with torch.no_grad():
         lg = m(torch.arange(2, 30)[None]).logits
     assert torch.isfinite(lg).all()
+
+
+def test_runner_side_on_the_released_files(tmp_path):
+    """The runner's side end to end on a tiny-width model: hf/ converted by the released
+    convert.py (prepare_runner), runner_config() accepted field by field by the released
+    ModelArgs, the shard loaded with no tensor missing on either side, and
+    model_py_logits on our kernel module within the FP8 chaos budget of the released
+    file on the float32 reference kernels (test_kernel_module.E2E_TOL: the two differ in
+    last bits that flip FP8 codes downstream)."""
+    pytest.importorskip("tokenizers")
+    import dataclasses
+    import released_files as rf
+    import deepseek_csa.torch as dct
+    from deepseek_csa import generate as G
+    from deepseek_csa.torch.kernel_module import preserved_modules
+    from test_kernel_module import E2E_TOL
+    inference = str(Path(rf.v4_convert_py()).parent)
+    # the released act_quant needs every GEMM's K a multiple of 128 (w2's: the expert width)
+    TR = dict(TINY, moe_intermediate_size=128)
+    bm.write_model(tmp_path, TR, log=lambda *a: None)
+    monkey_cfg = bm.runner_config(TR, max_seq_len=256)
+    runner = bm.prepare_runner(tmp_path, inference, log=lambda *a: None)
+    Path(runner["config"]).write_text(json.dumps(monkey_cfg))
+    with preserved_modules(("kernel", "fast_hadamard_transform")):
+        mod = dct.load_model_py(inference)
+    assert set(monkey_cfg) <= {f.name for f in dataclasses.fields(mod.ModelArgs)}
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        args, unknown = G.read_config(runner["config"], mod.ModelArgs)
+        m = mod.Transformer(args)
+        missing, unexpected = G.load_checkpoint(m, G.shard_path(runner["ckpt"], 0, 1),
+                                                log=lambda *a: None)
+    finally:
+        torch.set_default_dtype(prev)
+    assert not unknown and not missing and not unexpected, (unknown, missing, unexpected)
+    prompt = bm.bench_ids(20, TR["vocab_size"])
+    ours = bm.model_py_logits(runner, prompt, 2, 1)
+    ref = bm.model_py_logits(runner, prompt, 2, 1, reference=True)
+    assert ours.shape == ref.shape == (3, TR["vocab_size"]) and np.isfinite(ours).all()
+    assert bm.rel_err(ours[0], ref[0]) < E2E_TOL, bm.rel_err(ours[0], ref[0])

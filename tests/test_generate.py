@@ -403,3 +403,63 @@ def test_bf16_checkpoint_tensor_widens_into_float32_parameter(tiny, ckpt, tmp_pa
         with pytest.raises(G.CheckpointError, match=r"'embed\.weight' is torch\.float32 in the "
                                                     r"checkpoint but torch\.bfloat16"):
             G.load_checkpoint(m, str(tmp_path / "model0-mp1.safetensors"))
+
+
+# ----------------------------------------------------------------------------- runner set-up
+def test_hc_post_by_token_slices_is_bitwise(monkeypatch):
+    """The runner hands the released Block.hc_post (per token: a broadcast product and a
+    sum over the hc copies) at most HC_POST_ROWS tokens at a time: the same bits as one
+    call over every token, at V4-Flash's width and at a slice size that leaves a tail."""
+    import released_files as rf
+    with K.preserved_modules(("kernel", "fast_hadamard_transform")):
+        mod = dct.load_model_py(rf.v4_model_py())
+    orig = mod.Block.hc_post
+    G._rows_hc_post(mod)
+    G._rows_hc_post(mod)                      # idempotent: wraps once
+    assert mod.Block.hc_post is not orig and mod.Block.hc_post.__closure__ is not None
+    monkeypatch.setattr(G, "HC_POST_ROWS", 128)
+    g = torch.Generator().manual_seed(0)
+    s, hc, d = 301, 4, 4096
+    x = torch.randn(1, s, d, generator=g).bfloat16()
+    residual = torch.randn(1, s, hc, d, generator=g).bfloat16()
+    post = torch.rand(1, s, hc, generator=g) * 2
+    comb = torch.rand(1, s, hc, hc, generator=g)
+    got = mod.Block.hc_post(None, x, residual, post, comb)
+    want = orig(None, x, residual, post, comb)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_checkpoint_bf16_into_float32_parameters(tiny, ckpt, tmp_path):
+    """The released checkpoints store norms (and the head) in bf16 where model.py keeps
+    float32 parameters: loaded exactly, as the released load_state_dict converts; FP8
+    codes and scales still must match (test_error_dtype_mismatch_names_tensor)."""
+    root, _, state = ckpt
+    f32 = [k for k, v in state.items() if v.dtype == torch.float32 and k.endswith("norm.weight")]
+    assert f32
+    saved = {k: (v.bfloat16() if k in f32 else v) for k, v in state.items()}
+    save(saved, str(tmp_path / "model0-mp1.safetensors"))
+    with bf16_default():
+        m = tiny.Transformer(tiny.ModelArgs(**CFG))
+        G.load_checkpoint(m, str(tmp_path / "model0-mp1.safetensors"), log=lambda *a: None)
+    got = m.state_dict()
+    for k in f32:
+        assert got[k].dtype == torch.float32 and torch.equal(got[k], saved[k].float()), k
+
+
+def test_runner_warmup_keeps_tokens(ckpt, in_process):
+    """--warmup N (a discarded 2-token generation after the first N prompt tokens, out
+    of the timings) leaves the timed run's tokens as they are: its prefill restarts at
+    position 0 and rewrites every cache row it reads."""
+    root, _, _ = ckpt
+    out, _ = runner(root, 1, extra=("--warmup", "4"))
+    assert out["tokens"] == in_process[3]
+
+
+def test_runner_swap_indexer(ckpt, in_process):
+    """--swap indexer (what the bench's prompts beyond 8K tokens use) routes every
+    CSA layer's indexer through deepseek_csa and names what it routed; the decisive
+    model's tokens stay the in-process run's."""
+    root, _, _ = ckpt
+    out, p = runner(root, 1, extra=("--swap", "indexer"))
+    assert out["tokens"] == in_process[3]
+    assert "[swap] indexer:" in p.stdout

@@ -25,8 +25,6 @@ comparison is deepseek_csa's swapped ops against an independent reference.  The 
 ``rotate_activation`` asserts bfloat16; for the float32 run it is replaced by the
 reference transform without the assertion.
 """
-import contextlib
-import sys
 import copy
 import dataclasses
 import re
@@ -54,34 +52,13 @@ def _hadamard(x):
     return KM.hadamard_transform(x, scale=x.shape[-1] ** -0.5)
 
 
-def _no_round(x, *a, **kw):
-    """act_quant / fp4_act_quant with the QAT rounding off (the in-place forms, the only
-    ones a float32 model with bf16-dtype weights calls)."""
-    return x
-
-
-@contextlib.contextmanager
 def reference_kernels(mod, qat=True):
     """model.py's ``kernel`` functions and ``fast_hadamard_transform`` replaced by the
     float32 references (deepseek_csa.reference.kernel_module) while the block runs; a
     swapped layer still routes its ops to deepseek_csa.  ``qat=False``: the in-place
-    FP8 / FP4 roundings leave their input as it is."""
-    G = vars(mod)
-    refs = dict(KM.REFS)
-    if not qat:
-        refs.update(act_quant=_no_round, fp4_act_quant=_no_round)
-    saved = {n: G[n] for n in refs if n in G}
-    fht = sys.modules.get("fast_hadamard_transform")
-    ref_fht = K.hadamard_module()
-    ref_fht.hadamard_transform = KM.hadamard_transform
-    G.update({n: refs[n] for n in saved})
-    sys.modules["fast_hadamard_transform"] = ref_fht
-    try:
-        yield
-    finally:
-        G.update(saved)
-        if fht is not None:
-            sys.modules["fast_hadamard_transform"] = fht
+    FP8 / FP4 roundings leave their input as it is (the only forms a float32 model
+    with bf16-dtype weights calls)."""
+    return KM.installed_in(mod, qat=qat)
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,8 @@ They are the oracle of the kernel-module tests (a recorded run replayed against
 deepseek_csa's kernels) and the float32 side of benchmarks/bench_model_py.py.
 ``standin_modules()`` returns them as the two modules a model.py imports.
 """
+import contextlib
+import sys
 import types
 
 import numpy as np
@@ -16,7 +18,7 @@ from . import layer as R
 
 __all__ = ["act_quant", "fp4_act_quant", "fp8_gemm", "fp4_gemm", "sparse_attn",
            "hc_split_sinkhorn", "hadamard_transform", "e8m0_float", "e8m0_bits", "REFS",
-           "standin_modules"]
+           "standin_modules", "installed_in"]
 
 # e2m1 code -> value (bit 3 is the sign)
 E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
@@ -68,21 +70,29 @@ def _deq_a(a, a_s):
     return a.float() * _scale_f32(a_s).repeat_interleave(128, -1)[..., :k]
 
 
-def fp8_gemm(a, a_s, b, b_s, scale_dtype=None):
-    """a [..., K] FP8 with scales [..., K / 128]; b [N, K] FP8 with [N / 128, K / 128]
-    block scales -> a @ b^T [..., N] in the default dtype."""
+def fp8_weight_f32(b, b_s):
+    """b [N, K] FP8 with [N / 128, K / 128] block scales -> float32 [N, K]."""
     n, k = b.shape
-    B = b.float() * _scale_f32(b_s).repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
-    return (_deq_a(a, a_s) @ B.T).to(torch.get_default_dtype())
+    return b.float() * _scale_f32(b_s).repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
 
 
-def fp4_gemm(a, a_s, b, b_s, scale_dtype=None):
-    """a [..., K] FP8 with scales [..., K / 128]; b [N, K / 2] float4_e2m1fn_x2 with e8m0
-    scales [N, K / 32] -> a @ b^T [..., N] in the default dtype."""
+def fp4_weight_f32(b, b_s):
+    """b [N, K / 2] float4_e2m1fn_x2 with e8m0 scales [N, K / 32] -> float32 [N, K]."""
     u = b.view(torch.uint8).long()
     vals = torch.stack([E2M1[u & 15], E2M1[u >> 4]], -1).flatten(-2)
-    B = vals * _scale_f32(b_s).repeat_interleave(32, 1)
-    return (_deq_a(a, a_s) @ B.T).to(torch.get_default_dtype())
+    return vals * _scale_f32(b_s).repeat_interleave(32, 1)
+
+
+def fp8_gemm(a, a_s, b, b_s, scale_dtype=None, weight=fp8_weight_f32):
+    """a [..., K] FP8 with scales [..., K / 128]; b [N, K] FP8 with [N / 128, K / 128]
+    block scales -> a @ b^T [..., N] in the default dtype."""
+    return (_deq_a(a, a_s) @ weight(b, b_s).T).to(torch.get_default_dtype())
+
+
+def fp4_gemm(a, a_s, b, b_s, scale_dtype=None, weight=fp4_weight_f32):
+    """a [..., K] FP8 with scales [..., K / 128]; b [N, K / 2] float4_e2m1fn_x2 with e8m0
+    scales [N, K / 32] -> a @ b^T [..., N] in the default dtype."""
+    return (_deq_a(a, a_s) @ weight(b, b_s).T).to(torch.get_default_dtype())
 
 
 sparse_attn = R.sparse_attn
@@ -122,3 +132,51 @@ def standin_modules():
     f = types.ModuleType("fast_hadamard_transform")
     f.hadamard_transform = hadamard_transform
     return {"kernel": k, "fast_hadamard_transform": f}
+
+
+def _no_round(x, *a, **kw):
+    """act_quant / fp4_act_quant with the QAT rounding off (their in-place forms)."""
+    return x
+
+
+def _memo(fn, cache):
+    def weight(b, b_s):
+        key = (b.data_ptr(), b_s.data_ptr(), tuple(b.shape))
+        if key not in cache:
+            cache[key] = fn(b, b_s)
+        return cache[key]
+    return weight
+
+
+@contextlib.contextmanager
+def installed_in(mod, qat=True, cache_weights=False):
+    """While the block runs, the functions a loaded model.py module ``mod`` imported
+    from its ``kernel`` module are these stand-ins, and ``fast_hadamard_transform`` in
+    sys.modules (imported by the released rotate_activation at each call) is a module
+    holding ours: the file's own torch code on float32 reference kernels.
+    ``qat=False``: the in-place FP8 / FP4 roundings leave their input as it is.
+    ``cache_weights``: each FP8 / FP4 weight is dequantized once and kept (float32,
+    4 bytes a weight) for the block's duration -- the same products, without the
+    dequantization on every call that makes a long decode slow."""
+    G = vars(mod)
+    refs = dict(REFS)
+    if not qat:
+        refs.update(act_quant=_no_round, fp4_act_quant=_no_round)
+    if cache_weights:
+        cache = {}
+        w8, w4 = _memo(fp8_weight_f32, cache), _memo(fp4_weight_f32, cache)
+        refs.update(fp8_gemm=lambda a, a_s, b, b_s, scale_dtype=None: fp8_gemm(a, a_s, b, b_s, weight=w8),
+                    fp4_gemm=lambda a, a_s, b, b_s, scale_dtype=None: fp4_gemm(a, a_s, b, b_s, weight=w4))
+    saved = {n: G[n] for n in refs if n in G}
+    had = "fast_hadamard_transform" in sys.modules
+    fht = sys.modules.get("fast_hadamard_transform")
+    G.update({n: refs[n] for n in saved})
+    sys.modules["fast_hadamard_transform"] = standin_modules()["fast_hadamard_transform"]
+    try:
+        yield
+    finally:
+        G.update(saved)
+        if had:
+            sys.modules["fast_hadamard_transform"] = fht
+        else:
+            sys.modules.pop("fast_hadamard_transform", None)
