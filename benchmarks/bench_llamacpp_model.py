@@ -233,6 +233,16 @@ def quant_fp4(w):
             deq.astype(np.float32))
 
 
+def random_weight(rng, shape, std):
+    """A float32 tensor of a tensor_plan row: norm weights around 1, scales around 0.5,
+    everything else N(0, std^2)."""
+    if std == "norm":
+        return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+    if std == "scale":
+        return (0.5 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+    return (std * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+
+
 def make_tensors(cfg=None, seed=SEED):
     """Yields (name, released tensors {name: tensor}, dequantized {name: tensor}, format)
     one released tensor at a time (a V4-Flash-width layer is ~1 GB of float32)."""
@@ -246,12 +256,7 @@ def make_tensors(cfg=None, seed=SEED):
             tt = torch.from_numpy(t)
             yield name, {name: tt}, {name: tt}, fmt
             continue
-        if std == "norm":
-            w = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
-        elif std == "scale":
-            w = (0.5 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
-        else:
-            w = (std * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+        w = random_weight(rng, shape, std)
         if fmt == "fp8":
             q, s, deq = quant_fp8(w)
             sname = name[:-len("weight")] + "scale"

@@ -137,12 +137,7 @@ def write_hf(root, log=print):
             q, s = _fp4_random(rng, shape, std)
             out[name], out[name[:-len("weight")] + "scale"] = q, s
             continue
-        if std == "norm":
-            w = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
-        elif std == "scale":
-            w = (0.5 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
-        else:
-            w = (std * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+        w = blm.random_weight(rng, shape, std)
         if fmt == "fp8":
             q, s, _ = blm.quant_fp8(w)
             out[name], out[name[:-len("weight")] + "scale"] = q, s
