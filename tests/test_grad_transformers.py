@@ -372,16 +372,11 @@ def test_qat_straight_through(ops):
     assert not torch.equal(kv, g0["model.layers.1.self_attn.kv_proj.weight"])
 
 
-@pytest.mark.parametrize("left", [True, False], ids=["left", "right"])
-def test_padded_batch_grads_match_eager(ops, left, monkeypatch):
-    """A padded batch in training (2-D mask with zeros; left padding with generate()'s
-    per-row position ids, right padding with the default ones): the swapped layers drop
-    pad keys from the window, use per-row RoPE tables and per-row visibility, as the
-    inference path; loss and every gradient within the same bar as the unpadded test,
-    no fallback (lm_backward turns warnings into errors), eager attention never runs."""
-    m = make_model(seed=31).train()
-    B, S, lengths = 3, 70, (70, 45, 23)
-    ids = ids_for(B, S, seed=32)
+def padded_batch(B, S, lengths, left, seed):
+    """ids [B, S] with row b's ``lengths[b]`` real tokens at its end (``left``) or start,
+    pads set to 0, and the forward's keywords: the attention mask and, for left padding,
+    per-row position ids counting from each row's first real token."""
+    ids = ids_for(B, S, seed=seed)
     am = torch.zeros(B, S, dtype=torch.long)
     for b, n in enumerate(lengths):
         if left:
@@ -392,6 +387,19 @@ def test_padded_batch_grads_match_eager(ops, left, monkeypatch):
     kw = dict(attention_mask=am)
     if left:
         kw["position_ids"] = (am.cumsum(-1) - 1).masked_fill(am == 0, 1)
+    return ids, kw
+
+
+@pytest.mark.parametrize("left", [True, False], ids=["left", "right"])
+def test_padded_batch_grads_match_eager(ops, left, monkeypatch):
+    """A padded batch in training (2-D mask with zeros; left padding with generate()'s
+    per-row position ids, right padding with the default ones): the swapped layers drop
+    pad keys from the window, use per-row RoPE tables and per-row visibility, as the
+    inference path; loss and every gradient within the same bar as the unpadded test,
+    no fallback (lm_backward turns warnings into errors), eager attention never runs."""
+    m = make_model(seed=31).train()
+    B, S, lengths = 3, 70, (70, 45, 23)
+    ids, kw = padded_batch(B, S, lengths, left, seed=32)
     le, ge = lm_backward(m, ids, False, **kw)
     no_eager_attention(monkeypatch)
     ls, gs = lm_backward(m, ids, True, **kw)
@@ -432,17 +440,8 @@ def test_capture_padded_batch_rows_equal_rows_alone(ops, left):
     for n, p in m.named_parameters():
         p.requires_grad_(".indexer." in n)
     B, S, lengths = 3, 44, (44, 31, 17)
-    ids = ids_for(B, S, seed=42)
-    am = torch.zeros(B, S, dtype=torch.long)
-    for b, n in enumerate(lengths):
-        if left:
-            am[b, S - n:] = 1
-        else:
-            am[b, :n] = 1
-    ids = ids.masked_fill(am == 0, 0)
-    kw = dict(attention_mask=am)
-    if left:
-        kw["position_ids"] = (am.cumsum(-1) - 1).masked_fill(am == 0, 1)
+    ids, kw = padded_batch(B, S, lengths, left, seed=42)
+    am = kw["attention_mask"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")          # no fallback
         with dch.capture_indexer(m, dense=True) as cap:
