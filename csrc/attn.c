@@ -4,6 +4,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sched.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif

@@ -28,15 +28,18 @@
  * but G is 4x the bytes of P and dS -- 1.3 MB a row at V4-Flash -- and measured on the
  * 2-core Sapphire Rapids (shared host), G's stores, its page faults, the serial
  * inversion and the waits at its barriers were a quarter of the backward.)
- * One parallel loop per step runs the row items of chunk c with the column items of
- * chunk c - 1 (two buffers), so a step costs one barrier; dsink sums the rows'
- * -e^(sink - lse) Dr in row order at the end. */
+ * The items are handed out in one list, the row items of chunk c followed by the column
+ * items of chunk c - 1, and each waits (acquire / release counters) only for the items
+ * whose results it reads: a column item for its chunk's rows and for the same column of
+ * the previous chunk (so the dkv order stays fixed), a row item for the column items of
+ * the chunk that last used its buffer (ATTN_BWD_NB buffers).  There is no barrier per
+ * chunk; dsink sums the rows' -e^(sink - lse) Dr in row order at the end. */
 
 /* Rows per chunk: ATTN_BWD_CH per thread (P and dS of two chunks: 2 x 16 x 330 KB at
  * V4-Flash and 2 threads).  Fewer rows keep a chunk's P and dS nearer (1 thread: 4 rows
  * 2.45x the forward, 16 rows 2.51x, 32 rows 2.53x); more rows cost fewer barriers,
  * which a loaded host makes expensive (2 threads on the shared host: 4 / 8 / 16 rows
- * per thread 2.87x / 2.73x / 2.64x).  Features per column item: D split in as many
+ * per thread 2.87x / 2.73x / 2.64x, measured with a barrier per chunk).  Features per column item: D split in as many
  * 64-feature multiples as there are threads, so that a chunk's P and dS pass through
  * L1 once per item, not once per 64 features (1 thread, V4-Flash: 2.62x the forward
  * with 64, 2.52x with all 512).  Neither changes a bit: every dkv element is the same
@@ -45,6 +48,10 @@
 /* gathered rows per block of a row item: a multiple of ATTN_MR, so no logits tile
  * computes padding rows but the last (the forward's 64 compute 66) */
 #define ATTN_BWD_KB 66
+/* chunks whose P and dS are held at once (at least 2: the row items of chunk c are
+ * listed before the column items of chunk c - 1): the row items run up to
+ * ATTN_BWD_NB - 1 chunks ahead of the column items */
+#define ATTN_BWD_NB 3
 
 #ifdef __AVX512F__
 /* G[i, d0 .. d0 + 16 NV) for ATTN_MR slots i (sum_h P[i, h] dO[h, .] then + sum_h
@@ -363,6 +370,17 @@ static void CSA_V(bwd_item)(const struct csa_attn_bwd_problem *g, csa_idx b, csa
 #endif
 }
 
+/* Waits until *p >= v (acquire: what the writer stored before its release is seen). */
+static void CSA_V(bwd_wait)(const csa_idx *p, csa_idx v)
+{
+    for (unsigned spin = 1; __atomic_load_n(p, __ATOMIC_ACQUIRE) < v; spin++) {
+#if defined(__x86_64__) && defined(__GNUC__)
+        _mm_pause();
+#endif
+        if (spin % 256 == 0) sched_yield(); /* a preempted peer gets the core back */
+    }
+}
+
 static int CSA_V(sparse_attn_backward_tuned)(const struct csa_attn_bwd_problem *g)
 {
     const struct csa_attn_problem *a = &g->f;
@@ -377,20 +395,42 @@ static int CSA_V(sparse_attn_backward_tuned)(const struct csa_attn_bwd_problem *
     const csa_idx rsz = (K + ATTN_MR) * hcp;
     const csa_idx ch = ATTN_BWD_CH * nt < nq ? ATTN_BWD_CH * nt : nq;
     const csa_idx nch = (nq + ch - 1) / ch, buf = 2 * ch * rsz;
+    const csa_idx nb = nch < ATTN_BWD_NB ? nch : ATTN_BWD_NB; /* chunks in flight */
+    const csa_idx items = nq + nch * ncol;
     float *ws = aligned_alloc(64, (size_t)(nt * per_thread) * sizeof(float));
     const float **ptrs = malloc((size_t)(nt * per_ptr) * sizeof(*ptrs));
-    float *PS = aligned_alloc(64, (size_t)(2 * buf) * sizeof(float)); /* two chunks */
-    int32_t *vid = malloc((size_t)(2 * ch * K) * sizeof(int32_t));
-    csa_idx *cnt = malloc((size_t)(2 * ch) * sizeof(csa_idx));
+    float *PS = aligned_alloc(64, (size_t)(nb * buf) * sizeof(float));
+    int32_t *vid = malloc((size_t)(nb * ch * K) * sizeof(int32_t));
+    csa_idx *cnt = malloc((size_t)(nb * ch) * sizeof(csa_idx));
     float *rs = malloc((size_t)(nq * H) * sizeof(float));
-    if (!ws || !ptrs || !PS || !vid || !cnt || !rs) {
+    /* progress: row items done per chunk, column items done per chunk, chunks done per
+     * column; then the item list */
+    csa_idx *prog = calloc((size_t)(2 * nch + ncol + 1 + 2 * items), sizeof(csa_idx));
+    if (!ws || !ptrs || !PS || !vid || !cnt || !rs || !prog) {
         free(ws);
         free(ptrs);
         free(PS);
         free(vid);
         free(cnt);
         free(rs);
+        free(prog);
         return CSA_ENOMEM;
+    }
+    csa_idx *rows_done = prog, *cols_done = prog + nch, *col_chunks = prog + 2 * nch;
+    csa_idx *next = col_chunks + ncol, *list = next + 1;
+    /* The items in the order they are handed out: the row items of chunk c, then the
+     * column items of chunk c - 1.  Every item waits only for items listed before it
+     * (a column item: its chunk's row items and the same column of the previous chunk;
+     * a row item: the column items of the chunk that used its buffer last), which were
+     * handed out earlier and finish without waiting for a later one, so the pipeline
+     * cannot deadlock, at any thread count. */
+    {
+        csa_idx n = 0;
+        for (csa_idx c = 0; c <= nch; c++) {
+            for (csa_idx r = c * ch; c < nch && r < nq && r < (c + 1) * ch; r++)
+                list[2 * n] = -1, list[2 * n + 1] = r, n++;
+            for (csa_idx j = 0; c > 0 && j < ncol; j++) list[2 * n] = c - 1, list[2 * n + 1] = j, n++;
+        }
     }
 
 #pragma omp parallel num_threads(nt)
@@ -410,26 +450,32 @@ static int CSA_V(sparse_attn_backward_tuned)(const struct csa_attn_bwd_problem *
 #pragma omp for schedule(static)
         for (csa_idx bn = 0; bn < B * N; bn++)
             memset((float *)g->dkv + (bn / N) * g->sdkv_b + (bn % N) * g->sdkv_n, 0, (size_t)D * sizeof(float));
-        /* step c: the column items of chunk c - 1 (first, so that the rows balance the
-         * end of the step), then the row items of chunk c */
-        for (csa_idx c = 0; c <= nch; c++) {
-            const csa_idx n2 = c > 0 ? ncol : 0;
-            const csa_idx r0 = c * ch, r1 = c < nch ? (r0 + ch < nq ? r0 + ch : nq) : r0;
-            const csa_idx p0 = (c - 1) * ch, p1 = p0 + ch < nq ? p0 + ch : nq;
-            float *cur = PS + (c % 2) * buf, *prev = PS + ((c + 1) % 2) * buf;
-            int32_t *vcur = vid + (c % 2) * ch * K, *vprev = vid + ((c + 1) % 2) * ch * K;
-            csa_idx *ccur = cnt + (c % 2) * ch, *cprev = cnt + ((c + 1) % 2) * ch;
-#pragma omp for schedule(dynamic, 1)
-            for (csa_idx it = 0; it < n2 + (r1 - r0); it++) {
-                if (it < n2) {
-                    const csa_idx d0 = it * CW;
-                    CSA_V(bwd_dkv_cols)(g, p0, p1, prev, prev + ch * rsz, rsz, vprev, cprev, hcp,
-                                        d0, d0 + CW < D ? d0 + CW : D, X);
-                } else {
-                    const csa_idx r = r0 + it - n2, i = r - r0;
-                    CSA_V(bwd_item)(g, r / S, r % S, hcp, dp, &w, valid, blk, cur + i * rsz,
-                                    cur + ch * rsz + i * rsz, vcur + i * K, ccur + i, rs + r * H);
-                }
+        /* no barrier per chunk: each item waits for what it reads (counters with
+         * acquire / release), so a thread that the shared host preempts holds up only
+         * the items that need its results, not a whole step (the previous design, one
+         * barrier per chunk of rows: 2.61x the forward at 2 threads, avx512, S = 512) */
+        for (;;) {
+            const csa_idx it = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+            if (it >= items) break;
+            const csa_idx c = list[2 * it], x = list[2 * it + 1];
+            if (c < 0) { /* row item x of chunk x / ch */
+                const csa_idx cc = x / ch, i = x - cc * ch, bi = cc % nb;
+                float *cur = PS + bi * buf;
+                if (cc >= nb) CSA_V(bwd_wait)(cols_done + cc - nb, ncol);
+                CSA_V(bwd_item)(g, x / S, x % S, hcp, dp, &w, valid, blk, cur + i * rsz,
+                                cur + ch * rsz + i * rsz, vid + bi * ch * K + i * K,
+                                cnt + bi * ch + i, rs + x * H);
+                __atomic_fetch_add(rows_done + cc, 1, __ATOMIC_RELEASE);
+            } else { /* column item x of chunk c */
+                const csa_idx p0 = c * ch, p1 = p0 + ch < nq ? p0 + ch : nq, bi = c % nb;
+                const csa_idx d0 = x * CW;
+                float *prev = PS + bi * buf;
+                CSA_V(bwd_wait)(rows_done + c, p1 - p0);
+                CSA_V(bwd_wait)(col_chunks + x, c);
+                CSA_V(bwd_dkv_cols)(g, p0, p1, prev, prev + ch * rsz, rsz, vid + bi * ch * K,
+                                    cnt + bi * ch, hcp, d0, d0 + CW < D ? d0 + CW : D, X);
+                __atomic_store_n(col_chunks + x, c + 1, __ATOMIC_RELEASE);
+                __atomic_fetch_add(cols_done + c, 1, __ATOMIC_RELEASE);
             }
         }
     }
@@ -444,5 +490,6 @@ static int CSA_V(sparse_attn_backward_tuned)(const struct csa_attn_bwd_problem *
     free(vid);
     free(cnt);
     free(rs);
+    free(prog);
     return CSA_OK;
 }

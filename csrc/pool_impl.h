@@ -614,7 +614,8 @@ static int CSA_V(gated_pool_tuned)(const struct csa_pool_problem *p)
  *   logits  l = score + ape into the buffer, m = max(m, l)        (pg_logits)
  *   exp     e = exp(l - m) in place, s += e, acc = fma(e, kv, acc) (pg_expsum)
  *           y = acc / s
- *   grads   d(kv) = e / s * dy, d(score) = d(kv) (kv - y),
+ *           u = dy / s
+ *   grads   d(kv) = e u, d(score) = d(kv) (kv - y),
  *           d(ape) += d(score), both gradients stored             (pg_grads)
  *
  * Each pass is one function with one copy of its vector instructions (not inlined,
@@ -729,21 +730,21 @@ static PG_ONE_COPY void CSA_V(pg_expsum)(float *l, const float *m, const void *k
     }
 }
 
-/* One candidate row's gradients over [0, fc): dk = e / s * dy, ds = dk (kv - y),
+/* One candidate row's gradients over [0, fc): dk = e u (u = dy / s), ds = dk (kv - y),
  * ga += ds; the loop starts where gk's lines do (lanes before 0 masked off). */
-static PG_ONE_COPY void CSA_V(pg_grads)(const float *e, const float *s,
-                                                      const float *dyv, const void *kv, int kvbf,
+static PG_ONE_COPY void CSA_V(pg_grads)(const float *e, const float *u, const void *kv, int kvbf,
                                                       const float *y, float *ga, void *gk,
                                                       int gkbf, void *gs, int gsbf, csa_idx fc)
 {
-    const csa_idx line = gkbf ? 32 : 64, es = gkbf ? 2 : 4;
-    const csa_idx pre = (csa_idx)(((uintptr_t)line - (uintptr_t)gk % (uintptr_t)line) % (uintptr_t)line / (uintptr_t)es) % 16;
+    /* elements from gk to its next line, by masks and shifts (line and element size are
+     * powers of two): the three run-time integer divisions this took were 19% of the
+     * pass at ratio 128, bf16, avx512 (perf; 4 vectors a call there) */
+    const uintptr_t line = gkbf ? 32 : 64, lg = gkbf ? 1 : 2;
+    const csa_idx pre = (csa_idx)((((line - ((uintptr_t)gk & (line - 1))) & (line - 1)) >> lg) & 15);
 #pragma GCC unroll 1
     for (csa_idx f = pre ? pre - 16 : 0; f < fc; f += 16) {
         const __mmask16 mk = CSA_V(pg_mask)(f < 0 ? -f : 0, fc - f);
-        const __m512 dk = _mm512_mul_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(mk, e + f),
-                                                      _mm512_mask_loadu_ps(_mm512_set1_ps(1.0f), mk, s + f)),
-                                        _mm512_maskz_loadu_ps(mk, dyv + f));
+        const __m512 dk = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, e + f), _mm512_maskz_loadu_ps(mk, u + f));
         const __m512 ds = _mm512_mul_ps(dk, _mm512_sub_ps(CSA_V(pg_ld)(pool_off(kv, kvbf, f), kvbf, mk),
                                                           _mm512_maskz_loadu_ps(mk, y + f)));
         if (ga) _mm512_mask_storeu_ps(ga + f, mk, _mm512_add_ps(_mm512_maskz_loadu_ps(mk, ga + f), ds));
@@ -827,22 +828,20 @@ static PG_ONE_COPY void CSA_V(pg_expsum)(float *l, const float *m, const void *k
     }
 }
 
-static PG_ONE_COPY void CSA_V(pg_grads)(const float *e, const float *s,
-                                                      const float *dyv, const void *kv, int kvbf,
+static PG_ONE_COPY void CSA_V(pg_grads)(const float *e, const float *u, const void *kv, int kvbf,
                                                       const float *y, float *ga, void *gk,
                                                       int gkbf, void *gs, int gsbf, csa_idx fc)
 {
-    const csa_idx line = gkbf ? 16 : 32, es = gkbf ? 2 : 4;
-    const csa_idx pre = (csa_idx)(((uintptr_t)line - (uintptr_t)gk % (uintptr_t)line) % (uintptr_t)line / (uintptr_t)es) % 8;
+    const uintptr_t line = gkbf ? 16 : 32, lg = gkbf ? 1 : 2; /* as at avx512: no division */
+    const csa_idx pre = (csa_idx)((((line - ((uintptr_t)gk & (line - 1))) & (line - 1)) >> lg) & 7);
 #pragma GCC unroll 1
     for (csa_idx f = pre ? pre - 8 : 0; f < fc; f += 8) {
         const csa_idx lo = f < 0 ? -f : 0, hi = fc - f;
         const __m256i mk = CSA_V(pg_mask)(lo, hi);
-        /* e, s, dy, y are pg_entry's buffers, padded to whole vectors and with a
+        /* e, u, y are pg_entry's buffers, padded to whole vectors and with a
          * vector of margin in front (PG_MARGIN): plain loads, whatever the lanes outside
          * [lo, hi) hold is never stored (a masked load costs an extra uop at avx2) */
-        const __m256 dk = _mm256_mul_ps(_mm256_div_ps(_mm256_loadu_ps(e + f), _mm256_loadu_ps(s + f)),
-                                        _mm256_loadu_ps(dyv + f));
+        const __m256 dk = _mm256_mul_ps(_mm256_loadu_ps(e + f), _mm256_loadu_ps(u + f));
         const __m256 ds = _mm256_mul_ps(dk, _mm256_sub_ps(CSA_V(pg_ld)(pool_off(kv, kvbf, f), kvbf, mk, lo, hi),
                                                           _mm256_loadu_ps(y + f)));
         if (ga) _mm256_maskstore_ps(ga + f, mk, _mm256_add_ps(_mm256_maskload_ps(ga + f, mk), ds));
@@ -875,12 +874,11 @@ static void CSA_V(pg_expsum)(float *l, const float *m, const void *kv, int kvbf,
     }
 }
 
-static void CSA_V(pg_grads)(const float *e, const float *s, const float *dyv, const void *kv,
-                            int kvbf, const float *y, float *ga, void *gk, int gkbf, void *gs,
+static void CSA_V(pg_grads)(const float *e, const float *u, const void *kv, int kvbf, const float *y, float *ga, void *gk, int gkbf, void *gs,
                             int gsbf, csa_idx fc)
 {
     for (csa_idx f = 0; f < fc; f++) {
-        const float dk = e[f] / s[f] * dyv[f];
+        const float dk = e[f] * u[f];
         const float ds = dk * (pool_ld(kv, kvbf, f) - y[f]);
         if (ga) ga[f] += ds;
         pool_st(gk, gkbf, f, dk);
@@ -962,8 +960,14 @@ static void CSA_V(pg_entry)(const struct csa_pool_grad_problem *p, csa_idx b, cs
                 CSA_V(pg_expsum)(lb + q * fcp, m, pool_off(p->kv, kvbf, b * p->skb + t * p->skt + ff),
                                  kvbf, s, acc, fc, fcp);
             }
+        /* u = dy / s once per feature: the gradient pass multiplies each candidate's e
+         * by it instead of dividing e by s (a 512-bit division is ~10x a multiply's
+         * throughput: per candidate it was what bounded the bfloat16 rows) */
 #pragma omp simd
-        for (csa_idx f = 0; f < fcp; f++) y[f] = acc[f] / s[f];
+        for (csa_idx f = 0; f < fcp; f++) {
+            y[f] = acc[f] / s[f];
+            dyv[f] = dyv[f] / s[f];
+        }
 #ifdef CSA_MUTANT_POOL_GRAD_Y
         for (csa_idx f = 0; f < fc; f++) y[f] *= 1.0f + 1e-4f;   /* mutant: y off 1e-4 */
 #endif
@@ -971,7 +975,7 @@ static void CSA_V(pg_entry)(const struct csa_pool_grad_problem *p, csa_idx b, cs
         for (int k = 0; k < np; k++)
             for (csa_idx j = 0; j < pt[k].n; j++, q++) {
                 const csa_idx t = pt[k].t0 + j, ff = pt[k].foff + f0;
-                CSA_V(pg_grads)(lb + q * fcp, s, dyv,
+                CSA_V(pg_grads)(lb + q * fcp, dyv,
                                 pool_off(p->kv, kvbf, b * p->skb + t * p->skt + ff), kvbf, y,
                                 dape ? dape + j * p->sgar + ff : NULL,
                                 (void *)pool_off(p->dkv, gkbf, b * p->sgkb + t * p->sgkt + ff), gkbf,
