@@ -105,7 +105,7 @@ def _detached(impl):
     only then), so an integer result (top-k lists, candidate flags) or a quantized copy
     never raises because an input happens to be a trained parameter."""
     def kernel(*args):
-        if not torch.is_grad_enabled():
+        if not _grad_enabled():
             return impl(*args)
         with torch.no_grad():
             return impl(*args)
@@ -177,7 +177,7 @@ def direct(*args):
     tensor argument a plain tensor (or Parameter), and nothing for autograd to record."""
     if _is_compiling() or _dispatch_stack() or _functorch():
         return False
-    grad = torch.is_grad_enabled()
+    grad = _grad_enabled()
     for t in args:
         if isinstance(t, torch.Tensor) and (type(t) not in _PLAIN or (grad and t.requires_grad)):
             return False
