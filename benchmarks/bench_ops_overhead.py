@@ -14,6 +14,12 @@ kernel and autograd formula, in the namespace deepseek_csa_bench), under no_grad
                autograd kernel redispatches to the CPU kernel (two trips from Python
                into the dispatcher); ops.py's registration before its no-grad shortcut
   op_custom_op torch.library.custom_op + register_autograd
+and, for rms_norm only, a prototype that is not part of the package (the floor of a
+custom operator whose kernels are not Python):
+  op_cpp       torch.ops.deepseek_csa_cpp.rms_norm under no_grad: the CPU kernel and
+               the autograd kernel registered in C++ (benchmarks/cpp_op_floor/, built
+               here with torch.utils.cpp_extension; skipped when that fails), calling
+               the same C kernel
 Shapes: rms_norm [1, 4096] (a decode step's norm) and sparse_attn decode (one token,
 H = 64, D = 512, K = 640 of N = 4096 rows: V4-Flash's CSA shape).
 
@@ -59,6 +65,28 @@ def _alternatives(name, schema, impl, fake, backward, setup, args):
     return {"op_register_autograd": lambda: ra(*args), "op_custom_op": lambda: co(*args)}
 
 
+def _cpp_floor():
+    """torch.ops.deepseek_csa_cpp.rms_norm (benchmarks/cpp_op_floor/), built once into
+    build/cpp_op_floor and bound to csa_rms_norm in deepseek_csa._core; None (with a
+    note) when it cannot be built."""
+    import ctypes
+    from torch.utils import cpp_extension
+    here = os.path.dirname(os.path.abspath(__file__))
+    build = os.path.join(os.path.dirname(here), "build", "cpp_op_floor")
+    os.makedirs(build, exist_ok=True)
+    try:
+        cpp_extension.load("deepseek_csa_cpp_floor",
+                           [os.path.join(here, "cpp_op_floor", "rms_norm_op.cpp")],
+                           extra_cflags=["-O2"], build_directory=build, is_python_module=False)
+    except Exception as e:   # no compiler or headers: the other sides still run
+        print("op_cpp skipped:", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return None
+    import deepseek_csa._core as core
+    address = ctypes.cast(ctypes.CDLL(core.__file__).csa_rms_norm, ctypes.c_void_p).value
+    torch.ops.deepseek_csa_cpp.bind(address)
+    return torch.ops.deepseek_csa_cpp.rms_norm
+
+
 def _rms_sides():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((1, 4096), dtype=np.float32)
@@ -66,7 +94,11 @@ def _rms_sides():
     y = np.empty_like(x)
     tx, tw, ty = torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(y)
     op = torch.ops.deepseek_csa.rms_norm
+    cpp = _cpp_floor()
+    if cpp is not None:
+        assert torch.equal(cpp(tx, tw, 1e-6), op(tx, tw, 1e-6))
     return {
+        **({"op_cpp": lambda: cpp(tx, tw, 1e-6)} if cpp is not None else {}),
         "numpy": lambda: dc.rms_norm(x, w, 1e-6, out=y),
         "tensors": lambda: dc.rms_norm(tx, tw, 1e-6, out=ty),
         "call": lambda: ops.call("rms_norm", tx, tw, 1e-6),
@@ -127,7 +159,7 @@ def measure(budget):
             times = harness.interleaved_times(sides, budget=budget)
             cpu = cpu_us(sides, calls=500 if "rms" in kernel else 20)
         med = {k: statistics.median(v) * 1e6 for k, v in times.items()}
-        rows.append({"kernel": kernel, "median_us": med,
+        rows.append({"kernel": kernel, "median_us": med, "bar_us": 5.0,
                      "overhead_us": {k: med[k] - med["numpy"] for k in med if k != "numpy"},
                      "cpu_us": cpu,
                      "cpu_overhead_us": {k: cpu[k] - cpu["numpy"] for k in cpu if k != "numpy"},
@@ -140,15 +172,16 @@ def plot(rows, env, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    sides = ["tensors", "call", "op", "op_inference", "op_register_autograd", "op_custom_op"]
+    sides = ["tensors", "call", "op", "op_inference", "op_register_autograd", "op_custom_op",
+             "op_cpp"]
     labels = ["tensors", "ops.call\n(direct)", "torch.ops\nno_grad", "torch.ops\ninference",
-              "register_\nautograd", "custom_op"]
+              "register_\nautograd", "custom_op", "C++ kernels\n(prototype)"]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4))
     width = 0.38
     for ax, key, base, what in ((axes[0], "overhead_us", "median_us", "wall, median"),
                                 (axes[1], "cpu_overhead_us", "cpu_us", "CPU time, best batch")):
         for i, r in enumerate(rows):
-            vals = [r[key][s] for s in sides]
+            vals = [r[key].get(s, np.nan) for s in sides]
             xs = np.arange(len(sides)) + (i - 0.5) * width
             ax.bar(xs, vals, width, label=f"{r['kernel']} (numpy call {r[base]['numpy']:.1f} us)")
         ax.axhline(5, color="k", lw=0.8, ls="--")

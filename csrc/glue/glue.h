@@ -48,11 +48,14 @@ PyArrayObject *csa_array(PyObject *obj, const char *fn, const char *name, int dt
  * views tensors.  bfloat16 tensors become ml_dtypes.bfloat16 arrays with CSA_TV_BF16
  * (else *status = CSA_TV_REFUSED); 1-byte dtypes (float8_*, float4_e2m1fn_x2, ...)
  * become uint8 with CSA_TV_BYTES; with CSA_TV_DETACH a tensor that requires grad is
- * detached first (else NumPy refuses it); the others are Tensor.numpy().  Returns a
- * new reference, or NULL without an exception and *status CSA_TV_NOT_TENSOR (obj is
- * not a torch tensor, or torch is not imported) or CSA_TV_NO_VIEW (NumPy cannot view
- * it: on a GPU, requiring grad, a dtype NumPy lacks).  dtname (n bytes, may be NULL)
- * receives str(tensor.dtype), "" for a non-tensor. */
+ * read as data (else it is refused while grad mode is on, as Tensor.numpy() does).
+ * Plain tensors (torch.Tensor, nn.Parameter) are read from their DLPack description,
+ * without Tensor.numpy(); subclasses and unusual tensors go through Tensor.numpy().
+ * Returns a new reference (an ndarray whose base is the tensor), or NULL without an
+ * exception and *status CSA_TV_NOT_TENSOR (obj is not a torch tensor, or torch is not
+ * imported) or CSA_TV_NO_VIEW (NumPy cannot view it: on a GPU, requiring grad, a dtype
+ * NumPy lacks).  dtname (n bytes, may be NULL) receives str(tensor.dtype), "" for a
+ * non-tensor. */
 enum { CSA_TV_BF16 = 1, CSA_TV_BYTES = 2, CSA_TV_DETACH = 4 };
 enum { CSA_TV_OK = 0, CSA_TV_NOT_TENSOR = 1, CSA_TV_NO_VIEW = 2, CSA_TV_REFUSED = 3 };
 PyObject *csa_torch_view(PyObject *obj, int flags, int *status, char *dtname, size_t n);
