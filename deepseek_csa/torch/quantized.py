@@ -227,11 +227,13 @@ def _define_classes():
         ``forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``.
 
         gate_up_codes [E, 2I, H/2], gate_up_scale [E, 2I, H/32], down_codes [E, H, I/2],
-        down_scale [E, H, I/32]: uint8 e2m1 pairs and float8_e8m0fnu scales.  Per expert that any token
-        chose (ascending expert order, as transformers): the gate/up GEMM, transformers' own
-        gate (``_apply_gate``: clamps and SiLU), the down GEMM, times the routing weight,
-        added into the tokens' rows.  Indices outside 0..E-1 are skipped (transformers' mask
-        slot E)."""
+        down_scale [E, H, I/32]: uint8 e2m1 pairs and float8_e8m0fnu scales.  Per (token, slot)
+        pair: the gate/up GEMM of its expert, transformers' own gate (``_apply_gate``:
+        clamps and SiLU), the down GEMM, times the routing weight, added into the token's
+        row in ascending expert order, one rounding per add (transformers' per-expert
+        loop; the same bits).  Indices outside 0..E-1 are skipped (transformers' mask slot
+        E).  Every shape is fixed by T and k, none by the routing: torch.compile traces it
+        without a graph break."""
 
         def __init__(self, experts, gu, gus, dn, dns, exact):
             super().__init__()
