@@ -129,6 +129,8 @@ def run_side(side, context, steps, threads, backend):
     prof = sorted(rows, key=lambda r: r["profiled_s"])[len(rows) // 2]
     return dict(side=side, wall_s=med, walls=walls, compile_s=compile_s,
                 graphs_compiled_while_measured=graphs_during,
+                graphs=counters["stats"]["unique_graphs"],
+                graph_breaks=dict(counters["graph_break"]),
                 profiled_s=prof["profiled_s"], compute_s=prof["compute_s"],
                 python_dispatch_s=prof["python_dispatch_s"], calls=prof["calls"],
                 top=prof["top"], profiled_steps=[{k: v for k, v in r.items() if k != "top"}
@@ -180,7 +182,9 @@ def main():
         res["sides"].append(row)
         print(f"{side:9s} wall {row['wall_s'] * 1e3:7.1f} ms  profiled {row['profiled_s'] * 1e3:7.1f}"
               f"  compute {row['compute_s'] * 1e3:7.1f}  python+dispatch "
-              f"{row['python_dispatch_s'] * 1e3:6.1f} ms  ({row['calls']} calls)", flush=True)
+              f"{row['python_dispatch_s'] * 1e3:6.1f} ms  ({row['calls']} calls, "
+              f"{row['graphs']} graphs, {sum(row['graph_breaks'].values())} graph breaks)",
+              flush=True)
     env["load_average_end"] = os.getloadavg()
     isa = os.environ.get("DEEPSEEK_CSA_ISA")
     out = Path(a.out) if a.out else RESULTS / f"decode_profile{'_' + isa if isa else ''}.json"

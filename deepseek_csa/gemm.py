@@ -5,7 +5,8 @@ fp8_gemm(a, a_s, b, b_s, *, b_index=None, out_dtype=None, out=None)
     e4m3 activations [..., K] (one scale per 128 columns) times e4m3 weights [N, K]
     (one scale per 128 x 128 block) -> [..., N] bfloat16 (default) or float32.
     With b_index (int32, a.shape[:-1]), b [E, N, K] stacks E weights and each row of a
-    takes its own: routed experts, or a grouped projection, in one call.
+    takes its own: routed experts, or a grouped projection, in one call; b_index -1:
+    no weight, that row of the result is zeros.
 fp4_gemm(a, a_s, b, b_s, *, b_index=None, out_dtype=None, out=None)
     the same against e2m1 weights packed two a byte [N, K/2], one scale per 32 of K.
 fp8_quant(x, block=128, *, scale="ue8m0", scale_dtype="float32") -> (codes, scales)

@@ -673,8 +673,8 @@ _GEMMS = ("fp8_gemm", "fp4_gemm", "fp8_gemm_indexed", "fp4_gemm_indexed")
 UNIT_LAST_STRIDE = {name: ("b",) for name in _GEMMS}
 # out= dtypes an entry accepts besides its canonical float32 (the GEMMs store bfloat16).
 OUT_ALSO = {name: ("bfloat16",) for name in _GEMMS}
-# b_index: row i of a against weight b[b_index[i]] of E stacked ones
-_B_INDEX = Arr(("M",), dtype=np.int32, index=lambda s: (0, s["E"] - 1), optional=True)
+# b_index: row i of a against weight b[b_index[i]] of E stacked ones; -1: a zero row
+_B_INDEX = Arr(("M",), dtype=np.int32, index=lambda s: (-1, s["E"] - 1), optional=True)
 
 def _gemm_entry(fmt, indexed):
     """fp8_gemm / fp4_gemm; indexed: b and b_s stack E weights and b_index picks one a

@@ -447,6 +447,32 @@ def test_gemm_b_index_rows_take_their_weight(isa_bf16, rng, fmt, M, N, K, E):
                 assert np.array_equal(bits(got[rows]), bits(alone)), (label, e)
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+@pytest.mark.parametrize("M", [5, 40])
+def test_gemm_b_index_minus_one_is_a_zero_row(rng, fmt, M):
+    """b_index = -1: that output row is +0.0 (bfloat16 and float32, also over garbage
+    in out=), and every other row has the bits of the same call without the -1 rows (they
+    join no weight's run); all -1: all zeros."""
+    E, N, K = 3, 136, 256
+    fn, _, a, a_s, b, b_s = _indexed_gemm_case(rng, fmt, M, N, K, E, True)
+    ix = np.sort(rng.integers(0, E, M)).astype(np.int32)
+    holes = rng.random(M) < 0.3
+    holes[1] = True
+    ix_h = np.where(holes, -1, ix).astype(np.int32)
+    keep = np.flatnonzero(~holes)
+    for dt in ("float32", "bfloat16"):
+        with unchanged(a, a_s, b, b_s, ix_h):
+            got = fn(a, a_s, b, b_s, b_index=ix_h, out_dtype=dt)
+        out = np.full((M, N), np.nan, np.float32 if dt == "float32" else ml_dtypes.bfloat16)
+        fn(a, a_s, b, b_s, b_index=ix_h, out=out)
+        assert np.array_equal(bits(out.astype(np.float32)), bits(got.astype(np.float32)))
+        assert not np.any(bits(got[holes].astype(np.float32)))          # +0.0, not -0.0
+        alone = fn(a[keep], a_s[keep], b, b_s, b_index=ix[keep], out_dtype=dt)
+        assert np.array_equal(bits(got[keep].astype(np.float32)), bits(alone.astype(np.float32)))
+        none = fn(a, a_s, b, b_s, b_index=np.full(M, -1, np.int32), out_dtype=dt)
+        assert not np.any(bits(none.astype(np.float32)))
+
+
 def test_gemm_b_index_grouped_projection_layout(rng):
     """The grouped output projection as one call: x [T, G, K] -> [T, G, N] with rows
     t * G + g against weight g equals a call per group on the strided rows x[:, g]."""
@@ -486,7 +512,7 @@ def test_gemm_b_index_bad_inputs_name_it(rng):
     out = np.full((3, 128), 7.0, np.float32)
     with unchanged(a, a_s, b, b_s, ix, out):
         for bad, exc in ((np.array([0, 2, 1], np.int32), ValueError),
-                         (np.array([0, -1, 1], np.int32), ValueError),
+                         (np.array([0, -2, 1], np.int32), ValueError),
                          (ix.astype(np.int64), TypeError), (ix[:2], ValueError),
                          (ix[None], ValueError)):
             with pytest.raises(exc, match="b_index"):

@@ -163,6 +163,11 @@ def _cases():
     case("fp4_quant", "e4m3", lambda dt: (r(3, 64, dtype=dt), 16, "e4m3", "e4m3"))
     case("fp4_pack", "on grid", lambda dt: (O.fp4_round(r(2, 3, 64, dtype=dt), 32, "ue8m0"), False))
     case("fp4_pack", "round", lambda dt: (r(5, 96, dtype=dt), True))
+    # rows of repeated tokens (their order matters in bf16), skipped indices (-1, 3)
+    case("moe_combine", "odd", lambda dt: (r(7, 5, dtype=dt), torch.tensor([2, 0, 2, -1, 1, 3, 2]),
+                                           3))
+    case("moe_combine", "one token", lambda dt: (r(6, 40, dtype=dt),
+                                                 torch.tensor([0, 0, -1, 0, 0, 0]), 1))
     case("hc_split_sinkhorn", "odd", lambda dt: (r(2, 3, 24), torch.rand(3), r(24), 4, 20, 1e-6),
          dtypes=(F32,))
     return C
@@ -215,6 +220,47 @@ def test_gradless_operator_reads_requires_grad_inputs(name, build, dtype):
             assert torch.equal(_bits(u.detach()), _bits(v))
             if not (u.is_floating_point() or u.is_complex()):
                 assert not u.requires_grad
+
+
+def _combine_reference(rows, index, num_tokens):
+    """One row at a time, in order, each sum rounded to rows' dtype (what a loop of
+    per-expert index_add_ calls computes); out-of-range indices add nothing."""
+    out = [[torch.zeros((), dtype=rows.dtype) for _ in range(rows.shape[1])]
+           for _ in range(num_tokens)]
+    for p, t in enumerate(index.tolist()):
+        if 0 <= t < num_tokens:
+            for h in range(rows.shape[1]):
+                out[t][h] = (out[t][h].float() + rows[p, h].float()).to(rows.dtype)
+    return torch.stack([torch.stack(r) for r in out]) if num_tokens else \
+        rows.new_zeros((0, rows.shape[1]))
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("P,T", [(1, 1), (6, 1), (13, 4), (40, 9), (5, 0)])
+def test_moe_combine_adds_rows_in_order(dtype, P, T):
+    """moe_combine against the element-wise reference: rows of very different
+    magnitudes (so the order of a token's adds shows in the rounding), repeated tokens,
+    indices -1 and T skipped; the inputs unchanged."""
+    g = torch.Generator().manual_seed(P * 31 + T)
+    scale = torch.exp2(torch.randint(-9, 10, (P, 1), generator=g).float())
+    rows = (torch.randn(P, 3, generator=g) * scale).to(dtype)
+    index = torch.randint(-1, T + 1, (P,), generator=g)
+    r0, i0 = rows.clone(), index.clone()
+    want = _combine_reference(rows, index, T)
+    for door in (O.moe_combine, lambda *a: ops.call("moe_combine", *a)):
+        got = door(rows, index, T)
+        assert got.dtype == dtype and got.shape == (T, 3)
+        assert torch.equal(_bits(got), _bits(want))
+    assert torch.equal(rows, r0) and torch.equal(index, i0)
+
+
+def test_moe_combine_bad_arguments_name_them():
+    rows, index = torch.zeros(4, 3), torch.zeros(4, dtype=torch.long)
+    for args, what in (((rows[0], index, 2), "rows"), ((rows.long(), index, 2), "rows"),
+                       ((rows, index.int(), 2), "index"), ((rows, index[:3], 2), "index"),
+                       ((rows, index, -1), "num_tokens")):
+        with pytest.raises(ValueError, match=f"moe_combine: '{what}'"):
+            ops.call("moe_combine", *args)
 
 
 # --------------------------------------------------------------------------- direct path

@@ -204,7 +204,9 @@ static int g_by_weight(const void *x, const void *y)
 }
 
 /* b_index: row m of a (g's M rows) against weight ix[m] of the E stacked at b +
- * e * b_e bytes (scales at bs + e * bs_e bytes).  The rows of one weight, in increasing
+ * e * b_e bytes (scales at bs + e * bs_e bytes); ix[m] = -1: no weight (the caller
+ * writes a zero row, g_zero_rows), in no problem, so the other rows' runs are what they
+ * would be without it.  The rows of one weight, in increasing
  * order, split into runs of evenly spaced rows (a model's grouped projection, rows
  * t * G + g: one run a group; experts with their tokens sorted: one a weight), and each
  * run is one problem, so each weight is read once a run.  *subs: the problems (at most
@@ -225,8 +227,10 @@ static csa_idx g_index_problems(const struct csa_gemm_args *g, const int32_t *ix
         pair[2 * m + 1] = m;
     }
     qsort(pair, (size_t)M, 2 * sizeof *pair, g_by_weight);
-    csa_idx n = 0;
-    for (csa_idx i = 0; i < M;) {
+    csa_idx n = 0, i0 = 0;
+    while (i0 < M && pair[2 * i0] < 0)     /* the -1 rows sort first */
+        i0++;
+    for (csa_idx i = i0; i < M;) {
         const csa_idx e = pair[2 * i], r0 = pair[2 * i + 1];
         csa_idx len = 1, step = 1;
         if (i + 1 < M && pair[2 * (i + 1)] == e) {
@@ -253,6 +257,15 @@ static csa_idx g_index_problems(const struct csa_gemm_args *g, const int32_t *ix
         i += len;
     }
     return n;
+}
+
+/* The b_index = -1 rows of g's output: +0.0 (all bits zero in float32 and bfloat16). */
+static void g_zero_rows(const struct csa_gemm_args *g, const int32_t *ix, int out_size)
+{
+    for (csa_idx m = 0; m < g->M; m++)
+        if (ix[m] < 0)
+            memset((char *)g->out + (size_t)(m * g->so_row) * out_size, 0,
+                   (size_t)g->N * out_size);
 }
 
 static PyObject *g_gemm(PyObject *args, PyObject *kw, const char *fn, int wfmt)
@@ -338,9 +351,10 @@ static PyObject *g_gemm(PyObject *args, PyObject *kw, const char *fn, int wfmt)
             goto done;
         const int32_t *ix = PyArray_DATA(bic);
         for (npy_intp i = 0; i < PyArray_SIZE(bic); i++)
-            if (ix[i] < 0 || ix[i] >= E) {
-                PyErr_Format(PyExc_ValueError, "%s(): 'b_index' must be in [0, %lld) (E = "
-                             "b.shape[0] weights), got %d at flat position %lld", fn,
+            if (ix[i] < -1 || ix[i] >= E) {
+                PyErr_Format(PyExc_ValueError, "%s(): 'b_index' must be -1 (no weight: a zero "
+                             "row) or in [0, %lld) (E = b.shape[0] weights), got %d at flat "
+                             "position %lld", fn,
                              (long long)E, (int)ix[i], (long long)i);
                 goto done;
             }
@@ -407,6 +421,8 @@ static PyObject *g_gemm(PyObject *args, PyObject *kw, const char *fn, int wfmt)
     int st;
     Py_BEGIN_ALLOW_THREADS
     st = o ? csa_gemm_batch(subs, nsub) : csa_gemm(&g);
+    if (o && st == CSA_OK)
+        g_zero_rows(&g, PyArray_DATA(bic), bf16 ? 2 : 4);
     Py_END_ALLOW_THREADS
     ret = csa_finish(st, fn, oo, out, tmp);
 done:
@@ -438,7 +454,8 @@ PyDoc_STRVAR(fp8_gemm_doc,
 "out_dtype : 'bfloat16' (default) or 'float32'; out: [..., N] of that dtype or None.\n"
 "b_index : None, or int32 [...] (a.shape[:-1]) with b [E, N, K] and b_s [E, ceil(N/128),\n"
 "    ceil(K/128)] stacking E weights: row a[i] is multiplied by weight b[b_index[i]]\n"
-"    (routed experts; a grouped projection as rows t * G + g against weight g).  The\n"
+"    (routed experts; a grouped projection as rows t * G + g against weight g), and\n"
+"    b_index[i] = -1 makes row i of out zeros (no weight: an empty expert slot).  The\n"
 "    evenly spaced rows of one weight run as one GEMM and the one-row GEMMs share one\n"
 "    parallel region; the bits are those of fp8_gemm on each such group of rows.\n"
 "The block sums have one fixed order (csrc/gemm.h), so the bits are the same at every\n"

@@ -45,6 +45,8 @@ hadamard                   [..., n] in x's dtype                     x
 fp8_gemm, fp4_gemm         [..., N] in out_dtype                     --
 fp8_quant, fp4_quant       (codes, scales) in torch's float8/4 dtypes --
 fp4_pack                   uint8 [..., D / 2 + D / 32] FP4 key rows  --
+moe_combine                [num_tokens, H] in rows' dtype: the rows  --
+                           added into their tokens' rows in order
 hc_split_sinkhorn          (pre, post, comb) f32                     --
 =========================  ========================================  ===========
 
@@ -670,6 +672,60 @@ _define("fp8_quant(Tensor x, int block_size, str scale, str scale_dtype) "
         "-> (Tensor, Tensor)", _fp8_quant_impl, _fp8_quant_fake)
 _define("fp4_quant(Tensor x, int block_size, str scale, str scale_dtype) "
         "-> (Tensor, Tensor)", _fp4_quant_impl, _fp4_quant_fake)
+
+
+def _moe_combine_impl(rows, index, num_tokens):
+    """out [num_tokens, H] = zeros, then for p = 0, 1, ..., P - 1 in that order:
+    out[index[p]] += rows[p], each sum rounded to rows' dtype; rows whose index is outside
+    0 .. num_tokens - 1 are skipped.  That is what a loop of index_add_ calls does (an
+    MoE adding its experts' outputs one expert at a time): a token's sum depends on the
+    order of its rows, which a single index_add_ with a repeated index does not keep.
+    Here: the j-th row of every token (counting its earlier rows) goes in the j-th
+    index_add_, whose indices are then distinct, so each element is added one row at a
+    time in the given order (as many calls as the most rows a token has: k at most for
+    an MoE's top-k pairs)."""
+    _moe_combine_check(rows, index, num_tokens)
+    out = torch.zeros((num_tokens, rows.shape[1]), dtype=rows.dtype)
+    keep = (index >= 0) & (index < num_tokens)
+    if not bool(keep.all()):
+        index, rows = index[keep], rows[keep]
+    n = index.shape[0]
+    if n == 0:
+        return out
+    if num_tokens == 1:              # decode: every row is the one token's, in order
+        for p in range(n):
+            out.add_(rows[p:p + 1])
+        return out
+    by_token = torch.argsort(index, stable=True)       # each token's rows, in order
+    counts = torch.bincount(index, minlength=num_tokens)
+    first = torch.cumsum(counts, 0) - counts           # a token's first place in by_token
+    rank = torch.empty_like(index)
+    rank[by_token] = torch.arange(n) - first[index[by_token]]
+    for j in range(int(counts.max())):
+        sel = rank == j
+        out.index_add_(0, index[sel], rows[sel])
+    return out
+
+
+def _moe_combine_check(rows, index, num_tokens):
+    if rows.dim() != 2 or not rows.is_floating_point():
+        raise ValueError(f"moe_combine: 'rows' must be a float tensor [P, H], got "
+                         f"{rows.dtype} of shape {tuple(rows.shape)}")
+    if index.dim() != 1 or index.dtype != torch.int64 or index.shape[0] != rows.shape[0]:
+        raise ValueError(f"moe_combine: 'index' must be int64 [P] with P = rows.shape[0] = "
+                         f"{rows.shape[0]}, got {index.dtype} of shape {tuple(index.shape)}")
+    if num_tokens < 0:
+        raise ValueError(f"moe_combine: 'num_tokens' must be >= 0, got {num_tokens}")
+
+
+def _moe_combine_fake(rows, index, num_tokens):
+    _moe_combine_check(rows, index, num_tokens)
+    return rows.new_empty((num_tokens, rows.shape[1]))
+
+
+# MoE output: rows [P, H] (float) into [num_tokens, H] by index [P] (int64)
+_define("moe_combine(Tensor rows, Tensor index, SymInt num_tokens) -> Tensor",
+        _moe_combine_impl, _moe_combine_fake)
 
 
 def _sinkhorn_impl(mixes, hc_scale, hc_base, hc_mult, sinkhorn_iters, eps):

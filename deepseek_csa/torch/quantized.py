@@ -227,11 +227,13 @@ def _define_classes():
         ``forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``.
 
         gate_up_codes [E, 2I, H/2], gate_up_scale [E, 2I, H/32], down_codes [E, H, I/2],
-        down_scale [E, H, I/32]: uint8 e2m1 pairs and float8_e8m0fnu scales.  Per expert that any token
-        chose (ascending expert order, as transformers): the gate/up GEMM, transformers' own
-        gate (``_apply_gate``: clamps and SiLU), the down GEMM, times the routing weight,
-        added into the tokens' rows.  Indices outside 0..E-1 are skipped (transformers' mask
-        slot E)."""
+        down_scale [E, H, I/32]: uint8 e2m1 pairs and float8_e8m0fnu scales.  Per (token, slot)
+        pair: the gate/up GEMM of its expert, transformers' own gate (``_apply_gate``:
+        clamps and SiLU), the down GEMM, times the routing weight, added into the token's
+        row in ascending expert order, one rounding per add (transformers' per-expert
+        loop; the same bits).  Indices outside 0..E-1 are skipped (transformers' mask slot
+        E).  Every shape is fixed by T and k, none by the routing: torch.compile traces it
+        without a graph break."""
 
         def __init__(self, experts, gu, gus, dn, dns, exact):
             super().__init__()
@@ -275,23 +277,26 @@ def _define_classes():
         def forward(self, hidden_states, top_k_index, top_k_weights):
             torch = _torch()
             _no_grad_check(hidden_states, "FP4Experts")
-            final = torch.zeros_like(hidden_states)
             x_all = _as_kernel_input(hidden_states)
             dt = _out_dtype(hidden_states)
-            k = top_k_index.shape[-1]
+            T, k = hidden_states.shape[0], top_k_index.shape[-1]
+            if T * k == 0:
+                return torch.zeros_like(hidden_states)
+            E = self.num_experts
             flat = top_k_index.reshape(-1)
-            # The (token, slot) pairs sorted by expert (stable: tokens ascending within one):
-            # each expert's rows are one contiguous slice, so the row-wise steps -- the
-            # activation rounding, transformers' gate, the routing weight -- run once over
-            # all pairs (same per-element arithmetic as one expert at a time: 6 -> 1 call
-            # each at decode); the GEMMs and the scatter-add loop over experts.
-            order = torch.argsort(flat, stable=True)
-            e_sorted = flat[order]
-            keep = (e_sorted >= 0) & (e_sorted < self.num_experts)
-            order, e_sorted = order[keep], e_sorted[keep]
-            if order.numel() == 0:
-                return final
-            counts = torch.bincount(e_sorted, minlength=self.num_experts).tolist()
+            # Every (token, slot) pair is kept, so no shape depends on the routing
+            # (torch.compile traces the layer as one graph: no bincount().tolist(), no
+            # boolean mask, no loop over the experts chosen).  The pairs sorted by expert,
+            # an empty slot (an index outside 0..E-1, transformers' mask slot E) sorted
+            # last as E; stable: tokens ascending within one expert.  Each expert's rows
+            # are then one contiguous run: the row-wise steps -- the activation rounding,
+            # transformers' gate, the routing weight -- run once over all pairs (same
+            # per-element arithmetic as one expert at a time).
+            valid = (flat >= 0) & (flat < E)
+            key = torch.where(valid, flat, E)
+            order = torch.argsort(key, stable=True)
+            e_sorted = key[order]
+            empty = e_sorted == E
             tok, pos = order // k, order % k
             if torch.compiler.is_compiling():
                 # the pairs' rows gathered first, then rounded (the rounding is per row:
@@ -301,25 +306,20 @@ def _define_classes():
             else:
                 xq, xs = _act_q(x_all)               # per row: round once, gather the pairs
                 xq, xs = xq.view(torch.uint8)[tok], xs.view(torch.uint8)[tok]
-            spans = []
-            lo = 0
-            for e, n in enumerate(counts):
-                if n:
-                    spans.append((e, lo, lo + n))
-                    lo += n
-            # each GEMM one call over every expert (fp4_gemm's b_index; each expert's rows
-            # one GEMM, as one call an expert)
-            experts = e_sorted.to(torch.int32)
+            # each GEMM one call over every expert (fp4_gemm's b_index: each expert's rows
+            # one GEMM, as one call an expert); an empty slot's b_index -1 gives a zero
+            # row and leaves the experts' runs, hence their bits, as they were
+            experts = torch.where(empty, -1, e_sorted).to(torch.int32)
             gu = ops.call("fp4_gemm", xq, xs, self.gate_up_codes, self.gate_up_scale, dt,
                           experts)
             hq, hs = _act_q(_as_kernel_input(self._apply_gate(gu)))
             y = ops.call("fp4_gemm", hq, hs, self.down_codes, self.down_scale, dt, experts)
-            y = (y * top_k_weights[tok, pos, None]).to(final.dtype)
-            # one scatter-add per expert, experts ascending, as transformers adds them (one
-            # index_add_ over all pairs rounds bf16 sums differently when a token repeats)
-            for e, a, b in spans:
-                final.index_add_(0, tok[a:b], y[a:b])
-            return final
+            y = (y * top_k_weights[tok, pos, None]).to(hidden_states.dtype)
+            # the pairs added into their tokens' rows in this order -- experts ascending,
+            # one rounding per add -- as transformers' per-expert index_add_ loop adds them
+            # (one index_add_ over all pairs rounds bf16 sums differently when a token
+            # repeats); empty slots (index -1) add nothing
+            return ops.call("moe_combine", y, torch.where(empty, -1, tok), T)
 
     for c in (FP8Linear, FP4Experts):
         c.__qualname__ = c.__name__          # importable (and picklable) by this name
