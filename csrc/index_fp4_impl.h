@@ -125,8 +125,9 @@ static void CSA_V(ix4_row_geo)(const struct csa_index_problem *p, struct CSA_V(i
 }
 
 /* A key tile: a 64-byte header (int32 kind, least effective exponent, largest
- * exponent, largest prescale shift of a prescaled key), the effective exponents [nb][nk] (int32), then the key bytes transposed,
- * dword f of key l at (f * nk + l) * 4, padded to a whole number of 64-feature chunks
+ * exponent, largest prescale shift of a prescaled key), the effective exponents
+ * [nb][nk] (int32), then the key bytes transposed, dword f of key l at
+ * (f * nk + l) * 4, padded to a whole number of 64-feature chunks
  * (Di an odd number of blocks: the tiles read a chunk of 16 dwords; the padding bytes
  * are zero, and so are the query bytes they meet). */
 static inline size_t CSA_V(ix4_tile_bytes)(csa_idx Di, csa_idx nk)
