@@ -38,6 +38,10 @@
     a = _mm512_add_epi32(a, _mm512_madd_epi16(_mm512_add_epi16(                            \
             _mm512_maddubs_epi16(k0, _mm512_set1_epi32(q0)),                               \
             _mm512_maddubs_epi16(k1, _mm512_set1_epi32(q1))), _mm512_set1_epi16(1)))
+#define DP2W(a, k0, k1, q0, q1)                                                            \
+    a = _mm512_add_epi16(a, _mm512_add_epi16(_mm512_maddubs_epi16(k0, _mm512_set1_epi32(q0)), \
+                                             _mm512_maddubs_epi16(k1, _mm512_set1_epi32(q1))))
+#define WIDEN(a) _mm512_madd_epi16(a, _mm512_set1_epi16(1))
 #endif
 #else
 #define VI __m256i
@@ -58,6 +62,10 @@
     a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_add_epi16(                            \
             _mm256_maddubs_epi16(k0, _mm256_set1_epi32(q0)),                               \
             _mm256_maddubs_epi16(k1, _mm256_set1_epi32(q1))), _mm256_set1_epi16(1)))
+#define DP2W(a, k0, k1, q0, q1)                                                            \
+    a = _mm256_add_epi16(a, _mm256_add_epi16(_mm256_maddubs_epi16(k0, _mm256_set1_epi32(q0)), \
+                                             _mm256_maddubs_epi16(k1, _mm256_set1_epi32(q1))))
+#define WIDEN(a) _mm256_madd_epi16(a, _mm256_set1_epi16(1))
 #endif
 #define NKB (IX4B_W / 32)
 /* heads a pass of the one-sum path: 8 accumulator chains cover VPDPBUSD's latency (5)
@@ -66,6 +74,9 @@
 #define IX4B_HB 8
 #else
 #define IX4B_HB 4 /* 16 ymm registers: 8 chains spilled to the stack */
+#endif
+#ifndef IX4B_HB16
+#define IX4B_HB16 IX4B_HB
 #endif
 
 static inline int32_t IX4B_CAT(IX4B_NAME, _ld32)(const int8_t *q)
@@ -109,6 +120,36 @@ IX4B_CAT(IX4B_NAME, _fast)(const int nh, const uint8_t *qop, const int32_t *hcor
 #pragma GCC unroll 8
     for (int i = 0; i < nh; i++) dot[i] = F_MUL(F_CVT(a[i]), SCALE(ekb0, heqf[h0 + i]));
 }
+
+#if !IX4B_VNNI
+/* The one-sum path in int16 lanes: the VPMADDUBSW pair sums are added with VPADDW
+ * (wrapping) and widened once per head by VPMADDWD, 2 vector operations a VPMADDUBSW
+ * where _fast takes 2.5.  Each int16 lane starts at -OFF * (its query bytes' sum)
+ * modulo 2^16 (hc16), so it ends at its true sum sum(k q) modulo 2^16, which is that
+ * sum itself while |sum(k q)| <= 32767: the caller checks (12 << the tile's largest
+ * prescale shift) * (the head's largest lane sum of |q|, hsq) <= 32767.  No pair sum
+ * saturates (2 * 96 * 48 < 2^15).  The widened sums are _fast's integers exactly. */
+static inline __attribute__((always_inline)) void
+IX4B_CAT(IX4B_NAME, _fast16)(const int nh, const uint8_t *qop, const int32_t *hc16,
+                             const int32_t *hq23, csa_idx h0, csa_idx Di, const uint8_t *kv,
+                             VI ek23, VF *dot)
+{
+    VI a[IX4B_HB16];
+#pragma GCC unroll 8
+    for (int i = 0; i < nh; i++) a[i] = I_SET1(hc16[h0 + i]);
+    const int8_t *q = (const int8_t *)qop + IX4_QOFF(h0, 0, Di);
+#pragma GCC unroll 2
+    for (csa_idx f = 0; f < Di / 4; f += 2) {
+        const VI k0 = I_LOAD(kv + f * (NKB * 4)), k1 = I_LOAD(kv + (f + 1) * (NKB * 4));
+#pragma GCC unroll 8
+        for (int i = 0; i < nh; i++)
+            DP2W(a[i], k0, k1, LD32(q + (f * 8 + i) * 4), LD32(q + (f * 8 + 8 + i) * 4));
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < nh; i++) /* SCALE with the shifts done once a row and a tile */
+        dot[i] = F_MUL(F_CVT(WIDEN(a[i])), CASTF(I_ADD(ek23, I_SET1(hq23[h0 + i]))));
+}
+#endif
 
 /* The dot of head h block by block: each block's integer sum converted and scaled
  * (exact), added to the dot in block order, as the oracle does. */
@@ -163,6 +204,10 @@ static void IX4B_NAME(const struct ix_call *x, const uint8_t *qb, csa_idx b, csa
     const int32_t *hnice = (const int32_t *)(qb + g.hnice), *hcorr = (const int32_t *)(qb + g.hcorr);
     const int32_t *heqf = (const int32_t *)(qb + g.heqf), *hcorrb = (const int32_t *)(qb + g.hcorrb);
     const int32_t *heqb = (const int32_t *)(qb + g.heqb);
+#if !IX4B_VNNI
+    const int32_t *hc16 = (const int32_t *)(qb + g.hc16), *hsq = (const int32_t *)(qb + g.hsq);
+    const int32_t *hq23 = (const int32_t *)(qb + g.hq23);
+#endif
     const float *w = (const float *)(qb + g.w);
     const int fast_q = qh[3] && Di <= IX4_FAST_DI;
     for (csa_idx t = t0; t < t1; t += NKB) {
@@ -179,6 +224,13 @@ static void IX4B_NAME(const struct ix_call *x, const uint8_t *qb, csa_idx b, csa
         VF tot = F_ZERO();
         const VI ekb0 = I_LOAD(ekb);
         const int fast_k = th[0] == IX4_TILE_FAST && Di <= IX4_FAST_DI;
+#if !IX4B_VNNI
+#ifndef CSA_MUTANT_FP4_INDEX_INT16
+        const int32_t lim16 = 32767 / (12 << th[3]); /* _fast16's reach, per head: hsq */
+#else /* planted (make mutants): the int16 lanes' bound twice too loose, sums wrap */
+        const int32_t lim16 = 65535 / (12 << th[3]);
+#endif
+#endif
         csa_idx h = 0;
         if (fast_k)
             /* prescaled keys: the one-sum path, IX4B_HB heads a pass sharing each key
@@ -189,6 +241,13 @@ static void IX4B_NAME(const struct ix_call *x, const uint8_t *qb, csa_idx b, csa
                 if (!fast_q)
                     for (int i = 0; i < IX4B_HB; i++) all &= hnice[h + i] != 0;
                 VF dot[IX4B_HB];
+#if !IX4B_VNNI
+                int ok16 = all;
+                for (int i = 0; i < IX4B_HB; i++) ok16 &= hsq[h + i] <= lim16;
+                if (ok16) {
+                    IX4B_CAT(IX4B_NAME, _fast16)(IX4B_HB, qop, hc16, hq23, h, Di, kv, I_SLLI(ekb0, 23), dot);
+                } else
+#endif
                 if (all) {
                     IX4B_CAT(IX4B_NAME, _fast)(IX4B_HB, qop, hcorr, heqf, h, Di, kv, ekb0, dot);
                 } else {
@@ -237,6 +296,11 @@ static void IX4B_NAME(const struct ix_call *x, const uint8_t *qb, csa_idx b, csa
 #undef F_STOREU
 #undef CASTF
 #undef DP2
+#ifdef DP2W
+#undef DP2W
+#undef WIDEN
+#endif
+#undef IX4B_HB16
 #ifdef DP2M
 #undef DP2M
 #endif

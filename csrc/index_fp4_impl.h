@@ -76,13 +76,14 @@ static inline int CSA_V(ix4_amx)(void)
 /* Byte offsets in a packed FP4 query row: a 64-byte header (int32 NaN flag, least
  * effective exponent, largest exponent, all heads prescaled; with the tiles: the row
  * takes the tile path, the folded weights are exact), then per head its prescaled
- * flag, start value, base exponent, per block start value and exponent, the weights
+ * flag, start value, base exponent, per block start value and exponent, its int16
+ * start values, bound and (base - 129) << 23 (ix4_pack_row), the weights
  * (float32), and the query bytes (IX4_QOFF).  With the tiles (ix4_amx) also the A
  * tiles [HG][NC][16 heads][64 bytes] (head group, 64-feature chunk; zero past Hi and
  * Di), the C start tiles [HG][16 heads][16 keys] (int32, each head's start value
  * across its row) and the folded weights [Hi] (float32). */
 struct CSA_V(ix4_geo) {
-    size_t hnice, hcorr, heqf, hcorrb, heqb, w, qop, qa, ci, wf, bytes;
+    size_t hnice, hcorr, heqf, hcorrb, heqb, hc16, hsq, hq23, w, qop, qa, ci, wf, bytes;
 };
 
 static void CSA_V(ix4_row_geo)(const struct csa_index_problem *p, struct CSA_V(ix4_geo) *g)
@@ -99,6 +100,12 @@ static void CSA_V(ix4_row_geo)(const struct csa_index_problem *p, struct CSA_V(i
     o += 4 * Hi * nb;
     g->heqb = o;
     o += 4 * Hi * nb;
+    g->hc16 = o;
+    o += 4 * Hi;
+    g->hsq = o;
+    o += 4 * Hi;
+    g->hq23 = o;
+    o += 4 * Hi;
     g->w = o;
     o += 4 * Hi;
     o = (o + 63) / 64 * 64;
@@ -118,8 +125,9 @@ static void CSA_V(ix4_row_geo)(const struct csa_index_problem *p, struct CSA_V(i
 }
 
 /* A key tile: a 64-byte header (int32 kind, least effective exponent, largest
- * exponent), the effective exponents [nb][nk] (int32), then the key bytes transposed,
- * dword f of key l at (f * nk + l) * 4, padded to a whole number of 64-feature chunks
+ * exponent, largest prescale shift of a prescaled key), the effective exponents
+ * [nb][nk] (int32), then the key bytes transposed, dword f of key l at
+ * (f * nk + l) * 4, padded to a whole number of 64-feature chunks
  * (Di an odd number of blocks: the tiles read a chunk of 16 dwords; the padding bytes
  * are zero, and so are the query bytes they meet). */
 static inline size_t CSA_V(ix4_tile_bytes)(csa_idx Di, csa_idx nk)
@@ -155,6 +163,8 @@ static void CSA_V(ix4_pack_row)(const struct ix_call *x, csa_idx b, csa_idx s, u
     int32_t *hdr = (int32_t *)buf, *hnice = (int32_t *)(buf + g.hnice);
     int32_t *hcorr = (int32_t *)(buf + g.hcorr), *heqf = (int32_t *)(buf + g.heqf);
     int32_t *hcorrb = (int32_t *)(buf + g.hcorrb), *heqb = (int32_t *)(buf + g.heqb);
+    int32_t *hc16 = (int32_t *)(buf + g.hc16), *hsq = (int32_t *)(buf + g.hsq);
+    uint32_t *hq23 = (uint32_t *)(buf + g.hq23);
     float *w = (float *)(buf + g.w);
     int8_t *qop = (int8_t *)(buf + g.qop);
     memset(qop, 0, (size_t)(g.bytes - g.qop)); /* the last group's padding heads */
@@ -175,7 +185,7 @@ static void CSA_V(ix4_pack_row)(const struct ix_call *x, csa_idx b, csa_idx s, u
         const int nice = hi < 0 || hi - lo <= dq, base = hi < 0 ? 127 : lo;
         all &= nice;
         emax = base > emax ? base : emax;
-        int32_t tot = 0;
+        int32_t tot = 0, ls[2] = {0, 0}, la[2] = {0, 0};
         for (csa_idx j = 0; j < nb; j++) {
             const int e = qr[Di / 2 + j], nz = CSA_V(ix4_block_nz)(qr, j);
             const int de = nice && nz ? e - base : 0;
@@ -184,6 +194,8 @@ static void CSA_V(ix4_pack_row)(const struct ix_call *x, csa_idx b, csa_idx s, u
                 const int v = fp4_v2[fp4_code(qr, d)] * (1 << de);
                 qop[IX4_QOFF(h, d / 4, Di) + d % 4] = (int8_t)v;
                 sum += v;
+                ls[(d % 4) / 2] += v;
+                la[(d % 4) / 2] += v < 0 ? -v : v;
             }
             const int eb = nice || !nz ? base : e;
             hcorrb[h * nb + j] = -off * sum;
@@ -194,6 +206,12 @@ static void CSA_V(ix4_pack_row)(const struct ix_call *x, csa_idx b, csa_idx s, u
         hnice[h] = nice;
         hcorr[h] = -off * tot;
         heqf[h] = base;
+        /* the one-sum path in int16 lanes (ix4_tiles_*_fast16): lane p of a dword
+         * holds its bytes 2p, 2p+1; its start value is -OFF * their query sum modulo
+         * 2^16, and the sum of the |q| it meets bounds its true value */
+        hc16[h] = (int32_t)((uint32_t)(uint16_t)(-off * ls[0]) | (uint32_t)(uint16_t)(-off * ls[1]) << 16);
+        hsq[h] = la[0] > la[1] ? la[0] : la[1];
+        hq23[h] = (uint32_t)(base - 129) << 23; /* SCALE's head term, shifted in place */
     }
     hdr[0] = nan;
     hdr[1] = emin;
@@ -326,7 +344,7 @@ static void CSA_V(ix4_pack_keys)(const struct csa_index_problem *p, csa_idx b, c
         int32_t *th = (int32_t *)tile, *ekb = (int32_t *)(tile + 64);
         uint8_t *kv = tile + 64 + (size_t)nb * NK * 4;
         if (Di % 64) memset(kv + (size_t)Di * NK, 0, (size_t)(64 - Di % 64) * NK); /* chunk padding */
-        int kind = IX4_TILE_FAST, tmn = 1 << 20, tmx = 0;
+        int kind = IX4_TILE_FAST, tmn = 1 << 20, tmx = 0, tde = 0;
         int base[IX4_NK], nice[IX4_NK];
         const csa_idx nk = imin(NK, t1 - t);
         /* The usual tile, all its keys with every block nonzero and within 2^dk, found
@@ -359,11 +377,13 @@ static void CSA_V(ix4_pack_keys)(const struct csa_index_problem *p, csa_idx b, c
                 for (csa_idx j = 0; j < nb; j++) _mm512_store_si512(ekb + j * NK, emn);
                 tmn = _mm512_reduce_min_epi32(emn);
                 tmx = _mm512_reduce_max_epi32(emx);
+                tde = _mm512_reduce_max_epi32(_mm512_sub_epi32(emx, emn));
 #ifdef IX4_HAVE_VNNI
                 if (vn) {
                     th[0] = IX4_TILE_FAST;
                     th[1] = tmn;
                     th[2] = tmx;
+                    th[3] = tde;
                     CSA_V(ix4_decode_tile_vbmi)(kr0, p->skt, Di, emn, off, kv);
                     continue;
                 }
@@ -389,6 +409,7 @@ static void CSA_V(ix4_pack_keys)(const struct csa_index_problem *p, csa_idx b, c
                 for (int l = 0; l < 8; l++) {
                     tmn = mn[l] < tmn ? mn[l] : tmn;
                     tmx = mx[l] > tmx ? mx[l] : tmx;
+                    tde = mx[l] - mn[l] > tde ? mx[l] - mn[l] : tde;
                 }
 #endif
                 for (csa_idx l = 0; l < NK; l++) nice[l] = 1;
@@ -418,6 +439,7 @@ static void CSA_V(ix4_pack_keys)(const struct csa_index_problem *p, csa_idx b, c
             }
             nice[l] = hi < 0 || hi - lo <= dk;
             base[l] = hi < 0 ? 127 : lo;
+            tde = nice[l] && hi - lo > tde ? hi - lo : tde;
             if (!nice[l] && kind == IX4_TILE_FAST) kind = IX4_TILE_BLOCKS;
             tmx = base[l] > tmx ? base[l] : tmx;
             tmn = base[l] < tmn ? base[l] : tmn;
@@ -435,6 +457,7 @@ static void CSA_V(ix4_pack_keys)(const struct csa_index_problem *p, csa_idx b, c
         th[0] = kind;
         th[1] = tmn;
         th[2] = tmx;
+        th[3] = tde; /* the largest prescale shift: |key byte - OFF| <= 12 << tde */
         for (csa_idx cb = 0; cb < nb; cb += IX4_BPC) {
             const csa_idx nbc = imin(IX4_BPC, nb - cb);
             vf lo4[IX4_NK], hi4[IX4_NK];

@@ -65,9 +65,9 @@ static double CSA_V(peak_fma)(long long iters, int threads, float *sink)
 
 /* ---- integer dot-product peak: the instruction mix of the FP4 indexer's dot products
  * (index_fp4_body.h): VPDPBUSD (64 byte products an instruction) on the avx512 / amx
- * levels when the CPU has AVX512_VNNI (csa_cpu_features), else two VPMADDUBSW whose
- * int16 sums are added and widened by one VPMADDWD into an int32 accumulator (128
- * products, 5 instructions, zmm or ymm), scalar byte products at 'base'.  Counted as
+ * levels when the CPU has AVX512_VNNI (csa_cpu_features), else VPMADDUBSW whose int16
+ * sums are added into int16 accumulators by VPADDW (the one-sum path's int16 lanes,
+ * widened once a head: 64 products, 2 instructions, zmm or ymm), scalar byte products at 'base'.  Counted as
  * 2 integer ops a product (multiply, add), comparable to the FMA peak's flops.
  * VPDPBUSD has latency 5 on Intel and AMD: 10 chains cover one or two ports.  The
  * asm barrier on the operands keeps the compiler from folding constant products. */
@@ -143,12 +143,12 @@ static double CSA_V(peak_idot_mb)(long long iters, int threads, float *sink)
                 /* a barrier per chain: the products do not depend on the accumulator,
                  * and without it one pair of VPMADDUBSW served all chains */
                 __asm__("" : "+v"(a), "+v"(bq));
-                acc[k] = PKI_ADD32(acc[k], PKI_MADD(PKI_ADD16(PKI_MADDUBS(a, bq), PKI_MADDUBS(bq, a)), one));
+                acc[k] = PKI_ADD16(acc[k], PKI_ADD16(PKI_MADDUBS(a, bq), PKI_MADDUBS(bq, a)));
             }
         }
         int32_t lanes[PKI_BYTES / 4];
-        CSA_V(pkiv) s = acc[0];
-        for (int k = 1; k < PKI_ACC_MB; k++) s = PKI_ADD32(s, acc[k]);
+        CSA_V(pkiv) s = PKI_MADD(acc[0], one);
+        for (int k = 1; k < PKI_ACC_MB; k++) s = PKI_ADD32(s, PKI_MADD(acc[k], one));
         memcpy(lanes, &s, sizeof lanes);
         float t = 0;
         for (int l = 0; l < PKI_BYTES / 4; l++) t += (float)lanes[l];

@@ -172,6 +172,36 @@ def test_integer_path_is_exact_where_float32_rounds(at_level):
         assert (dc.index_scores(q, dc.fp4_pack(k), w, ratio=1, start_pos=15) == 36.0 * 2 ** 20 + 8).all()
 
 
+def bound_case(Di):
+    """(q, k, w) whose dots sit at the int16 lanes' bound (VPMADDUBSW path,
+    ix4_tiles_*_fast16): every code +-6, a head's blocks at 2^2 above its base but the
+    last (at the base), keys flat (keys 0-15) or one block 2^1 up (keys 16-31).  A
+    lane's true sum |sum(k q)| is 12 * 16 * (48 nb' + 12) (nb' = nb - 1 blocks up):
+    29952 < 2^15 at Di = 128 against flat keys (the int16 lanes' case, their start
+    values 48 * 16 * 156 far past 2^15: the modulo does the work); 39168 against the
+    others, and 39168 at Di = 160 against flat keys: past 2^15, the int32 path's."""
+    nb = Di // 32
+    sq = np.exp2(np.array([2] * (nb - 1) + [0], np.float32))
+    q = np.repeat(6 * sq, 32)[None, None, None, :] * np.ones((1, 1, 8, 1), np.float32)
+    q[0, 0, 1::2] *= -1
+    sk = np.ones((32, nb), np.float32)
+    sk[16:, 0] = 2
+    k = (6 * np.repeat(sk, 32, axis=1))[None]
+    k[0, ::3] *= -1
+    w = np.linspace(0.5, 1.5, 8, dtype=np.float32)[None, None]
+    return dc.fp4_pack(q), dc.fp4_pack(k), w
+
+
+@pytest.mark.parametrize("Di", [128, 160])
+def test_int16_lanes_at_their_bound(at_level, Di):
+    qp, kp, w = bound_case(Di)
+    at_level("ref")
+    want = dc.index_scores(qp, kp, w, ratio=1, start_pos=31)
+    for lv in LEVELS[1:]:
+        at_level(lv)
+        _same(dc.index_scores(qp, kp, w, ratio=1, start_pos=31), want, f"{lv} scores")
+
+
 @pytest.mark.parametrize("S, Tc, sp", [(1, 4096, 16383), (3, 700, 2797), (20, 600, 2380),
                                        (300, 128, 0)])
 def test_bitwise_identical_at_1_2_3_threads(S, Tc, sp):
@@ -217,12 +247,17 @@ def test_every_level_with_every_feature_set(tmp_path, at_level):
         B, S, Hi, Di, Tc, r, sp = shape
         qp, kp, w = make_case(rng, B, S, Hi, Di, Tc, kind)
         z.update({f"q{i}": qp, f"k{i}": kp, f"w{i}": w, f"a{i}": np.array([r, sp, 50])})
-        cases.append((qp, kp, w, r, sp))
+        cases.append((qp, kp, w, r, sp, 50))
+    for Di in (128, 160):
+        i = len(cases)
+        qp, kp, w = bound_case(Di)
+        z.update({f"q{i}": qp, f"k{i}": kp, f"w{i}": w, f"a{i}": np.array([1, 31, 20])})
+        cases.append((qp, kp, w, 1, 31, 20))
     z["n"] = len(cases)
     np.savez(tmp_path / "in.npz", **z)
     at_level("ref")
     refs = [(dc.index_scores(qp, kp, w, ratio=r, start_pos=sp),
-             dc.index_topk(qp, kp, w, 50, ratio=r, start_pos=sp)) for qp, kp, w, r, sp in cases]
+             dc.index_topk(qp, kp, w, K, ratio=r, start_pos=sp)) for qp, kp, w, r, sp, K in cases]
     have = dc._core._build_info()["cpu_features"].split()
     for feat in FEATURE_SETS:
         env = {k: v for k, v in os.environ.items() if k != "DEEPSEEK_CSA_CPU_FEATURES"}

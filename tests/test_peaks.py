@@ -50,7 +50,7 @@ def test_no_amx_peak_below_amx(level):
 def test_idot_peak_shape_and_count(level):
     """The integer dot-product peak runs the FP4 indexer's instruction at the level:
     VPDPBUSD (zmm) at avx512 / amx where the CPU has AVX512_VNNI, VPMADDUBSW pairs
-    widened by VPMADDWD at avx2 (ymm) and avx512 without it (zmm), scalar below; it
+    added into int16 lanes by VPADDW at avx2 (ymm) and avx512 without it (zmm), scalar below; it
     counts 2 ops a byte product, and its chains fit the register file."""
     dc.set_isa(level)
     sh = _core._peak_idot_shape()
@@ -60,7 +60,7 @@ def test_idot_peak_shape_and_count(level):
         assert (sh["instruction"], sh["vec_bytes"]) == ("vpdpbusd", 64)
         per_round = sh["accumulators"] * 64 * 2
     elif level in ("avx2", "avx512", "amx"):
-        assert (sh["instruction"], sh["vec_bytes"]) == ("vpmaddubsw+vpmaddwd", WIDTH[level])
+        assert (sh["instruction"], sh["vec_bytes"]) == ("vpmaddubsw+vpaddw", WIDTH[level])
         per_round = sh["accumulators"] * 2 * sh["vec_bytes"] * 2   # two VPMADDUBSW a chain
     else:
         assert (sh["instruction"], sh["vec_bytes"]) == ("scalar", 4)

@@ -58,7 +58,7 @@ static PyObject *py_peak_idot_shape(PyObject *self, PyObject *noargs)
     const int acc = csa_peak_idot_shape(&vec_bytes, &vnni);
     return Py_BuildValue("{s:s,s:i,s:i,s:s}", "isa", csa_isa_name(csa_isa_get()), "vec_bytes",
                          vec_bytes, "accumulators", acc, "instruction",
-                         vnni ? "vpdpbusd" : vec_bytes > 4 ? "vpmaddubsw+vpmaddwd" : "scalar");
+                         vnni ? "vpdpbusd" : vec_bytes > 4 ? "vpmaddubsw+vpaddw" : "scalar");
 }
 
 static PyObject *py_stream_triad(PyObject *self, PyObject *args)

@@ -65,4 +65,6 @@ MUTANTS = [
       "FP4 index_topk (integer path): keys whose blocks spread by 2^4 (2^3 without VNNI) prescaled, their bytes wrap"),
     c("fp4_index_amx", "CSA_MUTANT_FP4_INDEX_AMX", [], ["tests/test_fp4_index.py"],
       "FP4 index_topk (AMX-INT8 tiles): the head scales folded into weights that w 2^(eq - 129) rounds"),
+    c("fp4_index_int16", "CSA_MUTANT_FP4_INDEX_INT16", [], ["tests/test_fp4_index.py::test_int16_lanes_at_their_bound"],
+      "FP4 index_topk (VPMADDUBSW path): int16 lane sums taken up to 2^16, past 2^15 they wrap"),
 ]
