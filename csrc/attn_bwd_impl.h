@@ -183,9 +183,9 @@ static inline void CSA_V(bwd_pack)(const void *x, int bf, csa_idx o, csa_idx n, 
  * them at half the logits tile's speed (perf, 2-core Sapphire Rapids, shared host).
  * (Packed H x (d1 - d0), rows 1 KB apart at 2 threads, the same happened to a lesser
  * degree, and a slot group walked all blocks, 128 KB, so every tile read from L2.)
- * The blocks are the outer loop: a block's dO and q (2 H BW floats: 32 KB at avx512,
- * 8 KB at avx2) stay in L1 for all the row's slot groups, and P and dS (6 x 2 lines a
- * group) are streamed from L2 instead.  Each dkv element still gets its slots in slot
+ * The 64-feature blocks are the outer loop: a block's dO and q (2 H 64 floats, 32 KB)
+ * stay in L1 for all the row's slot groups, and P and dS (6 x 2 lines a group) are
+ * streamed from L2 instead, once per block.  Each dkv element still gets its slots in slot
  * order, the same chain. */
 static void CSA_V(bwd_dkv_cols)(const struct csa_attn_bwd_problem *g, csa_idx r0, csa_idx r1,
                                 const float *Pb, const float *Sb, csa_idx rs, const int32_t *vid,
@@ -193,11 +193,7 @@ static void CSA_V(bwd_dkv_cols)(const struct csa_attn_bwd_problem *g, csa_idx r0
 {
     const struct csa_attn_problem *a = &g->f;
     const csa_idx S = a->S, H = a->H, K = a->K, nd = d1 - d0, cw = d1 - d0;
-#ifdef __AVX512F__
     const csa_idx BW = 64;
-#else
-    const csa_idx BW = 16;
-#endif
     float *xo = X, *xq = X + H * cw;
 #ifdef CSA_MUTANT_ATTN_BWD_CHUNK_LAST /* planted: a chunk's last row adds no d(kv) */
     if (r1 - r0 > 1) r1--;
@@ -230,6 +226,12 @@ static void CSA_V(bwd_dkv_cols)(const struct csa_attn_bwd_problem *g, csa_idx r0
 #endif
                     dst[nr++] = dkvc + (csa_idx)v[i] * g->sdkv_n;
                 }
+                /* the next group's d(kv) lines, fetched while this tile runs (~1500
+                 * cycles): d(kv) is 5 MB at S = 2048, beyond L2, and the adds onto it
+                 * waited for their loads (7% of this function's samples, perf, avx512) */
+                for (csa_idx i = i0 + ATTN_MR; i < i0 + 2 * ATTN_MR && i < n; i++)
+                    for (csa_idx l = 0; l < bw; l += 16)
+                        __builtin_prefetch(dkvc + (csa_idx)v[i] * g->sdkv_n + l, 1, 3);
                 const float *Pi = P + i0 * hcp, *Si = DS + i0 * hcp;
 #ifdef __AVX512F__
                 const csa_idx nv = (bw + 15) / 16;
@@ -240,12 +242,14 @@ static void CSA_V(bwd_dkv_cols)(const struct csa_attn_bwd_problem *g, csa_idx r0
                 default: CSA_V(gkv_tile)(Pi, Si, hcp, H, bo, bw, bq, bw, 0, bw, dst, nr, 1); break;
                 }
 #else
+                csa_idx c = 0;
 #if defined(__AVX2__)
-                if (bw == 16)
-                    CSA_V(gkv_tile_v8)(Pi, Si, hcp, H, bo, bw, bq, bw, 0, dst, nr);
-                else
+                for (; c + 16 <= bw; c += 16)
+                    CSA_V(gkv_tile_v8)(Pi, Si, hcp, H, bo, bw, bq, bw, c, dst, nr);
 #endif
-                    CSA_V(gkv_tile_1)(Pi, Si, hcp, H, bo, bw, bq, bw, 0, bw, dst, nr);
+                for (; c < bw; c += 16)
+                    CSA_V(gkv_tile_1)(Pi, Si, hcp, H, bo, bw, bq, bw, c, bw - c < 16 ? bw : c + 16,
+                                      dst, nr);
 #endif
             }
         }
