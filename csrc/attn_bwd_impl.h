@@ -176,17 +176,24 @@ static inline void CSA_V(bwd_pack)(const void *x, int bf, csa_idx o, csa_idx n, 
 /* A column item: dkv[b, idx, d0 .. d1) += G of every valid slot of rows r0 .. r1 (in
  * row order, then slot order).  Pb, Sb: the chunk's P and dS, rs floats a row apart;
  * vid, cnt: the rows' valid kv indices (slot order) and their counts; X: 2 H
- * (d1 - d0) floats of scratch.  Each row's dO and q slices are first packed into X
- * (H rows of d1 - d0 floats each): in place, their rows lie D floats apart, 2 KB at
- * D = 512, so the 128 rows of a 64-feature slice fall into 8 of L1's 64 sets and evict
- * each other -- the tile read them at half the logits tile's speed (perf, 2-core
- * Sapphire Rapids, shared host). */
+ * (d1 - d0) floats of scratch.  Each row's dO and q slices are first packed into X,
+ * one tile width of features (BW) at a time, each block H rows of its width, contiguous:
+ * in place, their rows lie D floats apart, 2 KB at D = 512, so the 128 rows of a
+ * 64-feature slice fall into 8 of L1's 64 sets and evict each other -- the tile read
+ * them at half the logits tile's speed (perf, 2-core Sapphire Rapids, shared host).
+ * (Packed H x (d1 - d0), rows 1 KB apart at 2 threads, the same happened to a lesser
+ * degree, and a slot group walked all blocks, 128 KB, so every tile read from L2.)
+ * The 64-feature blocks are the outer loop: a block's dO and q (2 H 64 floats, 32 KB)
+ * stay in L1 for all the row's slot groups, and P and dS (6 x 2 lines a group) are
+ * streamed from L2 instead, once per block.  Each dkv element still gets its slots in slot
+ * order, the same chain. */
 static void CSA_V(bwd_dkv_cols)(const struct csa_attn_bwd_problem *g, csa_idx r0, csa_idx r1,
                                 const float *Pb, const float *Sb, csa_idx rs, const int32_t *vid,
                                 const csa_idx *cnt, csa_idx hcp, csa_idx d0, csa_idx d1, float *X)
 {
     const struct csa_attn_problem *a = &g->f;
     const csa_idx S = a->S, H = a->H, K = a->K, nd = d1 - d0, cw = d1 - d0;
+    const csa_idx BW = 64;
     float *xo = X, *xq = X + H * cw;
 #ifdef CSA_MUTANT_ATTN_BWD_CHUNK_LAST /* planted: a chunk's last row adds no d(kv) */
     if (r1 - r0 > 1) r1--;
@@ -195,44 +202,56 @@ static void CSA_V(bwd_dkv_cols)(const struct csa_attn_bwd_problem *g, csa_idx r0
         const csa_idx b = r / S, s = r % S, n = cnt[r - r0];
         if (n == 0) continue;
         const csa_idx oo = b * g->sdo_b + s * g->sdo_s + d0, qo = b * a->sq_b + s * a->sq_s + d0;
-        const csa_idx so = cw, sq = cw;
-        for (csa_idx h = 0; h < H; h++) { /* bfloat16 rows widened on the way (exact) */
-            CSA_V(bwd_pack)(g->dout, g->dout_bf16, oo + h * g->sdo_h, nd, xo + h * cw);
-            CSA_V(bwd_pack)(a->q, a->bf16, qo + h * a->sq_h, nd, xq + h * cw);
+        for (csa_idx c0 = 0; c0 < nd; c0 += BW) { /* bfloat16 rows widened on the way (exact) */
+            const csa_idx bw = nd - c0 < BW ? nd - c0 : BW;
+            float *bo = xo + c0 * H, *bq = xq + c0 * H;
+            for (csa_idx h = 0; h < H; h++) {
+                CSA_V(bwd_pack)(g->dout, g->dout_bf16, oo + h * g->sdo_h + c0, bw, bo + h * bw);
+                CSA_V(bwd_pack)(a->q, a->bf16, qo + h * a->sq_h + c0, bw, bq + h * bw);
+            }
         }
         const int32_t *v = vid + (r - r0) * K;
         const float *P = Pb + (r - r0) * rs, *DS = Sb + (r - r0) * rs;
         float *dkvb = (float *)g->dkv + b * g->sdkv_b + d0;
-        for (csa_idx i0 = 0; i0 < n; i0 += ATTN_MR) {
-            float *dst[ATTN_MR];
-            int nr = 0;
-            for (csa_idx i = i0; i < i0 + ATTN_MR && i < n; i++) {
+        for (csa_idx c0 = 0; c0 < nd; c0 += BW) {
+            const csa_idx bw = nd - c0 < BW ? nd - c0 : BW;
+            const float *bo = xo + c0 * H, *bq = xq + c0 * H;
+            float *dkvc = dkvb + c0;
+            for (csa_idx i0 = 0; i0 < n; i0 += ATTN_MR) {
+                float *dst[ATTN_MR];
+                int nr = 0;
+                for (csa_idx i = i0; i < i0 + ATTN_MR && i < n; i++) {
 #ifdef CSA_MUTANT_ATTN_BWD_DUP_ONCE
-                if (i > 0 && v[i] == v[i - 1]) continue;
+                    if (i > 0 && v[i] == v[i - 1]) continue;
 #endif
-                dst[nr++] = dkvb + (csa_idx)v[i] * g->sdkv_n;
-            }
-            const float *Pi = P + i0 * hcp, *Si = DS + i0 * hcp;
-#ifdef __AVX512F__
-            for (csa_idx c0 = 0; c0 < nd; c0 += 64) {
-                const csa_idx nv = (nd - c0 + 15) / 16;
-                switch (nv >= 4 ? 4 : nv) {
-                case 4: CSA_V(gkv_tile)(Pi, Si, hcp, H, xo, so, xq, sq, c0, nd, dst, nr, 4); break;
-                case 3: CSA_V(gkv_tile)(Pi, Si, hcp, H, xo, so, xq, sq, c0, nd, dst, nr, 3); break;
-                case 2: CSA_V(gkv_tile)(Pi, Si, hcp, H, xo, so, xq, sq, c0, nd, dst, nr, 2); break;
-                default: CSA_V(gkv_tile)(Pi, Si, hcp, H, xo, so, xq, sq, c0, nd, dst, nr, 1); break;
+                    dst[nr++] = dkvc + (csa_idx)v[i] * g->sdkv_n;
                 }
-            }
+                /* the next group's d(kv) lines, fetched while this tile runs (~1500
+                 * cycles): d(kv) is 5 MB at S = 2048, beyond L2, and the adds onto it
+                 * waited for their loads (7% of this function's samples, perf, avx512) */
+                for (csa_idx i = i0 + ATTN_MR; i < i0 + 2 * ATTN_MR && i < n; i++)
+                    for (csa_idx l = 0; l < bw; l += 16)
+                        __builtin_prefetch(dkvc + (csa_idx)v[i] * g->sdkv_n + l, 1, 3);
+                const float *Pi = P + i0 * hcp, *Si = DS + i0 * hcp;
+#ifdef __AVX512F__
+                const csa_idx nv = (bw + 15) / 16;
+                switch (nv) {
+                case 4: CSA_V(gkv_tile)(Pi, Si, hcp, H, bo, bw, bq, bw, 0, bw, dst, nr, 4); break;
+                case 3: CSA_V(gkv_tile)(Pi, Si, hcp, H, bo, bw, bq, bw, 0, bw, dst, nr, 3); break;
+                case 2: CSA_V(gkv_tile)(Pi, Si, hcp, H, bo, bw, bq, bw, 0, bw, dst, nr, 2); break;
+                default: CSA_V(gkv_tile)(Pi, Si, hcp, H, bo, bw, bq, bw, 0, bw, dst, nr, 1); break;
+                }
 #else
-            csa_idx c0 = 0;
+                csa_idx c = 0;
 #if defined(__AVX2__)
-            for (; c0 + 16 <= nd; c0 += 16)
-                CSA_V(gkv_tile_v8)(Pi, Si, hcp, H, xo, so, xq, sq, c0, dst, nr);
+                for (; c + 16 <= bw; c += 16)
+                    CSA_V(gkv_tile_v8)(Pi, Si, hcp, H, bo, bw, bq, bw, c, dst, nr);
 #endif
-            for (; c0 < nd; c0 += 16)
-                CSA_V(gkv_tile_1)(Pi, Si, hcp, H, xo, so, xq, sq, c0, nd - c0 < 16 ? nd : c0 + 16,
-                                  dst, nr);
+                for (; c < bw; c += 16)
+                    CSA_V(gkv_tile_1)(Pi, Si, hcp, H, bo, bw, bq, bw, c, bw - c < 16 ? bw : c + 16,
+                                      dst, nr);
 #endif
+            }
         }
     }
 }
