@@ -440,28 +440,6 @@ static void CSA_V(attn_store)(const float *OT, csa_idx hcp, const float *sum, cs
 static void CSA_V(attn_transpose_q)(const void *qv, int bf16, csa_idx sq_h, csa_idx hc,
                                     csa_idx hcp, csa_idx D, float *QT)
 {
-#ifdef __AVX512F__
-    if (bf16) {
-        /* as the float32 blocks below, each row widened in registers (a 16-bit shift,
-         * exact); the scalar loop was ~2% of the bfloat16 backward (perf, avx512) */
-        const csa_bf16 *q = qv;
-        for (csa_idx h0 = 0; h0 < hcp; h0 += 16)
-            for (csa_idx d0 = 0; d0 < D; d0 += 16) {
-                const csa_idx nd = D - d0 < 16 ? D - d0 : 16;
-                const __mmask16 mk = (__mmask16)((1u << nd) - 1);
-                __m512i r[16];
-                for (int j = 0; j < 16; j++)
-                    r[j] = h0 + j < hc
-                               ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(
-                                                       mk, q + (h0 + j) * sq_h + d0)),
-                                                   16)
-                               : _mm512_setzero_si512();
-                CSA_V(transpose16)(r);
-                for (csa_idx i = 0; i < nd; i++) _mm512_storeu_si512(QT + (d0 + i) * hcp + h0, r[i]);
-            }
-        return;
-    }
-#endif
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
     /* 8 x 8 blocks transposed in registers (bfloat16 rows widened on the load, exact),
      * the padding heads and a D tail by the scalar loops below: the scalar transpose's
@@ -501,6 +479,26 @@ static void CSA_V(attn_transpose_q)(const void *qv, int bf16, csa_idx sq_h, csa_
         return;
     }
 #endif
+#ifdef __AVX512F__
+    /* 16 x 16 blocks: whole-line loads of 16 heads, transposed in registers; bfloat16
+     * rows widened on the load (a 16-bit shift, exact: the scalar loop was ~2% of the
+     * bfloat16 backward, perf, avx512) */
+    for (csa_idx h0 = 0; h0 < hcp; h0 += 16)
+        for (csa_idx d0 = 0; d0 < D; d0 += 16) {
+            const csa_idx nd = D - d0 < 16 ? D - d0 : 16;
+            const __mmask16 mk = (__mmask16)((1u << nd) - 1);
+            __m512i r[16];
+            for (int j = 0; j < 16; j++)
+                r[j] = h0 + j >= hc ? _mm512_setzero_si512()
+                       : bf16 ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(
+                                                      mk, (const csa_bf16 *)qv + (h0 + j) * sq_h + d0)),
+                                                  16)
+                              : _mm512_maskz_loadu_epi32(mk, (const float *)qv + (h0 + j) * sq_h + d0);
+            CSA_V(transpose16)(r);
+            for (csa_idx i = 0; i < nd; i++) _mm512_storeu_si512(QT + (d0 + i) * hcp + h0, r[i]);
+        }
+    return;
+#endif
     if (bf16) {
         const csa_bf16 *q = qv;
         for (csa_idx h = 0; h < hcp; h++)
@@ -509,21 +507,6 @@ static void CSA_V(attn_transpose_q)(const void *qv, int bf16, csa_idx sq_h, csa_
         return;
     }
     const float *q = qv;
-#ifdef __AVX512F__
-    /* 16 x 16 blocks: whole-line loads of 16 heads, transposed in registers */
-    for (csa_idx h0 = 0; h0 < hcp; h0 += 16)
-        for (csa_idx d0 = 0; d0 < D; d0 += 16) {
-            const csa_idx nd = D - d0 < 16 ? D - d0 : 16;
-            const __mmask16 mk = (__mmask16)((1u << nd) - 1);
-            __m512i r[16];
-            for (int j = 0; j < 16; j++)
-                r[j] = h0 + j < hc ? _mm512_maskz_loadu_epi32(mk, q + (h0 + j) * sq_h + d0)
-                                   : _mm512_setzero_si512();
-            CSA_V(transpose16)(r);
-            for (csa_idx i = 0; i < nd; i++) _mm512_storeu_si512(QT + (d0 + i) * hcp + h0, r[i]);
-        }
-    return;
-#endif
     for (csa_idx h = 0; h < hcp; h++) {
         const float *qh = q + h * sq_h;
         if (h < hc)
