@@ -23,6 +23,31 @@
 #include "vexp_impl.h"
 #include "bf16_impl.h"
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* Transposes the 8 x 8 block of floats in r[0..7] (AVX2's 16 registers hold it and its
+ * temporaries): pairs of rows interleaved, then pairs of pairs, then the 128-bit halves
+ * exchanged. */
+static inline __attribute__((always_inline)) void CSA_V(transpose8)(__m256 r[8])
+{
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xee);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xee);
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xee);
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xee);
+    r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+    r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+    r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+    r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+    r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+#endif
+
 #ifdef __AVX512F__
 
 /* Transposes the 16 x 16 block of 32-bit elements in r[0..15]: four stages that swap
@@ -453,23 +478,9 @@ static void CSA_V(attn_transpose_q)(const void *qv, int bf16, csa_idx sq_h, csa_
                     r[j] = bf16 ? CSA_V(bf16_widen8)(_mm_loadu_si128(
                                       (const __m128i *)((const csa_bf16 *)qv + (h0 + j) * sq_h + d0)))
                                 : _mm256_loadu_ps((const float *)qv + (h0 + j) * sq_h + d0);
-                const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-                const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-                const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-                const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-                const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xee);
-                const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xee);
-                const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xee);
-                const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xee);
+                CSA_V(transpose8)(r);
                 float *o = QT + d0 * hcp + h0;
-                _mm256_storeu_ps(o + 0 * hcp, _mm256_permute2f128_ps(u0, u4, 0x20));
-                _mm256_storeu_ps(o + 1 * hcp, _mm256_permute2f128_ps(u1, u5, 0x20));
-                _mm256_storeu_ps(o + 2 * hcp, _mm256_permute2f128_ps(u2, u6, 0x20));
-                _mm256_storeu_ps(o + 3 * hcp, _mm256_permute2f128_ps(u3, u7, 0x20));
-                _mm256_storeu_ps(o + 4 * hcp, _mm256_permute2f128_ps(u0, u4, 0x31));
-                _mm256_storeu_ps(o + 5 * hcp, _mm256_permute2f128_ps(u1, u5, 0x31));
-                _mm256_storeu_ps(o + 6 * hcp, _mm256_permute2f128_ps(u2, u6, 0x31));
-                _mm256_storeu_ps(o + 7 * hcp, _mm256_permute2f128_ps(u3, u7, 0x31));
+                for (int i = 0; i < 8; i++) _mm256_storeu_ps(o + i * hcp, r[i]);
             }
         for (csa_idx h = 0; h < hcp; h++)
             for (csa_idx d = h < h8 ? d8 : 0; d < D; d++)
