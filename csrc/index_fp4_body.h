@@ -75,7 +75,14 @@
  * widen and epilogue loads spread over twice the heads) 5-6% less CPU time a call
  * (avx2, 1 thread, Tc = 64K: 6.42 -> 6.06 ms median, interleaved A/B processes, load
  * 1.4).  The pairs path (_fast) at 8 heads is the fallback of rare rows. */
+#if IX4B_VNNI
+/* VPDPBUSD issues on two ports with latency 5 here (Xeon: 5.3 G a CPU second): 8
+ * chains cap it at 1.6 a cycle, 16 chains (two query groups of 8 heads) cover it; the
+ * 16 accumulators and 2 key registers fit the 32 zmm. */
+#define IX4B_HB 16
+#else
 #define IX4B_HB 8
+#endif
 #ifndef IX4B_HB16
 #define IX4B_HB16 IX4B_HB
 #endif
@@ -97,29 +104,35 @@ static inline int32_t IX4B_CAT(IX4B_NAME, _ld32)(const int8_t *q)
  * index_fp4_impl.h). */
 static inline __attribute__((always_inline)) void
 IX4B_CAT(IX4B_NAME, _fast)(const int nh, const uint8_t *qop, const int32_t *hcorr,
-                           const int32_t *heqf, csa_idx h0, csa_idx Di, const uint8_t *kv,
-                           VI ekb0, VF *dot)
+                           const int32_t *hq23, csa_idx h0, csa_idx Di, const uint8_t *kv,
+                           VI ek23, VF *dot)
 {
     VI a[IX4B_HB];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int i = 0; i < nh; i++) a[i] = I_SET1(hcorr[h0 + i]);
+    /* heads h0 .. h0+7 and h0+8 .. (the next group of 8: nh = 16, h0 a multiple of 8) */
     const int8_t *q = (const int8_t *)qop + IX4_QOFF(h0, 0, Di);
+    const int8_t *q2 = q + (Di / 4) * 32;
 #pragma GCC unroll 2
     for (csa_idx f = 0; f < Di / 4; f += 2) {
         const VI k0 = I_LOAD(kv + f * (NKB * 4)), k1 = I_LOAD(kv + (f + 1) * (NKB * 4));
 #ifdef DP2M
-#pragma GCC unroll 8
+#pragma GCC unroll 16
         for (int i = 0; i < nh; i++) {
-            DP2M(a[i], k0, k1, q + (f * 8 + i) * 4, q + (f * 8 + 8 + i) * 4);
+            const int8_t *qi = i < 8 ? q + i * 4 : q2 + (i - 8) * 4;
+            DP2M(a[i], k0, k1, qi + f * 32, qi + f * 32 + 32);
         }
 #else
-#pragma GCC unroll 8
-        for (int i = 0; i < nh; i++)
-            DP2(a[i], k0, k1, LD32(q + (f * 8 + i) * 4), LD32(q + (f * 8 + 8 + i) * 4));
+#pragma GCC unroll 16
+        for (int i = 0; i < nh; i++) {
+            const int8_t *qi = i < 8 ? q + i * 4 : q2 + (i - 8) * 4;
+            DP2(a[i], k0, k1, LD32(qi + f * 32), LD32(qi + f * 32 + 32));
+        }
 #endif
     }
-#pragma GCC unroll 8
-    for (int i = 0; i < nh; i++) dot[i] = F_MUL(F_CVT(a[i]), SCALE(ekb0, heqf[h0 + i]));
+    /* SCALE with the shifts done once a row (hq23) and a tile (ek23) */
+#pragma GCC unroll 16
+    for (int i = 0; i < nh; i++) dot[i] = F_MUL(F_CVT(a[i]), CASTF(I_ADD(ek23, I_SET1(hq23[h0 + i]))));
 }
 
 #if !IX4B_VNNI
@@ -203,12 +216,12 @@ static void IX4B_NAME(const struct ix_call *x, const uint8_t *qb, csa_idx b, csa
     const int32_t *qh = (const int32_t *)qb;
     const uint8_t *qop = qb + g.qop;
     const int32_t *hnice = (const int32_t *)(qb + g.hnice), *hcorr = (const int32_t *)(qb + g.hcorr);
-    const int32_t *heqf = (const int32_t *)(qb + g.heqf), *hcorrb = (const int32_t *)(qb + g.hcorrb);
+    const int32_t *hcorrb = (const int32_t *)(qb + g.hcorrb);
     const int32_t *heqb = (const int32_t *)(qb + g.heqb);
 #if !IX4B_VNNI
     const int32_t *hc16 = (const int32_t *)(qb + g.hc16), *hsq = (const int32_t *)(qb + g.hsq);
-    const int32_t *hq23 = (const int32_t *)(qb + g.hq23);
 #endif
+    const int32_t *hq23 = (const int32_t *)(qb + g.hq23);
     const float *w = (const float *)(qb + g.w);
     const int fast_q = qh[3] && Di <= IX4_FAST_DI;
     for (csa_idx t = t0; t < t1; t += NKB) {
@@ -223,7 +236,7 @@ static void IX4B_NAME(const struct ix_call *x, const uint8_t *qb, csa_idx b, csa
         const int32_t *ekb = (const int32_t *)(tile + 64);
         const uint8_t *kv = tile + 64 + (size_t)nb * NKB * 4;
         VF tot = F_ZERO();
-        const VI ekb0 = I_LOAD(ekb);
+        const VI ek23 = I_SLLI(I_LOAD(ekb), 23);
         const int fast_k = th[0] == IX4_TILE_FAST && Di <= IX4_FAST_DI;
 #if !IX4B_VNNI
 #ifndef CSA_MUTANT_FP4_INDEX_INT16
@@ -237,37 +250,49 @@ static void IX4B_NAME(const struct ix_call *x, const uint8_t *qb, csa_idx b, csa
             /* prescaled keys: the one-sum path, IX4B_HB heads a pass sharing each key
              * load, wherever a group's heads are all prescaled too (a query row with
              * one head past the reach keeps its other groups on this path) */
-            for (; h + IX4B_HB <= Hi; h += IX4B_HB) {
+            for (; h + 8 <= Hi;) {
+                /* IX4B_HB heads a pass, then 8 (Hi a multiple of 8, not of 16) */
+                const int hb = h + IX4B_HB <= Hi ? IX4B_HB : 8;
                 int all = 1;
                 if (!fast_q)
-                    for (int i = 0; i < IX4B_HB; i++) all &= hnice[h + i] != 0;
+                    for (int i = 0; i < hb; i++) all &= hnice[h + i] != 0;
                 VF dot[IX4B_HB];
 #if !IX4B_VNNI
                 int ok16 = all;
-                for (int i = 0; i < IX4B_HB; i++) ok16 &= hsq[h + i] <= lim16;
+                for (int i = 0; i < hb; i++) ok16 &= hsq[h + i] <= lim16;
                 if (ok16) {
-                    IX4B_CAT(IX4B_NAME, _fast16)(IX4B_HB, qop, hc16, hq23, h, Di, kv, I_SLLI(ekb0, 23), dot);
+                    IX4B_CAT(IX4B_NAME, _fast16)(IX4B_HB, qop, hc16, hq23, h, Di, kv, ek23, dot);
                 } else
 #endif
-                if (all) {
-                    IX4B_CAT(IX4B_NAME, _fast)(IX4B_HB, qop, hcorr, heqf, h, Di, kv, ekb0, dot);
+                if (all && hb == IX4B_HB) {
+                    IX4B_CAT(IX4B_NAME, _fast)(IX4B_HB, qop, hcorr, hq23, h, Di, kv, ek23, dot);
+#if IX4B_HB > 8
+                } else if (all) {
+                    IX4B_CAT(IX4B_NAME, _fast)(8, qop, hcorr, hq23, h, Di, kv, ek23, dot);
+#endif
                 } else {
-                    for (int i = 0; i < IX4B_HB; i++) {
+                    for (int i = 0; i < hb; i++) {
                         VF d1[IX4B_HB];
                         if (hnice[h + i])
-                            IX4B_CAT(IX4B_NAME, _fast)(1, qop, hcorr, heqf, h + i, Di, kv, ekb0, d1);
+                            IX4B_CAT(IX4B_NAME, _fast)(1, qop, hcorr, hq23, h + i, Di, kv, ek23, d1);
                         else
                             d1[0] = IX4B_CAT(IX4B_NAME, _blocks)(qop, hcorrb, heqb, h + i, Di, kv, ekb);
                         dot[i] = d1[0];
                     }
                 }
+                if (hb == IX4B_HB) {
+#pragma GCC unroll 16
+                    for (int i = 0; i < IX4B_HB; i++) tot = IX4B_CAT(IX4B_NAME, _acc)(tot, dot[i], w[h + i]);
+                } else {
 #pragma GCC unroll 8
-                for (int i = 0; i < IX4B_HB; i++) tot = IX4B_CAT(IX4B_NAME, _acc)(tot, dot[i], w[h + i]);
+                    for (int i = 0; i < 8; i++) tot = IX4B_CAT(IX4B_NAME, _acc)(tot, dot[i], w[h + i]);
+                }
+                h += hb;
             }
         for (; h < Hi; h++) {
             VF dot[IX4B_HB];
             if (fast_k && hnice[h])
-                IX4B_CAT(IX4B_NAME, _fast)(1, qop, hcorr, heqf, h, Di, kv, ekb0, dot);
+                IX4B_CAT(IX4B_NAME, _fast)(1, qop, hcorr, hq23, h, Di, kv, ek23, dot);
             else
                 dot[0] = IX4B_CAT(IX4B_NAME, _blocks)(qop, hcorrb, heqb, h, Di, kv, ekb);
             tot = IX4B_CAT(IX4B_NAME, _acc)(tot, dot[0], w[h]);
