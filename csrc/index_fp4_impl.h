@@ -249,19 +249,13 @@ static void CSA_V(ix4_pack_row)(const struct ix_call *x, csa_idx b, csa_idx s, u
 CSA_TARGET_POP
 #endif
 CSA_TARGET_PUSH512("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c,avx512vnni,avx512vbmi")
-/* The key bytes of a tile whose 16 keys are all prescaled (base exponents emn), on
- * CPUs with AVX512_VBMI (the VNNI path's feature set): the keys' packed nibbles are
- * transposed first (a dword is 8 features), then each transposed vector is decoded for
- * all 16 keys at once by two 64-entry byte lookups (VPERMB, the index carrying the
- * key's shift for the block in its top bits) and its low / high nibbles are
- * interleaved into two output vectors by two-source byte permutes (VPERMT2B).  Against
- * the decode a key at a time (a table per block, then the dword transpose): 0.44 of
- * the instructions a tile (Xeon, Di = 128). */
-static void CSA_V(ix4_decode_tile_vbmi)(const uint8_t *kr0, csa_idx skt, csa_idx Di, __m512i emn,
-                                        int off, uint8_t *CSA_RESTRICT kv)
+/* The decode tables of ix4_decode_tile_vbmi, built once a chunk of keys. */
+struct CSA_V(ix4_vbmi_tab) {
+    __m512i t, ie, io;
+};
+
+static void CSA_V(ix4_vbmi_tables)(int off, struct CSA_V(ix4_vbmi_tab) *tb)
 {
-    typedef CSA_V(vf) vf;
-    const csa_idx nb = Di / 32;
     uint8_t tab[64], ie[64], io[64];
     for (int de = 0; de < 4; de++)
         for (int c = 0; c < 16; c++) tab[16 * de + c] = (uint8_t)(fp4_v2[c] * (1 << de) + off);
@@ -272,10 +266,32 @@ static void CSA_V(ix4_decode_tile_vbmi)(const uint8_t *kr0, csa_idx skt, csa_idx
             io[4 * l + 2 * u] = (uint8_t)(4 * l + 2 + u);
             io[4 * l + 2 * u + 1] = (uint8_t)(64 + 4 * l + 2 + u);
         }
-    const __m512i T = _mm512_loadu_si512(tab), IE = _mm512_loadu_si512(ie), IO = _mm512_loadu_si512(io);
+    tb->t = _mm512_loadu_si512(tab);
+    tb->ie = _mm512_loadu_si512(ie);
+    tb->io = _mm512_loadu_si512(io);
+}
+
+/* The key bytes of a tile of 16 keys whose blocks' exponents (e[j], the keys in the
+ * lanes) all lie within 2^3 of the keys' least ones emn, on CPUs with AVX512_VBMI (the
+ * VNNI path's feature set): the keys' packed nibbles are transposed first (a dword is
+ * 8 features), then each transposed vector is decoded for all 16 keys at once by two
+ * 64-entry byte lookups (VPERMB, the index carrying the key's shift for the block in
+ * its top bits) and its low / high nibbles are interleaved into two output vectors by
+ * two-source byte permutes (VPERMT2B).  Against the decode a key at a time (a table
+ * per block, then the dword transpose): 0.44 of the instructions a tile (Xeon, Di =
+ * 128).  A block of zero codes here counts in the spread and may set the key's base
+ * (the scalar pass leaves it out): its bytes are OFF whatever the shift, it adds an
+ * exact 0, and the others' shifts stay within 2^3, so the one-sum path is exact all
+ * the same.  Testing each key's blocks for a nonzero code first, 64 scalar tests and
+ * branches a tile, was a third of the pack's samples (perf, Tc = 64K, 1 thread). */
+static void CSA_V(ix4_decode_tile_vbmi)(const uint8_t *kr0, csa_idx skt, csa_idx Di, __m512i emn,
+                                        const __m512i *e, const struct CSA_V(ix4_vbmi_tab) *tb,
+                                       uint8_t *CSA_RESTRICT kv)
+{
+    typedef CSA_V(vf) vf;
+    const csa_idx nb = Di / 32;
+    const __m512i T = tb->t, IE = tb->ie, IO = tb->io;
     const __m512i m4 = _mm512_set1_epi8(15);
-    const __m512i vidx = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32((int)skt));
     for (csa_idx cb = 0; cb < nb; cb += 4) {
         const csa_idx nbc = imin(4, nb - cb);
         const __mmask64 lm = nbc == 4 ? ~(__mmask64)0 : ((__mmask64)1 << (16 * nbc)) - 1;
@@ -283,9 +299,7 @@ static void CSA_V(ix4_decode_tile_vbmi)(const uint8_t *kr0, csa_idx skt, csa_idx
         for (int l = 0; l < 16; l++) r[l] = (vf)_mm512_maskz_loadu_epi8(lm, kr0 + l * skt + 16 * cb);
         CSA_V(ix_transpose)(r); /* r[i]: raw dword i (features 32 cb + 8 i ..) of each key */
         for (csa_idx jj = 0; jj < nbc; jj++) {
-            const __m512i e = _mm512_srli_epi32(
-                _mm512_i32gather_epi32(vidx, (const void *)(kr0 + Di / 2 + cb + jj - 3), 1), 24);
-            const __m512i deb = _mm512_mullo_epi32(_mm512_sub_epi32(e, emn), _mm512_set1_epi32(0x10101010));
+            const __m512i deb = _mm512_mullo_epi32(_mm512_sub_epi32(e[cb + jj], emn), _mm512_set1_epi32(0x10101010));
             for (int u = 0; u < 4; u++) {
                 const __m512i v = (__m512i)r[4 * jj + u];
                 const __m512i lo = _mm512_permutexvar_epi8(_mm512_or_si512(_mm512_and_si512(v, m4), deb), T);
@@ -330,6 +344,10 @@ static void CSA_V(ix4_pack_keys)(const struct csa_index_problem *p, csa_idx b, c
         lut[de] = _mm_loadu_si128((const __m128i *)tab);
     }
     const uint8_t *kb = (const uint8_t *)p->k + b * p->skb;
+#ifdef IX4_HAVE_VNNI
+    struct CSA_V(ix4_vbmi_tab) vtab;
+    if (vn) CSA_V(ix4_vbmi_tables)(off, &vtab);
+#endif
 #if defined(__AVX512F__)
 #define IX4_BPC 4 /* blocks per decoded register */
     typedef __m512i vb;
@@ -353,12 +371,22 @@ static void CSA_V(ix4_pack_keys)(const struct csa_index_problem *p, csa_idx b, c
         if (nk == NK && p->skt <= (1 << 26)) {
             const uint8_t *kr0 = kb + t * p->skt;
             int ok = 1;
-            for (csa_idx l = 0; l < NK && ok; l++) {
-                const uint8_t *kr = kr0 + l * p->skt;
-                _mm_prefetch((const char *)(kr + 64 * p->skt), _MM_HINT_T0);
-                for (csa_idx j = 0; j < nb && ok; j++)
-                    ok = !_mm_testz_si128(_mm_loadu_si128((const __m128i *)(kr + 16 * j)), _mm_set1_epi8(0x77));
-            }
+#ifdef IX4_HAVE_VNNI
+            __m512i ev[64];
+            const int vq = vn && nb <= 64; /* zero blocks may join the spread (the decode) */
+#else
+            const int vq = 0;
+#endif
+            if (vq)
+                for (csa_idx l = 0; l < NK; l++)
+                    _mm_prefetch((const char *)(kr0 + (l + 64) * p->skt), _MM_HINT_T0);
+            else
+                for (csa_idx l = 0; l < NK && ok; l++) {
+                    const uint8_t *kr = kr0 + l * p->skt;
+                    _mm_prefetch((const char *)(kr + 64 * p->skt), _MM_HINT_T0);
+                    for (csa_idx j = 0; j < nb && ok; j++)
+                        ok = !_mm_testz_si128(_mm_loadu_si128((const __m128i *)(kr + 16 * j)), _mm_set1_epi8(0x77));
+                }
 #if defined(__AVX512F__)
             const __m512i vidx = _mm512_mullo_epi32(
                 _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -368,26 +396,30 @@ static void CSA_V(ix4_pack_keys)(const struct csa_index_problem *p, csa_idx b, c
                 /* the dword ending at the scale byte: never past the row */
                 const __m512i e = _mm512_srli_epi32(
                     _mm512_i32gather_epi32(vidx, (const void *)(kr0 + Di / 2 + j - 3), 1), 24);
+#ifdef IX4_HAVE_VNNI
+                if (vq) ev[j] = e;
+#endif
                 emn = _mm512_min_epi32(emn, e);
                 emx = _mm512_max_epi32(emx, e);
             }
             if (ok && !_mm512_cmpeq_epi32_mask(emx, _mm512_set1_epi32(255)) &&
                 !_mm512_cmpgt_epi32_mask(_mm512_sub_epi32(emx, emn), _mm512_set1_epi32(dk))) {
+#ifdef IX4_HAVE_VNNI
+                if (vq) {
+                    CSA_V(ix4_decode_tile_vbmi)(kr0, p->skt, Di, emn, ev, &vtab, kv);
+                    for (csa_idx j = 0; j < nb; j++) _mm512_store_si512(ekb + j * NK, emn);
+                    th[0] = IX4_TILE_FAST;
+                    th[1] = _mm512_reduce_min_epi32(emn);
+                    th[2] = _mm512_reduce_max_epi32(emx);
+                    th[3] = _mm512_reduce_max_epi32(_mm512_sub_epi32(emx, emn));
+                    continue;
+                }
+#endif
                 _mm512_storeu_si512(base, emn);
                 for (csa_idx j = 0; j < nb; j++) _mm512_store_si512(ekb + j * NK, emn);
                 tmn = _mm512_reduce_min_epi32(emn);
                 tmx = _mm512_reduce_max_epi32(emx);
                 tde = _mm512_reduce_max_epi32(_mm512_sub_epi32(emx, emn));
-#ifdef IX4_HAVE_VNNI
-                if (vn) {
-                    th[0] = IX4_TILE_FAST;
-                    th[1] = tmn;
-                    th[2] = tmx;
-                    th[3] = tde;
-                    CSA_V(ix4_decode_tile_vbmi)(kr0, p->skt, Di, emn, off, kv);
-                    continue;
-                }
-#endif
 #else
             const __m256i vidx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
                                                     _mm256_set1_epi32((int)p->skt));

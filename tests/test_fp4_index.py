@@ -202,6 +202,39 @@ def test_int16_lanes_at_their_bound(at_level, Di):
         _same(dc.index_scores(qp, kp, w, ratio=1, start_pos=31), want, f"{lv} scores")
 
 
+@pytest.mark.parametrize("qscale", [1.0, 2.0 ** -60])
+def test_zero_blocks_inside_a_keys_spread(at_level, qscale):
+    """Keys with a block of zero codes whose scale byte lies 0 .. 4 below, or 2 above,
+    the key's nonzero blocks (and keys all zero at ordinary scale bytes): the VNNI
+    level's vector decode counts such a block in the key's spread and base, the scalar
+    pass leaves it out; both are exact, so the scores are the oracle's bits (with q at
+    2^-60 the lowered base also crosses the exact range's lower end: the oracle's own
+    function for the tile)."""
+    rng = np.random.default_rng(45)
+    Tc, Di, Hi = 160, 128, 24
+    q = _grid(rng, (1, 1, Hi, Di)) * np.float32(qscale)
+    k = _grid(rng, (1, Tc, Di), 2.0)
+    qp, kp = dc.fp4_pack(q), dc.fp4_pack(k)
+    nb = Di // 32
+    for t in range(Tc):
+        j, d = t % nb, [0, -1, -2, -3, -4, 2, 0, 0][(t // 16) % 8]
+        if t % 3 == 0:
+            continue
+        kp[0, t, 16 * j:16 * j + 16] = 0 if t % 2 else 0x88   # +0 / -0 codes
+        others = [int(kp[0, t, Di // 2 + i]) for i in range(nb) if i != j]
+        kp[0, t, Di // 2 + j] = np.uint8(min(others) + d)
+    kp[0, 80:96, :Di // 2] = 0                                 # a tile of zero keys
+    w = rng.standard_normal((1, 1, Hi)).astype(np.float32)
+    at_level("ref")
+    want = dc.index_scores(qp, kp, w, ratio=1, start_pos=Tc - 1)
+    want_k = dc.index_topk(qp, kp, w, 32, ratio=1, start_pos=Tc - 1)
+    for lv in LEVELS[1:]:
+        at_level(lv)
+        _same(dc.index_scores(qp, kp, w, ratio=1, start_pos=Tc - 1), want, f"{lv} scores")
+        np.testing.assert_array_equal(dc.index_topk(qp, kp, w, 32, ratio=1, start_pos=Tc - 1), want_k,
+                                      err_msg=f"{lv} top-k")
+
+
 @pytest.mark.parametrize("S, Tc, sp", [(1, 4096, 16383), (3, 700, 2797), (20, 600, 2380),
                                        (300, 128, 0)])
 def test_bitwise_identical_at_1_2_3_threads(S, Tc, sp):
