@@ -13,6 +13,7 @@
 #define I_ADD _mm512_add_epi32
 #define I_LOAD(p) _mm512_load_si512((const void *)(p))
 #define I_SLLI _mm512_slli_epi32
+#define I_MAX0(a) _mm512_max_epi32(a, _mm512_setzero_si512())
 #define F_CVT _mm512_cvtepi32_ps
 #define F_MUL _mm512_mul_ps
 #define F_ADD _mm512_add_ps
@@ -50,6 +51,7 @@
 #define I_ADD _mm256_add_epi32
 #define I_LOAD(p) _mm256_load_si256((const __m256i *)(p))
 #define I_SLLI _mm256_slli_epi32
+#define I_MAX0(a) _mm256_max_epi32(a, _mm256_setzero_si256())
 #define F_CVT _mm256_cvtepi32_ps
 #define F_MUL _mm256_mul_ps
 #define F_ADD _mm256_add_ps
@@ -104,8 +106,8 @@ static inline int32_t IX4B_CAT(IX4B_NAME, _ld32)(const int8_t *q)
  * index_fp4_impl.h). */
 static inline __attribute__((always_inline)) void
 IX4B_CAT(IX4B_NAME, _fast)(const int nh, const uint8_t *qop, const int32_t *hcorr,
-                           const int32_t *hq23, csa_idx h0, csa_idx Di, const uint8_t *kv,
-                           VI ek23, VF *dot)
+                           const int32_t *hq23, const float *wf, csa_idx h0, csa_idx Di,
+                           const uint8_t *kv, VI ek23, VF *dot)
 {
     VI a[IX4B_HB];
 #pragma GCC unroll 16
@@ -129,6 +131,11 @@ IX4B_CAT(IX4B_NAME, _fast)(const int nh, const uint8_t *qop, const int32_t *hcor
             DP2(a[i], k0, k1, LD32(qi + f * 32), LD32(qi + f * 32 + 32));
         }
 #endif
+    }
+    if (wf) { /* the factored head sum's terms: relu(N) wf, rounded once */
+#pragma GCC unroll 16
+        for (int i = 0; i < nh; i++) dot[i] = F_MUL(F_CVT(I_MAX0(a[i])), F_SET1(wf[h0 + i]));
+        return;
     }
     /* SCALE with the shifts done once a row (hq23) and a tile (ek23) */
 #pragma GCC unroll 16
@@ -202,6 +209,13 @@ static inline VF IX4B_CAT(IX4B_NAME, _acc)(VF tot, VF dot, float w)
 #endif
 }
 
+/* tot + m, m a rounded product the compiler must not fuse into the addition. */
+static inline VF IX4B_CAT(IX4B_NAME, _add)(VF tot, VF m)
+{
+    __asm__("" : "+v"(m));
+    return F_ADD(tot, m);
+}
+
 /* Scores of query row (b, s), packed in qb, against keys [t0, t1) whose tiles start at
  * kt0 = t0 in kc; tiles whose keys all lie in unkept candidate blocks are skipped. */
 static void IX4B_NAME(const struct ix_call *x, const uint8_t *qb, csa_idx b, csa_idx s,
@@ -222,7 +236,11 @@ static void IX4B_NAME(const struct ix_call *x, const uint8_t *qb, csa_idx b, csa
     const int32_t *hc16 = (const int32_t *)(qb + g.hc16), *hsq = (const int32_t *)(qb + g.hsq);
 #endif
     const int32_t *hq23 = (const int32_t *)(qb + g.hq23);
-    const float *w = (const float *)(qb + g.w);
+    const float *w = (const float *)(qb + g.w), *wf = (const float *)(qb + g.wf);
+    int lg_hi = 0;
+    while (((csa_idx)1 << lg_hi) < Hi) lg_hi++;
+    (void)wf;
+    (void)lg_hi;
     const int fast_q = qh[3] && Di <= IX4_FAST_DI;
     for (csa_idx t = t0; t < t1; t += NKB) {
         const csa_idx nk = imin(NKB, t1 - t);
@@ -238,6 +256,29 @@ static void IX4B_NAME(const struct ix_call *x, const uint8_t *qb, csa_idx b, csa
         VF tot = F_ZERO();
         const VI ek23 = I_SLLI(I_LOAD(ekb), 23);
         const int fast_k = th[0] == IX4_TILE_FAST && Di <= IX4_FAST_DI;
+#if IX4B_VNNI
+        /* The head sum factored (wfp): with wf = w 2^(eq - 129) exact and every head's
+         * and key's bytes prescaled, relu(dot) w = 2^(ek - 127) relu(N) wf as real
+         * numbers.  When every term relu(N) wf and every partial sum is normal (or 0)
+         * and finite both as it is and times 2^(ek - 127), scaling by that power of 2
+         * commutes with each rounding, so the oracle's head sum is 2^(ek - 127) times
+         * the sum of the rounded relu(N) wf, added in head order: 4 vector operations
+         * a head (max, convert, multiply, add) where the scaled terms take 6, and one
+         * multiply a tile.  Sufficient: the nonzero terms and sums are multiples of
+         * ulp(2^wlo) = 2^(wlo - 23) (|N| >= 1, |wf| >= 2^wlo), so normal at both scales
+         * when wlo - 23 + min(ek - 127, 0) >= -126; they stay below Hi 2^(whi + 25)
+         * (|N| < 2^24, |wf| < 2^(whi + 1)), finite when whi + 25 + log2(Hi) rounded up
+         * + max(ek - 127, 0) <= 127; ek in [th[1], th[2]] inside [1, 254]. */
+        const float *wfp = NULL;
+        if (fast_k && fast_q && qh[6] && th[1] >= 1 && th[2] <= 254 &&
+#ifndef CSA_MUTANT_FP4_INDEX_FACTOR
+            qh[7] - 23 + imin(th[1] - 127, 0) >= -126 &&
+#endif
+            qh[8] + 25 + lg_hi + (th[2] > 127 ? th[2] - 127 : 0) <= 127)
+            wfp = wf;
+#else
+        const float *wfp = NULL;
+#endif
 #if !IX4B_VNNI
 #ifndef CSA_MUTANT_FP4_INDEX_INT16
         const int32_t lim16 = 32767 / (12 << th[3]); /* _fast16's reach, per head: hsq */
@@ -265,22 +306,25 @@ static void IX4B_NAME(const struct ix_call *x, const uint8_t *qb, csa_idx b, csa
                 } else
 #endif
                 if (all && hb == IX4B_HB) {
-                    IX4B_CAT(IX4B_NAME, _fast)(IX4B_HB, qop, hcorr, hq23, h, Di, kv, ek23, dot);
+                    IX4B_CAT(IX4B_NAME, _fast)(IX4B_HB, qop, hcorr, hq23, wfp, h, Di, kv, ek23, dot);
 #if IX4B_HB > 8
                 } else if (all) {
-                    IX4B_CAT(IX4B_NAME, _fast)(8, qop, hcorr, hq23, h, Di, kv, ek23, dot);
+                    IX4B_CAT(IX4B_NAME, _fast)(8, qop, hcorr, hq23, wfp, h, Di, kv, ek23, dot);
 #endif
                 } else {
                     for (int i = 0; i < hb; i++) {
                         VF d1[IX4B_HB];
                         if (hnice[h + i])
-                            IX4B_CAT(IX4B_NAME, _fast)(1, qop, hcorr, hq23, h + i, Di, kv, ek23, d1);
+                            IX4B_CAT(IX4B_NAME, _fast)(1, qop, hcorr, hq23, NULL, h + i, Di, kv, ek23, d1);
                         else
                             d1[0] = IX4B_CAT(IX4B_NAME, _blocks)(qop, hcorrb, heqb, h + i, Di, kv, ekb);
                         dot[i] = d1[0];
                     }
                 }
-                if (hb == IX4B_HB) {
+                if (wfp) {
+#pragma GCC unroll 16
+                    for (int i = 0; i < hb; i++) tot = IX4B_CAT(IX4B_NAME, _add)(tot, dot[i]);
+                } else if (hb == IX4B_HB) {
 #pragma GCC unroll 16
                     for (int i = 0; i < IX4B_HB; i++) tot = IX4B_CAT(IX4B_NAME, _acc)(tot, dot[i], w[h + i]);
                 } else {
@@ -291,12 +335,18 @@ static void IX4B_NAME(const struct ix_call *x, const uint8_t *qb, csa_idx b, csa
             }
         for (; h < Hi; h++) {
             VF dot[IX4B_HB];
+            if (wfp) { /* every head prescaled */
+                IX4B_CAT(IX4B_NAME, _fast)(1, qop, hcorr, hq23, wfp, h, Di, kv, ek23, dot);
+                tot = IX4B_CAT(IX4B_NAME, _add)(tot, dot[0]);
+                continue;
+            }
             if (fast_k && hnice[h])
-                IX4B_CAT(IX4B_NAME, _fast)(1, qop, hcorr, hq23, h, Di, kv, ek23, dot);
+                IX4B_CAT(IX4B_NAME, _fast)(1, qop, hcorr, hq23, NULL, h, Di, kv, ek23, dot);
             else
                 dot[0] = IX4B_CAT(IX4B_NAME, _blocks)(qop, hcorrb, heqb, h, Di, kv, ekb);
             tot = IX4B_CAT(IX4B_NAME, _acc)(tot, dot[0], w[h]);
         }
+        if (wfp) tot = F_MUL(tot, CASTF(ek23)); /* times 2^(ek - 127), exact */
         if (nk == NKB) {
             F_STOREU(o + t, tot);
         } else {
@@ -313,6 +363,7 @@ static void IX4B_NAME(const struct ix_call *x, const uint8_t *qb, csa_idx b, csa
 #undef I_ADD
 #undef I_LOAD
 #undef I_SLLI
+#undef I_MAX0
 #undef F_CVT
 #undef F_MUL
 #undef F_ADD

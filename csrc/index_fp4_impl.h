@@ -112,15 +112,15 @@ static void CSA_V(ix4_row_geo)(const struct csa_index_problem *p, struct CSA_V(i
     g->qop = o;
     o += (Hi + 7) / 8 * 8 * (size_t)p->Di;
     o = (o + 63) / 64 * 64;
-    g->qa = g->ci = g->wf = o;
+    g->qa = g->ci = o;
     if (CSA_V(ix4_amx)()) {
         const size_t HG = (Hi + 15) / 16, NC = (size_t)(p->Di + 63) / 64;
         o += HG * NC * 1024;
         g->ci = o;
         o += HG * 1024;
-        g->wf = o;
-        o += HG * 64;
     }
+    g->wf = o;
+    o += (Hi + 15) / 16 * 64;
     g->bytes = o;
 }
 
@@ -219,6 +219,25 @@ static void CSA_V(ix4_pack_row)(const struct ix_call *x, csa_idx b, csa_idx s, u
     hdr[3] = all;
     const csa_idx w0 = b * p->swb + s * p->sws;
     for (csa_idx h = 0; h < Hi; h++) w[h] = ld(p->w, p->w_bf16, w0 + h * p->swh);
+    /* The weights with the head's scale folded in, w 2^(eq - 129) (the tiles' and the
+     * VNNI path's factored head sum, ix4_tiles_vnni): exact when the double rounds to
+     * itself.  hdr[6]: every one exact and finite; hdr[7] / hdr[8]: the least / largest
+     * binary exponent of the nonzero ones (|wf| in [2^hdr[7], 2^(hdr[8] + 1))). */
+    float *wf = (float *)(buf + g.wf);
+    int fin = 1, wlo = 1 << 20, whi = -(1 << 20);
+    for (csa_idx h = 0; h < Hi; h++) {
+        const double a = (double)w[h] * ldexp(1.0, heqf[h] - 129);
+        wf[h] = (float)a;
+        fin &= isfinite(wf[h]) && (double)wf[h] == a;
+        if (wf[h] != 0.0f && isfinite(wf[h])) {
+            const int e = ilogbf(wf[h]);
+            wlo = e < wlo ? e : wlo;
+            whi = e > whi ? e : whi;
+        }
+    }
+    hdr[6] = fin;
+    hdr[7] = wlo;
+    hdr[8] = whi;
     if (!CSA_V(ix4_amx)()) return;
     /* The tile path's operands (zeroed above with the query bytes): the A tiles, the C
      * start tiles, and the weights with the head's scale folded in, w 2^(eq - 129), used
@@ -228,14 +247,12 @@ static void CSA_V(ix4_pack_row)(const struct ix_call *x, csa_idx b, csa_idx s, u
     const csa_idx NC = (Di + 63) / 64;
     int8_t *qa = (int8_t *)(buf + g.qa);
     int32_t *ci = (int32_t *)(buf + g.ci);
-    float *wf = (float *)(buf + g.wf);
     int fold = 1;
     for (csa_idx h = 0; h < Hi; h++) {
         int8_t *qah = qa + ((h / 16) * NC * 16 + h % 16) * 64;
         for (csa_idx d = 0; d < Di; d++) qah[(d / 64) * 1024 + d % 64] = qop[IX4_QOFF(h, d / 4, Di) + d % 4];
         for (int l = 0; l < 16; l++) ci[h * 16 + l] = hcorr[h];
         const double a = (double)w[h] * ldexp(1.0, heqf[h] - 129);
-        wf[h] = (float)a;
 #ifndef CSA_MUTANT_FP4_INDEX_AMX /* planted (make mutants): the folded weights used unchecked */
         fold &= w[h] != w[h] || (double)wf[h] == a;
 #endif

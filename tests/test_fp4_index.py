@@ -235,6 +235,27 @@ def test_zero_blocks_inside_a_keys_spread(at_level, qscale):
                                       err_msg=f"{lv} top-k")
 
 
+@pytest.mark.parametrize("kscale", [-60, 0, 60])
+def test_factored_head_sum_at_its_range_bounds(at_level, kscale):
+    """The VNNI path's factored head sum (ix4_tiles_vnni: 2^(ek - 127) times the sum of
+    relu(N) w 2^(eq - 129)) holds only while every term is normal and finite at both
+    scales: weights swept across 2^-130 .. 2^120 against keys at 2^kscale take it on
+    both sides of its lower (terms below the normals once scaled: the oracle rounds
+    them there) and upper bound (sums past the largest float)."""
+    rng = np.random.default_rng(146 + kscale)
+    Tc, Di, Hi = 48, 128, 16
+    qp = dc.fp4_pack(_grid(rng, (1, 1, Hi, Di)))
+    kp = dc.fp4_pack(_grid(rng, (1, Tc, Di)) * np.float32(2.0 ** kscale))
+    w0 = rng.standard_normal((1, 1, Hi)).astype(np.float32)
+    for e in range(-130, 121, 3):
+        w = w0 * np.float32(2.0 ** e)
+        at_level("ref")
+        want = dc.index_scores(qp, kp, w, ratio=1, start_pos=Tc - 1)
+        for lv in LEVELS[1:]:
+            at_level(lv)
+            _same(dc.index_scores(qp, kp, w, ratio=1, start_pos=Tc - 1), want, f"{lv} scores, w at 2^{e}")
+
+
 @pytest.mark.parametrize("S, Tc, sp", [(1, 4096, 16383), (3, 700, 2797), (20, 600, 2380),
                                        (300, 128, 0)])
 def test_bitwise_identical_at_1_2_3_threads(S, Tc, sp):

@@ -67,6 +67,9 @@ MUTANTS = [
       "FP4 index_topk (AMX-INT8 tiles): the head scales folded into weights that w 2^(eq - 129) rounds"),
     c("fp4_index_int16", "CSA_MUTANT_FP4_INDEX_INT16", [], ["tests/test_fp4_index.py::test_int16_lanes_at_their_bound"],
       "FP4 index_topk (VPMADDUBSW path): int16 lane sums taken up to 2^16, past 2^15 they wrap"),
+    c("fp4_index_factor", "CSA_MUTANT_FP4_INDEX_FACTOR", [],
+      ["tests/test_fp4_index.py::test_factored_head_sum_at_its_range_bounds"],
+      "FP4 index_topk (VNNI path): the head sum factored without its lower bound, terms the oracle rounds below the normals"),
     c("fp4_topk_pos", "CSA_MUTANT_FP4_TOPK_POS", [], ["tests/test_fp4_index.py"],
       "FP4 index_topk (fused top-k, AVX-512 keep loop): kept keys' positions counted from the chunk's start"),
 ]
