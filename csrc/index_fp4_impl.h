@@ -49,6 +49,13 @@
  * heads in groups of 8, a group's 8 dwords of one f side by side, so that the one-sum
  * path reads a group's dwords at constant offsets from one pointer. */
 #define IX4_QOFF(h, f, Di) (((((h) >> 3) * ((Di) / 4) + (f)) * 8 + ((h) & 7)) * 4)
+/* Byte position of feature d in a packed row, keys' and queries' alike: in each group
+ * of 8 features (4 bytes of FP4 codes) the even ones fill the first dword, the odd
+ * ones the second, as the codes' low and high nibbles decode, so that neither decode
+ * interleaves them (two VPERMT2B a transposed vector at AVX-512 VBMI, 30% of the
+ * decode's samples; VPUNPCK*BW in the others).  Dot products do not care, blocks of
+ * 32 stay whole. */
+#define IX4_POS(d) (((d) & ~(csa_idx)7) | (((d) & 1) << 2) | (((d) >> 1) & 3))
 #endif
 #define IX_FK 16 /* key chunks are whole tiles at every level */
 #if defined(__AVX512F__)
@@ -192,10 +199,11 @@ static void CSA_V(ix4_pack_row)(const struct ix_call *x, csa_idx b, csa_idx s, u
             int32_t sum = 0;
             for (csa_idx d = 32 * j; d < 32 * j + 32; d++) {
                 const int v = fp4_v2[fp4_code(qr, d)] * (1 << de);
-                qop[IX4_QOFF(h, d / 4, Di) + d % 4] = (int8_t)v;
+                const csa_idx pd = IX4_POS(d);
+                qop[IX4_QOFF(h, pd / 4, Di) + pd % 4] = (int8_t)v;
                 sum += v;
-                ls[(d % 4) / 2] += v;
-                la[(d % 4) / 2] += v < 0 ? -v : v;
+                ls[(pd % 4) / 2] += v;
+                la[(pd % 4) / 2] += v < 0 ? -v : v;
             }
             const int eb = nice || !nz ? base : e;
             hcorrb[h * nb + j] = -off * sum;
@@ -268,24 +276,15 @@ CSA_TARGET_POP
 CSA_TARGET_PUSH512("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c,avx512vnni,avx512vbmi")
 /* The decode tables of ix4_decode_tile_vbmi, built once a chunk of keys. */
 struct CSA_V(ix4_vbmi_tab) {
-    __m512i t, ie, io;
+    __m512i t;
 };
 
 static void CSA_V(ix4_vbmi_tables)(int off, struct CSA_V(ix4_vbmi_tab) *tb)
 {
-    uint8_t tab[64], ie[64], io[64];
+    uint8_t tab[64];
     for (int de = 0; de < 4; de++)
         for (int c = 0; c < 16; c++) tab[16 * de + c] = (uint8_t)(fp4_v2[c] * (1 << de) + off);
-    for (int l = 0; l < 16; l++)
-        for (int u = 0; u < 2; u++) {
-            ie[4 * l + 2 * u] = (uint8_t)(4 * l + u);
-            ie[4 * l + 2 * u + 1] = (uint8_t)(64 + 4 * l + u);
-            io[4 * l + 2 * u] = (uint8_t)(4 * l + 2 + u);
-            io[4 * l + 2 * u + 1] = (uint8_t)(64 + 4 * l + 2 + u);
-        }
     tb->t = _mm512_loadu_si512(tab);
-    tb->ie = _mm512_loadu_si512(ie);
-    tb->io = _mm512_loadu_si512(io);
 }
 
 /* The key bytes of a tile of 16 keys whose blocks' exponents (e[j], the keys in the
@@ -293,8 +292,8 @@ static void CSA_V(ix4_vbmi_tables)(int off, struct CSA_V(ix4_vbmi_tab) *tb)
  * VNNI path's feature set): the keys' packed nibbles are transposed first (a dword is
  * 8 features), then each transposed vector is decoded for all 16 keys at once by two
  * 64-entry byte lookups (VPERMB, the index carrying the key's shift for the block in
- * its top bits) and its low / high nibbles are interleaved into two output vectors by
- * two-source byte permutes (VPERMT2B).  Against the decode a key at a time (a table
+ * its top bits), its low / high nibbles into two output vectors, the even / odd
+ * features' dwords of the layout (IX4_POS).  Against the decode a key at a time (a table
  * per block, then the dword transpose): 0.44 of the instructions a tile (Xeon, Di =
  * 128).  A block of zero codes here counts in the spread and may set the key's base
  * (the scalar pass leaves it out): its bytes are OFF whatever the shift, it adds an
@@ -307,7 +306,7 @@ static void CSA_V(ix4_decode_tile_vbmi)(const uint8_t *kr0, csa_idx skt, csa_idx
 {
     typedef CSA_V(vf) vf;
     const csa_idx nb = Di / 32;
-    const __m512i T = tb->t, IE = tb->ie, IO = tb->io;
+    const __m512i T = tb->t;
     const __m512i m4 = _mm512_set1_epi8(15);
     for (csa_idx cb = 0; cb < nb; cb += 4) {
         const csa_idx nbc = imin(4, nb - cb);
@@ -323,8 +322,8 @@ static void CSA_V(ix4_decode_tile_vbmi)(const uint8_t *kr0, csa_idx skt, csa_idx
                 const __m512i hi = _mm512_permutexvar_epi8(
                     _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), deb), T);
                 const csa_idx F = 8 * (cb + jj) + 2 * u;
-                _mm512_store_si512((void *)(kv + F * 64), _mm512_permutex2var_epi8(lo, IE, hi));
-                _mm512_store_si512((void *)(kv + (F + 1) * 64), _mm512_permutex2var_epi8(lo, IO, hi));
+                _mm512_store_si512((void *)(kv + F * 64), lo); /* even features (IX4_POS) */
+                _mm512_store_si512((void *)(kv + (F + 1) * 64), hi);
             }
         }
     }
@@ -531,25 +530,26 @@ static void CSA_V(ix4_pack_keys)(const struct csa_index_problem *p, csa_idx b, c
                 tz = _mm512_inserti32x4(tz, tl[3], 3);
                 const vb c0 = _mm512_shuffle_epi8(tz, _mm512_and_si512(v, m4));
                 const vb c1 = _mm512_shuffle_epi8(tz, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
-                lo4[l] = (vf)_mm512_unpacklo_epi8(c0, c1);
-                hi4[l] = (vf)_mm512_unpackhi_epi8(c0, c1);
+                lo4[l] = (vf)c0;
+                hi4[l] = (vf)c1;
 #else
                 const vb v = nbc == 2 ? _mm256_loadu_si256((const __m256i *)kr)
                                       : _mm256_inserti128_si256(_mm256_setzero_si256(), _mm_loadu_si128((const __m128i *)kr), 0);
                 const vb tz = _mm256_set_m128i(tl[1], tl[0]);
                 const vb c0 = _mm256_shuffle_epi8(tz, _mm256_and_si256(v, m4));
                 const vb c1 = _mm256_shuffle_epi8(tz, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
-                lo4[l] = (vf)_mm256_unpacklo_epi8(c0, c1);
-                hi4[l] = (vf)_mm256_unpackhi_epi8(c0, c1);
+                lo4[l] = (vf)c0;
+                hi4[l] = (vf)c1;
 #endif
             }
-            /* lane j of lo4[l]: dwords 0-3 of block cb + j of key l, hi4: dwords 4-7 */
+            /* lane j of lo4[l]: the even features' dwords 0, 2, 4, 6 of block cb + j of key
+             * l (IX4_POS), hi4: the odd features' 1, 3, 5, 7 */
             CSA_V(ix_transpose)(lo4);
             CSA_V(ix_transpose)(hi4);
             for (csa_idx j = 0; j < nbc; j++)
                 for (int u = 0; u < 4; u++) {
-                    memcpy(kv + ((8 * (cb + j) + u) * NK) * 4, &lo4[4 * j + u], sizeof(vf));
-                    memcpy(kv + ((8 * (cb + j) + 4 + u) * NK) * 4, &hi4[4 * j + u], sizeof(vf));
+                    memcpy(kv + ((8 * (cb + j) + 2 * u) * NK) * 4, &lo4[4 * j + u], sizeof(vf));
+                    memcpy(kv + ((8 * (cb + j) + 2 * u + 1) * NK) * 4, &hi4[4 * j + u], sizeof(vf));
                 }
         }
     }
