@@ -853,13 +853,6 @@ static inline __attribute__((always_inline)) __m256 CSA_V(pgo_fma)(__m256 a, __m
 
 #endif
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-/* Features ahead of a block whose lines of score and kv each candidate row prefetches: a
- * block is a few lines of each of many rows, which the hardware prefetchers do not
- * follow. */
-#ifndef PGB_PFA
-#define PGB_PFA 128
-#endif
-
 /* One block of vb vectors from feature x0 of one entry (lanes outside [f_lo, f_hi)
  * masked off): the three passes over the candidate rows with the block's per-feature
  * values -- the max, the two sums, y and dy / s -- in registers throughout, so a pass
@@ -880,8 +873,12 @@ static inline __attribute__((always_inline)) void CSA_V(pgb_block)(
         const csa_idx x = x0 + v * PG_VL;
         mk[v] = CSA_V(pgk_make)(x < f_lo ? f_lo - x : 0, f_hi - x);
     }
-    const int pf = x0 + PGB_PFA < f_hi;
+    /* each candidate row prefetches the block's lines of score and kv of the row the next
+     * entry reads r rows on: a block is a few lines of each of many rows (and, split over
+     * threads, of every row), which the hardware prefetchers do not follow */
+    const int pf = g + 1 < p->T / p->ratio;
     const csa_idx pfs = W * (scbf ? 2 : 4), pfk = W * (kvbf ? 2 : 4);
+    const csa_idx rs = p->ratio * p->sst, rk = p->ratio * p->skt;
     const int vh = vb < PGB_VH ? vb : PGB_VH;
     /* passes 1 and 2 in sub-blocks of vh vectors (the registers a level has for m, s, acc
      * and the exp); pass 3 over the whole block, whose d(kv) and d(score) per row are
@@ -905,10 +902,10 @@ static inline __attribute__((always_inline)) void CSA_V(pgb_block)(
             const float *ap = p->ape ? p->ape + ff : NULL;
             for (csa_idx j = 0; j < pt[k].n; j++, q++) {
                 if (pf && h == 0) {
-                    const char *ns = (const char *)pool_off(sc, scbf, PGB_PFA);
-                    const char *nk = (const char *)pool_off(kv, kvbf, PGB_PFA);
-                    for (csa_idx c = 0; c < pfs; c += 64) __builtin_prefetch(ns + c, 0, 3);
-                    for (csa_idx c = 0; c < pfk; c += 64) __builtin_prefetch(nk + c, 0, 3);
+                    const char *ns = (const char *)pool_off(sc, scbf, rs);
+                    const char *nk = (const char *)pool_off(kv, kvbf, rk);
+                    for (csa_idx c = 0; c < pfs; c += 64) _mm_prefetch(ns + c, _MM_HINT_T1);
+                    for (csa_idx c = 0; c < pfk; c += 64) _mm_prefetch(nk + c, _MM_HINT_T1);
                 }
 #pragma GCC unroll 4
                 for (int v = 0; v < vh; v++) {
@@ -1188,7 +1185,9 @@ static int CSA_V(gated_pool_backward_tuned)(const struct csa_pool_grad_problem *
     }
     const int nt = csa_threads(B * G, 1 + 65536 / ((p->overlap ? 2 : 1) * r * d + 1));
     /* features per item: d split over the threads in whole vectors (the split changes no
-     * bit: each element's arithmetic is the same whichever item does it) */
+     * bit: each element's arithmetic is the same whichever item does it).  Static halves
+     * at 2 threads: items of 64 or 128 features handed out dynamically read every row in
+     * short pieces and were 10-35% slower (load 4-5.6, medians of 25 interleaved rounds) */
     csa_idx fw = ((d + nt - 1) / nt + 15) / 16 * 16;
     if (fw < 16) fw = 16;
     const csa_idx items = (d + fw - 1) / fw;
