@@ -607,47 +607,33 @@ static int CSA_V(gated_pool_tuned)(const struct csa_pool_problem *p)
  * the parallel items are blocks of output features [f_lo, f_hi) (as many as threads),
  * each over every entry (b, g) in order: its d(kv), d(score) elements (features f and,
  * with overlap, d + f) are written by it alone, and its d(ape) columns are summed right
- * there, over b, then g, in order -- the `_ref`'s order.  Per entry and chunk of
- * features (up to POOL_GRAD_FC, fewer for many candidates: every candidate's logits of
- * the chunk fit the POOL_GRAD_LB-float buffer) three passes over the candidate rows:
+ * there, over b, then g, in order -- the `_ref`'s order.
  *
- *   logits  l = score + ape into the buffer, m = max(m, l)        (pg_logits)
- *   exp     e = exp(l - m) in place, s += e, acc = fma(e, kv, acc) (pg_expsum)
- *           y = acc / s
- *           u = dy / s
- *   grads   d(kv) = e u, d(score) = d(kv) (kv - y),
- *           d(ape) += d(score), both gradients stored             (pg_grads)
+ * Vector levels (pgb_block): per entry, blocks of PGB_VB vectors (64 features at
+ * avx512, 32 at avx2), three passes over the candidate rows with the block's
+ * per-feature values in registers across the candidates:
  *
- * Each pass is one function with one copy of its vector instructions (not inlined,
- * not unrolled, masked loads at the edges): every element goes through the same
- * instructions wherever it falls, so a NaN's sign and payload (which operand order
- * decides) does not depend on where an array starts (the hardening zoo saw d(ape)'s
- * NaN sign change between two identical calls when an inlined loop was peeled by
- * alignment), and bfloat16 inputs, widened exactly in the loads, get the bits of
- * float32 inputs of the same values.  Gradients go out with streaming stores where a
- * vector covers whole lines (nothing reads them back; a plain store first reads the
- * line it fills), bfloat16 ones rounded once in the register (no float32 copy).
+ *   1  l = score + ape into lb, m = max(m, l)
+ *   2  e = exp(l - m) in lb, s += e, acc = fma(e, kv, acc); then y = acc / s, u = dy / s
+ *   3  d(kv) = e u, d(score) = d(kv) (kv - y), d(ape) += d(score), both stored
  *
- * Where the time went (rdtsc around the three passes, 1 thread, ratio 4 with overlap,
- * T = 8192, D = 512, Sapphire Rapids under load): the gradient pass ~60% (at avx2 a
- * call per 8-float vector with masked loads and stores everywhere), the exp pass ~25%
- * (three loops over the buffer: subtract, exp, sums), the logits ~15%; bfloat16 inputs
- * took a plain scalar loop with ordinary stores (5-6x the forward).  So: one loop per
- * pass with the sums fused into the exp loop, whole-row functions at avx2, and the
- * bfloat16 loads and stores in the same vector loop. */
+ * Per candidate and vector that is 7 loads and 5 stores; the previous body (one
+ * function per pass over a 256-feature chunk, m / s / acc / y / u in memory, a mask
+ * per vector) made 13 and 8, and its gradient pass took ~50% of the time (perf, 1
+ * thread, ratio 4 bf16, avx512: 3.2x the forward; now ~2.5x, ratio 128 bf16 3.2x ->
+ * ~2.0x).  Each operation where two operands can both be NaN has its operand order
+ * pinned (pgo_*), the order the old body compiled to, so the NaN bits do not depend on
+ * which unrolled copy a feature falls in -- nor on the thread count or where the
+ * arrays start -- and are the old body's.  bfloat16 inputs are widened exactly in the
+ * loads, so they get the bits of float32 inputs of the same values.  Gradients go out
+ * with streaming stores where a vector covers whole lines (nothing reads them back; a
+ * plain store first reads the line it fills), bfloat16 ones rounded once in the
+ * register (no float32 copy); the block grid starts on d(kv)'s lines for that.
+ *
+ * The baseline build keeps the per-candidate-row passes (pg_logits, pg_expsum,
+ * pg_grads) over chunks of up to POOL_GRAD_FC features. */
 #ifndef POOL_GRAD_LB
 #define POOL_GRAD_LB 8192
-#endif
-/* One copy of a pass's loop body: GCC's -O3 splits a loop on a condition that changes
- * once (the first, alignment-masked vector; the last), unswitches it on a loop-invariant
- * one (a bfloat16 flag) and peels it, and each copy may order a commutative operation's
- * operands its own way -- which decides the sign and payload of a NaN result (the zoo
- * saw d(ape)'s NaN signs follow d(kv)'s address between two identical calls). */
-#if defined(__GNUC__) && !defined(__clang__)
-#define PG_ONE_COPY __attribute__((noinline, optimize("no-split-loops", "no-unswitch-loops", \
-                                                      "no-peel-loops")))
-#else
-#define PG_ONE_COPY __attribute__((noinline))
 #endif
 #ifndef POOL_GRAD_FC
 #define POOL_GRAD_FC 256
