@@ -696,7 +696,7 @@ typedef struct {
 } CSA_V(pgk);
 static inline __attribute__((always_inline)) CSA_V(pgk) CSA_V(pgk_make)(csa_idx lo, csa_idx n)
 {
-    return (CSA_V(pgk)){CSA_V(pg_mask)(lo, n)};
+    return (CSA_V(pgk)){CSA_V(pg_mask)(lo < 16 ? lo : 16, n)};   /* lanes [lo, n); lo < 64 */
 }
 #define PGB_LD(p, bf, km) CSA_V(pg_ld)(p, bf, (km).k)
 #define PGB_LDF(p, km) _mm512_maskz_loadu_ps((km).k, p)
@@ -795,6 +795,7 @@ typedef struct {
 } CSA_V(pgk);
 static inline __attribute__((always_inline)) CSA_V(pgk) CSA_V(pgk_make)(csa_idx lo, csa_idx n)
 {
+    lo = lo < 8 ? lo : 8;   /* lanes [lo, n); lo < 64 */
     return (CSA_V(pgk)){CSA_V(pg_mask)(lo, n), lo, n};
 }
 #define PGB_LD(p, bf, k) CSA_V(pg_ld)(p, bf, (k).mk, (k).lo, (k).hi)
@@ -851,7 +852,7 @@ static inline __attribute__((always_inline)) void CSA_V(pgb_block)(
 {
     const int kvbf = p->kv_bf16, scbf = p->sc_bf16, dybf = p->dy_bf16;
     const int gkbf = p->dkv_bf16, gsbf = p->dsc_bf16;
-    const csa_idx W = vb * PG_VL, fc = f_hi - f_lo;
+    const csa_idx W = vb * PG_VL;
     CSA_V(pgk) mk[PGB_VB];
     CSA_V(pgv) y[PGB_VB], u[PGB_VB];
 #pragma GCC unroll 4
@@ -940,7 +941,11 @@ static inline __attribute__((always_inline)) void CSA_V(pgb_block)(
 #endif
         }
     }
-    /* pass 3: d(kv) = e u, d(score) = d(kv) (kv - y), d(ape) += d(score) */
+    /* pass 3: d(kv) = e u, d(score) = d(kv) (kv - y), d(ape) += d(score); a line is
+     * streamed only when this block writes all of it (sl, sn: the block's features
+     * inside the item), else the write-combining buffer would hold its part until
+     * the next block's, across all the other rows' lines */
+    const csa_idx sl = x0 > f_lo ? x0 : f_lo, sn = (x0 + W < f_hi ? x0 + W : f_hi) - sl;
     csa_idx q = 0;
     for (int k = 0; k < np; k++) {
         const csa_idx t0 = pt[k].t0, ff = pt[k].foff + x0;
@@ -955,8 +960,8 @@ static inline __attribute__((always_inline)) void CSA_V(pgb_block)(
                 const CSA_V(pgv) dk = CSA_V(pgo_mul)(PGB_LDA(lb + q * W + o), u[v]);
                 const CSA_V(pgv) ds = CSA_V(pgo_mul)(PGB_SUB(PGB_LD(pool_off(kv, kvbf, o), kvbf, mk[v]), y[v]), dk);
                 if (ga) PGB_STF(ga + o, mk[v], PGB_GA(PGB_LDF(ga + o, mk[v]), ds));
-                PGB_ST((void *)pool_off(gk, gkbf, o), gkbf, mk[v], dk, x0 + o - f_lo, fc);
-                PGB_ST((void *)pool_off(gs, gsbf, o), gsbf, mk[v], ds, x0 + o - f_lo, fc);
+                PGB_ST((void *)pool_off(gk, gkbf, o), gkbf, mk[v], dk, x0 + o - sl, sn);
+                PGB_ST((void *)pool_off(gs, gsbf, o), gsbf, mk[v], ds, x0 + o - sl, sn);
             }
             kv = pool_off(kv, kvbf, p->skt);
             gk = (void *)pool_off(gk, gkbf, p->sgkt);
@@ -966,30 +971,26 @@ static inline __attribute__((always_inline)) void CSA_V(pgb_block)(
     }
 }
 
-/* Entry (b, g) over features [f_lo, f_hi): blocks of PGB_VB vectors (one vector when
- * every candidate's logits of a wider block would not fit lb) on a grid that starts
- * where d(kv)'s vectors do, so whole vectors are whole lines (or aligned halves) of
- * d(kv) and go out as streaming stores.  Where the blocks fall changes no bit: every
- * element's arithmetic is its own. */
+/* Entry (b, g) over features [f_lo, f_hi): blocks of PGB_VB vectors on a grid that
+ * starts where d(kv)'s vectors do, so whole vectors are whole lines (or aligned halves)
+ * of d(kv) and go out as streaming stores.  lb: every candidate's logits of a block.
+ * Narrower blocks write each row's gradients in pieces of a line, which the
+ * write-combining buffers do not hold until the line is whole: one vector a block was
+ * 20x the forward (1 thread, ratio 4 and 128, both levels, bf16 and at avx2 f32 too),
+ * two at avx2 bf16 11-14x, two at avx512 1.0-1.3x the time of four.  Where the blocks
+ * fall changes no bit: every element's arithmetic is its own. */
 static void CSA_V(pg_entry)(const struct csa_pool_grad_problem *p, csa_idx b, csa_idx g,
-                            csa_idx f_lo, csa_idx f_hi, float *dape)
+                            csa_idx f_lo, csa_idx f_hi, float *dape, float *lb)
 {
     pool_part pt[2];
     const int np = grad_parts(pt, g, p->ratio, p->d, p->overlap);
-    const csa_idx nc = pt[0].n + (np > 1 ? pt[1].n : 0);
-    float lb[POOL_GRAD_LB] __attribute__((aligned(64)));
     const pool_part *pl = &pt[np - 1];
     const int gkbf = p->dkv_bf16;
-    const csa_idx es = gkbf ? 2 : 4, vbytes = PG_VL * es;
+    const csa_idx es = gkbf ? 2 : 4;
     const uintptr_t a0 = (uintptr_t)pool_off(p->dkv, gkbf, b * p->sgkb + pl->t0 * p->sgkt + pl->foff + f_lo);
-    const csa_idx pre = a0 % (uintptr_t)es ? 0 : (csa_idx)((vbytes - a0 % vbytes) % vbytes) / es;
-    csa_idx x0 = pre ? f_lo + pre - PG_VL : f_lo;
-    if (nc * PGB_VB * PG_VL <= POOL_GRAD_LB)
-        for (; x0 < f_hi; x0 += PGB_VB * PG_VL)
-            CSA_V(pgb_block)(p, pt, np, b, g, x0, f_lo, f_hi, dape, lb, PGB_VB);
-    else
-        for (; x0 < f_hi; x0 += PG_VL)
-            CSA_V(pgb_block)(p, pt, np, b, g, x0, f_lo, f_hi, dape, lb, 1);
+    const csa_idx pre = a0 % (uintptr_t)es ? 0 : (csa_idx)((64 - a0 % 64) % 64) / es;
+    for (csa_idx x0 = pre ? f_lo + pre - PGB_VB * PG_VL : f_lo; x0 < f_hi; x0 += PGB_VB * PG_VL)
+        CSA_V(pgb_block)(p, pt, np, b, g, x0, f_lo, f_hi, dape, lb, PGB_VB);
 }
 #else
 /* The baseline build: plain loops of the same arithmetic. */
@@ -1124,25 +1125,6 @@ static void CSA_V(pg_entry)(const struct csa_pool_grad_problem *p, csa_idx b, cs
     }
 }
 #endif
-#undef PG_VL
-#undef PGB_VB
-#undef PGB_VH
-#undef PGB_LD
-#undef PGB_LDF
-#undef PGB_STF
-#undef PGB_ST
-#undef PGB_LDA
-#undef PGB_STA
-#undef PGB_SET1
-#undef PGB_ZERO
-#undef PGB_ADD
-#undef PGB_SUB
-#undef PGB_MUL
-#undef PGB_DIV
-#undef PGB_MAX
-#undef PGB_FMA
-#undef PGB_EXP
-#undef PGB_GA
 
 static int CSA_V(gated_pool_backward_tuned)(const struct csa_pool_grad_problem *p)
 {
@@ -1177,9 +1159,22 @@ static int CSA_V(gated_pool_backward_tuned)(const struct csa_pool_grad_problem *
     csa_idx fw = ((d + nt - 1) / nt + 15) / 16 * 16;
     if (fw < 16) fw = 16;
     const csa_idx items = (d + fw - 1) / fw;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+    /* every candidate's logits of one block, per item (up to 128 KiB: heap) */
+    const size_t nlb = (size_t)((p->overlap ? 2 : 1) * r * PGB_VB * PG_VL);
+#endif
+    int status = CSA_OK;
 #pragma omp parallel for num_threads(nt) schedule(static, 1)
     for (csa_idx i = 0; i < items; i++) {
         const csa_idx f_lo = i * fw, f_hi = f_lo + fw < d ? f_lo + fw : d;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+        float *lb = aligned_alloc(64, (nlb * sizeof(float) + 63) / 64 * 64);
+        if (!lb) {
+#pragma omp atomic write
+            status = CSA_ENOMEM;
+            continue;
+        }
+#endif
         if (p->dape)
             for (csa_idx j = 0; j < r; j++)
                 for (csa_idx c = 0; c < (p->overlap ? 2 : 1); c++)
@@ -1190,11 +1185,35 @@ static int CSA_V(gated_pool_backward_tuned)(const struct csa_pool_grad_problem *
 #ifdef CSA_MUTANT_POOL_GRAD_APE_DROP
                 if (b == 0 && g == G - 1 && G > 1) da = NULL;   /* mutant: one group dropped */
 #endif
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+                CSA_V(pg_entry)(p, b, g, f_lo, f_hi, da, lb);
+#else
                 CSA_V(pg_entry)(p, b, g, f_lo, f_hi, da);
+#endif
             }
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+        free(lb);
         _mm_sfence(); /* the streaming stores are visible to every thread after the loop */
 #endif
     }
-    return CSA_OK;
+    return status;
 }
+#undef PG_VL
+#undef PGB_VB
+#undef PGB_VH
+#undef PGB_LD
+#undef PGB_LDF
+#undef PGB_STF
+#undef PGB_ST
+#undef PGB_LDA
+#undef PGB_STA
+#undef PGB_SET1
+#undef PGB_ZERO
+#undef PGB_ADD
+#undef PGB_SUB
+#undef PGB_MUL
+#undef PGB_DIV
+#undef PGB_MAX
+#undef PGB_FMA
+#undef PGB_EXP
+#undef PGB_GA
