@@ -620,8 +620,9 @@ static int CSA_V(gated_pool_tuned)(const struct csa_pool_problem *p)
  * Per candidate and vector that is 7 loads and 5 stores; the previous body (one
  * function per pass over a 256-feature chunk, m / s / acc / y / u in memory, a mask
  * per vector) made 13 and 8, and its gradient pass took ~50% of the time (perf, 1
- * thread, ratio 4 bf16, avx512: 3.2x the forward; now ~2.5x, ratio 128 bf16 3.2x ->
- * ~2.0x).  Each operation where two operands can both be NaN has its operand order
+ * thread, ratio 4 bf16, avx512).  Backward / forward, 1 thread, CPU time, the two bodies
+ * alternated on one host: avx512 ratio 4 f32 3.1x -> 1.5x, bf16 2.55x -> 1.87x, ratio
+ * 128 bf16 3.05x -> 2.45-2.50x (docs/training.md has all rows).  Each operation where two operands can both be NaN has its operand order
  * pinned (pgo_*), the order the old body compiled to, so the NaN bits do not depend on
  * which unrolled copy a feature falls in -- nor on the thread count or where the
  * arrays start -- and are the old body's.  bfloat16 inputs are widened exactly in the
