@@ -607,47 +607,34 @@ static int CSA_V(gated_pool_tuned)(const struct csa_pool_problem *p)
  * the parallel items are blocks of output features [f_lo, f_hi) (as many as threads),
  * each over every entry (b, g) in order: its d(kv), d(score) elements (features f and,
  * with overlap, d + f) are written by it alone, and its d(ape) columns are summed right
- * there, over b, then g, in order -- the `_ref`'s order.  Per entry and chunk of
- * features (up to POOL_GRAD_FC, fewer for many candidates: every candidate's logits of
- * the chunk fit the POOL_GRAD_LB-float buffer) three passes over the candidate rows:
+ * there, over b, then g, in order -- the `_ref`'s order.
  *
- *   logits  l = score + ape into the buffer, m = max(m, l)        (pg_logits)
- *   exp     e = exp(l - m) in place, s += e, acc = fma(e, kv, acc) (pg_expsum)
- *           y = acc / s
- *           u = dy / s
- *   grads   d(kv) = e u, d(score) = d(kv) (kv - y),
- *           d(ape) += d(score), both gradients stored             (pg_grads)
+ * Vector levels (pgb_block): per entry, blocks of PGB_VB vectors (64 features at
+ * avx512, 32 at avx2), three passes over the candidate rows with the block's
+ * per-feature values in registers across the candidates:
  *
- * Each pass is one function with one copy of its vector instructions (not inlined,
- * not unrolled, masked loads at the edges): every element goes through the same
- * instructions wherever it falls, so a NaN's sign and payload (which operand order
- * decides) does not depend on where an array starts (the hardening zoo saw d(ape)'s
- * NaN sign change between two identical calls when an inlined loop was peeled by
- * alignment), and bfloat16 inputs, widened exactly in the loads, get the bits of
- * float32 inputs of the same values.  Gradients go out with streaming stores where a
- * vector covers whole lines (nothing reads them back; a plain store first reads the
- * line it fills), bfloat16 ones rounded once in the register (no float32 copy).
+ *   1  l = score + ape into lb, m = max(m, l)
+ *   2  e = exp(l - m) in lb, s += e, acc = fma(e, kv, acc); then y = acc / s, u = dy / s
+ *   3  d(kv) = e u, d(score) = d(kv) (kv - y), d(ape) += d(score), both stored
  *
- * Where the time went (rdtsc around the three passes, 1 thread, ratio 4 with overlap,
- * T = 8192, D = 512, Sapphire Rapids under load): the gradient pass ~60% (at avx2 a
- * call per 8-float vector with masked loads and stores everywhere), the exp pass ~25%
- * (three loops over the buffer: subtract, exp, sums), the logits ~15%; bfloat16 inputs
- * took a plain scalar loop with ordinary stores (5-6x the forward).  So: one loop per
- * pass with the sums fused into the exp loop, whole-row functions at avx2, and the
- * bfloat16 loads and stores in the same vector loop. */
+ * Per candidate and vector that is 7 loads and 5 stores; the previous body (one
+ * function per pass over a 256-feature chunk, m / s / acc / y / u in memory, a mask
+ * per vector) made 13 and 8, and its gradient pass took ~50% of the time (perf, 1
+ * thread, ratio 4 bf16, avx512).  Backward / forward, 1 thread, CPU time, the two bodies
+ * alternated on one host: avx512 ratio 4 f32 3.1x -> 1.5x, bf16 2.55x -> 1.87x, ratio
+ * 128 bf16 3.05x -> 2.45-2.50x (docs/training.md has all rows).  Each operation where two operands can both be NaN has its operand order
+ * pinned (pgo_*), the order the old body compiled to, so the NaN bits do not depend on
+ * which unrolled copy a feature falls in -- nor on the thread count or where the
+ * arrays start -- and are the old body's.  bfloat16 inputs are widened exactly in the
+ * loads, so they get the bits of float32 inputs of the same values.  Gradients go out
+ * with streaming stores where a vector covers whole lines (nothing reads them back; a
+ * plain store first reads the line it fills), bfloat16 ones rounded once in the
+ * register (no float32 copy); the block grid starts on d(kv)'s lines for that.
+ *
+ * The baseline build keeps the per-candidate-row passes (pg_logits, pg_expsum,
+ * pg_grads) over chunks of up to POOL_GRAD_FC features. */
 #ifndef POOL_GRAD_LB
 #define POOL_GRAD_LB 8192
-#endif
-/* One copy of a pass's loop body: GCC's -O3 splits a loop on a condition that changes
- * once (the first, alignment-masked vector; the last), unswitches it on a loop-invariant
- * one (a bfloat16 flag) and peels it, and each copy may order a commutative operation's
- * operands its own way -- which decides the sign and payload of a NaN result (the zoo
- * saw d(ape)'s NaN signs follow d(kv)'s address between two identical calls). */
-#if defined(__GNUC__) && !defined(__clang__)
-#define PG_ONE_COPY __attribute__((noinline, optimize("no-split-loops", "no-unswitch-loops", \
-                                                      "no-peel-loops")))
-#else
-#define PG_ONE_COPY __attribute__((noinline))
 #endif
 #ifndef POOL_GRAD_FC
 #define POOL_GRAD_FC 256
@@ -700,59 +687,57 @@ static inline __attribute__((always_inline)) void CSA_V(pg_st)(void *p, int bf, 
     }
 }
 
-/* l[0, fcp) = score (+ ape) of one candidate (0 past fc), m = max(m, l). */
-static PG_ONE_COPY void CSA_V(pg_logits)(const void *sc, int scbf, const float *ap,
-                                                       float *l, float *m, csa_idx fc, csa_idx fcp)
-{
-#pragma GCC unroll 1
-    for (csa_idx f = 0; f < fcp; f += 16) {
-        const __mmask16 mk = CSA_V(pg_mask)(0, fc - f);
-        __m512 v = CSA_V(pg_ld)(pool_off(sc, scbf, f), scbf, mk);
-        if (ap) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mk, ap + f));
-        _mm512_store_ps(l + f, v);
-        _mm512_store_ps(m + f, _mm512_max_ps(v, _mm512_load_ps(m + f)));
-    }
-}
-
-/* l = exp(l - m) in place, s += l, acc += l * kv over [0, fcp). */
-static PG_ONE_COPY void CSA_V(pg_expsum)(float *l, const float *m, const void *kv,
-                                                       int kvbf, float *s, float *acc, csa_idx fc,
-                                                       csa_idx fcp)
-{
-#pragma GCC unroll 1
-    for (csa_idx f = 0; f < fcp; f += 16) {
-        const __mmask16 mk = CSA_V(pg_mask)(0, fc - f);
-        const __m512 e = CSA_V(exp512_neg)(_mm512_sub_ps(_mm512_load_ps(l + f), _mm512_load_ps(m + f)));
-        _mm512_store_ps(l + f, e);
-        _mm512_store_ps(s + f, _mm512_add_ps(_mm512_load_ps(s + f), e));
-        _mm512_store_ps(acc + f, _mm512_fmadd_ps(e, CSA_V(pg_ld)(pool_off(kv, kvbf, f), kvbf, mk),
-                                                 _mm512_load_ps(acc + f)));
-    }
-}
-
-/* One candidate row's gradients over [0, fc): dk = e u (u = dy / s), ds = dk (kv - y),
- * ga += ds; the loop starts where gk's lines do (lanes before 0 masked off). */
-static PG_ONE_COPY void CSA_V(pg_grads)(const float *e, const float *u, const void *kv, int kvbf,
-                                                      const float *y, float *ga, void *gk,
-                                                      int gkbf, void *gs, int gsbf, csa_idx fc)
-{
-    /* elements from gk to its next line, by masks and shifts (line and element size are
-     * powers of two): the three run-time integer divisions this took were 19% of the
-     * pass at ratio 128, bf16, avx512 (perf; 4 vectors a call there) */
-    const uintptr_t line = gkbf ? 32 : 64, lg = gkbf ? 1 : 2;
-    const csa_idx pre = (csa_idx)((((line - ((uintptr_t)gk & (line - 1))) & (line - 1)) >> lg) & 15);
-#pragma GCC unroll 1
-    for (csa_idx f = pre ? pre - 16 : 0; f < fc; f += 16) {
-        const __mmask16 mk = CSA_V(pg_mask)(f < 0 ? -f : 0, fc - f);
-        const __m512 dk = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, e + f), _mm512_maskz_loadu_ps(mk, u + f));
-        const __m512 ds = _mm512_mul_ps(dk, _mm512_sub_ps(CSA_V(pg_ld)(pool_off(kv, kvbf, f), kvbf, mk),
-                                                          _mm512_maskz_loadu_ps(mk, y + f)));
-        if (ga) _mm512_mask_storeu_ps(ga + f, mk, _mm512_add_ps(_mm512_maskz_loadu_ps(mk, ga + f), ds));
-        CSA_V(pg_st)((void *)pool_off(gk, gkbf, f), gkbf, mk, dk, f, fc);
-        CSA_V(pg_st)((void *)pool_off(gs, gsbf, f), gsbf, mk, ds, f, fc);
-    }
-}
 #define PG_VL 16
+/* The blocked body's vocabulary at this level (pgb_entry below). */
+#define PGB_VB 4   /* vectors a block */
+#define PGB_VH 4   /* vectors of passes 1 and 2 at once: m, s, acc + the exp's temporaries */
+typedef __m512 CSA_V(pgv);
+typedef struct {
+    __mmask16 k;
+} CSA_V(pgk);
+static inline __attribute__((always_inline)) CSA_V(pgk) CSA_V(pgk_make)(csa_idx lo, csa_idx n)
+{
+    return (CSA_V(pgk)){CSA_V(pg_mask)(lo < 16 ? lo : 16, n)};   /* lanes [lo, n); lo < 64 */
+}
+#define PGB_LD(p, bf, km) CSA_V(pg_ld)(p, bf, (km).k)
+#define PGB_LDF(p, km) _mm512_maskz_loadu_ps((km).k, p)
+#define PGB_STF(p, km, v) _mm512_mask_storeu_ps(p, (km).k, v)
+#define PGB_ST(p, bf, km, v, f, fc) CSA_V(pg_st)(p, bf, (km).k, v, f, fc)
+#define PGB_LDA _mm512_load_ps
+#define PGB_STA _mm512_store_ps
+#define PGB_SET1 _mm512_set1_ps
+#define PGB_ZERO _mm512_setzero_ps
+#define PGB_ADD _mm512_add_ps
+#define PGB_SUB _mm512_sub_ps
+#define PGB_MUL _mm512_mul_ps
+#define PGB_DIV _mm512_div_ps
+#define PGB_MAX _mm512_max_ps
+#define PGB_FMA _mm512_fmadd_ps
+#define PGB_EXP CSA_V(exp512_neg)
+/* The operations where two operands can both be NaN, with the operand order pinned (a
+ * NaN result is the first NaN source's: the order decides its sign and payload, and GCC
+ * may swap a commutative operation's operands differently in each unrolled copy, which
+ * made the NaN bits depend on where a feature fell in a block).  The orders are the ones
+ * the previous one-function-per-pass body compiled to, so its bits are kept. */
+static inline __attribute__((always_inline)) __m512 CSA_V(pgo_add)(__m512 a, __m512 b)
+{
+    __m512 r;
+    __asm__("vaddps %2, %1, %0" : "=v"(r) : "v"(a), "v"(b));
+    return r;
+}
+static inline __attribute__((always_inline)) __m512 CSA_V(pgo_mul)(__m512 a, __m512 b)
+{
+    __m512 r;
+    __asm__("vmulps %2, %1, %0" : "=v"(r) : "v"(a), "v"(b));
+    return r;
+}
+/* a * b + c, as vfmadd132ps b, c, a */
+static inline __attribute__((always_inline)) __m512 CSA_V(pgo_fma)(__m512 a, __m512 b, __m512 c)
+{
+    __asm__("vfmadd132ps %2, %1, %0" : "+v"(a) : "v"(c), "v"(b));
+    return a;
+}
+#define PGB_GA(ga, ds) CSA_V(pgo_add)(ds, ga)
 
 #elif defined(__AVX2__) && defined(__FMA__)
 /* Lanes [lo, n) of 8 as an all-ones-lane mask. */
@@ -800,57 +785,214 @@ static inline __attribute__((always_inline)) void CSA_V(pg_st)(void *p, int bf, 
     }
 }
 
-static PG_ONE_COPY void CSA_V(pg_logits)(const void *sc, int scbf, const float *ap,
-                                                       float *l, float *m, csa_idx fc, csa_idx fcp)
-{
-#pragma GCC unroll 1
-    for (csa_idx f = 0; f < fcp; f += 8) {
-        const __m256i mk = CSA_V(pg_mask)(0, fc - f);
-        __m256 v = CSA_V(pg_ld)(pool_off(sc, scbf, f), scbf, mk, 0, fc - f);
-        if (ap) v = _mm256_add_ps(v, _mm256_maskload_ps(ap + f, mk));
-        _mm256_store_ps(l + f, v);
-        _mm256_store_ps(m + f, _mm256_max_ps(v, _mm256_load_ps(m + f)));
-    }
-}
-
-static PG_ONE_COPY void CSA_V(pg_expsum)(float *l, const float *m, const void *kv,
-                                                       int kvbf, float *s, float *acc, csa_idx fc,
-                                                       csa_idx fcp)
-{
-#pragma GCC unroll 1
-    for (csa_idx f = 0; f < fcp; f += 8) {
-        const __m256i mk = CSA_V(pg_mask)(0, fc - f);
-        const __m256 e = CSA_V(exp256_neg)(_mm256_sub_ps(_mm256_load_ps(l + f), _mm256_load_ps(m + f)));
-        _mm256_store_ps(l + f, e);
-        _mm256_store_ps(s + f, _mm256_add_ps(_mm256_load_ps(s + f), e));
-        _mm256_store_ps(acc + f, _mm256_fmadd_ps(e, CSA_V(pg_ld)(pool_off(kv, kvbf, f), kvbf, mk, 0, fc - f),
-                                                 _mm256_load_ps(acc + f)));
-    }
-}
-
-static PG_ONE_COPY void CSA_V(pg_grads)(const float *e, const float *u, const void *kv, int kvbf,
-                                                      const float *y, float *ga, void *gk,
-                                                      int gkbf, void *gs, int gsbf, csa_idx fc)
-{
-    const uintptr_t line = gkbf ? 16 : 32, lg = gkbf ? 1 : 2; /* as at avx512: no division */
-    const csa_idx pre = (csa_idx)((((line - ((uintptr_t)gk & (line - 1))) & (line - 1)) >> lg) & 7);
-#pragma GCC unroll 1
-    for (csa_idx f = pre ? pre - 8 : 0; f < fc; f += 8) {
-        const csa_idx lo = f < 0 ? -f : 0, hi = fc - f;
-        const __m256i mk = CSA_V(pg_mask)(lo, hi);
-        /* e, u, y are pg_entry's buffers, padded to whole vectors and with a
-         * vector of margin in front (PG_MARGIN): plain loads, whatever the lanes outside
-         * [lo, hi) hold is never stored (a masked load costs an extra uop at avx2) */
-        const __m256 dk = _mm256_mul_ps(_mm256_loadu_ps(e + f), _mm256_loadu_ps(u + f));
-        const __m256 ds = _mm256_mul_ps(dk, _mm256_sub_ps(CSA_V(pg_ld)(pool_off(kv, kvbf, f), kvbf, mk, lo, hi),
-                                                          _mm256_loadu_ps(y + f)));
-        if (ga) _mm256_maskstore_ps(ga + f, mk, _mm256_add_ps(_mm256_maskload_ps(ga + f, mk), ds));
-        CSA_V(pg_st)((void *)pool_off(gk, gkbf, f), gkbf, mk, lo, hi, dk, f, fc);
-        CSA_V(pg_st)((void *)pool_off(gs, gsbf, f), gsbf, mk, lo, hi, ds, f, fc);
-    }
-}
 #define PG_VL 8
+/* The blocked body's vocabulary at this level (pgb_entry below). */
+#define PGB_VB 4   /* vectors a block: a line of bfloat16 gradients per row */
+#define PGB_VH 2   /* 16 registers: m, s, acc of 2 vectors + the exp's temporaries */
+typedef __m256 CSA_V(pgv);
+typedef struct {
+    __m256i mk;
+    csa_idx lo, hi;
+} CSA_V(pgk);
+static inline __attribute__((always_inline)) CSA_V(pgk) CSA_V(pgk_make)(csa_idx lo, csa_idx n)
+{
+    lo = lo < 8 ? lo : 8;   /* lanes [lo, n); lo < 64 */
+    return (CSA_V(pgk)){CSA_V(pg_mask)(lo, n), lo, n};
+}
+#define PGB_LD(p, bf, k) CSA_V(pg_ld)(p, bf, (k).mk, (k).lo, (k).hi)
+#define PGB_LDF(p, k) _mm256_maskload_ps(p, (k).mk)
+#define PGB_STF(p, k, v) _mm256_maskstore_ps(p, (k).mk, v)
+#define PGB_ST(p, bf, k, v, f, fc) CSA_V(pg_st)(p, bf, (k).mk, (k).lo, (k).hi, v, f, fc)
+#define PGB_LDA _mm256_load_ps
+#define PGB_STA _mm256_store_ps
+#define PGB_SET1 _mm256_set1_ps
+#define PGB_ZERO _mm256_setzero_ps
+#define PGB_ADD _mm256_add_ps
+#define PGB_SUB _mm256_sub_ps
+#define PGB_MUL _mm256_mul_ps
+#define PGB_DIV _mm256_div_ps
+#define PGB_MAX _mm256_max_ps
+#define PGB_FMA _mm256_fmadd_ps
+#define PGB_EXP CSA_V(exp256_neg)
+/* The operations where two operands can both be NaN, with the operand order pinned (a
+ * NaN result is the first NaN source's: the order decides its sign and payload, and GCC
+ * may swap a commutative operation's operands differently in each unrolled copy, which
+ * made the NaN bits depend on where a feature fell in a block).  The orders are the ones
+ * the previous one-function-per-pass body compiled to, so its bits are kept. */
+static inline __attribute__((always_inline)) __m256 CSA_V(pgo_add)(__m256 a, __m256 b)
+{
+    __m256 r;
+    __asm__("vaddps %2, %1, %0" : "=x"(r) : "x"(a), "x"(b));
+    return r;
+}
+static inline __attribute__((always_inline)) __m256 CSA_V(pgo_mul)(__m256 a, __m256 b)
+{
+    __m256 r;
+    __asm__("vmulps %2, %1, %0" : "=x"(r) : "x"(a), "x"(b));
+    return r;
+}
+/* a * b + c, as vfmadd132ps b, c, a */
+static inline __attribute__((always_inline)) __m256 CSA_V(pgo_fma)(__m256 a, __m256 b, __m256 c)
+{
+    __asm__("vfmadd132ps %2, %1, %0" : "+x"(a) : "x"(c), "x"(b));
+    return a;
+}
+#define PGB_GA(ga, ds) CSA_V(pgo_add)(ga, ds)
 
+#endif
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+/* One block of vb vectors from feature x0 of one entry (lanes outside [f_lo, f_hi)
+ * masked off): the three passes over the candidate rows with the block's per-feature
+ * values -- the max, the two sums, y and dy / s -- in registers throughout, so a pass
+ * reads each candidate row once and stores only what the next pass needs (the logits,
+ * then e = exp(l - m) in place, in lb; then the gradients). */
+static inline __attribute__((always_inline)) void CSA_V(pgb_block)(
+    const struct csa_pool_grad_problem *p, const pool_part *pt, int np, csa_idx b,
+    csa_idx g, csa_idx x0, csa_idx f_lo, csa_idx f_hi, float *dape, float *CSA_RESTRICT lb,
+    const int vb)
+{
+    const int kvbf = p->kv_bf16, scbf = p->sc_bf16, dybf = p->dy_bf16;
+    const int gkbf = p->dkv_bf16, gsbf = p->dsc_bf16;
+    const csa_idx W = vb * PG_VL;
+    CSA_V(pgk) mk[PGB_VB];
+    CSA_V(pgv) y[PGB_VB], u[PGB_VB];
+#pragma GCC unroll 4
+    for (int v = 0; v < vb; v++) {
+        const csa_idx x = x0 + v * PG_VL;
+        mk[v] = CSA_V(pgk_make)(x < f_lo ? f_lo - x : 0, f_hi - x);
+    }
+    /* each candidate row prefetches the block's lines of score and kv of the row the next
+     * entry reads r rows on: a block is a few lines of each of many rows (and, split over
+     * threads, of every row), which the hardware prefetchers do not follow */
+    const int pf = g + 1 < p->T / p->ratio;
+    const csa_idx pfs = W * (scbf ? 2 : 4), pfk = W * (kvbf ? 2 : 4);
+    const csa_idx rs = p->ratio * p->sst, rk = p->ratio * p->skt;
+    const int vh = vb < PGB_VH ? vb : PGB_VH;
+    /* passes 1 and 2 in sub-blocks of vh vectors (the registers a level has for m, s, acc
+     * and the exp); pass 3 over the whole block, whose d(kv) and d(score) per row are
+     * whole lines: written a half line a row at a time (bfloat16, 16 features at avx2),
+     * the lines left the write-combining buffers unfinished (7x the forward) */
+    for (int h = 0; h < vb; h += vh) {
+        CSA_V(pgv) m[PGB_VH], s[PGB_VH], acc[PGB_VH];
+#pragma GCC unroll 4
+        for (int v = 0; v < vh; v++) {
+            m[v] = PGB_SET1(-INFINITY);
+            s[v] = PGB_ZERO();
+            acc[v] = PGB_ZERO();
+        }
+        const csa_idx xh = x0 + h * PG_VL;
+        /* pass 1: l = score + ape into lb, m = max(m, l) */
+        csa_idx q = 0;
+        for (int k = 0; k < np; k++) {
+            const csa_idx ff = pt[k].foff + xh;
+            const void *sc = pool_off(p->score, scbf, b * p->ssb + pt[k].t0 * p->sst + ff);
+            const void *kv = pool_off(p->kv, kvbf, b * p->skb + pt[k].t0 * p->skt + ff);
+            const float *ap = p->ape ? p->ape + ff : NULL;
+            for (csa_idx j = 0; j < pt[k].n; j++, q++) {
+                if (pf && h == 0) {
+                    const char *ns = (const char *)pool_off(sc, scbf, rs);
+                    const char *nk = (const char *)pool_off(kv, kvbf, rk);
+                    for (csa_idx c = 0; c < pfs; c += 64) _mm_prefetch(ns + c, _MM_HINT_T1);
+                    for (csa_idx c = 0; c < pfk; c += 64) _mm_prefetch(nk + c, _MM_HINT_T1);
+                }
+#pragma GCC unroll 4
+                for (int v = 0; v < vh; v++) {
+                    CSA_V(pgv) l = PGB_LD(pool_off(sc, scbf, v * PG_VL), scbf, mk[h + v]);
+                    if (ap) l = CSA_V(pgo_add)(l, PGB_LDF(ap + v * PG_VL, mk[h + v]));
+                    PGB_STA(lb + q * W + (h + v) * PG_VL, l);
+                    /* max(l, m) returns m when l is NaN: the NaN shows in its exp */
+                    m[v] = PGB_MAX(l, m[v]);
+                }
+                sc = pool_off(sc, scbf, p->sst);
+                kv = pool_off(kv, kvbf, p->skt);
+                if (ap) ap += p->sar;
+            }
+        }
+        /* pass 2: e = exp(l - m) in place, s += e, acc = fma(e, kv, acc) */
+        q = 0;
+        for (int k = 0; k < np; k++) {
+            const void *kv = pool_off(p->kv, kvbf, b * p->skb + pt[k].t0 * p->skt + pt[k].foff + xh);
+            for (csa_idx j = 0; j < pt[k].n; j++, q++) {
+#pragma GCC unroll 4
+                for (int v = 0; v < vh; v++) {
+                    float *lq = lb + q * W + (h + v) * PG_VL;
+                    const CSA_V(pgv) e = PGB_EXP(PGB_SUB(PGB_LDA(lq), m[v]));
+                    PGB_STA(lq, e);
+                    s[v] = CSA_V(pgo_add)(e, s[v]);
+                    acc[v] = CSA_V(pgo_fma)(e, PGB_LD(pool_off(kv, kvbf, v * PG_VL), kvbf, mk[h + v]), acc[v]);
+                }
+                kv = pool_off(kv, kvbf, p->skt);
+            }
+        }
+        /* y = acc / s; u = dy / s once per feature: the gradient pass multiplies each
+         * candidate's e by it instead of dividing e by s (a 512-bit division is ~10x a
+         * multiply's throughput: per candidate it was what bounded the bfloat16 rows) */
+        const void *dyr = pool_off(p->dy, dybf, b * p->sdb + g * p->sdg + xh);
+#pragma GCC unroll 4
+        for (int v = 0; v < vh; v++) {
+            CSA_V(pgv) dv = PGB_LD(pool_off(dyr, dybf, v * PG_VL), dybf, mk[h + v]);
+#ifdef CSA_MUTANT_POOL_GRAD_FIRST_GROUP
+            /* mutant: entry 0 with overlap treated as if group -1 were there */
+            if (p->overlap && g == 0) dv = PGB_MUL(dv, PGB_SET1(0.999f));
+#endif
+            y[h + v] = PGB_DIV(acc[v], s[v]);
+            u[h + v] = PGB_DIV(dv, s[v]);
+#ifdef CSA_MUTANT_POOL_GRAD_Y
+            y[h + v] = PGB_MUL(y[h + v], PGB_SET1(1.0f + 1e-4f));   /* mutant: y off 1e-4 */
+#endif
+        }
+    }
+    /* pass 3: d(kv) = e u, d(score) = d(kv) (kv - y), d(ape) += d(score); a line is
+     * streamed only when this block writes all of it (sl, sn: the block's features
+     * inside the item), else the write-combining buffer would hold its part until
+     * the next block's, across all the other rows' lines */
+    const csa_idx sl = x0 > f_lo ? x0 : f_lo, sn = (x0 + W < f_hi ? x0 + W : f_hi) - sl;
+    csa_idx q = 0;
+    for (int k = 0; k < np; k++) {
+        const csa_idx t0 = pt[k].t0, ff = pt[k].foff + x0;
+        const void *kv = pool_off(p->kv, kvbf, b * p->skb + t0 * p->skt + ff);
+        void *gk = (void *)pool_off(p->dkv, gkbf, b * p->sgkb + t0 * p->sgkt + ff);
+        void *gs = (void *)pool_off(p->dsc, gsbf, b * p->sgsb + t0 * p->sgst + ff);
+        float *ga = dape ? dape + ff : NULL;
+        for (csa_idx j = 0; j < pt[k].n; j++, q++) {
+#pragma GCC unroll 4
+            for (int v = 0; v < vb; v++) {
+                const csa_idx o = v * PG_VL;
+                const CSA_V(pgv) dk = CSA_V(pgo_mul)(PGB_LDA(lb + q * W + o), u[v]);
+                const CSA_V(pgv) ds = CSA_V(pgo_mul)(PGB_SUB(PGB_LD(pool_off(kv, kvbf, o), kvbf, mk[v]), y[v]), dk);
+                if (ga) PGB_STF(ga + o, mk[v], PGB_GA(PGB_LDF(ga + o, mk[v]), ds));
+                PGB_ST((void *)pool_off(gk, gkbf, o), gkbf, mk[v], dk, x0 + o - sl, sn);
+                PGB_ST((void *)pool_off(gs, gsbf, o), gsbf, mk[v], ds, x0 + o - sl, sn);
+            }
+            kv = pool_off(kv, kvbf, p->skt);
+            gk = (void *)pool_off(gk, gkbf, p->sgkt);
+            gs = (void *)pool_off(gs, gsbf, p->sgst);
+            if (ga) ga += p->sgar;
+        }
+    }
+}
+
+/* Entry (b, g) over features [f_lo, f_hi): blocks of PGB_VB vectors on a grid that
+ * starts where d(kv)'s vectors do, so whole vectors are whole lines (or aligned halves)
+ * of d(kv) and go out as streaming stores.  lb: every candidate's logits of a block.
+ * Narrower blocks write each row's gradients in pieces of a line, which the
+ * write-combining buffers do not hold until the line is whole: one vector a block was
+ * 20x the forward (1 thread, ratio 4 and 128, both levels, bf16 and at avx2 f32 too),
+ * two at avx2 bf16 11-14x, two at avx512 1.0-1.3x the time of four.  Where the blocks
+ * fall changes no bit: every element's arithmetic is its own. */
+static void CSA_V(pg_entry)(const struct csa_pool_grad_problem *p, csa_idx b, csa_idx g,
+                            csa_idx f_lo, csa_idx f_hi, float *dape, float *lb)
+{
+    pool_part pt[2];
+    const int np = grad_parts(pt, g, p->ratio, p->d, p->overlap);
+    const pool_part *pl = &pt[np - 1];
+    const int gkbf = p->dkv_bf16;
+    const csa_idx es = gkbf ? 2 : 4;
+    const uintptr_t a0 = (uintptr_t)pool_off(p->dkv, gkbf, b * p->sgkb + pl->t0 * p->sgkt + pl->foff + f_lo);
+    const csa_idx pre = a0 % (uintptr_t)es ? 0 : (csa_idx)((64 - a0 % 64) % 64) / es;
+    for (csa_idx x0 = pre ? f_lo + pre - PGB_VB * PG_VL : f_lo; x0 < f_hi; x0 += PGB_VB * PG_VL)
+        CSA_V(pgb_block)(p, pt, np, b, g, x0, f_lo, f_hi, dape, lb, PGB_VB);
+}
 #else
 /* The baseline build: plain loops of the same arithmetic. */
 static void CSA_V(pg_logits)(const void *sc, int scbf, const float *ap, float *l, float *m,
@@ -886,7 +1028,6 @@ static void CSA_V(pg_grads)(const float *e, const float *u, const void *kv, int 
     }
 }
 #define PG_VL 16
-#endif
 
 static void CSA_V(pg_entry)(const struct csa_pool_grad_problem *p, csa_idx b, csa_idx g,
                             csa_idx f_lo, csa_idx f_hi, float *dape)
@@ -984,7 +1125,7 @@ static void CSA_V(pg_entry)(const struct csa_pool_grad_problem *p, csa_idx b, cs
             }
     }
 }
-#undef PG_VL
+#endif
 
 static int CSA_V(gated_pool_backward_tuned)(const struct csa_pool_grad_problem *p)
 {
@@ -1013,13 +1154,28 @@ static int CSA_V(gated_pool_backward_tuned)(const struct csa_pool_grad_problem *
     }
     const int nt = csa_threads(B * G, 1 + 65536 / ((p->overlap ? 2 : 1) * r * d + 1));
     /* features per item: d split over the threads in whole vectors (the split changes no
-     * bit: each element's arithmetic is the same whichever item does it) */
+     * bit: each element's arithmetic is the same whichever item does it).  Static halves
+     * at 2 threads: items of 64 or 128 features handed out dynamically read every row in
+     * short pieces and were 10-35% slower (load 4-5.6, medians of 25 interleaved rounds) */
     csa_idx fw = ((d + nt - 1) / nt + 15) / 16 * 16;
     if (fw < 16) fw = 16;
     const csa_idx items = (d + fw - 1) / fw;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+    /* every candidate's logits of one block, per item (up to 128 KiB: heap) */
+    const size_t nlb = (size_t)((p->overlap ? 2 : 1) * r * PGB_VB * PG_VL);
+#endif
+    int status = CSA_OK;
 #pragma omp parallel for num_threads(nt) schedule(static, 1)
     for (csa_idx i = 0; i < items; i++) {
         const csa_idx f_lo = i * fw, f_hi = f_lo + fw < d ? f_lo + fw : d;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+        float *lb = aligned_alloc(64, (nlb * sizeof(float) + 63) / 64 * 64);
+        if (!lb) {
+#pragma omp atomic write
+            status = CSA_ENOMEM;
+            continue;
+        }
+#endif
         if (p->dape)
             for (csa_idx j = 0; j < r; j++)
                 for (csa_idx c = 0; c < (p->overlap ? 2 : 1); c++)
@@ -1030,11 +1186,35 @@ static int CSA_V(gated_pool_backward_tuned)(const struct csa_pool_grad_problem *
 #ifdef CSA_MUTANT_POOL_GRAD_APE_DROP
                 if (b == 0 && g == G - 1 && G > 1) da = NULL;   /* mutant: one group dropped */
 #endif
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+                CSA_V(pg_entry)(p, b, g, f_lo, f_hi, da, lb);
+#else
                 CSA_V(pg_entry)(p, b, g, f_lo, f_hi, da);
+#endif
             }
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+        free(lb);
         _mm_sfence(); /* the streaming stores are visible to every thread after the loop */
 #endif
     }
-    return CSA_OK;
+    return status;
 }
+#undef PG_VL
+#undef PGB_VB
+#undef PGB_VH
+#undef PGB_LD
+#undef PGB_LDF
+#undef PGB_STF
+#undef PGB_ST
+#undef PGB_LDA
+#undef PGB_STA
+#undef PGB_SET1
+#undef PGB_ZERO
+#undef PGB_ADD
+#undef PGB_SUB
+#undef PGB_MUL
+#undef PGB_DIV
+#undef PGB_MAX
+#undef PGB_FMA
+#undef PGB_EXP
+#undef PGB_GA
