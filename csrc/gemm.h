@@ -80,6 +80,11 @@ int csa_gemm_batch(const struct csa_gemm_args *gs, csa_idx count);
  * count computes exactly this (one thread an output row).  e4m3 0x7f / 0xff and e8m0
  * 0xff decode to NaN, e8m0 0x00 to 2^-127.
  *
+ * bfloat16 weights (b_bf16): the same with lane j adding a[m, k] * b[n, k] and P added
+ * into the accumulator as it is -- the released model.py's float32 weights that its
+ * checkpoint stores in bf16 (the compressors' wkv / wgate, the head), read at half the
+ * bytes of their float32 copies.
+ *
  * Groups (ng_rows > 0): weight row n reads the activations a + (n / ng_rows) * sa_grp,
  * so one call runs G independent products [M, K] x [ng_rows, K]^T side by side, output
  * row m holding them one after another (the einsum "bsgd,grd->bsgr"). */
@@ -87,8 +92,9 @@ struct csa_wgemm_args {
     const void *a;             /* [M, (G,) K] float32 or bfloat16, unit column stride */
     int a_bf16;
     csa_idx M, K, sa_row, sa_grp, ng_rows;
-    const uint8_t *b;          /* [N, K] e4m3 bytes, unit column stride */
-    csa_idx N, sb_row;
+    const uint8_t *b;          /* [N, K] e4m3 bytes (or bfloat16), unit column stride */
+    int b_bf16;                /* bf16 weights: no scales (bs unused), P added as it is */
+    csa_idx N, sb_row;         /* row stride in bytes */
     const void *bs;            /* [ceil(N / 128), ceil(K / 128)] float32 or e8m0 */
     int bs_fmt;
     csa_idx sbs_row, sbs_col;

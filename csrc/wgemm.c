@@ -53,10 +53,12 @@ int csa_wfp8_gemm_ref(const struct csa_wgemm_args *g)
             for (csa_idx k0 = 0; k0 < g->K; k0 += 128) {
                 float l[16] = {0};
                 const csa_idx k1 = k0 + 128 < g->K ? k0 + 128 : g->K;
-                for (csa_idx k = k0; k < k1; k++)
-                    l[(k - k0) & 15] = fmaf(w_a(g, m, n, k), csa_e4m3_to_f32(br[k]) * (1.0f / 256.0f),
-                                           l[(k - k0) & 15]);
-                acc = fmaf(w_tree16(l), w_scale(g, n, k0 / 128), acc);
+                for (csa_idx k = k0; k < k1; k++) {
+                    const float w = g->b_bf16 ? csa_bf16_to_f32(((const csa_bf16 *)br)[k])
+                                              : csa_e4m3_to_f32(br[k]) * (1.0f / 256.0f);
+                    l[(k - k0) & 15] = fmaf(w_a(g, m, n, k), w, l[(k - k0) & 15]);
+                }
+                acc = g->b_bf16 ? acc + w_tree16(l) : fmaf(w_tree16(l), w_scale(g, n, k0 / 128), acc);
             }
             w_store(g, m, n, acc);
         }

@@ -54,11 +54,13 @@ static inline float CSA_V(w_tree)(float *t)
 
 /* One block [k0, k0 + len) of one weight row into the sixteen lanes t (which hold the
  * block's earlier k), the oracle's way. */
-static inline void CSA_V(w_block_scalar)(const void *a, int bf, const uint8_t *br, csa_idx k0,
-                                         csa_idx kfrom, csa_idx kto, float *t)
+static inline void CSA_V(w_block_scalar)(const void *a, int bf, const uint8_t *br, int wbf,
+                                         csa_idx k0, csa_idx kfrom, csa_idx kto, float *t)
 {
-    for (csa_idx k = kfrom; k < kto; k++)
-        t[(k - k0) & 15] = fmaf(CSA_V(w_ascalar)(a, bf, k), CSA_V(w_bscalar)(br[k]), t[(k - k0) & 15]);
+    for (csa_idx k = kfrom; k < kto; k++) {
+        const float w = wbf ? csa_bf16_to_f32(((const csa_bf16 *)br)[k]) : CSA_V(w_bscalar)(br[k]);
+        t[(k - k0) & 15] = fmaf(CSA_V(w_ascalar)(a, bf, k), w, t[(k - k0) & 15]);
+    }
 }
 
 static inline float CSA_V(w_bscale)(const struct csa_wgemm_args *g, csa_idx n, csa_idx kb)
@@ -116,6 +118,20 @@ static inline void CSA_V(w_block4)(const void *a, int bf, const uint8_t *const *
     }
     for (int r = 0; r < R; r++) P[r] = CSA_V(w_red16)(l[r]);
 }
+
+/* The same for bf16 weights (widened by a shift). */
+static inline void CSA_V(w_block4_bf)(const void *a, int bf, const uint8_t *const *br, int R,
+                                      csa_idx k0, float *P)
+{
+    __m512 l[4];
+    for (int r = 0; r < R; r++) l[r] = _mm512_setzero_ps();
+    for (csa_idx k = k0; k < k0 + 128; k += 16) {
+        const __m512 x = CSA_V(w_act16)(a, bf, k);
+        for (int r = 0; r < R; r++)
+            l[r] = _mm512_fmadd_ps(x, CSA_V(w_act16)(br[r], 1, k), l[r]);
+    }
+    for (int r = 0; r < R; r++) P[r] = CSA_V(w_red16)(l[r]);
+}
 #elif W_LANES == 2
 static inline int CSA_V(w_finite128)(const uint8_t *p)
 {
@@ -161,13 +177,28 @@ static inline void CSA_V(w_block4)(const void *a, int bf, const uint8_t *const *
     }
     for (int r = 0; r < R; r++) P[r] = CSA_V(w_red8)(lo[r]) + CSA_V(w_red8)(hi[r]);
 }
+
+static inline void CSA_V(w_block4_bf)(const void *a, int bf, const uint8_t *const *br, int R,
+                                      csa_idx k0, float *P)
+{
+    __m256 lo[4], hi[4];
+    for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps();
+    for (csa_idx k = k0; k < k0 + 128; k += 16) {
+        const __m256 x0 = CSA_V(w_act8)(a, bf, k), x1 = CSA_V(w_act8)(a, bf, k + 8);
+        for (int r = 0; r < R; r++) {
+            lo[r] = _mm256_fmadd_ps(x0, CSA_V(w_act8)(br[r], 1, k), lo[r]);
+            hi[r] = _mm256_fmadd_ps(x1, CSA_V(w_act8)(br[r], 1, k + 8), hi[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) P[r] = CSA_V(w_red8)(lo[r]) + CSA_V(w_red8)(hi[r]);
+}
 #endif
 
 /* Rows n0 .. n0 + R - 1 (R <= 4, one activation group) for every activation row. */
 static inline void CSA_V(w_task)(const struct csa_wgemm_args *g, csa_idx n0, const int R)
 {
     const csa_idx K = g->K;
-    const int bf = g->a_bf16;
+    const int bf = g->a_bf16, wbf = g->b_bf16;
     const uint8_t *br[4];
     for (int r = 0; r < R; r++) br[r] = g->b + (n0 + r) * g->sb_row;
     for (csa_idx m = 0; m < g->M; m++) {
@@ -178,19 +209,25 @@ static inline void CSA_V(w_task)(const struct csa_wgemm_args *g, csa_idx n0, con
             float P[4];
             int fast = 0;
 #if W_LANES
-            if (len == 128) {
+            if (len == 128 && wbf) {
+                fast = 1;
+                CSA_V(w_block4_bf)(a, bf, br, R, k0, P);
+            } else if (len == 128) {
                 fast = 1;
                 for (int r = 0; r < R; r++) fast &= CSA_V(w_finite128)(br[r] + k0);
+                if (fast) CSA_V(w_block4)(a, bf, br, R, k0, P);
             }
-            if (fast) CSA_V(w_block4)(a, bf, br, R, k0, P);
 #endif
             if (!fast)
                 for (int r = 0; r < R; r++) {
                     float t[16] = {0};
-                    CSA_V(w_block_scalar)(a, bf, br[r], k0, k0, k0 + len, t);
+                    CSA_V(w_block_scalar)(a, bf, br[r], wbf, k0, k0, k0 + len, t);
                     P[r] = CSA_V(w_tree)(t);
                 }
-            for (int r = 0; r < R; r++) acc[r] = fmaf(P[r], CSA_V(w_bscale)(g, n0 + r, k0 / 128), acc[r]);
+            if (wbf)
+                for (int r = 0; r < R; r++) acc[r] = acc[r] + P[r];
+            else
+                for (int r = 0; r < R; r++) acc[r] = fmaf(P[r], CSA_V(w_bscale)(g, n0 + r, k0 / 128), acc[r]);
         }
         for (int r = 0; r < R; r++) {
             const csa_idx o = m * g->so_row + n0 + r;

@@ -210,3 +210,74 @@ def test_fp8_weight_einsum(rng, rows):
     assert torch.equal(fw.float(), w.float())
     with pytest.raises(RuntimeError):
         fw.view(7, -1)
+
+
+# ------------------------------------------------------------------ wbf16_gemm
+@pytest.mark.parametrize("M,K,N", [(1, 4096, 1024), (3, 200, 37), (1, 17, 5), (2, 384, 261),
+                                   (16, 128, 8)])
+@pytest.mark.parametrize("act", ["bf16", "f32"])
+def test_wbf16_vs_dequant_matmul_and_oracle(isa_bf16, rng, M, K, N, act):
+    a = rng.standard_normal((M, K)).astype(np.float32)
+    if act == "bf16":
+        a = a.astype(BF16)
+    b = rng.standard_normal((N, K)).astype(BF16)
+    with unchanged(a, b):
+        got = same_bits_at_thread_counts(lambda: dc.wbf16_gemm(a, b))
+    assert got.dtype == np.float32 and got.shape == (M, N)
+    with isa_level("ref"):
+        ref = dc.wbf16_gemm(a, b)
+    np.testing.assert_array_equal(bits(got), bits(ref))
+    A, B = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    err = np.abs(got - A @ B.T)
+    assert (err <= 1e-6 * (np.abs(A) @ np.abs(B).T) + 1e-30).all()
+    np.testing.assert_array_equal(bits(dc.wbf16_gemm(a, b, out_dtype="bfloat16")),
+                                  bits(got.astype(BF16)))
+
+
+def test_wbf16_hostile_and_bad_arguments(isa_bf16, rng):
+    a = rng.standard_normal((2, 300)).astype(np.float32)
+    b = rng.standard_normal((9, 300)).astype(BF16)
+    b[1, 5], b[2, 140], b[3, 299], b[4] = np.nan, np.inf, -np.inf, 0
+    a[1, 7] = np.inf                            # inf x 0 in row 4: NaN there
+    got = same_bits_at_thread_counts(lambda: dc.wbf16_gemm(a, b))
+    with isa_level("ref"):
+        ref = dc.wbf16_gemm(a, b)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
+    fin = ~np.isnan(ref)
+    np.testing.assert_array_equal(bits(got)[fin], bits(ref)[fin])
+    assert np.isnan(got[:, 1]).all() and np.isnan(got[1, 4]) and got[0, 4] == 0
+    assert np.isinf(got[0, 2]) and fin.any()
+    with pytest.raises(TypeError):
+        dc.wbf16_gemm(a, b.astype(np.float32))            # float32 weights: not this entry
+    with pytest.raises(ValueError, match="K = a.shape"):
+        dc.wbf16_gemm(a[:, :100], b)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        dc.wbf16_gemm(a[:, :150], b[:, ::2])
+
+
+def test_bf16_weight_linear(rng):
+    """BF16Weight: F.linear with <= MAX_ROWS float32 rows on wbf16_gemm (its bits), more
+    rows or bf16 rows as F.linear on the widened weight; other uses see the float32 weight."""
+    from deepseek_csa.torch.fp8_wo_a import MAX_ROWS, BF16Weight, bf16_f32_weights
+    F = torch.nn.functional
+    w16 = torch.from_numpy(rng.standard_normal((70, 256)).astype(np.float32)).bfloat16()
+    bw = BF16Weight(w16)
+    assert bw.dtype == torch.float32 and bw.shape == (70, 256) and bw.nbytes_read == 70 * 256 * 2
+    for rows in (1, MAX_ROWS, MAX_ROWS + 1):
+        x = torch.from_numpy(rng.standard_normal((1, rows, 256)).astype(np.float32))
+        got = F.linear(x, bw)
+        if rows <= MAX_ROWS:
+            k = torch.from_numpy(np.asarray(dc.wbf16_gemm(x, w16)))
+            assert torch.equal(got, k)
+            torch.testing.assert_close(got, F.linear(x, w16.float()), rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(got, F.linear(x, w16.float()))
+    assert torch.equal(bw * 2, w16.float() * 2)
+    with pytest.raises(RuntimeError):
+        F.linear(torch.ones(1, 256, dtype=torch.bfloat16), bw)   # as the float32 weight
+    lin = torch.nn.Linear(256, 70, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w16.float())
+    other = torch.nn.Linear(256, 70, bias=False)                 # not bf16-valued: kept
+    assert bf16_f32_weights(torch.nn.Sequential(lin, other)) == 1
+    assert isinstance(lin.weight, BF16Weight) and not isinstance(other.weight, BF16Weight)

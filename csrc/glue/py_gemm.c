@@ -667,14 +667,17 @@ PyDoc_STRVAR(hc_split_sinkhorn_doc,
 
 /* ------------------------------------------------------------ wfp8_gemm */
 
-static PyObject *py_wfp8_gemm(PyObject *self, PyObject *args, PyObject *kw)
+/* wfp8_gemm (wbf = 0) and wbf16_gemm (wbf = 1: bf16 weights, no scales) */
+static PyObject *g_wgemm(PyObject *args, PyObject *kw, const char *fn, int wbf)
 {
-    static const char *fn = "wfp8_gemm";
-    static char *kwlist[] = {"a", "b", "b_s", "groups", "out_dtype", NULL};
-    PyObject *ao, *bo, *bso, *odo = Py_None;
+    static char *kwlist8[] = {"a", "b", "b_s", "groups", "out_dtype", NULL};
+    static char *kwlist16[] = {"a", "b", "groups", "out_dtype", NULL};
+    PyObject *ao, *bo, *bso = Py_None, *odo = Py_None;
     long long G = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|$LO:wfp8_gemm", kwlist, &ao, &bo, &bso, &G,
-                                     &odo))
+    if (wbf ? !PyArg_ParseTupleAndKeywords(args, kw, "OO|$LO:wbf16_gemm", kwlist16, &ao, &bo,
+                                           &G, &odo)
+            : !PyArg_ParseTupleAndKeywords(args, kw, "OOO|$LO:wfp8_gemm", kwlist8, &ao, &bo, &bso,
+                                           &G, &odo))
         return NULL;
     PyArrayObject *a = NULL, *b = NULL, *bs = NULL, *ac = NULL, *out = NULL;
     PyObject *ret = NULL;
@@ -688,13 +691,20 @@ static PyObject *py_wfp8_gemm(PyObject *self, PyObject *args, PyObject *kw)
     }
     const int ga = G > 1;   /* a [..., G, K] */
     if (!(a = csa_array(ao, fn, "a", CSA_F32 | CSA_BF16, 1 + ga, NPY_MAXDIMS, 0))) goto done;
-    if (!(b = g_arr(bo, fn, "b", G_E4M3, 2, 2, &by))) goto done;
-    if (!(bs = g_arr(bso, fn, "b_s", CSA_F32 | G_E8M0, 2, 2, &bs_bytes))) goto done;
+    if (wbf) {
+        bs_bytes = 0;
+        if (!(b = csa_array(bo, fn, "b", CSA_BF16, 2, 2, 0))) goto done;
+    } else {
+        if (!(b = g_arr(bo, fn, "b", G_E4M3, 2, 2, &by))) goto done;
+        if (!(bs = g_arr(bso, fn, "b_s", CSA_F32 | G_E8M0, 2, 2, &bs_bytes))) goto done;
+    }
     const int nd = PyArray_NDIM(a);
     const npy_intp K = PyArray_DIM(a, nd - 1), N = PyArray_DIM(b, 0);
     if (csa_check_dim(b, fn, "b", 1, K, "K = a.shape[-1]")) goto done;
-    if (csa_check_dim(bs, fn, "b_s", 0, (N + 127) / 128, "ceil(N / 128)")) goto done;
-    if (csa_check_dim(bs, fn, "b_s", 1, (K + 127) / 128, "ceil(K / 128)")) goto done;
+    if (!wbf) {
+        if (csa_check_dim(bs, fn, "b_s", 0, (N + 127) / 128, "ceil(N / 128)")) goto done;
+        if (csa_check_dim(bs, fn, "b_s", 1, (K + 127) / 128, "ceil(K / 128)")) goto done;
+    }
     if (ga) {
         if (csa_check_dim(a, fn, "a", nd - 2, G, "groups, a is [..., groups, K]")) goto done;
         if (N % G) {
@@ -703,7 +713,7 @@ static PyObject *py_wfp8_gemm(PyObject *self, PyObject *args, PyObject *kw)
             goto done;
         }
     }
-    if (N > 0 && K > 1 && csa_stride(b, 1) != 1) {
+    if (N > 0 && K > 1 && PyArray_STRIDE(b, 1) != PyArray_ITEMSIZE(b)) {
         PyErr_Format(PyExc_ValueError, "%s(): 'b' must have contiguous rows (unit last stride), "
                      "got a last stride of %lld bytes; weights are read as they are stored",
                      fn, (long long)PyArray_STRIDE(b, 1));
@@ -719,7 +729,7 @@ static PyObject *py_wfp8_gemm(PyObject *self, PyObject *args, PyObject *kw)
     shape[nd - 1 - ga] = N;
     csa_idx rows = 1;
     for (int i = 0; i < nd - 1 - ga; i++) rows *= shape[i];
-    const int bf16 = odt != 0;
+    const int bf16 = wbf ? odt == 1 : odt != 0;    /* default: bfloat16 / float32 (wbf16) */
     PyArray_Descr *d = bf16 ? g_bf16_descr() : PyArray_DescrFromType(NPY_FLOAT32);
     if (!d) goto done;
     out = (PyArrayObject *)PyArray_NewFromDescr(&PyArray_Type, d, nd - ga, shape, NULL, NULL, 0,
@@ -728,9 +738,9 @@ static PyObject *py_wfp8_gemm(PyObject *self, PyObject *args, PyObject *kw)
     struct csa_wgemm_args g = {
         .a = PyArray_DATA(ac), .a_bf16 = csa_is_bf16(ac), .M = rows, .K = K,
         .sa_row = G * K, .sa_grp = K, .ng_rows = ga ? N / G : 0,
-        .b = PyArray_DATA(b), .N = N, .sb_row = PyArray_STRIDE(b, 0),
-        .bs = PyArray_DATA(bs), .bs_fmt = bs_bytes ? CSA_S_E8M0 : CSA_S_F32,
-        .sbs_row = csa_stride(bs, 0), .sbs_col = csa_stride(bs, 1),
+        .b = PyArray_DATA(b), .b_bf16 = wbf, .N = N, .sb_row = PyArray_STRIDE(b, 0),
+        .bs = bs ? PyArray_DATA(bs) : NULL, .bs_fmt = bs_bytes ? CSA_S_E8M0 : CSA_S_F32,
+        .sbs_row = bs ? csa_stride(bs, 0) : 0, .sbs_col = bs ? csa_stride(bs, 1) : 0,
         .out = PyArray_DATA(out), .out_bf16 = bf16, .so_row = N,
     };
     (void)b1;
@@ -753,6 +763,23 @@ done:
     return ret;
 }
 
+static PyObject *py_wfp8_gemm(PyObject *self, PyObject *args, PyObject *kw)
+{
+    return g_wgemm(args, kw, "wfp8_gemm", 0);
+}
+
+static PyObject *py_wbf16_gemm(PyObject *self, PyObject *args, PyObject *kw)
+{
+    return g_wgemm(args, kw, "wbf16_gemm", 1);
+}
+
+PyDoc_STRVAR(wbf16_gemm_doc,
+"wbf16_gemm(a, b, *, groups=1, out_dtype=None)\n--\n\n"
+"wfp8_gemm's arithmetic against bfloat16 weights b [N, K] (no scales: each 128-block's\n"
+"sum added as it is): float32 activations times a float32 weight that is stored as\n"
+"bf16, at half its bytes (the released model.py's compressor and head weights).\n"
+"Returns [..., N], float32 by default (out_dtype 'bfloat16' rounds once).");
+
 PyDoc_STRVAR(wfp8_gemm_doc,
 "wfp8_gemm(a, b, b_s, *, groups=1, out_dtype=None)\n--\n\n"
 "Weight-only FP8 GEMM (csrc/gemm.h, csa_wfp8_gemm): float activations as they are\n"
@@ -771,6 +798,8 @@ PyDoc_STRVAR(wfp8_gemm_doc,
 PyMethodDef csa_gemm_methods[] = {
     {"wfp8_gemm", (PyCFunction)(void (*)(void))py_wfp8_gemm, METH_VARARGS | METH_KEYWORDS,
      wfp8_gemm_doc},
+    {"wbf16_gemm", (PyCFunction)(void (*)(void))py_wbf16_gemm, METH_VARARGS | METH_KEYWORDS,
+     wbf16_gemm_doc},
     {"fp8_gemm", (PyCFunction)(void (*)(void))py_fp8_gemm, METH_VARARGS | METH_KEYWORDS,
      fp8_gemm_doc},
     {"fp4_gemm", (PyCFunction)(void (*)(void))py_fp4_gemm, METH_VARARGS | METH_KEYWORDS,

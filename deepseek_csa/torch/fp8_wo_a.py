@@ -1,4 +1,6 @@
-"""The released model.py's attention output projection ``wo_a`` read as FP8 again.
+"""Weights read at the width the checkpoint stores them: the released model.py's
+attention output projection ``wo_a`` read as FP8 again (``fp8_wo_a``), and its float32
+weights that the checkpoint stores in bf16 read as bf16 (``bf16_f32_weights``).
 
 The released checkpoint stores ``wo_a`` in FP8 (e4m3 codes, ue8m0 scales per 128 x 128
 block); DeepSeek's convert.py widens it to bf16 and model.py multiplies it as a bf16
@@ -26,7 +28,8 @@ import torch
 
 from . import ops
 
-__all__ = ["FP8Weight", "fp8_wo_a", "requantize_fp8", "MAX_ROWS"]
+__all__ = ["FP8Weight", "fp8_wo_a", "requantize_fp8", "MAX_ROWS", "BF16Weight",
+           "bf16_f32_weights"]
 
 # Activation rows up to which the einsum runs the weight-only GEMV (it streams the codes
 # once per row of o; beyond a few rows the dequantized bf16 einsum, a real GEMM, wins).
@@ -156,5 +159,81 @@ def fp8_wo_a(model):
         if q is None:
             continue
         lin._parameters["weight"] = FP8Weight(*q)
+        n += 1
+    return n
+
+
+# ---------------------------------------------------------------- float32 weights as bf16
+_LINEAR = torch.nn.functional.linear
+
+
+class BF16Weight(torch.Tensor):
+    """A float32 weight [N, K] whose values are bf16, held as the bf16 tensor (half the
+    bytes).  ``F.linear(x, w)`` with float32 x of at most MAX_ROWS rows runs
+    ``torch.ops.deepseek_csa.wbf16_gemm`` (float32 products and sums in its fixed order;
+    F.linear's own float32 GEMV sums in another order); everything else sees the float32
+    weight (widened for that call; exact)."""
+
+    @staticmethod
+    def __new__(cls, w16):
+        t = torch.Tensor._make_wrapper_subclass(cls, tuple(w16.shape), dtype=torch.float32,
+                                                device=w16.device, requires_grad=False)
+        t.w16 = w16
+        return t
+
+    @property
+    def nbytes_read(self):
+        return self.w16.numel() * 2
+
+    def widen(self):
+        return self.w16.float()
+
+    def __repr__(self):
+        return f"BF16Weight(shape={list(self.shape)}, float32 values held in bf16)"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func is _LINEAR and len(args) >= 2 and isinstance(args[1], BF16Weight)
+                and not isinstance(args[0], BF16Weight)
+                and (len(args) < 3 or args[2] is None) and kwargs.get("bias") is None):
+            x, w = args[0], args[1]
+            if (x.dtype == torch.float32 and x.dim() >= 1 and x.shape[-1] == w.shape[1]
+                    and x.numel() // max(1, x.shape[-1]) <= MAX_ROWS and x.numel() > 0):
+                return ops.call("wbf16_gemm", x, w.w16, torch.float32)
+        if getattr(func, "__name__", "") == "__get__" or func in _META:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        unwrap = lambda a: a.widen() if isinstance(a, BF16Weight) else a  # noqa: E731
+        return func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in kwargs.items()})
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda a: a.widen() if isinstance(a, BF16Weight) else a  # noqa: E731
+        return func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+
+
+def _f32_linear_weights(model):
+    """(module, name) of the float32 2-D weights model.py multiplies by F.linear: every
+    Linear's (the compressors' wkv / wgate) and the head's."""
+    for m in model.modules():
+        w = m._parameters.get("weight") if hasattr(m, "_parameters") else None
+        if w is None or isinstance(w, BF16Weight) or w.dtype != torch.float32 or w.dim() != 2:
+            continue
+        if hasattr(m, "in_features") or type(m).__name__ == "ParallelHead" or hasattr(m, "get_logits"):
+            yield m
+
+
+def bf16_f32_weights(model):
+    """Replaces each float32 weight model.py multiplies by F.linear (the compressors',
+    the head's) whose values are all bf16 -- the checkpoint stores them in bf16 and the
+    loader widens them -- by a BF16Weight.  Returns how many were replaced."""
+    n = 0
+    for m in _f32_linear_weights(model):
+        w = m._parameters["weight"].detach()
+        w16 = w.bfloat16()
+        if not torch.equal(w16.float(), w):
+            continue
+        m._parameters["weight"] = BF16Weight(w16)
         n += 1
     return n
