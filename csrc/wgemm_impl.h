@@ -6,7 +6,9 @@
  * oracle's order: the bits depend on neither the level nor the thread count.  Tasks
  * are handed out dynamically (a descheduled thread on a shared host does not hold the
  * others' rows).  Built for decode (M of a few rows); larger M re-reads the weights
- * from cache for each activation row.
+ * from cache for each activation row.  Software prefetches (W_PF_L1, W_PF_TASKS): wo_a's
+ * shape, weights from memory (12 copies cycled), one thread, 3.1-3.5 -> 2.8-3.1 CPU-ms a
+ * call (interleaved runs, a host at load 6: wall times meaningless).
  *
  * Decoding: e4m3 byte v sign-extended to 16 bits and shifted left by 7, bit 14 cleared
  * (& 0xBF80), is the half (binary16) of value e4m3(v) / 256, subnormals included; the
@@ -18,6 +20,14 @@
  * would convert to finite halves: each row's 128-block is tested for them first (one
  * byte compare per 64 codes) and a block that has one takes the scalar path, the
  * oracle's arithmetic. */
+
+/* Software prefetches (as gemm.c's one-row paths, whose comment has the measurement:
+ * rows of a few KiB are too short a stream for the hardware prefetchers): each row
+ * W_PF_L1 bytes ahead into L1, and the rows W_PF_TASKS tasks on into L2. */
+#ifndef W_PF_L1
+#define W_PF_L1 256
+#define W_PF_TASKS 2
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define W_LANES 1
@@ -102,13 +112,18 @@ static inline float CSA_V(w_red16)(__m512 v)
 /* Rows n0 .. n0 + R - 1 against activation row a, one full finite-checked 128-block:
  * the block sums into P[r].  R is a compile-time constant at each call. */
 static inline void CSA_V(w_block4)(const void *a, int bf, const uint8_t *const *br, int R,
-                                   csa_idx k0, float *P)
+                                   csa_idx k0, float *P, csa_idx pf2)
 {
     __m512 l[4];
     for (int r = 0; r < R; r++) l[r] = _mm512_setzero_ps();
     const __m512i mk = _mm512_set1_epi16((short)0xBF80);
     for (csa_idx k = k0; k < k0 + 128; k += 32) {
         const __m512 x0 = CSA_V(w_act16)(a, bf, k), x1 = CSA_V(w_act16)(a, bf, k + 16);
+        if (!(k & 63))
+            for (int r = 0; r < R; r++) {
+                _mm_prefetch((const char *)(br[r] + k + W_PF_L1), _MM_HINT_T0);
+                if (pf2) _mm_prefetch((const char *)(br[r] + k + pf2), _MM_HINT_T1);
+            }
         for (int r = 0; r < R; r++) {
             const __m512i h = _mm512_and_si512(_mm512_slli_epi16(
                 _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(br[r] + k))), 7), mk);
@@ -161,13 +176,18 @@ static inline float CSA_V(w_red8)(__m256 v)
 }
 
 static inline void CSA_V(w_block4)(const void *a, int bf, const uint8_t *const *br, int R,
-                                   csa_idx k0, float *P)
+                                   csa_idx k0, float *P, csa_idx pf2)
 {
     __m256 lo[4], hi[4];
     for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps();
     const __m256i mk = _mm256_set1_epi16((short)0xBF80);
     for (csa_idx k = k0; k < k0 + 128; k += 16) {
         const __m256 x0 = CSA_V(w_act8)(a, bf, k), x1 = CSA_V(w_act8)(a, bf, k + 8);
+        if (!(k & 63))
+            for (int r = 0; r < R; r++) {
+                _mm_prefetch((const char *)(br[r] + k + W_PF_L1), _MM_HINT_T0);
+                if (pf2) _mm_prefetch((const char *)(br[r] + k + pf2), _MM_HINT_T1);
+            }
         for (int r = 0; r < R; r++) {
             const __m256i h = _mm256_and_si256(_mm256_slli_epi16(
                 _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(br[r] + k))), 7), mk);
@@ -201,6 +221,9 @@ static inline void CSA_V(w_task)(const struct csa_wgemm_args *g, csa_idx n0, con
     const int bf = g->a_bf16, wbf = g->b_bf16;
     const uint8_t *br[4];
     for (int r = 0; r < R; r++) br[r] = g->b + (n0 + r) * g->sb_row;
+    /* the rows W_PF_TASKS tasks on, at the same k, into L2 (when they exist) */
+    const csa_idx pf2 = n0 + (W_PF_TASKS + 1) * 4 <= g->N ? W_PF_TASKS * 4 * g->sb_row : 0;
+    (void)pf2;
     for (csa_idx m = 0; m < g->M; m++) {
         const void *a = CSA_V(w_arow)(g, m, n0);
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -215,7 +238,7 @@ static inline void CSA_V(w_task)(const struct csa_wgemm_args *g, csa_idx n0, con
             } else if (len == 128) {
                 fast = 1;
                 for (int r = 0; r < R; r++) fast &= CSA_V(w_finite128)(br[r] + k0);
-                if (fast) CSA_V(w_block4)(a, bf, br, R, k0, P);
+                if (fast) CSA_V(w_block4)(a, bf, br, R, k0, P, pf2);
             }
 #endif
             if (!fast)
