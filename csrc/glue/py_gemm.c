@@ -672,23 +672,20 @@ static PyObject *g_wgemm(PyObject *args, PyObject *kw, const char *fn, int wbf)
 {
     static char *kwlist8[] = {"a", "b", "b_s", "groups", "out_dtype", NULL};
     static char *kwlist16[] = {"a", "b", "groups", "out_dtype", NULL};
-    PyObject *ao, *bo, *bso = Py_None, *odo = Py_None;
+    PyObject *ao, *bo, *bso = Py_None, *odo = Py_None, *go = NULL;
     long long G = 1;
-    if (wbf ? !PyArg_ParseTupleAndKeywords(args, kw, "OO|$LO:wbf16_gemm", kwlist16, &ao, &bo,
-                                           &G, &odo)
-            : !PyArg_ParseTupleAndKeywords(args, kw, "OOO|$LO:wfp8_gemm", kwlist8, &ao, &bo, &bso,
-                                           &G, &odo))
+    if (wbf ? !PyArg_ParseTupleAndKeywords(args, kw, "OO|$OO:wbf16_gemm", kwlist16, &ao, &bo,
+                                           &go, &odo)
+            : !PyArg_ParseTupleAndKeywords(args, kw, "OOO|$OO:wfp8_gemm", kwlist8, &ao, &bo, &bso,
+                                           &go, &odo))
         return NULL;
+    if (go && csa_int_arg(go, fn, "groups", 1, (long long)1 << 40, &G)) return NULL;
     PyArrayObject *a = NULL, *b = NULL, *bs = NULL, *ac = NULL, *out = NULL;
     PyObject *ret = NULL;
     char b1[256];
     int by, bs_bytes;
     const int odt = g_out_dtype(odo, fn);
     if (odt == -2) goto done;
-    if (G < 1) {
-        PyErr_Format(PyExc_ValueError, "%s(): 'groups' must be >= 1, got %lld", fn, G);
-        goto done;
-    }
     const int ga = G > 1;   /* a [..., G, K] */
     if (!(a = csa_array(ao, fn, "a", CSA_F32 | CSA_BF16, 1 + ga, NPY_MAXDIMS, 0))) goto done;
     if (wbf) {
