@@ -72,6 +72,12 @@ from bench_llamacpp import PEERS  # noqa: E402
 CFG = dict(blm.MODEL, num_hidden_layers=1, compress_ratios=[4], n_routed_experts=256,
            num_hash_layers=0)
 SEED = 44
+# our runner's wo_a: "fp8" (deepseek_csa.generate's default: convert.py's bf16 widening
+# requantized exactly, a weight-only FP8 GEMV at decode) or "bf16" (model.py's einsum)
+WO_A = "fp8"
+# and its float32 weights with bf16 values (compressors, head): "bf16" (the runner's
+# default, --f32-weights) or "f32" (as released)
+F32W = "bf16"
 CACHE = PEERS / "width44"
 MAX_CTX = 65536
 # V4-Flash as released: 43 layers and a 129280-token bf16 head (the projection's extra bytes)
@@ -294,6 +300,12 @@ def runner_worker(ctx, steps, fill, threads, warm=4):
         model = mod.Transformer(margs)
     t0 = time.perf_counter()
     load_checkpoint(model, str(root / "ckpt" / "model0-mp1.safetensors"), log=lambda *a: None)
+    if WO_A == "fp8":                 # as deepseek_csa.generate does by default (--wo-a)
+        from deepseek_csa.torch.fp8_wo_a import fp8_wo_a
+        fp8_wo_a(model)
+    if F32W == "bf16":
+        from deepseek_csa.torch.fp8_wo_a import bf16_f32_weights
+        bf16_f32_weights(model)
     t_load = time.perf_counter() - t0
     rss_loaded = rss_bytes()
     layer = model.layers[0]
@@ -350,7 +362,7 @@ def runner_worker(ctx, steps, fill, threads, warm=4):
     for k, p in params.items():
         if ".experts." in k:
             continue
-        b = p.numel() * p.element_size()
+        b = getattr(p, "nbytes_read", p.numel() * p.element_size())   # FP8Weight: codes
         if k == "embed.weight":
             b //= p.shape[0]
         actual[_part(k)] = actual.get(_part(k), 0) + b
@@ -361,7 +373,8 @@ def runner_worker(ctx, steps, fill, threads, warm=4):
         fill_s=t_fill, fill=fill, load_s=t_load, rss_loaded_bytes=rss_loaded,
         peak_rss_bytes=peak_rss_bytes(), isa=dc.get_isa(), threads=torch.get_num_threads(),
         experts_distinct=len(set(flat)), experts_picks=len(flat),
-        logits_finite=bool(torch.isfinite(lg).all()), actual_bytes=actual)))
+        logits_finite=bool(torch.isfinite(lg).all()), actual_bytes=actual, wo_a=WO_A,
+        f32_weights=F32W)))
 
 
 def components_worker(threads, reps=7):
@@ -400,13 +413,21 @@ def components_worker(threads, reps=7):
         ex[0] = (ex[0] + 37) % CFG["n_routed_experts"]
         return ffn.experts[ex[0]](x.view(1, d), torch.ones(1, 1))
     e0 = ffn.experts[0]
+    from deepseek_csa.torch.fp8_wo_a import FP8Weight, requantize_fp8
+    w8 = FP8Weight(*requantize_fp8(attn.wo_a.weight.detach())).view(og, CFG["o_lora_rank"], -1)
+    from deepseek_csa.torch.fp8_wo_a import BF16Weight
+    wkv16 = BF16Weight(attn.compressor.wkv.weight.detach().bfloat16())
     parts = {
+        "wo_a: FP8 weight-only GEMV (deepseek_csa.generate's default, --wo-a fp8)":
+            (lambda: torch.einsum("bsgd,grd->bsgr", o, w8), w8.nbytes_read),
         "wo_a: bf16 einsum (model.py; convert.py widened the FP8)":
             (lambda: torch.einsum("bsgd,grd->bsgr", o, wo_a), nb(attn.wo_a.weight)),
         "wq_b: FP8 fp8_gemm": (lambda: attn.wq_b(qr), lin(attn.wq_b)),
         "wo_b: FP8 fp8_gemm": (lambda: attn.wo_b(ob), lin(attn.wo_b)),
         "compressor wkv: float32 F.linear (model.py widens the bf16)":
             (lambda: attn.compressor.wkv(x.float()), lin(attn.compressor.wkv)),
+        "compressor wkv: held in bf16, float32 GEMV (--f32-weights bf16)":
+            (lambda: torch.nn.functional.linear(x.float(), wkv16), wkv16.nbytes_read),
         "shared expert: FP8 w1 + w3 + w2": (lambda: ffn.shared_experts(x.view(1, d)),
                                             sum(lin(m) for m in (ffn.shared_experts.w1,
                                                 ffn.shared_experts.w2, ffn.shared_experts.w3))),
@@ -434,7 +455,8 @@ def components_worker(threads, reps=7):
 def run_runner(ctx, steps, fill, threads):
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", fill, "--ctx", str(ctx),
-           "--steps", str(steps), "--threads", str(threads)]
+           "--steps", str(steps), "--threads", str(threads), "--wo-a", WO_A,
+           "--f32-weights", F32W]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(ROOT))
     if r.returncode != 0:
         raise RuntimeError(f"runner worker failed ({r.returncode}):\n{r.stderr[-3000:]}")
@@ -530,6 +552,7 @@ def plot(snap, path):
 
 
 def main(argv=None):
+    global WO_A, F32W
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", 2)))
     ap.add_argument("--prepare", action="store_true", help="only write / convert the model")
@@ -548,8 +571,15 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--note", default="")
     ap.add_argument("--replot", metavar="JSON")
+    ap.add_argument("--wo-a", choices=("fp8", "bf16"), default=WO_A,
+                    help="our runner's wo_a (deepseek_csa.generate --wo-a): fp8 (default) "
+                         "or bf16, model.py's einsum as released")
+    ap.add_argument("--f32-weights", choices=("bf16", "f32"), default=F32W,
+                    help="our runner's float32 weights with bf16 values (deepseek_csa.generate "
+                         "--f32-weights): bf16 (default) or f32, as released")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    WO_A, F32W = a.wo_a, a.f32_weights
     if a.replot:
         plot(json.loads(Path(a.replot).read_text()), Path(a.replot).with_suffix(".png"))
         return 0
@@ -660,7 +690,8 @@ def main(argv=None):
              "(CSA ratio 4, 256 FP4 experts, FP8 attention / indexer / shared expert), random "
              "weights; our runner (released model.py on deepseek_csa's kernel module) vs "
              "llama.cpp. " + a.note,
-        config=CFG, seed=SEED, runner_config=runner_config(), gguf=how, ggml=ggml,
+        config=CFG, seed=SEED, runner_config=runner_config(), runner_wo_a=WO_A,
+        runner_f32_weights=F32W, gguf=how, ggml=ggml,
         llamacpp_version=blm.LLAMACPP_VERSION, cpu=harness.cpu_model(), isa=_isa(),
         threads=a.threads, env=harness.environment(a.threads), triad_gbs=tri,
         triad_runs_gbs=triads, load_avg_start=load0, load_avg_end=os.getloadavg(),

@@ -62,6 +62,50 @@ int csa_gemm_ref(const struct csa_gemm_args *g);
  * (gemm.c has the measurement).  The others run one after another. */
 int csa_gemm_batch(const struct csa_gemm_args *gs, csa_idx count);
 
+/* Weight-only FP8: float activations (float32 or bfloat16, as they are) times e4m3
+ * weights with one scale per 128 x 128 block (the layout fp8_gemm reads), for a
+ * product the released model.py computes in bf16 from a widened FP8 weight (its
+ * attention's grouped output projection wo_a, an einsum over weights DeepSeek's
+ * convert.py dequantizes): reading the FP8 codes halves the bytes.
+ *
+ * C[m, n] = sum over K blocks kb of P(m, n, kb) * (sb[n / 128, kb] * 256), each block's
+ * partial sum P in float32 over sixteen lanes, lane j adding a[m, k] * (e4m3(b[n, k]) /
+ * 256) by a fused multiply-add for the block's k = k0 + j, k0 + j + 16, ... in increasing
+ * k (the weights enter divided by 256, exact: they are binary16 halves, which the tuned
+ * code converts), the lanes reduced pairwise (lanes 0+1, 2+3, ..., then those pairs,
+ * ..., one sum), P added into a float32 accumulator (from +0) by one fused multiply-add;
+ * stored as float32 or rounded once to bfloat16.  bf16 activations give exact products
+ * (8 x 4 significant bits), so the result is the exact-product sum in this order
+ * (scaled by powers of two: exact away from float32's subnormal range); every level and thread
+ * count computes exactly this (one thread an output row).  e4m3 0x7f / 0xff and e8m0
+ * 0xff decode to NaN, e8m0 0x00 to 2^-127.
+ *
+ * bfloat16 weights (b_bf16): the same with lane j adding a[m, k] * b[n, k] and P added
+ * into the accumulator as it is -- the released model.py's float32 weights that its
+ * checkpoint stores in bf16 (the compressors' wkv / wgate, the head), read at half the
+ * bytes of their float32 copies.
+ *
+ * Groups (ng_rows > 0): weight row n reads the activations a + (n / ng_rows) * sa_grp,
+ * so one call runs G independent products [M, K] x [ng_rows, K]^T side by side, output
+ * row m holding them one after another (the einsum "bsgd,grd->bsgr"). */
+struct csa_wgemm_args {
+    const void *a;             /* [M, (G,) K] float32 or bfloat16, unit column stride */
+    int a_bf16;
+    csa_idx M, K, sa_row, sa_grp, ng_rows;
+    const uint8_t *b;          /* [N, K] e4m3 bytes (or bfloat16), unit column stride */
+    int b_bf16;                /* bf16 weights: no scales (bs unused), P added as it is */
+    csa_idx N, sb_row;         /* row stride in bytes */
+    const void *bs;            /* [ceil(N / 128), ceil(K / 128)] float32 or e8m0 */
+    int bs_fmt;
+    csa_idx sbs_row, sbs_col;
+    void *out;                 /* [M, N] float32 or bfloat16, unit column stride */
+    int out_bf16;
+    csa_idx so_row;
+};
+
+int csa_wfp8_gemm(const struct csa_wgemm_args *g);
+int csa_wfp8_gemm_ref(const struct csa_wgemm_args *g);
+
 /* Scalar decoders (the oracle's), for the tests and other kernels. */
 float csa_e4m3_to_f32(uint8_t v);
 float csa_e2m1_to_f32(uint8_t nibble);

@@ -424,6 +424,16 @@ def _parser():
                         "deepseek_csa.torch.OPS, or 'all') through deepseek_csa's drop-ins; "
                         "'indexer' is what long prompts need: the released Indexer scores "
                         "[S, heads, S/4] at once (34 GB in bf16 at 32K tokens)")
+    p.add_argument("--wo-a", choices=("fp8", "bf16"), default="fp8",
+                   help="fp8 (default): the attention's wo_a, which convert.py widens to "
+                        "bf16, is read as FP8 again (exactly requantized; at decode a "
+                        "weight-only FP8 GEMV, half the bytes; docs/runner.md); bf16: "
+                        "model.py's bf16 einsum as released")
+    p.add_argument("--f32-weights", choices=("bf16", "f32"), default="bf16",
+                   help="bf16 (default): the float32 weights model.py multiplies by F.linear "
+                        "(the compressors', the head's) whose values are bf16 -- the "
+                        "checkpoint stores them so -- are held in bf16 and read at half the "
+                        "bytes (a float32 GEMV at decode; docs/runner.md); f32: as released")
     p.add_argument("--warmup", type=int, default=0, metavar="N",
                    help="before the first prompt, generate 2 tokens after its first N "
                         "tokens and discard them (first-call costs out of the timings)")
@@ -467,6 +477,15 @@ def _run(args, torch, dist, world_size, rank, log):
     with torch.device("cpu"):
         model = mod.Transformer(margs)
     load_checkpoint(model, path, log=log)
+    if args.wo_a == "fp8":
+        from deepseek_csa.torch.fp8_wo_a import fp8_wo_a
+        n = fp8_wo_a(model)
+        log(f"[wo_a] {n} attention output projection(s) read as FP8 (--wo-a bf16: as released)")
+    if args.f32_weights == "bf16":
+        from deepseek_csa.torch.fp8_wo_a import bf16_f32_weights
+        n = bf16_f32_weights(model)
+        log(f"[f32 weights] {n} float32 weight(s) with bf16 values held in bf16 "
+            "(--f32-weights f32: as released)")
     if args.swap:
         ops = None if args.swap == "all" else [o.strip() for o in args.swap.split(",")]
         routed = dct.swap(model, ops=ops).routed

@@ -18,6 +18,7 @@ import dataclasses
 import operator
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
+import ml_dtypes
 import numpy as np
 
 import deepseek_csa as dc
@@ -703,6 +704,22 @@ def _gemm_entry(fmt, indexed):
 
 
 ENTRIES += [_gemm_entry(fmt, indexed) for indexed in (False, True) for fmt in ("fp8", "fp4")]
+
+# the weight-only FP8 GEMM (float activations as they are, e4m3 codes with 128 x 128
+# scales).  wbf16_gemm is not here: its weight is bfloat16 only, a canonical dtype these
+# suites' torch variants cannot build (tests/test_wfp8_gemm.py has its bad inputs)
+UNIT_LAST_STRIDE.update(wfp8_gemm=("b",))
+ENTRIES += [
+    Entry("wfp8_gemm", "wfp8_gemm",
+          dict(a=Arr(("M", "K"), ndim=(1, None), also=("bfloat16",)),
+               b=Arr(("N", "K"), dtype=np.uint8, fill=_e4m3_codes),
+               b_s=Arr(("NB", "KB"), fill=_pos_scales, also=("uint8",)),
+               groups=Int(_C(1), lo=1, optional=False),
+               out_dtype=Choice(_C(None), ("bfloat16", "float32"), none_ok=True)),
+          positional=("a", "b", "b_s"), sizes=dict(M=(1, 6), N=(1, 140), Kodd=(0, 1), K16=(0, 20)),
+          derive=_gemm8_derive, zero_ok=("M", "N", "K16", "Kodd"),
+          medium=dict(M=4, N=8192, Kodd=0, K16=256)),
+]
 ENTRIES += [
     Entry("fp8_quant", "fp8_quant",
           dict(x=Arr(("R", "L"), ndim=(1, None), also=("bfloat16",)),

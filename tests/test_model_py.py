@@ -301,3 +301,116 @@ def test_compiled_swapped_transformer_gives_eager_logits(model_py):
     print(dict(counters["graph_break"]))
     ours = [r for r in counters["graph_break"] if "deepseek_csa" in r or "fp4_pack" in r]
     assert not ours, ours
+
+
+def _widen_wo_a_from_fp8(model):
+    """Each attention's bf16 wo_a made a widened FP8 tensor (e4m3 codes times power-of-two
+    scales per 128 x 128 block), as DeepSeek's convert.py writes it from the checkpoint."""
+    with torch.no_grad():
+        for layer in model.layers:
+            w = layer.attn.wo_a.weight
+            n, k = w.shape
+            nb, kb = -(-n // 128), -(-k // 128)
+            wp = torch.zeros(nb * 128, kb * 128)
+            wp[:n, :k] = w.float()
+            amax = wp.view(nb, 128, kb, 128).abs().amax((1, 3)).clamp_min(1e-4)
+            s = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))[:, None, :, None]
+            q = (wp.view(nb, 128, kb, 128) / s).to(torch.float8_e4m3fn).float() * s
+            w.copy_(q.reshape(nb * 128, kb * 128)[:n, :k].bfloat16())
+
+
+# fp8_wo_a against the released bf16 einsum, same model and tokens: the products are the
+# same (exact), the float32 sums in another order, then rounded to bf16 -- an ulp of
+# difference in a few wo_a outputs, which FP8 QAT rounding downstream can amplify.
+# Measured: logits bitwise equal (seeds 5, 6, 7: the bf16 rounding of wo_a's output
+# absorbed the order); with bf16_f32_weights too, <= 1.7e-7 relative; budget 5e-2, where wo_a's output dropped or doubled moves them by
+# over 0.3.
+FP8_WO_A_TOL = 5e-2
+
+
+def test_released_transformer_fp8_wo_a_equals_bf16_einsum(model_py):
+    """deepseek_csa.torch.fp8_wo_a on the released Transformer (the runner's default,
+    --wo-a fp8): every layer's wo_a held as FP8 codes, the decode einsum on the
+    weight-only FP8 GEMV, the prefill's on the dequantized weight -- prefill logits
+    bitwise those of the bf16 einsum as released, decode logits within FP8_WO_A_TOL,
+    greedy tokens the same."""
+    import test_kernel_module as TK
+    from deepseek_csa.torch.fp8_wo_a import FP8Weight, fp8_wo_a
+    saved = model_py.rotate_activation
+    try:
+        model_py.rotate_activation = model_py._released_rotate_activation
+        # a prefill of 20 tokens (> MAX_ROWS: the einsum on the dequantized weight)
+        tokens = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(6))
+        base = TK.build(model_py, seed=5, **dict(V4_FP8, max_batch_size=1))
+        _widen_wo_a_from_fp8(base)
+        want = TK.run(base, tokens, 20, 4)
+        model = TK.build(model_py, seed=5, **dict(V4_FP8, max_batch_size=1))
+        _widen_wo_a_from_fp8(model)
+        assert fp8_wo_a(model) == len(model.layers)
+        assert all(isinstance(l.attn.wo_a.weight, FP8Weight) for l in model.layers)
+        calls = []
+        from deepseek_csa.torch import ops
+        orig = ops.call
+        ops.call = lambda name, *a: (calls.append(name), orig(name, *a))[1]
+        try:
+            got = TK.run(model, tokens, 20, 4)
+        finally:
+            ops.call = orig
+    finally:
+        model_py.rotate_activation = saved
+    assert calls.count("wfp8_gemm") == 4 * len(model.layers)       # decode steps only
+    assert torch.equal(got[0], want[0])
+    for g, w in zip(got[1:], want[1:]):
+        assert torch.isfinite(g).all()
+        assert R.rel_err(g.float(), w.float()) < FP8_WO_A_TOL, R.rel_err(g.float(), w.float())
+        assert torch.equal(g.argmax(-1), w.argmax(-1))
+
+
+def _f32_weights_bf16_valued(model):
+    """The float32 weights the released checkpoint stores in bf16 (the compressors' wkv /
+    wgate, the head) given bf16 values, as the loader's widening leaves them."""
+    from deepseek_csa.torch.fp8_wo_a import _f32_linear_weights
+    n = 0
+    with torch.no_grad():
+        for m in _f32_linear_weights(model):
+            m.weight.copy_(m.weight.bfloat16().float())
+            n += 1
+    return n
+
+
+def test_released_transformer_bf16_f32_weights(model_py):
+    """deepseek_csa.torch.bf16_f32_weights on the released Transformer (the runner's
+    default, --f32-weights bf16): the compressors' and the head's float32 weights held in
+    bf16, their decode F.linear on the float32 GEMV (wbf16_gemm; the prefill's
+    compressors, more than MAX_ROWS rows, F.linear on the widened weight) -- logits
+    within FP8_WO_A_TOL (float32 sums in another order than F.linear's, which
+    FP8 QAT rounding downstream can amplify), greedy tokens the same."""
+    import test_kernel_module as TK
+    from deepseek_csa.torch import ops
+    from deepseek_csa.torch.fp8_wo_a import BF16Weight, bf16_f32_weights
+    saved = model_py.rotate_activation
+    try:
+        model_py.rotate_activation = model_py._released_rotate_activation
+        tokens = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(7))
+        base = TK.build(model_py, seed=5, **dict(V4_FP8, max_batch_size=1))
+        n = _f32_weights_bf16_valued(base)
+        want = TK.run(base, tokens, 20, 4)
+        model = TK.build(model_py, seed=5, **dict(V4_FP8, max_batch_size=1))
+        assert _f32_weights_bf16_valued(model) == n
+        # one compressor a compressed layer (two with the indexer's), and the head
+        assert bf16_f32_weights(model) == n >= 2 * 3 + 1
+        assert isinstance(model.head.weight, BF16Weight)
+        calls = []
+        orig = ops.call
+        ops.call = lambda name, *a: (calls.append(name), orig(name, *a))[1]
+        try:
+            got = TK.run(model, tokens, 20, 4)
+        finally:
+            ops.call = orig
+    finally:
+        model_py.rotate_activation = saved
+    assert calls.count("wbf16_gemm") >= 4 * n - 4     # decode steps (the head every step)
+    for g, w in zip(got, want):                       # the prefill's head: one row, GEMV
+        assert torch.isfinite(g).all()
+        assert R.rel_err(g.float(), w.float()) < FP8_WO_A_TOL, R.rel_err(g.float(), w.float())
+        assert torch.equal(g.argmax(-1), w.argmax(-1))

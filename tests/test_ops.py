@@ -157,6 +157,17 @@ def _cases():
         return build
     case("fp8_gemm", "odd", gemm("fp8_gemm"))
     case("fp4_gemm", "odd", gemm("fp4_gemm"))
+
+    def wfp8(groups):
+        def build(dt):
+            qb, _ = O.fp8_quant(r(2 * 72, 256), 128, "ue8m0", "float32")
+            shape = (3, groups, 256) if groups > 1 else (3, 256)
+            return r(*shape, dtype=dt), _bytes(qb), r(2, 2).abs() + 0.5, groups, dt
+        return build
+    case("wfp8_gemm", "odd", wfp8(1))
+    case("wfp8_gemm", "groups", wfp8(2))
+    case("wbf16_gemm", "odd", lambda dt: (r(3, 5, 200, dtype=dt), r(37, 200, dtype=BF16), F32),
+         dtypes=(F32,))
     case("fp8_quant", "odd", lambda dt: (r(3, 5, 256, dtype=dt), 128, "ue8m0", "e8m0"))
     case("fp8_quant", "fp32", lambda dt: (r(2, 64, dtype=dt), 32, "fp32", "float32"))
     case("fp4_quant", "e8m0", lambda dt: (r(3, 64, dtype=dt), 32, "ue8m0", "e8m0"))

@@ -664,7 +664,139 @@ PyDoc_STRVAR(hc_split_sinkhorn_doc,
 "mixes: float32 [..., (2 + h) * h]; hc_scale [3]; hc_base [(2 + h) * h].\n"
 "Returns (pre [..., h], post [..., h], comb [..., h, h]).");
 
+
+/* ------------------------------------------------------------ wfp8_gemm */
+
+/* wfp8_gemm (wbf = 0) and wbf16_gemm (wbf = 1: bf16 weights, no scales) */
+static PyObject *g_wgemm(PyObject *args, PyObject *kw, const char *fn, int wbf)
+{
+    static char *kwlist8[] = {"a", "b", "b_s", "groups", "out_dtype", NULL};
+    static char *kwlist16[] = {"a", "b", "groups", "out_dtype", NULL};
+    PyObject *ao, *bo, *bso = Py_None, *odo = Py_None, *go = NULL;
+    long long G = 1;
+    if (wbf ? !PyArg_ParseTupleAndKeywords(args, kw, "OO|$OO:wbf16_gemm", kwlist16, &ao, &bo,
+                                           &go, &odo)
+            : !PyArg_ParseTupleAndKeywords(args, kw, "OOO|$OO:wfp8_gemm", kwlist8, &ao, &bo, &bso,
+                                           &go, &odo))
+        return NULL;
+    if (go && csa_int_arg(go, fn, "groups", 1, (long long)1 << 40, &G)) return NULL;
+    PyArrayObject *a = NULL, *b = NULL, *bs = NULL, *ac = NULL, *out = NULL;
+    PyObject *ret = NULL;
+    char b1[256];
+    int by, bs_bytes;
+    const int odt = g_out_dtype(odo, fn);
+    if (odt == -2) goto done;
+    const int ga = G > 1;   /* a [..., G, K] */
+    if (!(a = csa_array(ao, fn, "a", CSA_F32 | CSA_BF16, 1 + ga, NPY_MAXDIMS, 0))) goto done;
+    if (wbf) {
+        bs_bytes = 0;
+        if (!(b = csa_array(bo, fn, "b", CSA_BF16, 2, 2, 0))) goto done;
+    } else {
+        if (!(b = g_arr(bo, fn, "b", G_E4M3, 2, 2, &by))) goto done;
+        if (!(bs = g_arr(bso, fn, "b_s", CSA_F32 | G_E8M0, 2, 2, &bs_bytes))) goto done;
+    }
+    const int nd = PyArray_NDIM(a);
+    const npy_intp K = PyArray_DIM(a, nd - 1), N = PyArray_DIM(b, 0);
+    if (csa_check_dim(b, fn, "b", 1, K, "K = a.shape[-1]")) goto done;
+    if (!wbf) {
+        if (csa_check_dim(bs, fn, "b_s", 0, (N + 127) / 128, "ceil(N / 128)")) goto done;
+        if (csa_check_dim(bs, fn, "b_s", 1, (K + 127) / 128, "ceil(K / 128)")) goto done;
+    }
+    if (ga) {
+        if (csa_check_dim(a, fn, "a", nd - 2, G, "groups, a is [..., groups, K]")) goto done;
+        if (N % G) {
+            PyErr_Format(PyExc_ValueError, "%s(): 'b' must have a multiple of groups = %lld "
+                         "rows, got %lld", fn, G, (long long)N);
+            goto done;
+        }
+    }
+    if (N > 0 && K > 1 && PyArray_STRIDE(b, 1) != PyArray_ITEMSIZE(b)) {
+        PyErr_Format(PyExc_ValueError, "%s(): 'b' must have contiguous rows (unit last stride), "
+                     "got a last stride of %lld bytes; weights are read as they are stored",
+                     fn, (long long)PyArray_STRIDE(b, 1));
+        goto done;
+    }
+    /* the activations as a C-contiguous [rows, (G,) K] array (a copy only if they are not) */
+    Py_INCREF(PyArray_DESCR(a));
+    if (!(ac = (PyArrayObject *)PyArray_FromArray(a, PyArray_DESCR(a),
+                                                  NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED)))
+        goto done;
+    npy_intp shape[NPY_MAXDIMS];
+    for (int i = 0; i < nd - 1 - ga; i++) shape[i] = PyArray_DIM(a, i);
+    shape[nd - 1 - ga] = N;
+    csa_idx rows = 1;
+    for (int i = 0; i < nd - 1 - ga; i++) rows *= shape[i];
+    const int bf16 = wbf ? odt == 1 : odt != 0;    /* default: bfloat16 / float32 (wbf16) */
+    PyArray_Descr *d = bf16 ? g_bf16_descr() : PyArray_DescrFromType(NPY_FLOAT32);
+    if (!d) goto done;
+    out = (PyArrayObject *)PyArray_NewFromDescr(&PyArray_Type, d, nd - ga, shape, NULL, NULL, 0,
+                                                NULL);
+    if (!out) goto done;
+    struct csa_wgemm_args g = {
+        .a = PyArray_DATA(ac), .a_bf16 = csa_is_bf16(ac), .M = rows, .K = K,
+        .sa_row = G * K, .sa_grp = K, .ng_rows = ga ? N / G : 0,
+        .b = PyArray_DATA(b), .b_bf16 = wbf, .N = N, .sb_row = PyArray_STRIDE(b, 0),
+        .bs = bs ? PyArray_DATA(bs) : NULL, .bs_fmt = bs_bytes ? CSA_S_E8M0 : CSA_S_F32,
+        .sbs_row = bs ? csa_stride(bs, 0) : 0, .sbs_col = bs ? csa_stride(bs, 1) : 0,
+        .out = PyArray_DATA(out), .out_bf16 = bf16, .so_row = N,
+    };
+    (void)b1;
+    int st;
+    Py_BEGIN_ALLOW_THREADS
+    st = csa_wfp8_gemm(&g);
+    Py_END_ALLOW_THREADS
+    if (st) {
+        csa_raise_status(st, fn);
+        goto done;
+    }
+    Py_INCREF(out);
+    ret = (PyObject *)out;
+done:
+    Py_XDECREF(a);
+    Py_XDECREF(b);
+    Py_XDECREF(bs);
+    Py_XDECREF(ac);
+    Py_XDECREF(out);
+    return ret;
+}
+
+static PyObject *py_wfp8_gemm(PyObject *self, PyObject *args, PyObject *kw)
+{
+    return g_wgemm(args, kw, "wfp8_gemm", 0);
+}
+
+static PyObject *py_wbf16_gemm(PyObject *self, PyObject *args, PyObject *kw)
+{
+    return g_wgemm(args, kw, "wbf16_gemm", 1);
+}
+
+PyDoc_STRVAR(wbf16_gemm_doc,
+"wbf16_gemm(a, b, *, groups=1, out_dtype=None)\n--\n\n"
+"wfp8_gemm's arithmetic against bfloat16 weights b [N, K] (no scales: each 128-block's\n"
+"sum added as it is): float32 activations times a float32 weight that is stored as\n"
+"bf16, at half its bytes (the released model.py's compressor and head weights).\n"
+"Returns [..., N], float32 by default (out_dtype 'bfloat16' rounds once).");
+
+PyDoc_STRVAR(wfp8_gemm_doc,
+"wfp8_gemm(a, b, b_s, *, groups=1, out_dtype=None)\n--\n\n"
+"Weight-only FP8 GEMM (csrc/gemm.h, csa_wfp8_gemm): float activations as they are\n"
+"(float32 or bfloat16, not quantized) times e4m3 weights with 128 x 128 block scales:\n"
+"C[m, n] = sum over 128-blocks kb of (sum_k a[m, k] e4m3(b[n, k])) * b_s[n // 128, kb],\n"
+"each block's sum over sixteen lanes in a fixed order, float32; stored as bfloat16\n"
+"(default) or float32.  The product the released model.py takes as a bf16 einsum\n"
+"against its FP8 wo_a widened to bf16, reading half the bytes.\n\n"
+"a   : [..., K] float32 or bfloat16; with groups = G > 1, [..., G, K].\n"
+"b   : [N, K] float8_e4m3fn or uint8 codes, rows with a unit last stride.\n"
+"b_s : [ceil(N/128), ceil(K/128)] float32 or e8m0.\n"
+"groups : G > 1 runs G products side by side: out[..., g * N/G + r] =\n"
+"    a[..., g, :] . b[g * N/G + r] (the einsum 'bsgd,grd->bsgr').\n"
+"The bits are the same at every ISA level and thread count.  Returns [..., N].");
+
 PyMethodDef csa_gemm_methods[] = {
+    {"wfp8_gemm", (PyCFunction)(void (*)(void))py_wfp8_gemm, METH_VARARGS | METH_KEYWORDS,
+     wfp8_gemm_doc},
+    {"wbf16_gemm", (PyCFunction)(void (*)(void))py_wbf16_gemm, METH_VARARGS | METH_KEYWORDS,
+     wbf16_gemm_doc},
     {"fp8_gemm", (PyCFunction)(void (*)(void))py_fp8_gemm, METH_VARARGS | METH_KEYWORDS,
      fp8_gemm_doc},
     {"fp4_gemm", (PyCFunction)(void (*)(void))py_fp4_gemm, METH_VARARGS | METH_KEYWORDS,

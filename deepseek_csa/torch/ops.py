@@ -43,6 +43,8 @@ fp8_round, fp4_round       QAT rounding, a new tensor                x (straight
 fp8_round_, fp4_round_     QAT rounding in place (mutates x)         --
 hadamard                   [..., n] in x's dtype                     x
 fp8_gemm, fp4_gemm         [..., N] in out_dtype                     --
+wfp8_gemm                  [..., N] in out_dtype (weight-only FP8)   --
+wbf16_gemm                 [..., N] in out_dtype (bf16 weights)      --
 fp8_quant, fp4_quant       (codes, scales) in torch's float8/4 dtypes --
 fp4_pack                   uint8 [..., D / 2 + D / 32] FP4 key rows  --
 moe_combine                [num_tokens, H] in rows' dtype: the rows  --
@@ -624,6 +626,31 @@ def _gemm_fake(a, a_s, b, b_s, out_dtype, b_index):
 for _name, _kernel in (("fp8_gemm", _dc.fp8_gemm), ("fp4_gemm", _dc.fp4_gemm)):
     _define(f"{_name}(Tensor a, Tensor a_s, Tensor b, Tensor b_s, ScalarType out_dtype, "
             "Tensor? b_index) -> Tensor", _gemm_impl(_kernel), _gemm_fake)
+
+def _wfp8_gemm_impl(a, b, b_s, groups, out_dtype):
+    return _tensor(_dc.wfp8_gemm(a, b, b_s, groups=groups, out_dtype=_OUT_DTYPES[out_dtype]))
+
+
+def _wfp8_gemm_fake(a, b, b_s, groups, out_dtype):
+    lead = tuple(a.shape[:-2] if groups > 1 else a.shape[:-1])
+    return a.new_empty(lead + (b.shape[0],), dtype=out_dtype)
+
+
+_define("wfp8_gemm(Tensor a, Tensor b, Tensor b_s, int groups, ScalarType out_dtype) -> Tensor",
+        _wfp8_gemm_impl, _wfp8_gemm_fake)
+
+
+def _wbf16_gemm_impl(a, b, out_dtype):
+    return _tensor(_dc.wbf16_gemm(a, b, out_dtype=_OUT_DTYPES[out_dtype]))
+
+
+def _wbf16_gemm_fake(a, b, out_dtype):
+    return a.new_empty(tuple(a.shape[:-1]) + (b.shape[0],), dtype=out_dtype)
+
+
+_define("wbf16_gemm(Tensor a, Tensor b, ScalarType out_dtype) -> Tensor",
+        _wbf16_gemm_impl, _wbf16_gemm_fake)
+
 
 _SCALE_DTYPES = {"float32": _f32, "e8m0": torch.float8_e8m0fnu, "e4m3": torch.float8_e4m3fn}
 

@@ -930,6 +930,55 @@ static int run_gemm_batch(const tcase *c, void *out)
 }
 static const kernel K_GEMM_BATCH = {"gemm_batch", init_gemm, run_gemm_batch, NULL};
 
+/* csa_wfp8_gemm: p = M, G (groups; 0: none), K, N, weight scales e8m0, activations
+ * bf16, bf16 weights (no scales).  Activations padded (group stride K + 3, row stride G (K + 3) + 1), weight
+ * rows K + 3 bytes apart; F_NAN puts NaN codes in a full block and in the last. */
+static int init_wgemm(tcase *c)
+{
+    const long M = c->p[0], G = c->p[1] > 0 ? c->p[1] : 1, K = c->p[2], N = c->p[3];
+    const long KB = (K + 127) / 128;
+    tc_data(c, (size_t)M * (G * (K + 3) + 1), c->p[5] != 0, 1.0f);   /* buf[0] */
+    uint8_t *b;                                                        /* buf[1] */
+    if (c->p[6]) {
+        b = (uint8_t *)tc_bf16(c, (size_t)N * (K + 3), 1.0f);
+    } else {
+        b = tc_alloc(c, (size_t)N * (K + 3));
+        for (long i = 0; i < N * (K + 3); i++) b[i] = gemm_code(0);
+    }
+    uint8_t *bs8 = tc_alloc(c, (size_t)((N + 127) / 128) * KB);        /* buf[2] */
+    float *bsf = tc_alloc(c, (size_t)((N + 127) / 128) * KB * 4);      /* buf[3] */
+    for (long i = 0; i < (N + 127) / 128 * KB; i++) {
+        bs8[i] = (uint8_t)rng_int(118, 130);
+        bsf[i] = (float)ldexp(0.5 + 0.5 * (rng_unit() * 0.5 + 0.5), (int)rng_int(-9, 3));
+    }
+    if ((c->flags & F_NAN) && !c->p[6]) {
+        b[(N / 2) * (K + 3) + 5] = 0x7f;
+        b[(N - 1) * (K + 3) + K - 1] = 0xff;
+    }
+    if ((c->flags & F_NAN) && c->p[6]) {
+        ((csa_bf16 *)b)[(N / 2) * (K + 3) + 5] = 0x7fc0;
+        ((csa_bf16 *)b)[(N - 1) * (K + 3) + K - 1] = 0xff80;   /* -inf */
+    }
+    c->out_n = (size_t)M * N;
+    c->out_type = (c->flags & F_BF16) ? T_BF16 : T_F32;
+    return 0;
+}
+static int run_wgemm(const tcase *c, void *out)
+{
+    const long M = c->p[0], G = c->p[1] > 0 ? c->p[1] : 1, K = c->p[2], N = c->p[3];
+    const int e8 = c->p[4] != 0;
+    const struct csa_wgemm_args g = {
+        .a = c->buf[0], .a_bf16 = c->p[5] != 0, .M = M, .K = K,
+        .sa_row = G * (K + 3) + 1, .sa_grp = K + 3, .ng_rows = c->p[1] > 0 ? N / G : 0,
+        .b = c->buf[1], .b_bf16 = c->p[6] != 0, .N = N, .sb_row = (K + 3) * (c->p[6] ? 2 : 1),
+        .bs = e8 ? c->buf[2] : c->buf[3], .bs_fmt = e8 ? CSA_S_E8M0 : CSA_S_F32,
+        .sbs_row = (K + 127) / 128, .sbs_col = 1,
+        .out = out, .out_bf16 = (c->flags & F_BF16) != 0, .so_row = N,
+    };
+    return csa_wfp8_gemm(&g);
+}
+static const kernel K_WGEMM = {"wfp8_gemm", init_wgemm, run_wgemm, NULL};
+
 /* ------------------------------------------------------------------ the table */
 
 #define BF F_BF16
@@ -1046,6 +1095,13 @@ static tcase cases[] = {
     {&K_GEMM_BATCH, {3, 301, 1024, CSA_W_E4M3, 1, 128, 0}, 0, 0, 0, "fp8 decode, 9 one-row problems"},
     {&K_GEMM_BATCH, {2, 257, 512, CSA_W_E2M1, 0, 40, 0}, F_BF16, 0, 0, "fp4 decode, 14 one-row problems"},
     {&K_GEMM_BATCH, {3, 70, 160, CSA_W_E2M1, 1, 16, 1}, 0, 0, 0, "fp4 M=3, 5 problems one by one"},
+    /* wfp8_gemm: M, groups, K, N, weight scales e8m0, bf16 activations */
+    {&K_WGEMM, {1, 8, 512, 1024, 1, 1}, 0, 0, 0, "decode 8 groups bf16 act"},
+    {&K_WGEMM, {3, 0, 300, 133, 0, 0}, F_BF16, 0, 0, "f32 act, f32 scales, bf16 out"},
+    {&K_WGEMM, {2, 3, 257, 42, 1, 1}, F_NAN, 0, 0, "3 groups of 14 rows, NaN codes"},
+    {&K_WGEMM, {1, 0, 17, 5, 1, 0}, 0, 0, 0, "K < 16"},
+    {&K_WGEMM, {1, 0, 4096, 37, 0, 0, 1}, 0, 0, 0, "bf16 weights, f32 act"},
+    {&K_WGEMM, {3, 0, 300, 130, 0, 1, 1}, F_NAN | F_BF16, 0, 0, "bf16 weights NaN / inf, bf16 out"},
 };
 
 int main(int argc, char **argv)

@@ -1,0 +1,281 @@
+/* Tuned csa_wfp8_gemm bodies (gemm.h), compiled once per ISA level by
+ * csa_isa_variants.h.  A task is 4 consecutive weight rows (1 where a group boundary of
+ * ng_rows falls inside them); for each activation row it walks K once, each 16 or 32
+ * activations (widened once) multiplied into the 4 rows' sixteen lanes, so every weight
+ * byte is read once for M = 1 and each output is computed by one thread in the
+ * oracle's order: the bits depend on neither the level nor the thread count.  Tasks
+ * are handed out dynamically (a descheduled thread on a shared host does not hold the
+ * others' rows).  Built for decode (M of a few rows); larger M re-reads the weights
+ * from cache for each activation row.  Software prefetches (W_PF_L1, W_PF_TASKS): wo_a's
+ * shape, weights from memory (12 copies cycled), one thread, 3.1-3.5 -> 2.8-3.1 CPU-ms a
+ * call (interleaved runs, a host at load 6: wall times meaningless).
+ *
+ * Decoding: e4m3 byte v sign-extended to 16 bits and shifted left by 7, bit 14 cleared
+ * (& 0xBF80), is the half (binary16) of value e4m3(v) / 256, subnormals included; the
+ * F16C / AVX-512 conversion widens 16 of them at a time.  Two integer operations per
+ * 32 codes (on 512-bit registers) and the conversion: wo_a's shape (8 x [1024, 4096]),
+ * one thread, weights in the L3, 5.4 ms with a per-code decode through float32 bit
+ * fields (and 150 ms when that decode made float32 subnormals of the e4m3 subnormals:
+ * microcode assists on the multiply that restored them).  NaN codes (0x7f / 0xff)
+ * would convert to finite halves: each row's 128-block is tested for them first (one
+ * byte compare per 64 codes) and a block that has one takes the scalar path, the
+ * oracle's arithmetic. */
+
+/* Software prefetches (as gemm.c's one-row paths, whose comment has the measurement:
+ * rows of a few KiB are too short a stream for the hardware prefetchers): each row
+ * W_PF_L1 bytes ahead into L1, and the rows W_PF_TASKS tasks on into L2. */
+#ifndef W_PF_L1
+#define W_PF_L1 256
+#define W_PF_TASKS 2
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define W_LANES 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define W_LANES 2
+#else
+#define W_LANES 0
+#endif
+
+static inline const void *CSA_V(w_arow)(const struct csa_wgemm_args *g, csa_idx m, csa_idx n)
+{
+    const csa_idx off = m * g->sa_row + (g->ng_rows > 0 ? (n / g->ng_rows) * g->sa_grp : 0);
+    return g->a_bf16 ? (const void *)((const csa_bf16 *)g->a + off)
+                     : (const void *)((const float *)g->a + off);
+}
+
+static inline float CSA_V(w_ascalar)(const void *a, int bf16, csa_idx k)
+{
+    return bf16 ? csa_bf16_to_f32(((const csa_bf16 *)a)[k]) : ((const float *)a)[k];
+}
+
+/* e4m3 / 256 (exact), the oracle's decode */
+static inline float CSA_V(w_bscalar)(uint8_t v)
+{
+    return csa_e4m3_to_f32(v) * (1.0f / 256.0f);
+}
+
+static inline float CSA_V(w_tree)(float *t)
+{
+    for (int w = 1; w < 16; w *= 2)
+        for (int i = 0; i < 16; i += 2 * w) t[i] = t[i] + t[i + w];
+    return t[0];
+}
+
+/* One block [k0, k0 + len) of one weight row into the sixteen lanes t (which hold the
+ * block's earlier k), the oracle's way. */
+static inline void CSA_V(w_block_scalar)(const void *a, int bf, const uint8_t *br, int wbf,
+                                         csa_idx k0, csa_idx kfrom, csa_idx kto, float *t)
+{
+    for (csa_idx k = kfrom; k < kto; k++) {
+        const float w = wbf ? csa_bf16_to_f32(((const csa_bf16 *)br)[k]) : CSA_V(w_bscalar)(br[k]);
+        t[(k - k0) & 15] = fmaf(CSA_V(w_ascalar)(a, bf, k), w, t[(k - k0) & 15]);
+    }
+}
+
+static inline float CSA_V(w_bscale)(const struct csa_wgemm_args *g, csa_idx n, csa_idx kb)
+{
+    const csa_idx i = (n / 128) * g->sbs_row + kb * g->sbs_col;
+    return (g->bs_fmt == CSA_S_E8M0 ? csa_e8m0_to_f32(((const uint8_t *)g->bs)[i])
+                                    : ((const float *)g->bs)[i]) * 256.0f;
+}
+
+#if W_LANES == 1
+/* a whole 128-block of row p has no NaN code */
+static inline int CSA_V(w_finite128)(const uint8_t *p)
+{
+    const __m512i m7 = _mm512_set1_epi8(0x7f);
+    const __mmask64 x = _mm512_cmpeq_epi8_mask(_mm512_and_si512(_mm512_loadu_si512(p), m7), m7);
+    const __mmask64 y = _mm512_cmpeq_epi8_mask(_mm512_and_si512(_mm512_loadu_si512(p + 64), m7), m7);
+    return (x | y) == 0;
+}
+
+static inline __m512 CSA_V(w_act16)(const void *a, int bf16, csa_idx k)
+{
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const csa_bf16 *)a + k))), 16));
+    return _mm512_loadu_ps((const float *)a + k);
+}
+
+/* gemm.h's pairwise reduction of the sixteen lanes: adjacent lanes, then pairs, quads,
+ * halves (x + y and y + x are the same float). */
+static inline float CSA_V(w_red16)(__m512 v)
+{
+    v = _mm512_add_ps(v, _mm512_permute_ps(v, 0xB1));
+    v = _mm512_add_ps(v, _mm512_permute_ps(v, 0x4E));
+    v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0xB1));
+    v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
+    return _mm512_cvtss_f32(v);
+}
+
+/* Rows n0 .. n0 + R - 1 against activation row a, one full finite-checked 128-block:
+ * the block sums into P[r].  R is a compile-time constant at each call. */
+static inline void CSA_V(w_block4)(const void *a, int bf, const uint8_t *const *br, int R,
+                                   csa_idx k0, float *P, csa_idx pf2)
+{
+    __m512 l[4];
+    for (int r = 0; r < R; r++) l[r] = _mm512_setzero_ps();
+    const __m512i mk = _mm512_set1_epi16((short)0xBF80);
+    for (csa_idx k = k0; k < k0 + 128; k += 32) {
+        const __m512 x0 = CSA_V(w_act16)(a, bf, k), x1 = CSA_V(w_act16)(a, bf, k + 16);
+        if (!(k & 63))
+            for (int r = 0; r < R; r++) {
+                _mm_prefetch((const char *)(br[r] + k + W_PF_L1), _MM_HINT_T0);
+                if (pf2) _mm_prefetch((const char *)(br[r] + k + pf2), _MM_HINT_T1);
+            }
+        for (int r = 0; r < R; r++) {
+            const __m512i h = _mm512_and_si512(_mm512_slli_epi16(
+                _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(br[r] + k))), 7), mk);
+            l[r] = _mm512_fmadd_ps(x0, _mm512_cvtph_ps(_mm512_castsi512_si256(h)), l[r]);
+            l[r] = _mm512_fmadd_ps(x1, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), l[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) P[r] = CSA_V(w_red16)(l[r]);
+}
+
+/* The same for bf16 weights (widened by a shift). */
+static inline void CSA_V(w_block4_bf)(const void *a, int bf, const uint8_t *const *br, int R,
+                                      csa_idx k0, float *P)
+{
+    __m512 l[4];
+    for (int r = 0; r < R; r++) l[r] = _mm512_setzero_ps();
+    for (csa_idx k = k0; k < k0 + 128; k += 16) {
+        const __m512 x = CSA_V(w_act16)(a, bf, k);
+        for (int r = 0; r < R; r++)
+            l[r] = _mm512_fmadd_ps(x, CSA_V(w_act16)(br[r], 1, k), l[r]);
+    }
+    for (int r = 0; r < R; r++) P[r] = CSA_V(w_red16)(l[r]);
+}
+#elif W_LANES == 2
+static inline int CSA_V(w_finite128)(const uint8_t *p)
+{
+    const __m256i m7 = _mm256_set1_epi8(0x7f);
+    __m256i any = _mm256_setzero_si256();
+    for (int i = 0; i < 128; i += 32)
+        any = _mm256_or_si256(any, _mm256_cmpeq_epi8(
+            _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p + i)), m7), m7));
+    return _mm256_testz_si256(any, any);
+}
+
+static inline __m256 CSA_V(w_act8)(const void *a, int bf16, csa_idx k)
+{
+    if (bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const csa_bf16 *)a + k))), 16));
+    return _mm256_loadu_ps((const float *)a + k);
+}
+
+/* one half's tree (lanes 0-7 or 8-15) */
+static inline float CSA_V(w_red8)(__m256 v)
+{
+    v = _mm256_add_ps(v, _mm256_permute_ps(v, 0xB1));
+    v = _mm256_add_ps(v, _mm256_permute_ps(v, 0x4E));
+    v = _mm256_add_ps(v, _mm256_permute2f128_ps(v, v, 1));
+    return _mm256_cvtss_f32(v);
+}
+
+static inline void CSA_V(w_block4)(const void *a, int bf, const uint8_t *const *br, int R,
+                                   csa_idx k0, float *P, csa_idx pf2)
+{
+    __m256 lo[4], hi[4];
+    for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps();
+    const __m256i mk = _mm256_set1_epi16((short)0xBF80);
+    for (csa_idx k = k0; k < k0 + 128; k += 16) {
+        const __m256 x0 = CSA_V(w_act8)(a, bf, k), x1 = CSA_V(w_act8)(a, bf, k + 8);
+        if (!(k & 63))
+            for (int r = 0; r < R; r++) {
+                _mm_prefetch((const char *)(br[r] + k + W_PF_L1), _MM_HINT_T0);
+                if (pf2) _mm_prefetch((const char *)(br[r] + k + pf2), _MM_HINT_T1);
+            }
+        for (int r = 0; r < R; r++) {
+            const __m256i h = _mm256_and_si256(_mm256_slli_epi16(
+                _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(br[r] + k))), 7), mk);
+            lo[r] = _mm256_fmadd_ps(x0, _mm256_cvtph_ps(_mm256_castsi256_si128(h)), lo[r]);
+            hi[r] = _mm256_fmadd_ps(x1, _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), hi[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) P[r] = CSA_V(w_red8)(lo[r]) + CSA_V(w_red8)(hi[r]);
+}
+
+static inline void CSA_V(w_block4_bf)(const void *a, int bf, const uint8_t *const *br, int R,
+                                      csa_idx k0, float *P)
+{
+    __m256 lo[4], hi[4];
+    for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps();
+    for (csa_idx k = k0; k < k0 + 128; k += 16) {
+        const __m256 x0 = CSA_V(w_act8)(a, bf, k), x1 = CSA_V(w_act8)(a, bf, k + 8);
+        for (int r = 0; r < R; r++) {
+            lo[r] = _mm256_fmadd_ps(x0, CSA_V(w_act8)(br[r], 1, k), lo[r]);
+            hi[r] = _mm256_fmadd_ps(x1, CSA_V(w_act8)(br[r], 1, k + 8), hi[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) P[r] = CSA_V(w_red8)(lo[r]) + CSA_V(w_red8)(hi[r]);
+}
+#endif
+
+/* Rows n0 .. n0 + R - 1 (R <= 4, one activation group) for every activation row. */
+static inline void CSA_V(w_task)(const struct csa_wgemm_args *g, csa_idx n0, const int R)
+{
+    const csa_idx K = g->K;
+    const int bf = g->a_bf16, wbf = g->b_bf16;
+    const uint8_t *br[4];
+    for (int r = 0; r < R; r++) br[r] = g->b + (n0 + r) * g->sb_row;
+    /* the rows W_PF_TASKS tasks on, at the same k, into L2 (when they exist) */
+    const csa_idx pf2 = n0 + (W_PF_TASKS + 1) * 4 <= g->N ? W_PF_TASKS * 4 * g->sb_row : 0;
+    (void)pf2;
+    for (csa_idx m = 0; m < g->M; m++) {
+        const void *a = CSA_V(w_arow)(g, m, n0);
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (csa_idx k0 = 0; k0 < K; k0 += 128) {
+            const csa_idx len = K - k0 < 128 ? K - k0 : 128;
+            float P[4];
+            int fast = 0;
+#if W_LANES
+            if (len == 128 && wbf) {
+                fast = 1;
+                CSA_V(w_block4_bf)(a, bf, br, R, k0, P);
+            } else if (len == 128) {
+                fast = 1;
+                for (int r = 0; r < R; r++) fast &= CSA_V(w_finite128)(br[r] + k0);
+                if (fast) CSA_V(w_block4)(a, bf, br, R, k0, P, pf2);
+            }
+#endif
+            if (!fast)
+                for (int r = 0; r < R; r++) {
+                    float t[16] = {0};
+                    CSA_V(w_block_scalar)(a, bf, br[r], wbf, k0, k0, k0 + len, t);
+                    P[r] = CSA_V(w_tree)(t);
+                }
+            if (wbf)
+                for (int r = 0; r < R; r++) acc[r] = acc[r] + P[r];
+            else
+                for (int r = 0; r < R; r++) acc[r] = fmaf(P[r], CSA_V(w_bscale)(g, n0 + r, k0 / 128), acc[r]);
+        }
+        for (int r = 0; r < R; r++) {
+            const csa_idx o = m * g->so_row + n0 + r;
+            if (g->out_bf16)
+                ((csa_bf16 *)g->out)[o] = csa_f32_to_bf16(acc[r]);
+            else
+                ((float *)g->out)[o] = acc[r];
+        }
+    }
+}
+
+static int CSA_V(wgemm_tuned)(const struct csa_wgemm_args *g)
+{
+    const csa_idx N = g->N, ntask = (N + 3) / 4;
+    const int nt = csa_threads(ntask, 16);
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 8)
+    for (csa_idx t = 0; t < ntask; t++) {
+        const csa_idx n0 = 4 * t;
+        const int R = N - n0 < 4 ? (int)(N - n0) : 4;
+        if (R == 4 && (g->ng_rows <= 0 || n0 / g->ng_rows == (n0 + 3) / g->ng_rows))
+            CSA_V(w_task)(g, n0, 4);           /* constant R: the row loops unroll */
+        else
+            for (int r = 0; r < R; r++) CSA_V(w_task)(g, n0 + r, 1);
+    }
+    return CSA_OK;
+}
+
+#undef W_LANES
