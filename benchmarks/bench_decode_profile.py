@@ -69,9 +69,17 @@ def is_compute(func):
     return "torch" in func and "torch._C._dynamo" not in func and "guard" not in func
 
 
+def _native():
+    """deepseek_csa.torch._native when loaded: its kernels' CPU time, which cProfile
+    cannot see (they are called from C++), is added to compute."""
+    from deepseek_csa.torch import ops
+    return ops._NATIVE
+
+
 def profile_steps(m, lg, cache, steps):
     """(wall seconds of each step unprofiled, per-step dict of the profiled steps)."""
     walls, rows = [], []
+    native = _native()
     with torch.no_grad():
         for _ in range(steps):
             t0 = time.perf_counter()
@@ -79,6 +87,9 @@ def profile_steps(m, lg, cache, steps):
             walls.append(time.perf_counter() - t0)
         for _ in range(steps):
             pr = cProfile.Profile(time.thread_time)
+            if native is not None:
+                native.time_kernels(True)
+                native.kernel_seconds()
             t0 = time.thread_time()
             pr.enable()
             lg = m(lg[:, -1:].argmax(-1), past_key_values=cache, use_cache=True).logits
@@ -86,6 +97,9 @@ def profile_steps(m, lg, cache, steps):
             total = time.thread_time() - t0
             st = pstats.Stats(pr).stats
             compute = 0.0
+            if native is not None:
+                compute = native.kernel_seconds()
+                native.time_kernels(False)
             top = {}
             for (fn, line, name), (cc, nc, tt, ct, callers) in st.items():
                 if is_compute(name):
@@ -105,8 +119,10 @@ def run_side(side, context, steps, threads, backend):
                     bf16=True, quantized=True)
     ids = torch.tensor([blm.bench_ids(context, m.config.vocab_size)])
     compile_s = 0.0
-    if side == "compiled":
+    if side.startswith("compiled"):
         t0 = time.perf_counter()
+        if side == "compiled_cpp":   # Inductor's C++ wrapper: no Python between kernels
+            torch._inductor.config.cpp_wrapper = True
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
         m.forward = torch.compile(m.forward, dynamic=True, backend=backend)
         # the run below once, untimed, on its own cache: every graph the measured steps

@@ -27,7 +27,10 @@
 
 #include <dlfcn.h>
 
+#include <time.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <map>
@@ -117,15 +120,33 @@ R python_cpu(const char *name, const A &...args) {
   if constexpr (!std::is_void_v<R>) return r.template cast<R>();
 }
 
-// Runs f without the GIL: the C kernel must not hold it (other Python threads keep
-// running), whether the caller came from Python with the GIL held or not.
+// CPU time of the calling thread inside the C kernels, when asked for (time_kernels):
+// what a profile of Python calls cannot see of a kernel called from C++
+// (benchmarks/bench_decode_profile.py).  Off, it costs one relaxed load a call.
+std::atomic<bool> timing{false};
+std::atomic<int64_t> kernel_ns{0};
+
+int64_t thread_ns() {
+  timespec t;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return int64_t(t.tv_sec) * 1000000000 + t.tv_nsec;
+}
+
+// Runs the C kernel call f without the GIL: the kernel must not hold it (other Python
+// threads keep running), whether the caller came from Python with the GIL held or not.
 template <class F>
 int without_gil(F &&f) {
+  const bool timed = timing.load(std::memory_order_relaxed);
+  const int64_t t0 = timed ? thread_ns() : 0;
+  int st;
   if (PyGILState_Check()) {
     py::gil_scoped_release released;
-    return f();
+    st = f();
+  } else {
+    st = f();
   }
-  return f();
+  if (timed) kernel_ns += thread_ns() - t0;
+  return st;
 }
 
 bool plain(const Tensor &t) {
@@ -426,4 +447,8 @@ PYBIND11_MODULE(_native, m) {
   m.def("register_operator", &register_operator, py::arg("name"), py::arg("cpu"),
         py::arg("autograd"));
   m.def("python_calls", &python_calls);
+  m.def("time_kernels", [](bool on) { timing = on; },
+        "Start (True) or stop accumulating the calling threads' CPU time inside the C kernels.");
+  m.def("kernel_seconds", [] { return kernel_ns.exchange(0) * 1e-9; },
+        "The CPU seconds accumulated since the last call (and reset to 0).");
 }
