@@ -62,6 +62,18 @@ int csa_gemm_ref(const struct csa_gemm_args *g);
  * (gemm.c has the measurement).  The others run one after another. */
 int csa_gemm_batch(const struct csa_gemm_args *gs, csa_idx count);
 
+/* g's M activation rows against a stack of E weights: row m times weight ix[m] (at
+ * g->b + ix[m] * b_e bytes, its scales at g->bs + ix[m] * bs_e bytes), or, for
+ * ix[m] = -1, no weight: output row m is +0.0.  ix has M entries, each in [-1, E)
+ * (the caller checks).  The rows of one weight, in increasing order, split into runs
+ * of evenly spaced rows (a model's grouped projection, rows t * G + g: one run a group;
+ * experts with their tokens sorted: one a weight); each run is one problem of
+ * csa_gemm_batch, so a weight is read once a run, and each output element has the
+ * bits csa_gemm gives for its own run.  CSA_ENOMEM when the run list cannot be
+ * allocated. */
+int csa_gemm_indexed(const struct csa_gemm_args *g, const int32_t *ix, csa_idx b_e,
+                     csa_idx bs_e);
+
 /* Scalar decoders (the oracle's), for the tests and other kernels. */
 float csa_e4m3_to_f32(uint8_t v);
 float csa_e2m1_to_f32(uint8_t nibble);

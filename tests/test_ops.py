@@ -515,6 +515,11 @@ def _native_extra_cases():
         ("fp4_gemm", "float4 codes", gemm("fp4_gemm", "f32", 96, 256, (2, 2))),
         ("fp4_gemm", "b_index", gemm("fp4_gemm", "e8m0", 40, 128, (2,),
                                      b_index=torch.tensor([0, 1], dtype=torch.int32))),
+        ("fp4_gemm", "b_index out of range", gemm("fp4_gemm", "f32", 40, 128, (2,),
+                                                  b_index=torch.tensor([0, 2], dtype=torch.int32))),
+        ("fp8_gemm", "b_index grouped rows", gemm("fp8_gemm", "f32", 64, 256, (2, 4),
+                                                  b_index=torch.tensor([[0, 1, 0, 1]] * 2,
+                                                                       dtype=torch.int32))),
         ("hc_split_sinkhorn", "h = 2", lambda dt: (r(5, 8), torch.rand(3), r(8), 2, 7, 0.0)),
         ("hc_split_sinkhorn", "wrong width", lambda dt: (r(5, 9), torch.rand(3), r(8), 2, 7, 0.0)),
         ("hc_split_sinkhorn", "strided mixes", lambda dt: (r(5, 48)[:, ::2], torch.rand(3), r(24),
@@ -522,8 +527,8 @@ def _native_extra_cases():
     ]
     python_path = {"strided x", "strided weight", "empty", "bf16 weight", "eps nan", "float64",
                    "weight 2-d", "expanded (self-overlap)", "cos rows do not match",
-                   "block does not divide", "e8m0 of fp32 scales", "unknown scale", "b_index",
-                   "wrong width", "strided mixes"}
+                   "block does not divide", "e8m0 of fp32 scales", "unknown scale",
+                   "b_index out of range", "wrong width", "strided mixes"}
     return [pytest.param(n, b, dt, "Python" if i in python_path else "C++",
                          id=f"{n}-{i}-{str(dt)[6:]}") for n, i, b in C for dt in (F32, BF16)]
 

@@ -64,6 +64,7 @@ struct CoreKernels {
   decltype(&csa_apply_rope_bf16) apply_rope_bf16 = nullptr;
   decltype(&csa_quant_pack) quant_pack = nullptr;
   decltype(&csa_gemm) gemm = nullptr;
+  decltype(&csa_gemm_indexed) gemm_indexed = nullptr;
   decltype(&csa_hc_sinkhorn) hc_sinkhorn = nullptr;
 };
 CoreKernels core;
@@ -85,6 +86,7 @@ void bind_core(const std::string &core_path) {
   find(h, "csa_apply_rope_bf16", core.apply_rope_bf16);
   find(h, "csa_quant_pack", core.quant_pack);
   find(h, "csa_gemm", core.gemm);
+  find(h, "csa_gemm_indexed", core.gemm_indexed);
   find(h, "csa_hc_sinkhorn", core.hc_sinkhorn);
   dlclose(h);   // RTLD_NOLOAD took a reference; Python keeps the module loaded
 }
@@ -290,12 +292,6 @@ std::tuple<Tensor, Tensor> fp8_quant_cpu(const Tensor &x, int64_t block, c10::st
 }
 
 // ---------------------------------------------------------------------------- fp8 / fp4 gemm
-// No b_index; a float8_e4m3fn [..., K] C-contiguous with a_s float32 / e8m0
-// [..., ceil(K / 128)] C-contiguous; b [N, K] float8_e4m3fn (FP8) or [N, K / 2]
-// float4_e2m1fn_x2 (FP4, K even) with unit last stride; b_s float32 / e8m0
-// [ceil(N / 128), ceil(K / 128)] (FP8) or [N, ceil(K / 32)] (FP4), any strides;
-// out_dtype float32 or bfloat16.  uint8 stands for any of the code dtypes, as in the
-// glue.
 // Codes and scales as the glue takes them: the torch dtype, or uint8 holding the codes.
 bool codes(const Tensor &t, at::ScalarType dtype) {
   return t.scalar_type() == dtype || t.scalar_type() == at::kByte;
@@ -304,26 +300,46 @@ bool scale_dtype_ok(const Tensor &t) {
   return t.scalar_type() == at::kFloat || codes(t, at::kFloat8_e8m0fnu);
 }
 
+// a float8_e4m3fn [..., K] C-contiguous with a_s float32 / e8m0 [..., ceil(K / 128)]
+// C-contiguous; b [N, K] float8_e4m3fn (FP8) or [N, K / 2] float4_e2m1fn_x2 (FP4, K
+// even) with unit last stride; b_s float32 / e8m0 [ceil(N / 128), ceil(K / 128)] (FP8)
+// or [N, ceil(K / 32)] (FP4), any strides; out_dtype float32 or bfloat16.  With
+// b_index (int32 [...] = a.shape[:-1], C-contiguous, every entry in [-1, E)), b and
+// b_s stack E weights along a new first dimension.  uint8 stands for any of the code
+// dtypes, as in the glue.
 template <int WFMT>
 Tensor gemm_cpu(const Tensor &a, const Tensor &a_s, const Tensor &b, const Tensor &b_s,
                 at::ScalarType out_dtype, const OptTensor &b_index) {
   constexpr bool fp8 = WFMT == CSA_W_E4M3;
   constexpr const char *name = fp8 ? "fp8_gemm" : "fp4_gemm";
+  const int o = b_index ? 1 : 0;   // with b_index, b and b_s dims shift by one
   const int64_t K = a.dim() >= 1 ? a.size(-1) : 0, KB = (K + 127) / 128;
-  const int64_t N = b.dim() == 2 ? b.size(0) : 0;
-  bool fast = !b_index && plain_dense(a) && codes(a, at::kFloat8_e4m3fn) && K > 0 &&
-              plain_dense(a_s) && scale_dtype_ok(a_s) && a_s.dim() == a.dim() &&
-              a_s.size(-1) == KB && plain(b) && b.dim() == 2 && N > 0 && plain(b_s) &&
-              scale_dtype_ok(b_s) && b_s.dim() == 2 &&
+  const int64_t N = b.dim() == 2 + o ? b.size(o) : 0, E = o && b.dim() == 3 ? b.size(0) : 1;
+  bool fast = plain_dense(a) && codes(a, at::kFloat8_e4m3fn) && K > 0 && plain_dense(a_s) &&
+              scale_dtype_ok(a_s) && a_s.dim() == a.dim() && a_s.size(-1) == KB && plain(b) &&
+              b.dim() == 2 + o && N > 0 && plain(b_s) && scale_dtype_ok(b_s) &&
+              b_s.dim() == 2 + o && (!o || b_s.size(0) == E) &&
               (out_dtype == at::kFloat || out_dtype == at::kBFloat16);
   for (int64_t i = 0; fast && i + 1 < a.dim(); i++) fast = a_s.size(i) == a.size(i);
   if (fast && fp8)
-    fast = codes(b, at::kFloat8_e4m3fn) && b.size(1) == K &&
-           b_s.size(0) == (N + 127) / 128 && b_s.size(1) == KB;
+    fast = codes(b, at::kFloat8_e4m3fn) && b.size(o + 1) == K &&
+           b_s.size(o) == (N + 127) / 128 && b_s.size(o + 1) == KB;
   if (fast && !fp8)
-    fast = codes(b, at::kFloat4_e2m1fn_x2) && K % 2 == 0 && b.size(1) == K / 2 &&
-           b_s.size(0) == N && b_s.size(1) == (K + 31) / 32;
-  if (fast) fast = b.size(1) <= 1 || b.stride(1) == 1;
+    fast = codes(b, at::kFloat4_e2m1fn_x2) && K % 2 == 0 && b.size(o + 1) == K / 2 &&
+           b_s.size(o) == N && b_s.size(o + 1) == (K + 31) / 32;
+  if (fast) fast = b.size(o + 1) <= 1 || b.stride(o + 1) == 1;
+  const int32_t *ix = nullptr;
+  if (fast && o) {   // every entry is read here, so a bad one goes to the glue's message
+    const Tensor &t = *b_index;
+    fast = plain_dense(t) && t.scalar_type() == at::kInt && t.dim() == a.dim() - 1;
+    for (int64_t i = 0; fast && i < t.dim(); i++) fast = t.size(i) == a.size(i);
+    ix = fast ? t.const_data_ptr<int32_t>() : nullptr;
+    for (int64_t i = 0, n = fast ? t.numel() : 0; i < n; i++)
+      if (ix[i] < -1 || ix[i] >= E) {
+        fast = false;
+        break;
+      }
+  }
   if (!fast) return python_cpu<Tensor>(name, a, a_s, b, b_s, out_dtype, b_index);
   std::vector<int64_t> shape(a.sizes().begin(), a.sizes().end());
   shape.back() = N;
@@ -340,15 +356,18 @@ Tensor gemm_cpu(const Tensor &a, const Tensor &a_s, const Tensor &b, const Tenso
   g.b = static_cast<const uint8_t *>(b.const_data_ptr());
   g.b_fmt = WFMT;
   g.N = N;
-  g.sb_row = b.stride(0);   // bytes: one-byte elements
+  g.sb_row = b.stride(o);   // bytes: one-byte elements
   g.bs = b_s.const_data_ptr();
   g.bs_fmt = b_s.scalar_type() == at::kFloat ? CSA_S_F32 : CSA_S_E8M0;
-  g.sbs_row = b_s.stride(0);
-  g.sbs_col = b_s.stride(1);
+  g.sbs_row = b_s.stride(o);
+  g.sbs_col = b_s.stride(o + 1);
   g.out = out.data_ptr();
   g.out_bf16 = out_dtype == at::kBFloat16;
   g.so_row = N;
-  const int st = without_gil([&] { return core.gemm(&g); });
+  const int st = without_gil([&] {
+    if (!o) return core.gemm(&g);
+    return core.gemm_indexed(&g, ix, b.stride(0), b_s.stride(0) * b_s.element_size());
+  });
   if (st != CSA_OK) return python_cpu<Tensor>(name, a, a_s, b, b_s, out_dtype, b_index);
   return out;
 }
