@@ -440,11 +440,17 @@ def _native_kernel_registered(name, key):
 @needs_native
 def test_native_operators_have_cpp_cpu_and_autograd_kernels():
     assert {"rms_norm", "apply_rope_", "fp8_quant", "fp8_gemm", "fp4_gemm",
-            "hc_split_sinkhorn"} <= ops.NATIVE
+            "hc_split_sinkhorn", "sparse_attn", "gated_pool"} <= ops.NATIVE
     for name in ops.NATIVE:
         assert _native_kernel_registered(name, "CPU"), torch._C._dispatch_dump(f"deepseek_csa::{name}")
         if name in ops.DIFFERENTIABLE:
             assert _native_kernel_registered(name, "Autograd[alias]")
+
+
+@needs_native
+def test_native_plain_keys_are_a_plain_cpu_tensors():
+    keys = torch._C._dispatch_keys(torch.empty(0)) & torch._C._after_autograd_keyset
+    assert ops._NATIVE.plain_keys() == keys.raw_repr()
 
 
 def _native_extra_cases():
@@ -520,6 +526,35 @@ def _native_extra_cases():
         ("fp8_gemm", "b_index grouped rows", gemm("fp8_gemm", "f32", 64, 256, (2, 4),
                                                   b_index=torch.tensor([[0, 1, 0, 1]] * 2,
                                                                        dtype=torch.int32))),
+        ("sparse_attn", "decode, released width", lambda dt: (r(1, 1, 64, 512, dtype=dt),
+                                                              r(1, 300, 512, dtype=dt), r(64),
+                                                              _idx(1, 1, 200, 300), 512 ** -0.5)),
+        ("sparse_attn", "strided kv rows", lambda dt: (r(2, 3, 4, 16, dtype=dt),
+                                                       r(2, 18, 16, dtype=dt)[:, ::2], r(4),
+                                                       _idx(2, 3, 5, 9), 0.25)),
+        ("sparse_attn", "int64 indices", lambda dt: (r(2, 3, 4, 16, dtype=dt), r(2, 9, 16, dtype=dt),
+                                                     r(4), _idx(2, 3, 5, 9).long(), 0.25)),
+        ("sparse_attn", "index out of range", lambda dt: (r(1, 2, 4, 16, dtype=dt),
+                                                          r(1, 9, 16, dtype=dt), r(4),
+                                                          _idx(1, 2, 5, 9) + 3, 0.25)),
+        ("sparse_attn", "inner stride 2", lambda dt: (r(2, 3, 4, 32, dtype=dt)[..., ::2],
+                                                      r(2, 9, 16, dtype=dt), r(4), _idx(2, 3, 5, 9),
+                                                      0.25)),
+        ("sparse_attn", "infinite scale", lambda dt: (r(2, 3, 4, 16, dtype=dt), r(2, 9, 16, dtype=dt),
+                                                      r(4), _idx(2, 3, 5, 9), float("inf"))),
+        ("gated_pool", "ratio 128", lambda dt: (r(1, 300, 16, dtype=dt), r(1, 300, 16, dtype=dt),
+                                                128, r(128, 16), False)),
+        ("gated_pool", "ratio 1 no score", lambda dt: (r(2, 5, 8, dtype=dt), None, 1, None, False)),
+        ("gated_pool", "f32 score of bf16 kv", lambda dt: (r(2, 9, 8, dtype=dt), r(2, 9, 8), 4,
+                                                           r(4, 8), False)),
+        ("gated_pool", "strided rows", lambda dt: (r(2, 18, 8, dtype=dt)[:, ::2], r(2, 9, 8, dtype=dt),
+                                                   4, None, True)),
+        ("gated_pool", "bf16 ape", lambda dt: (r(2, 9, 8, dtype=dt), r(2, 9, 8, dtype=dt), 4,
+                                               r(4, 8).to(BF16), False)),
+        ("gated_pool", "fewer tokens than a group", lambda dt: (r(2, 3, 8, dtype=dt),
+                                                                r(2, 3, 8, dtype=dt), 4, None, True)),
+        ("gated_pool", "odd width with overlap", lambda dt: (r(2, 8, 7, dtype=dt), r(2, 8, 7, dtype=dt),
+                                                             4, None, True)),
         ("hc_split_sinkhorn", "h = 2", lambda dt: (r(5, 8), torch.rand(3), r(8), 2, 7, 0.0)),
         ("hc_split_sinkhorn", "wrong width", lambda dt: (r(5, 9), torch.rand(3), r(8), 2, 7, 0.0)),
         ("hc_split_sinkhorn", "strided mixes", lambda dt: (r(5, 48)[:, ::2], torch.rand(3), r(24),
@@ -528,7 +563,9 @@ def _native_extra_cases():
     python_path = {"strided x", "strided weight", "empty", "bf16 weight", "eps nan", "float64",
                    "weight 2-d", "expanded (self-overlap)", "cos rows do not match",
                    "block does not divide", "e8m0 of fp32 scales", "unknown scale",
-                   "b_index out of range", "wrong width", "strided mixes"}
+                   "b_index out of range", "wrong width", "strided mixes", "int64 indices",
+                   "index out of range", "inner stride 2", "infinite scale", "bf16 ape",
+                   "fewer tokens than a group", "odd width with overlap"}
     return [pytest.param(n, b, dt, "Python" if i in python_path else "C++",
                          id=f"{n}-{i}-{str(dt)[6:]}") for n, i, b in C for dt in (F32, BF16)]
 

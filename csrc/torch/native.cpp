@@ -41,8 +41,10 @@
 #include <vector>
 
 extern "C" {
+#include "attn.h"
 #include "gemm.h"
 #include "norm.h"
+#include "pool.h"
 #include "qpack.h"
 #include "quant.h"
 #include "rope.h"
@@ -66,6 +68,8 @@ struct CoreKernels {
   decltype(&csa_gemm) gemm = nullptr;
   decltype(&csa_gemm_indexed) gemm_indexed = nullptr;
   decltype(&csa_hc_sinkhorn) hc_sinkhorn = nullptr;
+  decltype(&csa_sparse_attn) sparse_attn = nullptr;
+  decltype(&csa_gated_pool) gated_pool = nullptr;
 };
 CoreKernels core;
 
@@ -88,6 +92,8 @@ void bind_core(const std::string &core_path) {
   find(h, "csa_gemm", core.gemm);
   find(h, "csa_gemm_indexed", core.gemm_indexed);
   find(h, "csa_hc_sinkhorn", core.hc_sinkhorn);
+  find(h, "csa_sparse_attn", core.sparse_attn);
+  find(h, "csa_gated_pool", core.gated_pool);
   dlclose(h);   // RTLD_NOLOAD took a reference; Python keeps the module loaded
 }
 
@@ -185,12 +191,34 @@ bool separate(const Tensor &a, const Tensor &b) {
 // The keys below autograd of a plain dense CPU tensor (CPU, ADInplaceOrView): with
 // nothing else there, no functorch level, functionalization or Python key would see
 // the call, and the CPU kernel may be called from the autograd kernel directly.
+// (A constant, not a tensor's keys: a tensor made here under a dispatch mode would be
+// the mode's.  tests/test_ops.py checks it against torch.empty(0)'s keys.)
+const c10::DispatchKeySet plain_keys =
+    c10::DispatchKeySet(c10::DispatchKey::CPU) | c10::DispatchKeySet(c10::DispatchKey::ADInplaceOrView);
+
 bool plain_below_autograd(c10::DispatchKeySet ks) {
-  static const uint64_t plain_bits =
-      (at::empty({0}, at::kFloat).key_set() & c10::after_autograd_keyset).raw_repr();
   // raw bits: DispatchKeySet's operator- keeps the backend bits (CPUBit) on purpose
-  return !((ks & c10::after_autograd_keyset).raw_repr() & ~plain_bits);
+  return !((ks & c10::after_autograd_keyset).raw_repr() & ~plain_keys.raw_repr());
 }
+
+// The autograd kernel of a differentiable operator: nothing to record and plain tensors
+// -> its CPU kernel right here (no redispatch); else its Python autograd kernel (the
+// formula registered in ops.py), which records it.
+bool requires_grad(const Tensor &t) { return t.requires_grad(); }
+bool requires_grad(const OptTensor &t) { return t && t->requires_grad(); }
+template <class T>
+bool requires_grad(const T &) { return false; }
+
+template <class R, class... A>
+struct Autograd {
+  template <R (*CPU)(A...), const char *NAME>
+  static R kernel(c10::DispatchKeySet ks, A... args) {
+    const bool record = at::GradMode::is_enabled() && (requires_grad(args) || ...);
+    if (!record && plain_below_autograd(ks)) return CPU(args...);
+    py::gil_scoped_acquire gil;
+    return (*python.at(NAME).autograd)(ks, to_python(args)...).template cast<R>();
+  }
+};
 
 // ---------------------------------------------------------------------------- rms_norm
 // C-contiguous float32 / bfloat16 x, float32 unit-stride weight [d] or none, finite
@@ -221,17 +249,7 @@ Tensor rms_norm_cpu(const Tensor &x, const OptTensor &weight, double eps) {
   return out;
 }
 
-// Nothing to record and plain tensors: the CPU kernel right here; else the Python
-// autograd kernel (the formula registered in ops.py).
-Tensor rms_norm_autograd(c10::DispatchKeySet ks, const Tensor &x, const OptTensor &weight,
-                         double eps) {
-  const bool record = at::GradMode::is_enabled() &&
-                      (x.requires_grad() || (weight && weight->requires_grad()));
-  if (!record && plain_below_autograd(ks)) return rms_norm_cpu(x, weight, eps);
-  py::gil_scoped_acquire gil;
-  return (*python.at("rms_norm").autograd)(ks, to_python(x), to_python(weight), eps)
-      .cast<Tensor>();
-}
+constexpr char kRmsNorm[] = "rms_norm";
 
 // ---------------------------------------------------------------------------- apply_rope_
 // x float32 / bfloat16 [n0, n1, (n2,) d] without self-overlap, any strides; cos / sin
@@ -372,6 +390,121 @@ Tensor gemm_cpu(const Tensor &a, const Tensor &a_s, const Tensor &b, const Tenso
   return out;
 }
 
+// ---------------------------------------------------------------------------- sparse_attn
+// q float32 / bfloat16 [B, S, H, D] and kv of q's dtype [B, N, D] with unit inner
+// strides; attn_sink float32 [H] unit stride; topk_idxs int32 [B, S, K] with unit inner
+// stride; finite softmax_scale; no empty dimension.  A bad index (the kernel checks
+// them before writing) goes to the glue's message.
+std::tuple<Tensor, Tensor> sparse_attn_cpu(const Tensor &q, const Tensor &kv,
+                                           const Tensor &sink, const Tensor &idx,
+                                           double scale) {
+  using R = std::tuple<Tensor, Tensor>;
+  const bool fast = plain(q) && f32_or_bf16(q) && q.dim() == 4 && q.numel() > 0 && plain(kv) &&
+                    kv.scalar_type() == q.scalar_type() && kv.dim() == 3 && kv.numel() > 0 &&
+                    kv.size(0) == q.size(0) && kv.size(2) == q.size(3) && plain(sink) &&
+                    sink.scalar_type() == at::kFloat && sink.dim() == 1 &&
+                    sink.size(0) == q.size(2) && plain(idx) && idx.scalar_type() == at::kInt &&
+                    idx.dim() == 3 && idx.numel() > 0 && idx.size(0) == q.size(0) &&
+                    idx.size(1) == q.size(1) && std::isfinite(scale) &&
+                    std::isfinite(static_cast<float>(scale)) &&
+                    (q.size(3) == 1 || (q.stride(3) == 1 && kv.stride(2) == 1)) &&
+                    (q.size(2) == 1 || sink.stride(0) == 1) &&
+                    (idx.size(2) == 1 || idx.stride(2) == 1);
+  if (!fast) return python_cpu<R>("sparse_attn", q, kv, sink, idx, scale);
+  const int64_t B = q.size(0), S = q.size(1), H = q.size(2), D = q.size(3);
+  Tensor out = at::empty(q.sizes(), q.options());
+  Tensor lse = at::empty({B, S, H}, q.options().dtype(at::kFloat));
+  csa_attn_problem p{};
+  p.q = q.const_data_ptr();
+  p.sq_b = q.stride(0);
+  p.sq_s = q.stride(1);
+  p.sq_h = q.stride(2);
+  p.kv = kv.const_data_ptr();
+  p.skv_b = kv.stride(0);
+  p.skv_n = kv.stride(1);
+  p.sink = sink.const_data_ptr<float>();
+  p.idx = idx.const_data_ptr<int32_t>();
+  p.si_b = idx.stride(0);
+  p.si_s = idx.stride(1);
+  p.out = out.data_ptr();
+  p.so_b = S * H * D;
+  p.so_s = H * D;
+  p.so_h = D;
+  p.B = B;
+  p.S = S;
+  p.H = H;
+  p.D = D;
+  p.N = kv.size(1);
+  p.K = idx.size(2);
+  p.scale = static_cast<float>(scale);
+  p.bf16 = is_bf16(q);
+  p.lse = lse.data_ptr<float>();
+  p.sl_b = S * H;
+  p.sl_s = H;
+  const int st = without_gil([&] { return core.sparse_attn(&p); });
+  if (st != CSA_OK) return python_cpu<R>("sparse_attn", q, kv, sink, idx, scale);
+  return {out, lse};
+}
+
+constexpr char kSparseAttn[] = "sparse_attn";
+
+// ---------------------------------------------------------------------------- gated_pool
+// kv float32 / bfloat16 [B, T, c * d] (c = 2 with overlap) and score of the same shape
+// (float32 / bfloat16; None only for ratio 1 without overlap) with unit inner strides;
+// ape None or float32 [ratio, c * d] with unit inner stride; at least one group.
+Tensor gated_pool_cpu(const Tensor &kv, const OptTensor &score, int64_t ratio,
+                      const OptTensor &ape, bool overlap) {
+  const bool gate = ratio > 1 || overlap;
+  const int64_t cd = kv.dim() == 3 ? kv.size(2) : 0;
+  bool fast = plain(kv) && f32_or_bf16(kv) && kv.dim() == 3 && kv.numel() > 0 &&
+              ratio >= 1 && ratio <= (int64_t(1) << 40) && kv.size(1) / ratio > 0 &&
+              (!overlap || cd % 2 == 0) && (cd == 1 || kv.stride(2) == 1) && (score || !gate);
+  if (fast && score) {
+    const Tensor &t = *score;
+    fast = plain(t) && f32_or_bf16(t) && t.sizes() == kv.sizes() && (cd == 1 || t.stride(2) == 1);
+  }
+  if (fast && ape) {
+    const Tensor &t = *ape;
+    fast = plain(t) && t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(0) == ratio &&
+           t.size(1) == cd && (cd == 1 || t.stride(1) == 1);
+  }
+  if (!fast) return python_cpu<Tensor>("gated_pool", kv, score, ratio, ape, overlap);
+  const int64_t B = kv.size(0), T = kv.size(1), d = overlap ? cd / 2 : cd, G = T / ratio;
+  Tensor out = at::empty({B, G, d}, kv.options());
+  csa_pool_problem p{};
+  p.kv = kv.const_data_ptr();
+  p.skb = kv.stride(0);
+  p.skt = kv.stride(1);
+  p.skf = 1;
+  if (score) {
+    p.score = score->const_data_ptr();
+    p.ssb = score->stride(0);
+    p.sst = score->stride(1);
+    p.ssf = 1;
+    p.sc_bf16 = is_bf16(*score);
+  }
+  if (ape) {
+    p.ape = ape->const_data_ptr<float>();
+    p.sar = ape->stride(0);
+    p.saf = 1;
+  }
+  p.out = out.data_ptr();
+  p.sob = G * d;
+  p.sog = d;
+  p.sof = 1;
+  p.B = B;
+  p.T = T;
+  p.d = d;
+  p.ratio = ratio;
+  p.overlap = overlap;
+  p.kv_bf16 = p.out_bf16 = is_bf16(kv);
+  const int st = without_gil([&] { return core.gated_pool(&p); });
+  if (st != CSA_OK) return python_cpu<Tensor>("gated_pool", kv, score, ratio, ape, overlap);
+  return out;
+}
+
+constexpr char kGatedPool[] = "gated_pool";
+
 // ---------------------------------------------------------------------------- hc_split_sinkhorn
 // float32 mixes [..., (2 + h) * h] C-contiguous, hc_scale [3] and hc_base
 // [(2 + h) * h] contiguous float32, h in [1, 64], iterations in [1, 2^20], finite
@@ -418,10 +551,25 @@ torch::Library &impl_library() {   // the registrations, kept for the process
 
 void register_cpu(const std::string &name) {
   torch::Library &m = impl_library();
-  const auto cpu = c10::DispatchKey::CPU;
+  const auto cpu = c10::DispatchKey::CPU, autograd = c10::DispatchKey::Autograd;
   if (name == "rms_norm") {
     m.impl("rms_norm", torch::dispatch(cpu, TORCH_FN(rms_norm_cpu)));
-    m.impl("rms_norm", torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(rms_norm_autograd)));
+    m.impl("rms_norm", torch::dispatch(
+        autograd, TORCH_FN((Autograd<Tensor, const Tensor &, const OptTensor &,
+                                     double>::kernel<rms_norm_cpu, kRmsNorm>))));
+  } else if (name == "sparse_attn") {
+    m.impl("sparse_attn", torch::dispatch(cpu, TORCH_FN(sparse_attn_cpu)));
+    m.impl("sparse_attn",
+           torch::dispatch(autograd, TORCH_FN((Autograd<std::tuple<Tensor, Tensor>,
+                                                        const Tensor &, const Tensor &,
+                                                        const Tensor &, const Tensor &, double>::
+                                                   kernel<sparse_attn_cpu, kSparseAttn>))));
+  } else if (name == "gated_pool") {
+    m.impl("gated_pool", torch::dispatch(cpu, TORCH_FN(gated_pool_cpu)));
+    m.impl("gated_pool",
+           torch::dispatch(autograd, TORCH_FN((Autograd<Tensor, const Tensor &, const OptTensor &,
+                                                        int64_t, const OptTensor &, bool>::
+                                                   kernel<gated_pool_cpu, kGatedPool>))));
   } else if (name == "apply_rope_") {
     m.impl("apply_rope_", torch::dispatch(cpu, TORCH_FN(apply_rope_cpu)));
   } else if (name == "fp8_quant") {
@@ -460,12 +608,15 @@ py::dict python_calls() {
 PYBIND11_MODULE(_native, m) {
   m.doc() = "C++ kernels of deepseek_csa's torch operators (see deepseek_csa/torch/ops.py)";
   m.attr("OPERATORS") = py::make_tuple("rms_norm", "apply_rope_", "fp8_quant", "fp8_gemm",
-                                       "fp4_gemm", "hc_split_sinkhorn");
+                                       "fp4_gemm", "hc_split_sinkhorn", "sparse_attn",
+                                       "gated_pool");
   m.attr("TORCH_VERSION") = CSA_TORCH_VERSION;
   m.def("bind_core", &bind_core, py::arg("core_path"));
   m.def("register_operator", &register_operator, py::arg("name"), py::arg("cpu"),
         py::arg("autograd"));
   m.def("python_calls", &python_calls);
+  m.def("plain_keys", [] { return plain_keys.raw_repr(); },
+        "The raw bits of the keys below autograd the C++ autograd kernels call plain.");
   m.def("time_kernels", [](bool on) { timing = on; },
         "Start (True) or stop accumulating the calling threads' CPU time inside the C kernels.");
   m.def("kernel_seconds", [] { return kernel_ns.exchange(0) * 1e-9; },

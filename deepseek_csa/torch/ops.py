@@ -59,8 +59,9 @@ arithmetic) and write bfloat16 gradients rounded once from the float32 result, s
 bf16 layer's backward makes no float32 copy of q, out, grad_out or d(q) (docs/training.md,
 "bfloat16").  The indexer's index_scores / indexer_kl_loss still compute in float32.
 
-C++ kernels: for the operators in ``NATIVE`` (today rms_norm) the CPU and autograd kernels
-are C++ (``deepseek_csa.torch._native``, csrc/torch/native.cpp, built where torch is
+C++ kernels: for the operators in ``NATIVE`` (those of a decode step: rms_norm, apply_rope_,
+fp8_quant, fp8_gemm, fp4_gemm, hc_split_sinkhorn, sparse_attn, gated_pool) the CPU
+kernel and, for the differentiable ones, the autograd kernel are C++ (``deepseek_csa.torch._native``, csrc/torch/native.cpp, built where torch is
 importable at build time and loaded only under the torch it was built against): the
 plain case runs there straight into the C kernel, everything else -- other layouts,
 bad arguments, something to record for autograd -- goes on to the Python kernels
