@@ -17,9 +17,13 @@ Definitions, per decode step:
                 arithmetic, as cProfile's tottime of each call from Python: every deepseek_csa._core kernel
                 (our C kernels, glue included), every torch builtin that runs an aten
                 operator (torch.* functions, Tensor methods, torch._C._nn.*), and
-                Inductor's compiled kernels; but not torch.ops.deepseek_csa.* calls,
-                whose own time is the dispatcher (their kernel is the _core call
-                inside, counted separately).
+                Inductor's compiled kernels (with its C++ wrapper, the whole compiled
+                graph's C++ entry, inductor_entry_cpp: kernels and C++ calls only), and
+                the torch.ops.deepseek_csa.* calls: for an operator with C++ kernels
+                (deepseek_csa.torch.ops.NATIVE) that call is its kernel, which cProfile
+                cannot see inside; for one with a Python kernel, the dispatcher's C++
+                part of the call (about a microsecond; its Python kernel and the _core
+                call inside are profiled on their own).
   python_dispatch  profiled minus compute: the interpreter running
                 transformers' and our Python (modules, hooks, cache bookkeeping, Dynamo's
                 guards and the compiled graph's wrapper), the torch.ops dispatcher, and
@@ -60,26 +64,18 @@ def is_compute(func):
     module doc)."""
     if not func.startswith("<"):
         return False
-    if "deepseek_csa._core" in func:
+    if "deepseek_csa._core" in func or "_ops.deepseek_csa" in func:
         return True
-    if "_ops.deepseek_csa" in func:
-        return False
     if "cpp_fused" in func or "torchinductor" in func or func.endswith(".kernel>"):
         return True     # Inductor's compiled kernels: "<built-in method <hash>.kernel.kernel>"
+    if "inductor_entry_cpp" in func:
+        return True     # a graph compiled with Inductor's C++ wrapper: kernels and C++ only
     return "torch" in func and "torch._C._dynamo" not in func and "guard" not in func
-
-
-def _native():
-    """deepseek_csa.torch._native when loaded: its kernels' CPU time, which cProfile
-    cannot see (they are called from C++), is added to compute."""
-    from deepseek_csa.torch import ops
-    return ops._NATIVE
 
 
 def profile_steps(m, lg, cache, steps):
     """(wall seconds of each step unprofiled, per-step dict of the profiled steps)."""
     walls, rows = [], []
-    native = _native()
     with torch.no_grad():
         for _ in range(steps):
             t0 = time.perf_counter()
@@ -87,9 +83,6 @@ def profile_steps(m, lg, cache, steps):
             walls.append(time.perf_counter() - t0)
         for _ in range(steps):
             pr = cProfile.Profile(time.thread_time)
-            if native is not None:
-                native.time_kernels(True)
-                native.kernel_seconds()
             t0 = time.thread_time()
             pr.enable()
             lg = m(lg[:, -1:].argmax(-1), past_key_values=cache, use_cache=True).logits
@@ -97,9 +90,6 @@ def profile_steps(m, lg, cache, steps):
             total = time.thread_time() - t0
             st = pstats.Stats(pr).stats
             compute = 0.0
-            if native is not None:
-                compute = native.kernel_seconds()
-                native.time_kernels(False)
             top = {}
             for (fn, line, name), (cc, nc, tt, ct, callers) in st.items():
                 if is_compute(name):

@@ -440,7 +440,7 @@ def _native_kernel_registered(name, key):
 @needs_native
 def test_native_operators_have_cpp_cpu_and_autograd_kernels():
     assert {"rms_norm", "apply_rope_", "fp8_quant", "fp8_gemm", "fp4_gemm",
-            "hc_split_sinkhorn", "sparse_attn", "gated_pool"} <= ops.NATIVE
+            "hc_split_sinkhorn", "sparse_attn", "gated_pool", "moe_combine"} <= ops.NATIVE
     for name in ops.NATIVE:
         assert _native_kernel_registered(name, "CPU"), torch._C._dispatch_dump(f"deepseek_csa::{name}")
         if name in ops.DIFFERENTIABLE:
@@ -555,6 +555,17 @@ def _native_extra_cases():
                                                                 r(2, 3, 8, dtype=dt), 4, None, True)),
         ("gated_pool", "odd width with overlap", lambda dt: (r(2, 8, 7, dtype=dt), r(2, 8, 7, dtype=dt),
                                                              4, None, True)),
+        ("moe_combine", "prefill, six rows a token", lambda dt: (
+            r(60, 700, dtype=dt), torch.randperm(60, generator=torch.Generator().manual_seed(3)) % 10,
+            10)),
+        ("moe_combine", "strided rows, indices out of range", lambda dt: (
+            r(7, 10, dtype=dt)[:, ::2], torch.tensor([4, 0, -2, 1, 9, 0, 1])[::1], 3)),
+        ("moe_combine", "no tokens", lambda dt: (r(3, 5, dtype=dt), torch.tensor([0, 1, 2]), 0)),
+        ("moe_combine", "float64 rows", lambda dt: (r(3, 5).double(), torch.tensor([0, 1, 0]), 2)),
+        ("moe_combine", "int32 index", lambda dt: (r(3, 5, dtype=dt),
+                                                   torch.tensor([0, 1, 0], dtype=torch.int32), 2)),
+        ("moe_combine", "negative token count", lambda dt: (r(3, 5, dtype=dt), torch.tensor([0, 1, 0]),
+                                                            -1)),
         ("hc_split_sinkhorn", "h = 2", lambda dt: (r(5, 8), torch.rand(3), r(8), 2, 7, 0.0)),
         ("hc_split_sinkhorn", "wrong width", lambda dt: (r(5, 9), torch.rand(3), r(8), 2, 7, 0.0)),
         ("hc_split_sinkhorn", "strided mixes", lambda dt: (r(5, 48)[:, ::2], torch.rand(3), r(24),
@@ -565,7 +576,8 @@ def _native_extra_cases():
                    "block does not divide", "e8m0 of fp32 scales", "unknown scale",
                    "b_index out of range", "wrong width", "strided mixes", "int64 indices",
                    "index out of range", "inner stride 2", "infinite scale", "bf16 ape",
-                   "fewer tokens than a group", "odd width with overlap"}
+                   "fewer tokens than a group", "odd width with overlap", "float64 rows",
+                   "int32 index", "negative token count"}
     return [pytest.param(n, b, dt, "Python" if i in python_path else "C++",
                          id=f"{n}-{i}-{str(dt)[6:]}") for n, i, b in C for dt in (F32, BF16)]
 

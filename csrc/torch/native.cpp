@@ -21,16 +21,14 @@
 // build it was compiled with: setup.py builds it only where torch is importable and
 // writes torch's version beside it, and ops.py loads it only under that version.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
 #include <dlfcn.h>
 
-#include <time.h>
-
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <map>
@@ -128,33 +126,15 @@ R python_cpu(const char *name, const A &...args) {
   if constexpr (!std::is_void_v<R>) return r.template cast<R>();
 }
 
-// CPU time of the calling thread inside the C kernels, when asked for (time_kernels):
-// what a profile of Python calls cannot see of a kernel called from C++
-// (benchmarks/bench_decode_profile.py).  Off, it costs one relaxed load a call.
-std::atomic<bool> timing{false};
-std::atomic<int64_t> kernel_ns{0};
-
-int64_t thread_ns() {
-  timespec t;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-  return int64_t(t.tv_sec) * 1000000000 + t.tv_nsec;
-}
-
 // Runs the C kernel call f without the GIL: the kernel must not hold it (other Python
 // threads keep running), whether the caller came from Python with the GIL held or not.
 template <class F>
 int without_gil(F &&f) {
-  const bool timed = timing.load(std::memory_order_relaxed);
-  const int64_t t0 = timed ? thread_ns() : 0;
-  int st;
   if (PyGILState_Check()) {
     py::gil_scoped_release released;
-    st = f();
-  } else {
-    st = f();
+    return f();
   }
-  if (timed) kernel_ns += thread_ns() - t0;
-  return st;
+  return f();
 }
 
 bool plain(const Tensor &t) {
@@ -505,6 +485,43 @@ Tensor gated_pool_cpu(const Tensor &kv, const OptTensor &score, int64_t ratio,
 
 constexpr char kGatedPool[] = "gated_pool";
 
+// ---------------------------------------------------------------------------- moe_combine
+// rows float32 / bfloat16 [P, H], index int64 [P] (any strides), num_tokens >= 0:
+// out[t] = the rows with index t added in increasing p, each sum rounded to rows' dtype
+// (what the Python kernel's index_add_ calls compute); other indices skipped.  Each
+// feature's sums have that order whatever the split of the features over threads.
+template <class T>
+void moe_combine_rows(const Tensor &rows, const Tensor &index, Tensor &out) {
+  const int64_t P = rows.size(0), H = rows.size(1), Tn = out.size(0);
+  const int64_t sr = rows.stride(0), sh = rows.stride(1), si = index.stride(0);
+  const T *r = rows.const_data_ptr<T>();
+  const int64_t *ix = index.const_data_ptr<int64_t>();
+  T *o = out.data_ptr<T>();
+  at::parallel_for(0, H, 512, [&](int64_t h0, int64_t h1) {
+    for (int64_t p = 0; p < P; p++) {
+      const int64_t t = ix[p * si];
+      if (t < 0 || t >= Tn) continue;
+      T *dst = o + t * H;
+      const T *src = r + p * sr;
+      for (int64_t h = h0; h < h1; h++) dst[h] = dst[h] + src[h * sh];   // T's own rounding
+    }
+  });
+}
+
+Tensor moe_combine_cpu(const Tensor &rows, const Tensor &index, c10::SymInt num_tokens) {
+  const int64_t Tn = num_tokens.expect_int();
+  const bool fast = plain(rows) && f32_or_bf16(rows) && rows.dim() == 2 && plain(index) &&
+                    index.scalar_type() == at::kLong && index.dim() == 1 &&
+                    index.size(0) == rows.size(0) && Tn >= 0;
+  if (!fast) return python_cpu<Tensor>("moe_combine", rows, index, Tn);
+  Tensor out = at::zeros({Tn, rows.size(1)}, rows.options());
+  if (is_bf16(rows))
+    moe_combine_rows<c10::BFloat16>(rows, index, out);
+  else
+    moe_combine_rows<float>(rows, index, out);
+  return out;
+}
+
 // ---------------------------------------------------------------------------- hc_split_sinkhorn
 // float32 mixes [..., (2 + h) * h] C-contiguous, hc_scale [3] and hc_base
 // [(2 + h) * h] contiguous float32, h in [1, 64], iterations in [1, 2^20], finite
@@ -578,6 +595,8 @@ void register_cpu(const std::string &name) {
     m.impl("fp8_gemm", torch::dispatch(cpu, TORCH_FN(gemm_cpu<CSA_W_E4M3>)));
   } else if (name == "fp4_gemm") {
     m.impl("fp4_gemm", torch::dispatch(cpu, TORCH_FN(gemm_cpu<CSA_W_E2M1>)));
+  } else if (name == "moe_combine") {
+    m.impl("moe_combine", torch::dispatch(cpu, TORCH_FN(moe_combine_cpu)));
   } else if (name == "hc_split_sinkhorn") {
     m.impl("hc_split_sinkhorn", torch::dispatch(cpu, TORCH_FN(hc_split_sinkhorn_cpu)));
   } else {
@@ -609,7 +628,7 @@ PYBIND11_MODULE(_native, m) {
   m.doc() = "C++ kernels of deepseek_csa's torch operators (see deepseek_csa/torch/ops.py)";
   m.attr("OPERATORS") = py::make_tuple("rms_norm", "apply_rope_", "fp8_quant", "fp8_gemm",
                                        "fp4_gemm", "hc_split_sinkhorn", "sparse_attn",
-                                       "gated_pool");
+                                       "gated_pool", "moe_combine");
   m.attr("TORCH_VERSION") = CSA_TORCH_VERSION;
   m.def("bind_core", &bind_core, py::arg("core_path"));
   m.def("register_operator", &register_operator, py::arg("name"), py::arg("cpu"),
@@ -617,8 +636,4 @@ PYBIND11_MODULE(_native, m) {
   m.def("python_calls", &python_calls);
   m.def("plain_keys", [] { return plain_keys.raw_repr(); },
         "The raw bits of the keys below autograd the C++ autograd kernels call plain.");
-  m.def("time_kernels", [](bool on) { timing = on; },
-        "Start (True) or stop accumulating the calling threads' CPU time inside the C kernels.");
-  m.def("kernel_seconds", [] { return kernel_ns.exchange(0) * 1e-9; },
-        "The CPU seconds accumulated since the last call (and reset to 0).");
 }
