@@ -555,9 +555,12 @@ def _native_extra_cases():
                                                                 r(2, 3, 8, dtype=dt), 4, None, True)),
         ("gated_pool", "odd width with overlap", lambda dt: (r(2, 8, 7, dtype=dt), r(2, 8, 7, dtype=dt),
                                                              4, None, True)),
-        ("moe_combine", "prefill, six rows a token", lambda dt: (
+        ("moe_combine", "six rows a token", lambda dt: (
             r(60, 700, dtype=dt), torch.randperm(60, generator=torch.Generator().manual_seed(3)) % 10,
             10)),
+        ("moe_combine", "prefill-sized", lambda dt: (
+            r(600, 700, dtype=dt), torch.randperm(600, generator=torch.Generator().manual_seed(4)) % 100,
+            100)),
         ("moe_combine", "strided rows, indices out of range", lambda dt: (
             r(7, 10, dtype=dt)[:, ::2], torch.tensor([4, 0, -2, 1, 9, 0, 1])[::1], 3)),
         ("moe_combine", "no tokens", lambda dt: (r(3, 5, dtype=dt), torch.tensor([0, 1, 2]), 0)),
@@ -577,7 +580,7 @@ def _native_extra_cases():
                    "b_index out of range", "wrong width", "strided mixes", "int64 indices",
                    "index out of range", "inner stride 2", "infinite scale", "bf16 ape",
                    "fewer tokens than a group", "odd width with overlap", "float64 rows",
-                   "int32 index", "negative token count"}
+                   "int32 index", "negative token count", "prefill-sized"}
     return [pytest.param(n, b, dt, "Python" if i in python_path else "C++",
                          id=f"{n}-{i}-{str(dt)[6:]}") for n, i, b in C for dt in (F32, BF16)]
 

@@ -21,14 +21,16 @@
 // build it was compiled with: setup.py builds it only where torch is importable and
 // writes torch's version beside it, and ops.py loads it only under that version.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
 #include <dlfcn.h>
 
+#include <time.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <map>
@@ -126,15 +128,33 @@ R python_cpu(const char *name, const A &...args) {
   if constexpr (!std::is_void_v<R>) return r.template cast<R>();
 }
 
+// CPU time of the calling thread inside the C kernels, when asked for (time_kernels):
+// cProfile does not see a kernel called from C++, and misses some calls from Python too
+// (benchmarks/bench_decode_profile.py).  Off, it costs one relaxed load a call.
+std::atomic<bool> timing{false};
+std::atomic<int64_t> kernel_ns{0};
+
+int64_t thread_ns() {
+  timespec t;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return int64_t(t.tv_sec) * 1000000000 + t.tv_nsec;
+}
+
 // Runs the C kernel call f without the GIL: the kernel must not hold it (other Python
 // threads keep running), whether the caller came from Python with the GIL held or not.
 template <class F>
 int without_gil(F &&f) {
+  const bool timed = timing.load(std::memory_order_relaxed);
+  const int64_t t0 = timed ? thread_ns() : 0;
+  int st;
   if (PyGILState_Check()) {
     py::gil_scoped_release released;
-    return f();
+    st = f();
+  } else {
+    st = f();
   }
-  return f();
+  if (timed) kernel_ns += thread_ns() - t0;
+  return st;
 }
 
 bool plain(const Tensor &t) {
@@ -486,10 +506,13 @@ Tensor gated_pool_cpu(const Tensor &kv, const OptTensor &score, int64_t ratio,
 constexpr char kGatedPool[] = "gated_pool";
 
 // ---------------------------------------------------------------------------- moe_combine
-// rows float32 / bfloat16 [P, H], index int64 [P] (any strides), num_tokens >= 0:
-// out[t] = the rows with index t added in increasing p, each sum rounded to rows' dtype
-// (what the Python kernel's index_add_ calls compute); other indices skipped.  Each
-// feature's sums have that order whatever the split of the features over threads.
+// rows float32 / bfloat16 [P, H] (at most 2^18 elements: a decode step's few rows),
+// index int64 [P] (any strides), num_tokens >= 0: out[t] = the rows with index t added
+// in increasing p, each sum rounded to rows' dtype (what the Python kernel's index_add_
+// calls compute); other indices skipped.  One thread: a prefill's rows go to the
+// Python kernel, whose index_add_ runs on torch's threads.  (A torch thread pool woken
+// here for a decode step's few rows made the whole step 15x slower at 2 threads: its
+// threads and the C kernels' OpenMP threads then spin against each other.)
 template <class T>
 void moe_combine_rows(const Tensor &rows, const Tensor &index, Tensor &out) {
   const int64_t P = rows.size(0), H = rows.size(1), Tn = out.size(0);
@@ -497,28 +520,30 @@ void moe_combine_rows(const Tensor &rows, const Tensor &index, Tensor &out) {
   const T *r = rows.const_data_ptr<T>();
   const int64_t *ix = index.const_data_ptr<int64_t>();
   T *o = out.data_ptr<T>();
-  at::parallel_for(0, H, 512, [&](int64_t h0, int64_t h1) {
-    for (int64_t p = 0; p < P; p++) {
-      const int64_t t = ix[p * si];
-      if (t < 0 || t >= Tn) continue;
-      T *dst = o + t * H;
-      const T *src = r + p * sr;
-      for (int64_t h = h0; h < h1; h++) dst[h] = dst[h] + src[h * sh];   // T's own rounding
-    }
-  });
+  for (int64_t p = 0; p < P; p++) {
+    const int64_t t = ix[p * si];
+    if (t < 0 || t >= Tn) continue;
+    T *dst = o + t * H;
+    const T *src = r + p * sr;
+    for (int64_t h = 0; h < H; h++) dst[h] = dst[h] + src[h * sh];   // T's own rounding
+  }
 }
 
 Tensor moe_combine_cpu(const Tensor &rows, const Tensor &index, c10::SymInt num_tokens) {
   const int64_t Tn = num_tokens.expect_int();
-  const bool fast = plain(rows) && f32_or_bf16(rows) && rows.dim() == 2 && plain(index) &&
+  const bool fast = plain(rows) && f32_or_bf16(rows) && rows.dim() == 2 &&
+                    rows.numel() <= (int64_t(1) << 18) && plain(index) &&
                     index.scalar_type() == at::kLong && index.dim() == 1 &&
                     index.size(0) == rows.size(0) && Tn >= 0;
   if (!fast) return python_cpu<Tensor>("moe_combine", rows, index, Tn);
   Tensor out = at::zeros({Tn, rows.size(1)}, rows.options());
-  if (is_bf16(rows))
-    moe_combine_rows<c10::BFloat16>(rows, index, out);
-  else
-    moe_combine_rows<float>(rows, index, out);
+  without_gil([&] {
+    if (is_bf16(rows))
+      moe_combine_rows<c10::BFloat16>(rows, index, out);
+    else
+      moe_combine_rows<float>(rows, index, out);
+    return 0;
+  });
   return out;
 }
 
@@ -634,6 +659,10 @@ PYBIND11_MODULE(_native, m) {
   m.def("register_operator", &register_operator, py::arg("name"), py::arg("cpu"),
         py::arg("autograd"));
   m.def("python_calls", &python_calls);
+  m.def("time_kernels", [](bool on) { timing = on; },
+        "Start (True) or stop adding up the calling threads' CPU time inside the C kernels.");
+  m.def("kernel_seconds", [] { return kernel_ns.exchange(0) * 1e-9; },
+        "The CPU seconds added up since the last call (and reset to 0).");
   m.def("plain_keys", [] { return plain_keys.raw_repr(); },
         "The raw bits of the keys below autograd the C++ autograd kernels call plain.");
 }
