@@ -5,6 +5,7 @@ Environment knobs (all optional):
   CSA_SANITIZE=1  build with AddressSanitizer + UndefinedBehaviorSanitizer (make asan)
   CSA_DEBUG=1     -O0 -g
   CSA_OPENMP=0    build the serial module even if the compiler has OpenMP
+  CSA_TORCH_NATIVE=0  do not build deepseek_csa.torch._native (see below)
 
 OpenMP is probed, not assumed: before building, a tiny OpenMP program is compiled and
 linked with the compiler setuptools will use (with -fopenmp; then, for Apple's clang
@@ -13,6 +14,14 @@ sources are built as a serial module (every `#pragma omp` is then ignored and th
 omp_* calls are guarded by _OPENMP; `omp simd` still applies through -fopenmp-simd
 where the compiler has it, so the bits match the OpenMP build) and the build says so; the module says so again,
 once, when it is imported (deepseek_csa.build_info()["openmp"] is False).
+
+deepseek_csa.torch._native (csrc/torch/native.cpp), C++ kernels for some of the torch
+operators, is built only where torch is importable at build time (the package's own
+build never needs torch): it compiles against torch's C++ headers, so it is tied to
+that torch build, whose version is written beside it (_native.torch-version) for
+deepseek_csa/torch/ops.py to check before loading it.  It is optional: when it is
+absent, fails to build or does not match the torch at run time, the operators keep
+their Python kernels and `import deepseek_csa.torch` says so once.
 """
 import glob
 import os
@@ -31,6 +40,7 @@ from setuptools.command.build_ext import build_ext
 cflags = ["-std=gnu11", "-ffp-contract=fast", "-O3", "-fno-math-errno", "-fno-trapping-math",
           "-Wall", "-Wno-unknown-pragmas", "-Wno-unused-function"]
 ldflags = []
+sanitize = []     # also given to the C++ extension
 if os.environ.get("CSA_NATIVE") == "1":
     cflags.append("-march=native")
 if os.environ.get("CSA_DEBUG") == "1":
@@ -38,10 +48,10 @@ if os.environ.get("CSA_DEBUG") == "1":
 if os.environ.get("CSA_SANITIZE") == "1":
     # float-cast-overflow is UB that -fsanitize=undefined leaves out in GCC (a float
     # index or size cast to an integer); float division by zero is IEEE, not checked.
-    san = ["-fsanitize=address,undefined,float-cast-overflow", "-fno-omit-frame-pointer",
-           "-fno-sanitize-recover=all"]
-    cflags += san + ["-g"]
-    ldflags += san
+    sanitize = ["-fsanitize=address,undefined,float-cast-overflow", "-fno-omit-frame-pointer",
+                "-fno-sanitize-recover=all", "-g"]
+    cflags += sanitize
+    ldflags += sanitize
 
 # (compile flags, link flags) to try, in order.
 OPENMP_CANDIDATES = [
@@ -139,19 +149,75 @@ class BuildExt(build_ext):
                   file=sys.stderr)
         super().build_extensions()
 
+    def build_extension(self, ext):
+        super().build_extension(ext)
+        if ext.name == NATIVE_NAME:   # the torch it was built against, read before loading
+            with open(self._native_version_file(), "w") as f:
+                f.write(TORCH_VERSION + "\n")
+
+    def _native_version_file(self):   # in build_lib, beside the built module
+        return os.path.join(self.build_lib, *NATIVE_NAME.split(".")[:-1],
+                            "_native.torch-version")
+
+    def copy_extensions_to_source(self):   # --inplace: the version file goes with the .so
+        super().copy_extensions_to_source()
+        if any(e.name == NATIVE_NAME for e in self.extensions) and \
+                os.path.exists(self._native_version_file()):
+            package_dir = self.get_finalized_command("build_py").get_package_dir(
+                "deepseek_csa.torch")
+            shutil.copyfile(self._native_version_file(),
+                            os.path.join(package_dir, "_native.torch-version"))
+
+
+NATIVE_NAME = "deepseek_csa.torch._native"
+TORCH_VERSION = None
+
+
+def native_extension():
+    """The optional C++ extension over torch's headers, or None where torch is absent."""
+    global TORCH_VERSION
+    if os.environ.get("CSA_TORCH_NATIVE") == "0":
+        return None
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except Exception:   # no torch at build time: the operators keep Python kernels
+        print("*** deepseek_csa: torch is not importable here; deepseek_csa.torch._native "
+              "(C++ operator kernels) is not built.", file=sys.stderr)
+        return None
+    TORCH_VERSION = torch.__version__
+    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", 1))
+    lib_dirs = cpp_extension.library_paths()
+    return Extension(
+        NATIVE_NAME,
+        sources=["csrc/torch/native.cpp"],
+        include_dirs=["csrc"] + cpp_extension.include_paths(),
+        library_dirs=lib_dirs,
+        libraries=["c10", "torch", "torch_cpu", "torch_python"],
+        language="c++",
+        define_macros=[("CSA_TORCH_VERSION", '"%s"' % TORCH_VERSION),
+                       ("_GLIBCXX_USE_CXX11_ABI", str(abi)),
+                       ("TORCH_API_INCLUDE_EXTENSION_H", None)],
+        extra_compile_args=["-std=c++20", "-O2", "-fvisibility=hidden"] + sanitize,
+        extra_link_args=["-Wl,-rpath," + d for d in lib_dirs] + sanitize,
+        depends=sorted(glob.glob("csrc/*.h")),
+        optional=True,   # a failed build leaves the Python kernels, with a warning
+    )
+
 
 sources = sorted(glob.glob("csrc/*.c")) + sorted(glob.glob("csrc/glue/*.c"))
 
+core_extension = Extension(
+    "deepseek_csa._core",
+    sources=sources,
+    include_dirs=[numpy.get_include(), "csrc"],
+    extra_compile_args=cflags,
+    extra_link_args=ldflags,
+    depends=sorted(glob.glob("csrc/*.h") + glob.glob("csrc/glue/*.h")),
+)
+native = native_extension()
+
 setup(
-    ext_modules=[
-        Extension(
-            "deepseek_csa._core",
-            sources=sources,
-            include_dirs=[numpy.get_include(), "csrc"],
-            extra_compile_args=cflags,
-            extra_link_args=ldflags,
-            depends=sorted(glob.glob("csrc/*.h") + glob.glob("csrc/glue/*.h")),
-        )
-    ],
+    ext_modules=[core_extension] + ([native] if native is not None else []),
     cmdclass={"build_ext": BuildExt},
 )

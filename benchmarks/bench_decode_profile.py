@@ -17,9 +17,13 @@ Definitions, per decode step:
                 arithmetic, as cProfile's tottime of each call from Python: every deepseek_csa._core kernel
                 (our C kernels, glue included), every torch builtin that runs an aten
                 operator (torch.* functions, Tensor methods, torch._C._nn.*), and
-                Inductor's compiled kernels; but not torch.ops.deepseek_csa.* calls,
-                whose own time is the dispatcher (their kernel is the _core call
-                inside, counted separately).
+                Inductor's compiled kernels (with its C++ wrapper, the compiled graph's
+                whole C++ entry, inductor_entry_cpp: kernels and C++ calls only), and
+                the C++ kernels of the operators in deepseek_csa.torch.ops.NATIVE, timed
+                by the calling thread's CPU clock inside them (_native.time_kernels:
+                cProfile does not see inside a torch.ops call, and misses some of them
+                altogether); but not the torch.ops.deepseek_csa.* calls themselves,
+                whose own time is the dispatcher.
   python_dispatch  profiled minus compute: the interpreter running
                 transformers' and our Python (modules, hooks, cache bookkeeping, Dynamo's
                 guards and the compiled graph's wrapper), the torch.ops dispatcher, and
@@ -63,15 +67,21 @@ def is_compute(func):
     if "deepseek_csa._core" in func:
         return True
     if "_ops.deepseek_csa" in func:
-        return False
+        return False    # the dispatcher; a C++ kernel inside it is timed by _native
     if "cpp_fused" in func or "torchinductor" in func or func.endswith(".kernel>"):
         return True     # Inductor's compiled kernels: "<built-in method <hash>.kernel.kernel>"
+    if "inductor_entry_cpp" in func:
+        return True     # a graph compiled with Inductor's C++ wrapper: kernels and C++ only
     return "torch" in func and "torch._C._dynamo" not in func and "guard" not in func
 
 
-def profile_steps(m, lg, cache, steps):
+def profile_steps(m, lg, cache, steps, cpp_wrapper=False):
     """(wall seconds of each step unprofiled, per-step dict of the profiled steps)."""
     walls, rows = [], []
+    from deepseek_csa.torch import ops
+    # the C++ kernels' CPU time (deepseek_csa.torch._native), which cProfile cannot see;
+    # under Inductor's C++ wrapper they run inside inductor_entry_cpp, counted whole
+    native = None if cpp_wrapper else getattr(ops, "_NATIVE", None)
     with torch.no_grad():
         for _ in range(steps):
             t0 = time.perf_counter()
@@ -79,6 +89,9 @@ def profile_steps(m, lg, cache, steps):
             walls.append(time.perf_counter() - t0)
         for _ in range(steps):
             pr = cProfile.Profile(time.thread_time)
+            if native is not None:
+                native.time_kernels(True)
+                native.kernel_seconds()
             t0 = time.thread_time()
             pr.enable()
             lg = m(lg[:, -1:].argmax(-1), past_key_values=cache, use_cache=True).logits
@@ -86,6 +99,9 @@ def profile_steps(m, lg, cache, steps):
             total = time.thread_time() - t0
             st = pstats.Stats(pr).stats
             compute = 0.0
+            if native is not None:
+                compute = native.kernel_seconds()
+                native.time_kernels(False)
             top = {}
             for (fn, line, name), (cc, nc, tt, ct, callers) in st.items():
                 if is_compute(name):
@@ -105,8 +121,10 @@ def run_side(side, context, steps, threads, backend):
                     bf16=True, quantized=True)
     ids = torch.tensor([blm.bench_ids(context, m.config.vocab_size)])
     compile_s = 0.0
-    if side == "compiled":
+    if side.startswith("compiled"):
         t0 = time.perf_counter()
+        if side == "compiled_cpp":   # Inductor's C++ wrapper: no Python between kernels
+            torch._inductor.config.cpp_wrapper = True
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
         m.forward = torch.compile(m.forward, dynamic=True, backend=backend)
         # the run below once, untimed, on its own cache: every graph the measured steps
@@ -123,7 +141,7 @@ def run_side(side, context, steps, threads, backend):
         lg = m(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
     from torch._dynamo.utils import counters
     graphs = counters["stats"]["unique_graphs"]
-    walls, rows, _ = profile_steps(m, lg, cache, steps)
+    walls, rows, _ = profile_steps(m, lg, cache, steps, cpp_wrapper=side == "compiled_cpp")
     graphs_during = counters["stats"]["unique_graphs"] - graphs
     med = sorted(walls)[len(walls) // 2]
     prof = sorted(rows, key=lambda r: r["profiled_s"])[len(rows) // 2]

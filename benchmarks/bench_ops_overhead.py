@@ -5,8 +5,9 @@ inputs and the same output buffer where the entry takes one:
   numpy        deepseek_csa.<kernel> on ndarrays (the floor: parse, validate, run)
   tensors      deepseek_csa.<kernel> on CPU tensors (the glue's tensor view)
   call         deepseek_csa.torch.ops.call: the direct eager path (no dispatcher)
-  op           torch.ops.deepseek_csa.<name> under no_grad (dispatcher + the
-               operator's Python autograd kernel + the CPU kernel)
+  op           torch.ops.deepseek_csa.<name> under no_grad: the dispatcher, the
+               autograd kernel and the CPU kernel -- C++ for the operators in
+               ops.NATIVE (rms_norm: deepseek_csa.torch._native), else Python
   op_inference the same under torch.inference_mode (the autograd kernel skipped)
 and the registrations the operator could have had instead (the same CPU kernel, fake
 kernel and autograd formula, in the namespace deepseek_csa_bench), under no_grad:
@@ -14,12 +15,9 @@ kernel and autograd formula, in the namespace deepseek_csa_bench), under no_grad
                autograd kernel redispatches to the CPU kernel (two trips from Python
                into the dispatcher); ops.py's registration before its no-grad shortcut
   op_custom_op torch.library.custom_op + register_autograd
-and, for rms_norm only, a prototype that is not part of the package (the floor of a
-custom operator whose kernels are not Python):
-  op_cpp       torch.ops.deepseek_csa_cpp.rms_norm under no_grad: the CPU kernel and
-               the autograd kernel registered in C++ (benchmarks/cpp_op_floor/, built
-               here with torch.utils.cpp_extension; skipped when that fails), calling
-               the same C kernel
+  op_python    for an operator in ops.NATIVE, the registration it has without the C++
+               module (DEEPSEEK_CSA_TORCH_NATIVE=0): ops.py's Python CPU kernel and
+               Python autograd kernel with its no-grad shortcut
 Shapes: rms_norm [1, 4096] (a decode step's norm) and sparse_attn decode (one token,
 H = 64, D = 512, K = 640 of N = 4096 rows: V4-Flash's CSA shape).
 
@@ -65,26 +63,16 @@ def _alternatives(name, schema, impl, fake, backward, setup, args):
     return {"op_register_autograd": lambda: ra(*args), "op_custom_op": lambda: co(*args)}
 
 
-def _cpp_floor():
-    """torch.ops.deepseek_csa_cpp.rms_norm (benchmarks/cpp_op_floor/), built once into
-    build/cpp_op_floor and bound to csa_rms_norm in deepseek_csa._core; None (with a
-    note) when it cannot be built."""
-    import ctypes
-    from torch.utils import cpp_extension
-    here = os.path.dirname(os.path.abspath(__file__))
-    build = os.path.join(os.path.dirname(here), "build", "cpp_op_floor")
-    os.makedirs(build, exist_ok=True)
-    try:
-        cpp_extension.load("deepseek_csa_cpp_floor",
-                           [os.path.join(here, "cpp_op_floor", "rms_norm_op.cpp")],
-                           extra_cflags=["-O2"], build_directory=build, is_python_module=False)
-    except Exception as e:   # no compiler or headers: the other sides still run
-        print("op_cpp skipped:", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-        return None
-    import deepseek_csa._core as core
-    address = ctypes.cast(ctypes.CDLL(core.__file__).csa_rms_norm, ctypes.c_void_p).value
-    torch.ops.deepseek_csa_cpp.bind(address)
-    return torch.ops.deepseek_csa_cpp.rms_norm
+def _python_kernels(name, schema, impl, fake, backward, setup):
+    """The operator as ops.py registers it without deepseek_csa.torch._native: Python
+    CPU kernel, Python autograd kernel (with its no-grad shortcut), in deepseek_csa_bench."""
+    lib = _BENCH_LIB
+    lib.define(f"{name}_py{schema}")
+    lib.impl(f"{name}_py", impl, "CPU")
+    torch.library.register_fake(f"deepseek_csa_bench::{name}_py", fake, lib=lib)
+    op = getattr(torch.ops.deepseek_csa_bench, f"{name}_py").default
+    ops._register_autograd(op, f"{name}_py", impl, backward, setup, lib=lib)
+    return op
 
 
 def _rms_sides():
@@ -94,11 +82,12 @@ def _rms_sides():
     y = np.empty_like(x)
     tx, tw, ty = torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(y)
     op = torch.ops.deepseek_csa.rms_norm
-    cpp = _cpp_floor()
-    if cpp is not None:
-        assert torch.equal(cpp(tx, tw, 1e-6), op(tx, tw, 1e-6))
+    python = _python_kernels("rms_norm", "(Tensor x, Tensor? weight, float eps) -> Tensor",
+                             ops._rms_norm_impl, ops._rms_norm_fake, ops._rms_norm_backward,
+                             ops._rms_norm_setup)
+    assert torch.equal(python(tx, tw, 1e-6), op(tx, tw, 1e-6))
     return {
-        **({"op_cpp": lambda: cpp(tx, tw, 1e-6)} if cpp is not None else {}),
+        "op_python": lambda: python(tx, tw, 1e-6),
         "numpy": lambda: dc.rms_norm(x, w, 1e-6, out=y),
         "tensors": lambda: dc.rms_norm(tx, tw, 1e-6, out=ty),
         "call": lambda: ops.call("rms_norm", tx, tw, 1e-6),
@@ -172,10 +161,10 @@ def plot(rows, env, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    sides = ["tensors", "call", "op", "op_inference", "op_register_autograd", "op_custom_op",
-             "op_cpp"]
+    sides = ["tensors", "call", "op", "op_inference", "op_python", "op_register_autograd",
+             "op_custom_op"]
     labels = ["tensors", "ops.call\n(direct)", "torch.ops\nno_grad", "torch.ops\ninference",
-              "register_\nautograd", "custom_op", "C++ kernels\n(prototype)"]
+              "Python kernels\n(no C++ module)", "register_\nautograd", "custom_op"]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4))
     width = 0.38
     for ax, key, base, what in ((axes[0], "overhead_us", "median_us", "wall, median"),

@@ -156,3 +156,93 @@ int csa_gemm(const struct csa_gemm_args *g)
 {
     return csa_gemm_batch(g, 1);
 }
+
+static int g_by_weight(const void *x, const void *y)
+{
+    const csa_idx *p = x, *q = y;   /* (weight, row) pairs */
+    if (p[0] != q[0]) return p[0] < q[0] ? -1 : 1;
+    return p[1] < q[1] ? -1 : p[1] > q[1];
+}
+
+/* b_index: row m of a (g's M rows) against weight ix[m] of the E stacked at b +
+ * e * b_e bytes (scales at bs + e * bs_e bytes); ix[m] = -1: no weight (the caller
+ * writes a zero row, g_zero_rows), in no problem, so the other rows' runs are what they
+ * would be without it.  The rows of one weight, in increasing
+ * order, split into runs of evenly spaced rows (a model's grouped projection, rows
+ * t * G + g: one run a group; experts with their tokens sorted: one a weight), and each
+ * run is one problem, so each weight is read once a run.  *subs: the problems (at most
+ * M), *order scratch; returns their count, or -1 when an allocation failed. */
+static csa_idx g_index_problems(const struct csa_gemm_args *g, const int32_t *ix,
+                                csa_idx b_e, csa_idx bs_e, int as_size, int out_size,
+                                struct csa_gemm_args **subs, csa_idx **order)
+{
+    const csa_idx M = g->M;
+    *subs = malloc((size_t)(M > 0 ? M : 1) * sizeof **subs);
+    *order = malloc((size_t)(M > 0 ? 2 * M : 1) * sizeof **order);
+    if (!*subs || !*order) return -1;
+    /* the rows sorted by weight, increasing within one (E never sizes a buffer: a
+     * stack of empty weights may be as long as NumPy allows) */
+    csa_idx *pair = *order;
+    for (csa_idx m = 0; m < M; m++) {
+        pair[2 * m] = ix[m];
+        pair[2 * m + 1] = m;
+    }
+    qsort(pair, (size_t)M, 2 * sizeof *pair, g_by_weight);
+    csa_idx n = 0, i0 = 0;
+    while (i0 < M && pair[2 * i0] < 0)     /* the -1 rows sort first */
+        i0++;
+    for (csa_idx i = i0; i < M;) {
+        const csa_idx e = pair[2 * i], r0 = pair[2 * i + 1];
+        csa_idx len = 1, step = 1;
+        if (i + 1 < M && pair[2 * (i + 1)] == e) {
+            step = pair[2 * (i + 1) + 1] - r0;
+            while (i + len < M && pair[2 * (i + len)] == e &&
+                   pair[2 * (i + len) + 1] - pair[2 * (i + len - 1) + 1] == step)
+                len++;
+        }
+        struct csa_gemm_args *p = *subs + n++;
+        *p = *g;
+        p->M = len;
+        p->a = g->a + r0 * g->sa_row;
+        p->sa_row = step * g->sa_row;
+        p->as = (const char *)g->as + (size_t)(r0 * g->sas_row) * as_size;
+        p->sas_row = step * g->sas_row;
+        p->b = g->b + e * b_e;
+        p->bs = (const char *)g->bs + e * bs_e;
+        p->out = (char *)g->out + (size_t)(r0 * g->so_row) * out_size;
+#ifndef CSA_MUTANT_GEMM_INDEX_STEP
+        p->so_row = step * g->so_row;
+#else /* planted (make mutants): a run's output rows written as if adjacent */
+        p->so_row = g->so_row;
+#endif
+        i += len;
+    }
+    return n;
+}
+
+/* The b_index = -1 rows of g's output: +0.0 (all bits zero in float32 and bfloat16). */
+static void g_zero_rows(const struct csa_gemm_args *g, const int32_t *ix, int out_size)
+{
+    for (csa_idx m = 0; m < g->M; m++)
+        if (ix[m] < 0)
+            memset((char *)g->out + (size_t)(m * g->so_row) * out_size, 0,
+                   (size_t)g->N * out_size);
+}
+
+int csa_gemm_indexed(const struct csa_gemm_args *g, const int32_t *ix, csa_idx b_e,
+                     csa_idx bs_e)
+{
+    if (g->M < 0) return CSA_EINVAL;
+    const int as_size = g->as_fmt == CSA_S_F32 ? 4 : 1, out_size = g->out_bf16 ? 2 : 4;
+    struct csa_gemm_args *subs = NULL;
+    csa_idx *order = NULL;
+    const csa_idx n = g_index_problems(g, ix, b_e, bs_e, as_size, out_size, &subs, &order);
+    int st = CSA_ENOMEM;
+    if (n >= 0) {
+        st = csa_gemm_batch(subs, n);
+        if (st == CSA_OK) g_zero_rows(g, ix, out_size);
+    }
+    free(subs);
+    free(order);
+    return st;
+}

@@ -62,6 +62,18 @@ int csa_gemm_ref(const struct csa_gemm_args *g);
  * (gemm.c has the measurement).  The others run one after another. */
 int csa_gemm_batch(const struct csa_gemm_args *gs, csa_idx count);
 
+/* g's M activation rows against a stack of E weights: row m times weight ix[m] (at
+ * g->b + ix[m] * b_e bytes, its scales at g->bs + ix[m] * bs_e bytes), or, for
+ * ix[m] = -1, no weight: output row m is +0.0.  ix has M entries, each in [-1, E)
+ * (the caller checks).  The rows of one weight, in increasing order, split into runs
+ * of evenly spaced rows (a model's grouped projection, rows t * G + g: one run a group;
+ * experts with their tokens sorted: one a weight); each run is one problem of
+ * csa_gemm_batch, so a weight is read once a run, and each output element has the
+ * bits csa_gemm gives for its own run.  CSA_ENOMEM when the run list cannot be
+ * allocated. */
+int csa_gemm_indexed(const struct csa_gemm_args *g, const int32_t *ix, csa_idx b_e,
+                     csa_idx bs_e);
+
 /* Weight-only FP8: float activations (float32 or bfloat16, as they are) times e4m3
  * weights with one scale per 128 x 128 block (the layout fp8_gemm reads), for a
  * product the released model.py computes in bf16 from a widened FP8 weight (its

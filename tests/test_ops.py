@@ -428,3 +428,282 @@ def test_export_save_load_in_a_fresh_process(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
                          timeout=300)
     assert out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------- C++ kernels
+# deepseek_csa.torch._native (csrc/torch/native.cpp): C++ CPU and autograd kernels for
+# the operators in ops.NATIVE, in front of their Python kernels, which keep every case
+# the C++ plain path does not take.  The question again is only whether torch sees the
+# same thing: the C++ path's bits against the Python kernel's (both run the same C
+# kernel), the same errors, the same gradients, and the fallbacks.
+_native_built = __import__("importlib.util").util.find_spec("deepseek_csa.torch._native")
+needs_native = pytest.mark.skipif(
+    _native_built is None or not ops.NATIVE,
+    reason="deepseek_csa.torch._native is not built or not loaded (setup.py builds it where "
+           "torch is importable at build time)")
+
+
+def _native_kernel_registered(name, key):
+    dump = torch._C._dispatch_dump(f"deepseek_csa::{name}")
+    return any(line.startswith(key + ":") and "native.cpp" in line for line in dump.splitlines())
+
+
+@needs_native
+def test_native_operators_have_cpp_cpu_and_autograd_kernels():
+    assert {"rms_norm", "apply_rope_", "fp8_quant", "fp8_gemm", "fp4_gemm",
+            "hc_split_sinkhorn", "sparse_attn", "gated_pool", "moe_combine"} <= ops.NATIVE
+    for name in ops.NATIVE:
+        assert _native_kernel_registered(name, "CPU"), torch._C._dispatch_dump(f"deepseek_csa::{name}")
+        if name in ops.DIFFERENTIABLE:
+            assert _native_kernel_registered(name, "Autograd[alias]")
+
+
+@needs_native
+def test_native_plain_keys_are_a_plain_cpu_tensors():
+    keys = torch._C._dispatch_keys(torch.empty(0)) & torch._C._after_autograd_keyset
+    assert ops._NATIVE.plain_keys() == keys.raw_repr()
+
+
+def _native_extra_cases():
+    """Cases beyond the registry's: the layouts and arguments the C++ kernels leave to the
+    Python kernel (strided, empty, other dtypes, overlap, b_index, bad arguments), and
+    plain ones at other shapes.  pytest params (name, builder(dtype) -> args)."""
+    r = _gen(21)
+    w = r(7)
+
+    def gemm(name, fmt, n, k, lead, b_index=None, strided_bs=False):
+        def build(dt):
+            g = torch.Generator().manual_seed(n * k)
+            if k % 128 == 0:
+                qa, sa = O.fp8_quant(r(*lead, k), 128, "ue8m0",
+                                     "e8m0" if fmt == "e8m0" else "float32")
+            else:    # a trailing partial block: codes and scales drawn directly
+                qa = torch.randint(0, 0x7f, (*lead, k), generator=g, dtype=torch.uint8)
+                qa = qa.view(torch.float8_e4m3fn)
+                sa = torch.rand(*lead, (k + 127) // 128, generator=g) + 0.5
+            if name == "fp8_gemm":   # codes below 0x7f: no NaN
+                qb = torch.randint(0, 0x7f, (n, k), generator=g, dtype=torch.uint8)
+                qb = qb.view(torch.float8_e4m3fn)
+                sb = torch.rand((n + 127) // 128, (k + 127) // 128, generator=g) + 0.5
+            else:
+                qb = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+                qb = qb.view(torch.float4_e2m1fn_x2)
+                sb = torch.randint(120, 130, (n, (k + 31) // 32), generator=g, dtype=torch.uint8)
+                sb = sb.view(torch.float8_e8m0fnu)
+            if strided_bs:
+                sb = sb.t().contiguous().t()
+            if b_index is not None:
+                qb, sb = torch.stack([qb, qb]), torch.stack([sb, sb])
+            return qa, sa, qb, sb, dt, b_index
+        return build
+
+    rope = _rope(3, 8)
+    C = [
+        ("rms_norm", "no weight", lambda dt: (r(2, 7, dtype=dt), None, 1e-6)),
+        ("rms_norm", "one row, released width", lambda dt: (r(1, 4096, dtype=dt), r(4096), 1e-6)),
+        ("rms_norm", "rows of one", lambda dt: (r(5, 1, dtype=dt), r(1), 1e-6)),
+        ("rms_norm", "strided x", lambda dt: (r(3, 14, dtype=dt)[:, ::2], w, 1e-6)),
+        ("rms_norm", "strided weight", lambda dt: (r(3, 7, dtype=dt), r(14)[::2], 1e-6)),
+        ("rms_norm", "empty", lambda dt: (r(0, 7, dtype=dt), w, 1e-6)),
+        ("rms_norm", "bf16 weight", lambda dt: (r(3, 7, dtype=dt), w.to(BF16), 1e-6)),
+        ("rms_norm", "eps nan", lambda dt: (r(3, 7, dtype=dt), w, float("nan"))),
+        ("rms_norm", "float64", lambda dt: (r(3, 7).double(), w, 1e-6)),
+        ("rms_norm", "weight 2-d", lambda dt: (r(3, 7, dtype=dt), w[None], 1e-6)),
+        ("apply_rope_", "4-d", lambda dt: (r(2, 3, 4, 16, dtype=dt), *_rope(3, 16), True)),
+        ("apply_rope_", "last features of a strided view",
+         lambda dt: (r(2, 3, 4, 24, dtype=dt)[..., 8:], *rope, False)),
+        ("apply_rope_", "transposed", lambda dt: (r(2, 4, 3, 8, dtype=dt).transpose(1, 2), *rope,
+                                                  False)),
+        ("apply_rope_", "rope part of a wider row", lambda dt: (r(2, 3, 20, dtype=dt), *rope, False)),
+        ("apply_rope_", "expanded (self-overlap)",
+         lambda dt: (r(2, 3, 1, 8, dtype=dt).expand(2, 3, 4, 8), *rope, False)),
+        ("apply_rope_", "cos rows do not match", lambda dt: (r(2, 4, 8, dtype=dt), *rope, False)),
+        ("fp8_quant", "block 128 fp32", lambda dt: (r(1, 256, dtype=dt), 128, "fp32", "float32")),
+        ("fp8_quant", "strided x", lambda dt: (r(3, 512, dtype=dt)[:, ::2], 128, "ue8m0", "float32")),
+        ("fp8_quant", "block does not divide", lambda dt: (r(3, 100, dtype=dt), 64, "ue8m0", "float32")),
+        ("fp8_quant", "e8m0 of fp32 scales", lambda dt: (r(3, 128, dtype=dt), 128, "fp32", "e8m0")),
+        ("fp8_quant", "unknown scale", lambda dt: (r(3, 128, dtype=dt), 128, "e4m3", "float32")),
+        ("fp8_gemm", "float8, f32 scales", gemm("fp8_gemm", "f32", 200, 384, (2, 3))),
+        ("fp8_gemm", "e8m0 activation scales, one row", gemm("fp8_gemm", "e8m0", 130, 256, (1,))),
+        ("fp8_gemm", "K off the block", gemm("fp8_gemm", "f32", 64, 200, (3,))),
+        ("fp8_gemm", "column-major b_s", gemm("fp8_gemm", "f32", 260, 256, (3,), strided_bs=True)),
+        ("fp8_gemm", "b_index", gemm("fp8_gemm", "f32", 64, 256, (3,),
+                                     b_index=torch.tensor([1, -1, 0], dtype=torch.int32))),
+        ("fp4_gemm", "float4 codes", gemm("fp4_gemm", "f32", 96, 256, (2, 2))),
+        ("fp4_gemm", "b_index", gemm("fp4_gemm", "e8m0", 40, 128, (2,),
+                                     b_index=torch.tensor([0, 1], dtype=torch.int32))),
+        ("fp4_gemm", "b_index out of range", gemm("fp4_gemm", "f32", 40, 128, (2,),
+                                                  b_index=torch.tensor([0, 2], dtype=torch.int32))),
+        ("fp8_gemm", "b_index grouped rows", gemm("fp8_gemm", "f32", 64, 256, (2, 4),
+                                                  b_index=torch.tensor([[0, 1, 0, 1]] * 2,
+                                                                       dtype=torch.int32))),
+        ("sparse_attn", "decode, released width", lambda dt: (r(1, 1, 64, 512, dtype=dt),
+                                                              r(1, 300, 512, dtype=dt), r(64),
+                                                              _idx(1, 1, 200, 300), 512 ** -0.5)),
+        ("sparse_attn", "strided kv rows", lambda dt: (r(2, 3, 4, 16, dtype=dt),
+                                                       r(2, 18, 16, dtype=dt)[:, ::2], r(4),
+                                                       _idx(2, 3, 5, 9), 0.25)),
+        ("sparse_attn", "int64 indices", lambda dt: (r(2, 3, 4, 16, dtype=dt), r(2, 9, 16, dtype=dt),
+                                                     r(4), _idx(2, 3, 5, 9).long(), 0.25)),
+        ("sparse_attn", "index out of range", lambda dt: (r(1, 2, 4, 16, dtype=dt),
+                                                          r(1, 9, 16, dtype=dt), r(4),
+                                                          _idx(1, 2, 5, 9) + 3, 0.25)),
+        ("sparse_attn", "inner stride 2", lambda dt: (r(2, 3, 4, 32, dtype=dt)[..., ::2],
+                                                      r(2, 9, 16, dtype=dt), r(4), _idx(2, 3, 5, 9),
+                                                      0.25)),
+        ("sparse_attn", "infinite scale", lambda dt: (r(2, 3, 4, 16, dtype=dt), r(2, 9, 16, dtype=dt),
+                                                      r(4), _idx(2, 3, 5, 9), float("inf"))),
+        ("gated_pool", "ratio 128", lambda dt: (r(1, 300, 16, dtype=dt), r(1, 300, 16, dtype=dt),
+                                                128, r(128, 16), False)),
+        ("gated_pool", "ratio 1 no score", lambda dt: (r(2, 5, 8, dtype=dt), None, 1, None, False)),
+        ("gated_pool", "f32 score of bf16 kv", lambda dt: (r(2, 9, 8, dtype=dt), r(2, 9, 8), 4,
+                                                           r(4, 8), False)),
+        ("gated_pool", "strided rows", lambda dt: (r(2, 18, 8, dtype=dt)[:, ::2], r(2, 9, 8, dtype=dt),
+                                                   4, None, True)),
+        ("gated_pool", "bf16 ape", lambda dt: (r(2, 9, 8, dtype=dt), r(2, 9, 8, dtype=dt), 4,
+                                               r(4, 8).to(BF16), False)),
+        ("gated_pool", "fewer tokens than a group", lambda dt: (r(2, 3, 8, dtype=dt),
+                                                                r(2, 3, 8, dtype=dt), 4, None, True)),
+        ("gated_pool", "odd width with overlap", lambda dt: (r(2, 8, 7, dtype=dt), r(2, 8, 7, dtype=dt),
+                                                             4, None, True)),
+        ("moe_combine", "six rows a token", lambda dt: (
+            r(60, 700, dtype=dt), torch.randperm(60, generator=torch.Generator().manual_seed(3)) % 10,
+            10)),
+        ("moe_combine", "prefill-sized", lambda dt: (
+            r(600, 700, dtype=dt), torch.randperm(600, generator=torch.Generator().manual_seed(4)) % 100,
+            100)),
+        ("moe_combine", "strided rows, indices out of range", lambda dt: (
+            r(7, 10, dtype=dt)[:, ::2], torch.tensor([4, 0, -2, 1, 9, 0, 1])[::1], 3)),
+        ("moe_combine", "no tokens", lambda dt: (r(3, 5, dtype=dt), torch.tensor([0, 1, 2]), 0)),
+        ("moe_combine", "float64 rows", lambda dt: (r(3, 5).double(), torch.tensor([0, 1, 0]), 2)),
+        ("moe_combine", "int32 index", lambda dt: (r(3, 5, dtype=dt),
+                                                   torch.tensor([0, 1, 0], dtype=torch.int32), 2)),
+        ("moe_combine", "negative token count", lambda dt: (r(3, 5, dtype=dt), torch.tensor([0, 1, 0]),
+                                                            -1)),
+        ("hc_split_sinkhorn", "h = 2", lambda dt: (r(5, 8), torch.rand(3), r(8), 2, 7, 0.0)),
+        ("hc_split_sinkhorn", "wrong width", lambda dt: (r(5, 9), torch.rand(3), r(8), 2, 7, 0.0)),
+        ("hc_split_sinkhorn", "strided mixes", lambda dt: (r(5, 48)[:, ::2], torch.rand(3), r(24),
+                                                           4, 20, 1e-6)),
+    ]
+    python_path = {"strided x", "strided weight", "empty", "bf16 weight", "eps nan", "float64",
+                   "weight 2-d", "expanded (self-overlap)", "cos rows do not match",
+                   "block does not divide", "e8m0 of fp32 scales", "unknown scale",
+                   "b_index out of range", "wrong width", "strided mixes", "int64 indices",
+                   "index out of range", "inner stride 2", "infinite scale", "bf16 ape",
+                   "fewer tokens than a group", "odd width with overlap", "float64 rows",
+                   "int32 index", "negative token count", "prefill-sized"}
+    return [pytest.param(n, b, dt, "Python" if i in python_path else "C++",
+                         id=f"{n}-{i}-{str(dt)[6:]}") for n, i, b in C for dt in (F32, BF16)]
+
+
+def _native_cases():
+    registry = [pytest.param(*p.values, None, id=p.id) for p in CASES if p.values[0] in ops.NATIVE]
+    return registry + _native_extra_cases()
+
+
+def _run_operator(fn, name, args):
+    """fn's results on args as a tuple; for the in-place apply_rope_, it runs on the same
+    view of a copy of x's base and the whole copy is the result."""
+    if name != "apply_rope_":
+        with torch.no_grad():
+            out = fn(*args)
+        return out if isinstance(out, tuple) else (out,)
+    x = args[0]
+    base = x if x._base is None else x._base
+    whole = base.clone()
+    view = whole.as_strided(x.size(), x.stride(), x.storage_offset() - base.storage_offset())
+    with torch.no_grad():
+        fn(view, *args[1:])
+    return (whole,)
+
+
+@needs_native
+@pytest.mark.parametrize("name, build, dtype, path", _native_cases())
+def test_native_kernels_give_the_python_kernels_bits_or_errors(name, build, dtype, path):
+    # both doors run the same C kernel: the C++ path (torch.ops) and the Python kernel
+    # must agree bit for bit, or raise the same error
+    args = build(dtype)
+    try:
+        want = _run_operator(ops._IMPLS[name], name, args)
+    except Exception as e:       # the Python kernel's error must come out unchanged
+        with pytest.raises(type(e)) as got:
+            _run_operator(getattr(O, name), name, args)
+        assert str(got.value) == str(e)
+        return
+    before = ops._NATIVE.python_calls()[name]
+    got = _run_operator(getattr(O, name), name, args)
+    handed_on = ops._NATIVE.python_calls()[name] - before
+    if path is not None:     # the plain cases must not reach the Python kernel
+        assert handed_on == (path == "Python"), (path, handed_on)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        if w.numel():
+            assert torch.equal(_bytes(g.contiguous()), _bytes(w.contiguous()))
+
+
+@needs_native
+@pytest.mark.parametrize("bad", ["dtype", "eps_nan", "eps_negative", "weight_shape", "weight_2d"])
+def test_native_rms_norm_refusals_are_the_glues(bad):
+    x, w, eps = torch.ones(2, 8), torch.ones(8), 1e-6
+    if bad == "dtype":
+        x = x.double()
+    elif bad == "eps_nan":
+        eps = float("nan")
+    elif bad == "eps_negative":
+        eps = -1.0
+    elif bad == "weight_shape":
+        w = torch.ones(9)
+    else:
+        w = torch.ones(1, 8)
+    with pytest.raises((ValueError, TypeError)) as want:
+        dc.rms_norm(x.numpy(), w.numpy(), eps)
+    with pytest.raises(type(want.value)) as got:
+        O.rms_norm(x, w, eps)
+    assert str(got.value) == str(want.value)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_native_rms_norm_gradients_go_through_the_formula(dtype):
+    r = _gen(22)
+    x0, w0, g = r(3, 5, 16, dtype=dtype), r(16), r(3, 5, 16, dtype=dtype)
+    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    O.rms_norm(x, w, 1e-6).backward(g)
+    gx, gw = O.rms_norm_backward(g, x0, w0, 1e-6)
+    assert torch.equal(_bytes(x.grad), _bytes(gx.to(dtype)))
+    assert torch.equal(w.grad, gw)
+    with torch.no_grad():     # grad mode off: nothing recorded, the C++ path's result
+        y = O.rms_norm(x, w, 1e-6)
+    assert not y.requires_grad
+
+
+def _fresh(code, **env):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True,
+                          text=True, cwd=root, timeout=300, env={**os.environ, **env})
+
+
+def test_native_off_keeps_the_python_kernels_without_a_warning():
+    out = _fresh("import torch, deepseek_csa.torch as d\n"
+                 "print(sorted(d.ops.NATIVE))\n"
+                 "print(torch.ops.deepseek_csa.rms_norm(torch.ones(2, 4), None, 1e-6).sum().item())\n",
+                 DEEPSEEK_CSA_TORCH_NATIVE="0")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[:2] == ["[]", "7.999996185302734"], out.stdout
+    assert "C++ operator kernels" not in out.stderr
+
+
+@needs_native
+def test_native_built_for_another_torch_is_not_loaded_and_says_so_once():
+    # the version written beside the module at build time is checked before loading
+    # it: loading a C++ module built against another torch's ABI could crash
+    out = _fresh("import torch\n"
+                 "torch.__version__ = '0.0.0+other'\n"
+                 "import deepseek_csa.torch as d, deepseek_csa.torch.ops\n"
+                 "print(sorted(d.ops.NATIVE))\n"
+                 "print(torch.ops.deepseek_csa.rms_norm(torch.ones(2, 4), None, 1e-6).sum().item())\n")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[:2] == ["[]", "7.999996185302734"], out.stdout
+    assert out.stderr.count("C++ operator kernels are not used") == 1, out.stderr
+    assert "0.0.0+other" in out.stderr

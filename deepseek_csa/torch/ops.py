@@ -61,6 +61,15 @@ arithmetic) and write bfloat16 gradients rounded once from the float32 result, s
 bf16 layer's backward makes no float32 copy of q, out, grad_out or d(q) (docs/training.md,
 "bfloat16").  The indexer's index_scores / indexer_kl_loss still compute in float32.
 
+C++ kernels: for the operators in ``NATIVE`` (those of a decode step: rms_norm, apply_rope_,
+fp8_quant, fp8_gemm, fp4_gemm, hc_split_sinkhorn, sparse_attn, gated_pool) the CPU
+kernel and, for the differentiable ones, the autograd kernel are C++ (``deepseek_csa.torch._native``, csrc/torch/native.cpp, built where torch is
+importable at build time and loaded only under the torch it was built against): the
+plain case runs there straight into the C kernel, everything else -- other layouts,
+bad arguments, something to record for autograd -- goes on to the Python kernels
+below, which keep the validation, the messages and the formula
+(docs/architecture.md).
+
 Eager calls: the public functions below call the operators.  In plain eager mode with
 no gradient to record (no input requires grad, or grad mode is off), nothing can
 observe the dispatch -- no tracer, no dispatch mode, no tensor subclass -- and they call
@@ -72,19 +81,63 @@ of times.
 """
 from __future__ import annotations
 
+import importlib.util
+import os
+import warnings
+
 import ml_dtypes
 import numpy as np
 import torch
 
 import deepseek_csa as _dc
 
-__all__ = ["DIFFERENTIABLE", "LIB", "NAMESPACE", "OPS", "call", "direct"]
+__all__ = ["DIFFERENTIABLE", "LIB", "NAMESPACE", "NATIVE", "OPS", "call", "direct"]
 
 NAMESPACE = "deepseek_csa"
 LIB = torch.library.Library(NAMESPACE, "DEF")
 OPS = {}          # name -> OpOverload (torch.ops.deepseek_csa.<name>.default)
 DIFFERENTIABLE = set()   # the names with an autograd formula
+NATIVE = set()    # the names whose CPU and autograd kernels are C++ (deepseek_csa.torch._native)
 _IMPLS = {}       # name -> the CPU implementation (the direct eager path)
+
+
+def _load_native():
+    """deepseek_csa.torch._native, the C++ kernels of some operators (csrc/torch/native.cpp),
+    bound to deepseek_csa._core's C kernels; None where it is not built, was built
+    against another torch (its C++ ABI is that build's: loading it could crash, so the
+    version written beside it at build time is checked first) or
+    DEEPSEEK_CSA_TORCH_NATIVE=0.  Then every operator keeps its Python kernels -- the
+    same results, a few microseconds more a call -- and, unless asked for, this says so
+    once."""
+    if os.environ.get("DEEPSEEK_CSA_TORCH_NATIVE", "1") == "0":
+        return None
+    spec = importlib.util.find_spec(__package__ + "._native")
+    why = None
+    if spec is None or not spec.origin:
+        why = "it is not built (setup.py builds it where torch is importable at build time)"
+    else:
+        try:
+            with open(os.path.join(os.path.dirname(spec.origin), "_native.torch-version")) as f:
+                built = f.read().strip()
+        except OSError:
+            built = "an unknown torch"
+        if built != torch.__version__:
+            why = f"it was built against torch {built}, this is torch {torch.__version__}"
+    if why is None:
+        try:
+            from . import _native
+            _native.bind_core(_dc._core.__file__)
+            return _native
+        except Exception as e:   # a broken build must not break the operators
+            why = f"loading it failed ({type(e).__name__}: {e})"
+    warnings.warn(f"deepseek_csa.torch: the C++ operator kernels are not used: {why}. "
+                  "The operators run their Python kernels (the same results, a few "
+                  "microseconds more per call); rebuild the package where torch is "
+                  "installed (`make build`) to get them.", RuntimeWarning, stacklevel=3)
+    return None
+
+
+_NATIVE = _load_native()
 
 _f32 = torch.float32
 _bf16 = torch.bfloat16
@@ -130,7 +183,7 @@ _any_requires_grad = torch._C._any_requires_grad
 _grad_enabled = torch.is_grad_enabled
 
 
-def _register_autograd(op, name, impl, backward, setup_context):
+def _register_autograd(op, name, impl, backward, setup_context, register=True, lib=LIB):
     """The autograd kernel of a differentiable operator: torch.library.register_autograd's
     own (an autograd.Function over the formula), plus a shortcut when there is nothing
     to record and every tensor is a plain CPU tensor (the keys below autograd are CPU and
@@ -141,6 +194,8 @@ def _register_autograd(op, name, impl, backward, setup_context):
     see benchmarks/bench_ops_overhead.py for what it saves)."""
     from torch._library.autograd import Info, make_autograd_impl
     generated = make_autograd_impl(op, Info(backward, setup_context))
+    if not register:   # a C++ autograd kernel (deepseek_csa.torch._native) calls it
+        return generated
 
     def autograd_kernel(keyset, *args):
         if not keyset.raw_repr() & _NOT_PLAIN_AFTER_AUTOGRAD and not (
@@ -148,7 +203,8 @@ def _register_autograd(op, name, impl, backward, setup_context):
             return impl(*args)
         return generated(keyset, *args)
     autograd_kernel.__name__ = autograd_kernel.__qualname__ = f"{name}_autograd"
-    LIB.impl(name, autograd_kernel, "Autograd", with_keyset=True)
+    lib.impl(name, autograd_kernel, "Autograd", with_keyset=True)
+    return generated
 
 
 def _define(schema, impl, fake, *, backward=None, setup_context=None, key="CPU"):
@@ -157,14 +213,21 @@ def _define(schema, impl, fake, *, backward=None, setup_context=None, key="CPU")
     (the index lists) have nothing to dispatch on: their kernel is registered for every
     backend (``key="CompositeExplicitAutograd"``)."""
     name = schema.split("(", 1)[0]
+    native = _NATIVE is not None and name in _NATIVE.OPERATORS
     LIB.define(schema)
-    LIB.impl(name, impl if backward is not None else _detached(impl), key)
+    cpu = impl if backward is not None else _detached(impl)
+    if not native:
+        LIB.impl(name, cpu, key)
     qual = f"{NAMESPACE}::{name}"
     torch.library.register_fake(qual, fake, lib=LIB)
     op = getattr(getattr(torch.ops, NAMESPACE), name).default
     if backward is not None:
-        _register_autograd(op, name, impl, backward, setup_context)
+        generated = _register_autograd(op, name, impl, backward, setup_context,
+                                       register=not native)
         DIFFERENTIABLE.add(name)
+    if native:   # C++ CPU and autograd kernels in front of these Python ones
+        _NATIVE.register_operator(name, cpu, generated if backward is not None else None)
+        NATIVE.add(name)
     OPS[name] = op
     _IMPLS[name] = impl
     return op
@@ -191,8 +254,10 @@ def direct(*args):
 
 def call(name, *args):
     """deepseek_csa::<name> on args (every schema argument, in order): the CPU
-    implementation directly where ``direct`` allows it, else through the dispatcher."""
-    if direct(*args):
+    implementation directly where ``direct`` allows it, else through the dispatcher.
+    An operator with C++ kernels (NATIVE) always goes through the dispatcher: its C++
+    autograd kernel makes the same test, cheaper than ``direct`` in Python."""
+    if name not in NATIVE and direct(*args):
         return _IMPLS[name](*args)
     return OPS[name](*args)
 
