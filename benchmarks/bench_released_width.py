@@ -301,10 +301,10 @@ def runner_worker(ctx, steps, fill, threads, warm=4):
     t0 = time.perf_counter()
     load_checkpoint(model, str(root / "ckpt" / "model0-mp1.safetensors"), log=lambda *a: None)
     if WO_A == "fp8":                 # as deepseek_csa.generate does by default (--wo-a)
-        from deepseek_csa.torch.fp8_wo_a import fp8_wo_a
+        from deepseek_csa.torch.checkpoint_width import fp8_wo_a
         fp8_wo_a(model)
     if F32W == "bf16":
-        from deepseek_csa.torch.fp8_wo_a import bf16_f32_weights
+        from deepseek_csa.torch.checkpoint_width import bf16_f32_weights
         bf16_f32_weights(model)
     t_load = time.perf_counter() - t0
     rss_loaded = rss_bytes()
@@ -413,9 +413,9 @@ def components_worker(threads, reps=7):
         ex[0] = (ex[0] + 37) % CFG["n_routed_experts"]
         return ffn.experts[ex[0]](x.view(1, d), torch.ones(1, 1))
     e0 = ffn.experts[0]
-    from deepseek_csa.torch.fp8_wo_a import FP8Weight, requantize_fp8
+    from deepseek_csa.torch.checkpoint_width import FP8Weight, requantize_fp8
     w8 = FP8Weight(*requantize_fp8(attn.wo_a.weight.detach())).view(og, CFG["o_lora_rank"], -1)
-    from deepseek_csa.torch.fp8_wo_a import BF16Weight
+    from deepseek_csa.torch.checkpoint_width import BF16Weight
     wkv16 = BF16Weight(attn.compressor.wkv.weight.detach().bfloat16())
     parts = {
         "wo_a: FP8 weight-only GEMV (deepseek_csa.generate's default, --wo-a fp8)":

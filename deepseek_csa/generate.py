@@ -478,11 +478,11 @@ def _run(args, torch, dist, world_size, rank, log):
         model = mod.Transformer(margs)
     load_checkpoint(model, path, log=log)
     if args.wo_a == "fp8":
-        from deepseek_csa.torch.fp8_wo_a import fp8_wo_a
+        from deepseek_csa.torch.checkpoint_width import fp8_wo_a
         n = fp8_wo_a(model)
         log(f"[wo_a] {n} attention output projection(s) read as FP8 (--wo-a bf16: as released)")
     if args.f32_weights == "bf16":
-        from deepseek_csa.torch.fp8_wo_a import bf16_f32_weights
+        from deepseek_csa.torch.checkpoint_width import bf16_f32_weights
         n = bf16_f32_weights(model)
         log(f"[f32 weights] {n} float32 weight(s) with bf16 values held in bf16 "
             "(--f32-weights f32: as released)")

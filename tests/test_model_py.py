@@ -329,13 +329,13 @@ FP8_WO_A_TOL = 5e-2
 
 
 def test_released_transformer_fp8_wo_a_equals_bf16_einsum(model_py):
-    """deepseek_csa.torch.fp8_wo_a on the released Transformer (the runner's default,
+    """deepseek_csa.torch.checkpoint_width on the released Transformer (the runner's default,
     --wo-a fp8): every layer's wo_a held as FP8 codes, the decode einsum on the
     weight-only FP8 GEMV, the prefill's on the dequantized weight -- prefill logits
     bitwise those of the bf16 einsum as released, decode logits within FP8_WO_A_TOL,
     greedy tokens the same."""
     import test_kernel_module as TK
-    from deepseek_csa.torch.fp8_wo_a import FP8Weight, fp8_wo_a
+    from deepseek_csa.torch.checkpoint_width import FP8Weight, fp8_wo_a
     saved = model_py.rotate_activation
     try:
         model_py.rotate_activation = model_py._released_rotate_activation
@@ -369,7 +369,7 @@ def test_released_transformer_fp8_wo_a_equals_bf16_einsum(model_py):
 def _f32_weights_bf16_valued(model):
     """The float32 weights the released checkpoint stores in bf16 (the compressors' wkv /
     wgate, the head) given bf16 values, as the loader's widening leaves them."""
-    from deepseek_csa.torch.fp8_wo_a import _f32_linear_weights
+    from deepseek_csa.torch.checkpoint_width import _f32_linear_weights
     n = 0
     with torch.no_grad():
         for m in _f32_linear_weights(model):
@@ -387,7 +387,7 @@ def test_released_transformer_bf16_f32_weights(model_py):
     FP8 QAT rounding downstream can amplify), greedy tokens the same."""
     import test_kernel_module as TK
     from deepseek_csa.torch import ops
-    from deepseek_csa.torch.fp8_wo_a import BF16Weight, bf16_f32_weights
+    from deepseek_csa.torch.checkpoint_width import BF16Weight, bf16_f32_weights
     saved = model_py.rotate_activation
     try:
         model_py.rotate_activation = model_py._released_rotate_activation

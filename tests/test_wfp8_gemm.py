@@ -1,7 +1,7 @@
 """wfp8_gemm (weight-only FP8: float activations times e4m3 weights with 128 x 128 block
 scales, csrc/gemm.h) against a dequantize-to-float64-then-matmul reference and bitwise
 against the scalar oracle at every ISA level and thread count; hostile inputs; and
-deepseek_csa.torch.fp8_wo_a's FP8Weight, which serves the released model.py's wo_a
+deepseek_csa.torch.checkpoint_width's FP8Weight, which serves the released model.py's wo_a
 einsum with it."""
 import ml_dtypes
 import numpy as np
@@ -166,7 +166,7 @@ def _widened_fp8(rng, N, K):
 
 
 def test_requantize_exact_and_refuses_bf16(rng):
-    from deepseek_csa.torch.fp8_wo_a import FP8Weight, requantize_fp8
+    from deepseek_csa.torch.checkpoint_width import FP8Weight, requantize_fp8
     for N, K in ((256, 512), (300, 200), (128, 128)):
         w = _widened_fp8(rng, N, K)
         q = requantize_fp8(w)
@@ -186,7 +186,7 @@ def test_fp8_weight_einsum(rng, rows):
     """model.py's uses: .view(G, R, -1) and einsum('bsgd,grd->bsgr'): at decode (<= 16
     rows) the weight-only GEMV, within float32 summation order of the bf16 einsum, and
     bitwise equal to the kernel; beyond, the einsum on the dequantized weight itself."""
-    from deepseek_csa.torch.fp8_wo_a import MAX_ROWS, FP8Weight, requantize_fp8
+    from deepseek_csa.torch.checkpoint_width import MAX_ROWS, FP8Weight, requantize_fp8
     G, R, D = 4, 256, 384
     w = _widened_fp8(rng, G * R, D)
     fw = FP8Weight(*requantize_fp8(w))
@@ -258,7 +258,7 @@ def test_wbf16_hostile_and_bad_arguments(isa_bf16, rng):
 def test_bf16_weight_linear(rng):
     """BF16Weight: F.linear with <= MAX_ROWS float32 rows on wbf16_gemm (its bits), more
     rows or bf16 rows as F.linear on the widened weight; other uses see the float32 weight."""
-    from deepseek_csa.torch.fp8_wo_a import MAX_ROWS, BF16Weight, bf16_f32_weights
+    from deepseek_csa.torch.checkpoint_width import MAX_ROWS, BF16Weight, bf16_f32_weights
     F = torch.nn.functional
     w16 = torch.from_numpy(rng.standard_normal((70, 256)).astype(np.float32)).bfloat16()
     bw = BF16Weight(w16)

@@ -48,7 +48,9 @@ The package's modules: ``dropins`` (the released-signature functions), ``swap`` 
 loaded model through them), ``kernel_module`` (the released ``kernel`` module on the CPU),
 ``ops`` (the operators), ``autograd`` (the differentiable functions without a released
 counterpart), ``compressor_grad`` (the differentiable Compressor.forward), ``quantized`` (``FP8Linear`` / ``FP4Experts``: projections over the
-released FP8 / FP4 weights, for inference), ``_tensors`` (bringing arguments to the kernels' dtypes).
+released FP8 / FP4 weights, for inference), ``checkpoint_width`` (the runner's weights read at
+the width the checkpoint stores them: ``wo_a`` as FP8, float32 weights as bf16), ``_tensors``
+(bringing arguments to the kernels' dtypes).
 """
 from . import ops  # noqa: F401  (registers torch.ops.deepseek_csa)
 from .dropins import *  # noqa: F401,F403
