@@ -78,9 +78,11 @@ def is_compute(func):
 def profile_steps(m, lg, cache, steps, cpp_wrapper=False):
     """(wall seconds of each step unprofiled, per-step dict of the profiled steps)."""
     walls, rows = [], []
-    from deepseek_csa.torch import ops
+    import deepseek_csa.torch as dct
     # the C++ kernels' CPU time (deepseek_csa.torch._native), which cProfile cannot see;
     # under Inductor's C++ wrapper they run inside inductor_entry_cpp, counted whole
+    # (and a build from before the operators has neither: bench one for comparison)
+    ops = getattr(dct, "ops", None)
     native = None if cpp_wrapper else getattr(ops, "_NATIVE", None)
     with torch.no_grad():
         for _ in range(steps):
@@ -123,8 +125,10 @@ def run_side(side, context, steps, threads, backend):
     compile_s = 0.0
     if side.startswith("compiled"):
         t0 = time.perf_counter()
-        if side == "compiled_cpp":   # Inductor's C++ wrapper: no Python between kernels
+        if side.startswith("compiled_cpp"):   # Inductor's C++ wrapper: no Python between kernels
             torch._inductor.config.cpp_wrapper = True
+        if "+static" in side:    # parameters as constants of the graph, not inputs to guard
+            torch._dynamo.config.inline_inbuilt_nn_modules = False
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
         m.forward = torch.compile(m.forward, dynamic=True, backend=backend)
         # the run below once, untimed, on its own cache: every graph the measured steps
@@ -136,12 +140,14 @@ def run_side(side, context, steps, threads, backend):
                 lg = m(lg[:, -1:].argmax(-1), past_key_values=c, use_cache=True).logits
         del c
         compile_s = time.perf_counter() - t0
+        if "+skipguards" in side:   # steady state: only the guards that tell graphs apart
+            torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
     with torch.no_grad():
         cache = DynamicCache(config=m.config)
         lg = m(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
     from torch._dynamo.utils import counters
     graphs = counters["stats"]["unique_graphs"]
-    walls, rows, _ = profile_steps(m, lg, cache, steps, cpp_wrapper=side == "compiled_cpp")
+    walls, rows, _ = profile_steps(m, lg, cache, steps, cpp_wrapper=side.startswith("compiled_cpp"))
     graphs_during = counters["stats"]["unique_graphs"] - graphs
     med = sorted(walls)[len(walls) // 2]
     prof = sorted(rows, key=lambda r: r["profiled_s"])[len(rows) // 2]
