@@ -814,11 +814,7 @@ static inline __attribute__((always_inline)) CSA_V(pgk) CSA_V(pgk_make)(csa_idx 
 #define PGB_MAX _mm256_max_ps
 #define PGB_FMA _mm256_fmadd_ps
 #define PGB_EXP CSA_V(exp256_neg)
-/* The operations where two operands can both be NaN, with the operand order pinned (a
- * NaN result is the first NaN source's: the order decides its sign and payload, and GCC
- * may swap a commutative operation's operands differently in each unrolled copy, which
- * made the NaN bits depend on where a feature fell in a block).  The orders are the ones
- * the previous one-function-per-pass body compiled to, so its bits are kept. */
+/* NaN-sensitive operations with their operand order pinned, as at AVX-512 above. */
 static inline __attribute__((always_inline)) __m256 CSA_V(pgo_add)(__m256 a, __m256 b)
 {
     __m256 r;

@@ -122,7 +122,11 @@ def test_runner_on_convert_output_equals_in_process(v4, converted):
            "--inference-dir", os.path.dirname(rf.v4_model_py()),
            "--ckpt-path", str(root / "mp1"), "--config", str(root / "config.json"),
            "--input-file", str(root / "prompts.txt"), "--max-new-tokens", str(NEW),
-           "--output-json", str(out), "--output-logits"]
+           "--output-json", str(out), "--output-logits",
+           # the released arithmetic, as the in-process run below has it (the runner's
+           # defaults read wo_a as FP8 and float32 weights as bf16, which
+           # tests/test_model_py.py compares with the released einsums)
+           "--wo-a", "bf16", "--f32-weights", "f32"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -328,6 +328,19 @@ def _widen_wo_a_from_fp8(model):
 FP8_WO_A_TOL = 5e-2
 
 
+def _run_counting_ops(model, tokens):
+    """TK.run's result on the model, and the names of the deepseek_csa operators it called
+    through ops.call, in order."""
+    import test_kernel_module as TK
+    from deepseek_csa.torch import ops
+    calls, orig = [], ops.call
+    ops.call = lambda name, *a: (calls.append(name), orig(name, *a))[1]
+    try:
+        return TK.run(model, tokens, 20, 4), calls
+    finally:
+        ops.call = orig
+
+
 def test_released_transformer_fp8_wo_a_equals_bf16_einsum(model_py):
     """deepseek_csa.torch.checkpoint_width on the released Transformer (the runner's default,
     --wo-a fp8): every layer's wo_a held as FP8 codes, the decode einsum on the
@@ -348,14 +361,7 @@ def test_released_transformer_fp8_wo_a_equals_bf16_einsum(model_py):
         _widen_wo_a_from_fp8(model)
         assert fp8_wo_a(model) == len(model.layers)
         assert all(isinstance(l.attn.wo_a.weight, FP8Weight) for l in model.layers)
-        calls = []
-        from deepseek_csa.torch import ops
-        orig = ops.call
-        ops.call = lambda name, *a: (calls.append(name), orig(name, *a))[1]
-        try:
-            got = TK.run(model, tokens, 20, 4)
-        finally:
-            ops.call = orig
+        got, calls = _run_counting_ops(model, tokens)
     finally:
         model_py.rotate_activation = saved
     assert calls.count("wfp8_gemm") == 4 * len(model.layers)       # decode steps only
@@ -386,7 +392,6 @@ def test_released_transformer_bf16_f32_weights(model_py):
     within FP8_WO_A_TOL (float32 sums in another order than F.linear's, which
     FP8 QAT rounding downstream can amplify), greedy tokens the same."""
     import test_kernel_module as TK
-    from deepseek_csa.torch import ops
     from deepseek_csa.torch.checkpoint_width import BF16Weight, bf16_f32_weights
     saved = model_py.rotate_activation
     try:
@@ -400,13 +405,7 @@ def test_released_transformer_bf16_f32_weights(model_py):
         # one compressor a compressed layer (two with the indexer's), and the head
         assert bf16_f32_weights(model) == n >= 2 * 3 + 1
         assert isinstance(model.head.weight, BF16Weight)
-        calls = []
-        orig = ops.call
-        ops.call = lambda name, *a: (calls.append(name), orig(name, *a))[1]
-        try:
-            got = TK.run(model, tokens, 20, 4)
-        finally:
-            ops.call = orig
+        got, calls = _run_counting_ops(model, tokens)
     finally:
         model_py.rotate_activation = saved
     assert calls.count("wbf16_gemm") >= 4 * n - 4     # decode steps (the head every step)
