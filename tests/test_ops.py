@@ -518,6 +518,7 @@ def _native_extra_cases():
         ("apply_rope_", "expanded (self-overlap)",
          lambda dt: (r(2, 3, 1, 8, dtype=dt).expand(2, 3, 4, 8), *rope, False)),
         ("apply_rope_", "cos rows do not match", lambda dt: (r(2, 4, 8, dtype=dt), *rope, False)),
+        ("apply_rope_", "x over cos's memory", lambda dt: _rope_overlapping(dt)),
         ("fp8_quant", "block 128 fp32", lambda dt: (r(1, 256, dtype=dt), 128, "fp32", "float32")),
         ("fp8_quant", "strided x", lambda dt: (r(3, 512, dtype=dt)[:, ::2], 128, "ue8m0", "float32")),
         ("fp8_quant", "block does not divide", lambda dt: (r(3, 100, dtype=dt), 64, "ue8m0", "float32")),
@@ -591,9 +592,19 @@ def _native_extra_cases():
                    "b_index out of range", "wrong width", "strided mixes", "int64 indices",
                    "index out of range", "inner stride 2", "infinite scale", "bf16 ape",
                    "fewer tokens than a group", "odd width with overlap", "float64 rows",
+                   "x over cos's memory",
                    "int32 index", "negative token count", "prefill-sized"}
     return [pytest.param(n, b, dt, "Python" if i in python_path else "C++",
                          id=f"{n}-{i}-{str(dt)[6:]}") for n, i, b in C for dt in (F32, BF16)]
+
+
+def _rope_overlapping(dt):
+    """apply_rope_'s x and cos over the same float32 memory through two storages (two
+    from_numpy views of one array): the glue's overlap check must refuse it."""
+    buf = np.random.default_rng(5).standard_normal(64).astype(np.float32)
+    x = torch.from_numpy(buf[:48]).view(2, 3, 8)
+    cos = torch.from_numpy(buf[40:52]).view(3, 4)
+    return x, cos, torch.from_numpy(np.ones((3, 4), np.float32)), False
 
 
 def _native_cases():
@@ -610,6 +621,14 @@ def _run_operator(fn, name, args):
         return out if isinstance(out, tuple) else (out,)
     x = args[0]
     base = x if x._base is None else x._base
+
+    def span(t):
+        return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    if any(isinstance(a, torch.Tensor) and span(a)[0] < span(base)[1] and span(base)[0] < span(a)[1]
+           for a in args[1:]):
+        with torch.no_grad():     # x over another argument's memory: refused before writing
+            fn(*args)
+        return (base,)
     whole = base.clone()
     view = whole.as_strided(x.size(), x.stride(), x.storage_offset() - base.storage_offset())
     with torch.no_grad():

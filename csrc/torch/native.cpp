@@ -183,9 +183,18 @@ bool no_self_overlap(const Tensor &t) {
   return true;
 }
 
-// True when the storages of a and b are different allocations.
+// True when the byte ranges a and b span do not meet (two tensors over the same memory
+// need not share a storage: from_numpy views of one array, say).
 bool separate(const Tensor &a, const Tensor &b) {
-  return a.storage().data() != b.storage().data();
+  auto span = [](const Tensor &t) {
+    int64_t last = 0;   // strides are >= 0
+    for (int64_t i = 0; i < t.dim(); i++) last += (t.size(i) - 1) * t.stride(i);
+    const char *lo = static_cast<const char *>(t.const_data_ptr());
+    return std::make_pair(lo, lo + (last + 1) * t.element_size());
+  };
+  const auto [a0, a1] = span(a);
+  const auto [b0, b1] = span(b);
+  return a1 <= b0 || b1 <= a0;
 }
 
 // The keys below autograd of a plain dense CPU tensor (CPU, ADInplaceOrView): with
