@@ -62,13 +62,13 @@ bf16 layer's backward makes no float32 copy of q, out, grad_out or d(q) (docs/tr
 "bfloat16").  The indexer's index_scores / indexer_kl_loss still compute in float32.
 
 C++ kernels: for the operators in ``NATIVE`` (those of a decode step: rms_norm, apply_rope_,
-fp8_quant, fp8_gemm, fp4_gemm, hc_split_sinkhorn, sparse_attn, gated_pool) the CPU
-kernel and, for the differentiable ones, the autograd kernel are C++ (``deepseek_csa.torch._native``, csrc/torch/native.cpp, built where torch is
-importable at build time and loaded only under the torch it was built against): the
-plain case runs there straight into the C kernel, everything else -- other layouts,
-bad arguments, something to record for autograd -- goes on to the Python kernels
-below, which keep the validation, the messages and the formula
-(docs/architecture.md).
+fp8_quant, fp8_gemm, fp4_gemm, hc_split_sinkhorn, sparse_attn, gated_pool, moe_combine)
+the CPU kernel and, for the differentiable ones, the autograd kernel are C++
+(``deepseek_csa.torch._native``, csrc/torch/native.cpp, built where torch is importable
+at build time and loaded only under the torch it was built against): the plain case
+runs there straight into the C kernel, everything else -- other layouts, bad arguments,
+something to record for autograd -- goes on to the Python kernels below, which keep
+the validation, the messages and the formula (docs/architecture.md).
 
 Eager calls: the public functions below call the operators.  In plain eager mode with
 no gradient to record (no input requires grad, or grad mode is off), nothing can
