@@ -154,9 +154,12 @@ def test_model_no_graph_break_of_ours(case):
         assert swapped <= _breaks(m, ids, **kw)[0]
 
 
-def test_generate_compiled_decode_does_not_recompile_per_step():
+@pytest.mark.parametrize("dynamic", [True, None], ids=["dynamic", "automatic"])
+def test_generate_compiled_decode_does_not_recompile_per_step(dynamic):
     """generate() with the swapped model's forward compiled with dynamic shapes
-    (``torch.compile(model.forward, dynamic=True)``): the eager swap's tokens, and the
+    (``torch.compile(model.forward, dynamic=True)``, and torch.compile's default
+    ``dynamic=None``, where a size turns symbolic once it changes; the faster of the two
+    in a decode loop, see bench_decode_profile.py): the eager swap's tokens, and the
     decode steps stop compiling once every compressor phase has been seen.  Each step
     grows the caches, but the sizes are symbolic (our index-list operators take the
     positions as SymInt): what is left are a few graphs per phase of the compressors'
@@ -184,7 +187,7 @@ def test_generate_compiled_decode_does_not_recompile_per_step():
     torch._dynamo.config.recompile_limit = 32
     with torch.no_grad(), dch.swapped(m):
         ref = m.generate(ids, max_new_tokens=new, do_sample=False)
-        m.forward = torch.compile(m.forward, backend="eager", dynamic=True)
+        m.forward = torch.compile(m.forward, backend="eager", dynamic=dynamic)
         counters.clear()
         graphs = Graphs()
         try:
