@@ -1123,6 +1123,20 @@ static void CSA_V(pg_entry)(const struct csa_pool_grad_problem *p, csa_idx b, cs
 }
 #endif
 
+/* ga[f] += pa[f], f < n: one chunk's partial d(ape) into the sum, with the operand order
+ * of the chunks' own sums (the running sum first: a NaN's bits are the sum's). */
+static void CSA_V(pg_ape_add)(float *ga, const float *pa, csa_idx n)
+{
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+    for (csa_idx f = 0; f < n; f += PG_VL) {
+        const CSA_V(pgk) k = CSA_V(pgk_make)(0, n - f);
+        PGB_STF(ga + f, k, PGB_GA(PGB_LDF(ga + f, k), PGB_LDF(pa + f, k)));
+    }
+#else
+    for (csa_idx f = 0; f < n; f++) ga[f] += pa[f];
+#endif
+}
+
 static int CSA_V(gated_pool_backward_tuned)(const struct csa_pool_grad_problem *p)
 {
     const csa_idx B = p->B, T = p->T, d = p->d, r = p->ratio, G = T / r;
@@ -1148,22 +1162,32 @@ static int CSA_V(gated_pool_backward_tuned)(const struct csa_pool_grad_problem *
             for (csa_idx f = 0; f < cd; f++) p->dape[f] = 0.0f;
         return CSA_OK;
     }
-    const int nt = csa_threads(B * G, 1 + 65536 / ((p->overlap ? 2 : 1) * r * d + 1));
-    /* features per item: d split over the threads in whole vectors (the split changes no
-     * bit: each element's arithmetic is the same whichever item does it).  Static halves
-     * at 2 threads: items of 64 or 128 features handed out dynamically read every row in
-     * short pieces and were 10-35% slower (load 4-5.6, medians of 25 interleaved rounds) */
-    csa_idx fw = ((d + nt - 1) / nt + 15) / 16 * 16;
-    if (fw < 16) fw = 16;
-    const csa_idx items = (d + fw - 1) / fw;
+    /* items: chunks of entries (grad_chunks, pool.c), each over every feature.  The
+     * items were blocks of features (as many as threads), each over every entry, which
+     * kept d(ape)'s one running sum in the `_ref`'s order, but at 2 threads each item
+     * read every row in halves, and backward / forward was 2.2-3.2x against 1.5-2.5x at
+     * 1 thread (the forward's items are entries); measured after the change in
+     * docs/training.md. */
+    const csa_idx E = B * G, nch = grad_chunks(p);
+    float *part = NULL;   /* the partial d(ape) of chunks 1.. (chunk 0 sums into dape) */
+    if (p->dape && nch > 1) {
+        part = malloc((size_t)((nch - 1) * r * cd) * sizeof(float));
+        if (!part) return CSA_ENOMEM;
+    }
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     /* every candidate's logits of one block, per item (up to 128 KiB: heap) */
     const size_t nlb = (size_t)((p->overlap ? 2 : 1) * r * PGB_VB * PG_VL);
 #endif
     int status = CSA_OK;
-#pragma omp parallel for num_threads(nt) schedule(static, 1)
-    for (csa_idx i = 0; i < items; i++) {
-        const csa_idx f_lo = i * fw, f_hi = f_lo + fw < d ? f_lo + fw : d;
+    const int nt = csa_threads(nch, 1);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (csa_idx c = 0; c < nch; c++) {
+        struct csa_pool_grad_problem q = *p;
+        float *da = p->dape;
+        if (da && c > 0) {
+            da = part + (c - 1) * r * cd;
+            q.sgar = cd;
+        }
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
         float *lb = aligned_alloc(64, (nlb * sizeof(float) + 63) / 64 * 64);
         if (!lb) {
@@ -1172,27 +1196,34 @@ static int CSA_V(gated_pool_backward_tuned)(const struct csa_pool_grad_problem *
             continue;
         }
 #endif
-        if (p->dape)
-            for (csa_idx j = 0; j < r; j++)
-                for (csa_idx c = 0; c < (p->overlap ? 2 : 1); c++)
-                    memset(p->dape + j * p->sgar + c * d + f_lo, 0, (size_t)(f_hi - f_lo) * sizeof(float));
-        for (csa_idx b = 0; b < B; b++)
-            for (csa_idx g = 0; g < G; g++) {
-                float *da = p->dape;
+        if (da)
+            for (csa_idx j = 0; j < r; j++) memset(da + j * q.sgar, 0, (size_t)cd * sizeof(float));
+        for (csa_idx e = c * E / nch; e < (c + 1) * E / nch; e++) {
+            const csa_idx b = e / G, g = e % G;
+            float *ga = da;
 #ifdef CSA_MUTANT_POOL_GRAD_APE_DROP
-                if (b == 0 && g == G - 1 && G > 1) da = NULL;   /* mutant: one group dropped */
+            if (b == 0 && g == G - 1 && G > 1) ga = NULL;   /* mutant: one group dropped */
 #endif
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-                CSA_V(pg_entry)(p, b, g, f_lo, f_hi, da, lb);
+            CSA_V(pg_entry)(&q, b, g, 0, d, ga, lb);
 #else
-                CSA_V(pg_entry)(p, b, g, f_lo, f_hi, da);
+            CSA_V(pg_entry)(&q, b, g, 0, d, ga);
 #endif
-            }
+        }
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
         free(lb);
         _mm_sfence(); /* the streaming stores are visible to every thread after the loop */
 #endif
     }
+    if (status == CSA_OK && part) {
+        /* d(ape) += the partials in chunk order, parallel over ape's rows */
+        const int nr = csa_threads(r, 1 + 16384 / ((nch - 1) * cd + 1));
+#pragma omp parallel for num_threads(nr) schedule(static)
+        for (csa_idx j = 0; j < r; j++)
+            for (csa_idx c = 1; c < nch; c++)
+                CSA_V(pg_ape_add)(p->dape + j * p->sgar, part + ((c - 1) * r + j) * cd, cd);
+    }
+    free(part);
     return status;
 }
 #undef PG_VL
