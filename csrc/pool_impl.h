@@ -603,11 +603,12 @@ static int CSA_V(gated_pool_tuned)(const struct csa_pool_problem *p)
 }
 
 /* ---------------------------------------------------------------- backward (tuned)
- * csa_gated_pool_backward (pool.h).  Every operation of the pooling is per feature, so
- * the parallel items are blocks of output features [f_lo, f_hi) (as many as threads),
- * each over every entry (b, g) in order: its d(kv), d(score) elements (features f and,
- * with overlap, d + f) are written by it alone, and its d(ape) columns are summed right
- * there, over b, then g, in order -- the `_ref`'s order.
+ * csa_gated_pool_backward (pool.h).  The parallel items are fixed chunks of entries
+ * (b, g) (grad_chunks, pool.c: the shape alone decides them), each over every feature:
+ * every (token, feature) of kv / score feeds one entry, so its d(kv), d(score) elements
+ * are written by one item; each chunk sums d(ape) over its entries in order into its
+ * own partial (the first chunk into d(ape) itself), and the partials are added in chunk
+ * order after, parallel over ape's rows.
  *
  * Vector levels (pgb_block): per entry, blocks of PGB_VB vectors (64 features at
  * avx512, 32 at avx2), three passes over the candidate rows with the block's
