@@ -173,6 +173,30 @@ static int grad_parts(pool_part *pt, csa_idx g, csa_idx r, csa_idx d, int overla
     return 2;
 }
 
+/* The tuned backward's parallel items: the entries (b, g) in order, cut into chunks
+ * whose number depends on the shape alone -- never on the thread count -- so each chunk
+ * sums its own partial d(ape) over its entries in order and the partials are then added
+ * in chunk order: the bits are the same at any thread count (they differ from the
+ * `_ref`'s one running sum by rounding only; a problem of one chunk adds exactly as the
+ * `_ref` does).  A chunk has at least POOL_GRAD_CHUNK_WORK candidate elements (the
+ * parallel region's start is a few microseconds; 32K elements are ~30 us), and there are
+ * at most POOL_GRAD_CHUNKS: each chunk after the first holds a float32 partial of
+ * d(ape) [ratio, c*d] (ratio 128, d 512: 256 KiB, 1.75 MiB for the 7). */
+#ifndef POOL_GRAD_CHUNKS
+#define POOL_GRAD_CHUNKS 8
+#endif
+#ifndef POOL_GRAD_CHUNK_WORK
+#define POOL_GRAD_CHUNK_WORK 32768
+#endif
+static csa_idx grad_chunks(const struct csa_pool_grad_problem *p)
+{
+    const csa_idx E = p->B * (p->T / p->ratio);
+    csa_idx n = E * (p->overlap ? 2 : 1) * p->ratio * p->d / POOL_GRAD_CHUNK_WORK;
+    if (n > POOL_GRAD_CHUNKS) n = POOL_GRAD_CHUNKS;
+    if (n > E) n = E;
+    return n < 1 ? 1 : n;
+}
+
 static int grad_check(const struct csa_pool_grad_problem *p)
 {
     if (p->ratio <= 0 || p->B < 0 || p->T < 0 || p->d < 0 || !p->dkv) return CSA_EINVAL;

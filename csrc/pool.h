@@ -40,8 +40,12 @@ int csa_gated_pool_ref(const struct csa_pool_problem *p);
  * with the candidates, logits l_j = score_j + ape_j and w = softmax(l) of the forward
  * (recomputed: nothing is saved but the inputs) and y = sum_j w_j kv_j:
  *   d(kv_j) = w_j dy,   d(score_j) = w_j dy (kv_j - y),
- *   d(ape)[j, f] = the sum of d(score) over every complete group and row, in the
- *   fixed order b = 0.., g = 0.. (a second pass parallel over ape's elements).
+ *   d(ape)[j, f] = the sum of d(score) over every complete group and row: the `_ref`
+ *   adds the entries (b, g) in the order b = 0.., g = 0.. into one sum; the tuned
+ *   kernels cut the entries, in that order, into chunks fixed by the shape alone (at
+ *   most 8; one while the problem has fewer than 64K candidate elements, pool.c
+ *   grad_chunks), sum each chunk in order and add the chunk sums in chunk order -- the
+ *   `_ref`'s bits for a problem of one chunk, else the same sum rounded differently.
  * Every (token, feature) of kv / score feeds at most one entry (with overlap, group g's
  * first halves feed entry g+1, its second halves entry g), so d(kv) and d(score) have
  * one writer each; what feeds no entry (the T % ratio trailing tokens, with overlap the

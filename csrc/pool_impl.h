@@ -603,11 +603,12 @@ static int CSA_V(gated_pool_tuned)(const struct csa_pool_problem *p)
 }
 
 /* ---------------------------------------------------------------- backward (tuned)
- * csa_gated_pool_backward (pool.h).  Every operation of the pooling is per feature, so
- * the parallel items are blocks of output features [f_lo, f_hi) (as many as threads),
- * each over every entry (b, g) in order: its d(kv), d(score) elements (features f and,
- * with overlap, d + f) are written by it alone, and its d(ape) columns are summed right
- * there, over b, then g, in order -- the `_ref`'s order.
+ * csa_gated_pool_backward (pool.h).  The parallel items are fixed chunks of entries
+ * (b, g) (grad_chunks, pool.c: the shape alone decides them), each over every feature:
+ * every (token, feature) of kv / score feeds one entry, so its d(kv), d(score) elements
+ * are written by one item; each chunk sums d(ape) over its entries in order into its
+ * own partial (the first chunk into d(ape) itself), and the partials are added in chunk
+ * order after, parallel over ape's rows.
  *
  * Vector levels (pgb_block): per entry, blocks of PGB_VB vectors (64 features at
  * avx512, 32 at avx2), three passes over the candidate rows with the block's
@@ -857,12 +858,19 @@ static inline __attribute__((always_inline)) void CSA_V(pgb_block)(
         const csa_idx x = x0 + v * PG_VL;
         mk[v] = CSA_V(pgk_make)(x < f_lo ? f_lo - x : 0, f_hi - x);
     }
-    /* each candidate row prefetches the block's lines of score and kv of the row the next
-     * entry reads r rows on: a block is a few lines of each of many rows (and, split over
-     * threads, of every row), which the hardware prefetchers do not follow */
-    const int pf = g + 1 < p->T / p->ratio;
+    /* each candidate row prefetches its score and kv lines of the block after this one:
+     * the entry's next block on the same row, or after the entry's last block the next
+     * entry's first, r rows on.  A block is a few lines of each of many rows, which the
+     * hardware prefetchers do not follow.  Prefetching the same block of the next entry
+     * instead (a whole entry ahead) left each chunk's first entry unfetched, 1 entry in 8
+     * at ratio 128: backward / forward at ratio 128, T 8192, 2 threads, interleaved, load
+     * 1.2-2.7: avx2 f32 2.53 -> 2.24, bf16 2.38 -> 2.24, avx512 f32 2.17 -> 1.97, bf16
+     * 2.13 -> 2.09; ratio 4 within the noise (+-0.03). */
+    const int nb = x0 + W < f_hi;
+    const int pf = nb || g + 1 < p->T / p->ratio;
     const csa_idx pfs = W * (scbf ? 2 : 4), pfk = W * (kvbf ? 2 : 4);
-    const csa_idx rs = p->ratio * p->sst, rk = p->ratio * p->skt;
+    const csa_idx rs = nb ? W : p->ratio * p->sst - (x0 - f_lo);
+    const csa_idx rk = nb ? W : p->ratio * p->skt - (x0 - f_lo);
     const int vh = vb < PGB_VH ? vb : PGB_VH;
     /* passes 1 and 2 in sub-blocks of vh vectors (the registers a level has for m, s, acc
      * and the exp); pass 3 over the whole block, whose d(kv) and d(score) per row are
@@ -1123,6 +1131,20 @@ static void CSA_V(pg_entry)(const struct csa_pool_grad_problem *p, csa_idx b, cs
 }
 #endif
 
+/* ga[f] += pa[f], f < n: one chunk's partial d(ape) into the sum, with the operand order
+ * of the chunks' own sums (the running sum first: a NaN's bits are the sum's). */
+static void CSA_V(pg_ape_add)(float *ga, const float *pa, csa_idx n)
+{
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+    for (csa_idx f = 0; f < n; f += PG_VL) {
+        const CSA_V(pgk) k = CSA_V(pgk_make)(0, n - f);
+        PGB_STF(ga + f, k, PGB_GA(PGB_LDF(ga + f, k), PGB_LDF(pa + f, k)));
+    }
+#else
+    for (csa_idx f = 0; f < n; f++) ga[f] += pa[f];
+#endif
+}
+
 static int CSA_V(gated_pool_backward_tuned)(const struct csa_pool_grad_problem *p)
 {
     const csa_idx B = p->B, T = p->T, d = p->d, r = p->ratio, G = T / r;
@@ -1148,22 +1170,32 @@ static int CSA_V(gated_pool_backward_tuned)(const struct csa_pool_grad_problem *
             for (csa_idx f = 0; f < cd; f++) p->dape[f] = 0.0f;
         return CSA_OK;
     }
-    const int nt = csa_threads(B * G, 1 + 65536 / ((p->overlap ? 2 : 1) * r * d + 1));
-    /* features per item: d split over the threads in whole vectors (the split changes no
-     * bit: each element's arithmetic is the same whichever item does it).  Static halves
-     * at 2 threads: items of 64 or 128 features handed out dynamically read every row in
-     * short pieces and were 10-35% slower (load 4-5.6, medians of 25 interleaved rounds) */
-    csa_idx fw = ((d + nt - 1) / nt + 15) / 16 * 16;
-    if (fw < 16) fw = 16;
-    const csa_idx items = (d + fw - 1) / fw;
+    /* items: chunks of entries (grad_chunks, pool.c), each over every feature.  The
+     * items were blocks of features (as many as threads), each over every entry, which
+     * kept d(ape)'s one running sum in the `_ref`'s order, but at 2 threads each item
+     * read every row in halves, and backward / forward was 2.2-3.2x against 1.5-2.5x at
+     * 1 thread (the forward's items are entries); measured after the change in
+     * docs/training.md. */
+    const csa_idx E = B * G, nch = grad_chunks(p);
+    float *part = NULL;   /* the partial d(ape) of chunks 1.. (chunk 0 sums into dape) */
+    if (p->dape && nch > 1) {
+        part = malloc((size_t)((nch - 1) * r * cd) * sizeof(float));
+        if (!part) return CSA_ENOMEM;
+    }
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     /* every candidate's logits of one block, per item (up to 128 KiB: heap) */
     const size_t nlb = (size_t)((p->overlap ? 2 : 1) * r * PGB_VB * PG_VL);
 #endif
     int status = CSA_OK;
-#pragma omp parallel for num_threads(nt) schedule(static, 1)
-    for (csa_idx i = 0; i < items; i++) {
-        const csa_idx f_lo = i * fw, f_hi = f_lo + fw < d ? f_lo + fw : d;
+    const int nt = csa_threads(nch, 1);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (csa_idx c = 0; c < nch; c++) {
+        struct csa_pool_grad_problem q = *p;
+        float *da = p->dape;
+        if (da && c > 0) {
+            da = part + (c - 1) * r * cd;
+            q.sgar = cd;
+        }
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
         float *lb = aligned_alloc(64, (nlb * sizeof(float) + 63) / 64 * 64);
         if (!lb) {
@@ -1172,27 +1204,34 @@ static int CSA_V(gated_pool_backward_tuned)(const struct csa_pool_grad_problem *
             continue;
         }
 #endif
-        if (p->dape)
-            for (csa_idx j = 0; j < r; j++)
-                for (csa_idx c = 0; c < (p->overlap ? 2 : 1); c++)
-                    memset(p->dape + j * p->sgar + c * d + f_lo, 0, (size_t)(f_hi - f_lo) * sizeof(float));
-        for (csa_idx b = 0; b < B; b++)
-            for (csa_idx g = 0; g < G; g++) {
-                float *da = p->dape;
+        if (da)
+            for (csa_idx j = 0; j < r; j++) memset(da + j * q.sgar, 0, (size_t)cd * sizeof(float));
+        for (csa_idx e = c * E / nch; e < (c + 1) * E / nch; e++) {
+            const csa_idx b = e / G, g = e % G;
+            float *ga = da;
 #ifdef CSA_MUTANT_POOL_GRAD_APE_DROP
-                if (b == 0 && g == G - 1 && G > 1) da = NULL;   /* mutant: one group dropped */
+            if (b == 0 && g == G - 1 && G > 1) ga = NULL;   /* mutant: one group dropped */
 #endif
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-                CSA_V(pg_entry)(p, b, g, f_lo, f_hi, da, lb);
+            CSA_V(pg_entry)(&q, b, g, 0, d, ga, lb);
 #else
-                CSA_V(pg_entry)(p, b, g, f_lo, f_hi, da);
+            CSA_V(pg_entry)(&q, b, g, 0, d, ga);
 #endif
-            }
+        }
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
         free(lb);
         _mm_sfence(); /* the streaming stores are visible to every thread after the loop */
 #endif
     }
+    if (status == CSA_OK && part) {
+        /* d(ape) += the partials in chunk order, parallel over ape's rows */
+        const int nr = csa_threads(r, 1 + 16384 / ((nch - 1) * cd + 1));
+#pragma omp parallel for num_threads(nr) schedule(static)
+        for (csa_idx j = 0; j < r; j++)
+            for (csa_idx c = 1; c < nch; c++)
+                CSA_V(pg_ape_add)(p->dape + j * p->sgar, part + ((c - 1) * r + j) * cd, cd);
+    }
+    free(part);
     return status;
 }
 #undef PG_VL

@@ -304,10 +304,17 @@ def test_gated_pool_backward_strided_and_out(rng):
 
 
 def test_gated_pool_backward_bits_at_thread_counts(isa, rng):
+    """The tuned body's items are chunks of entries that the shape alone decides (here 4,
+    2, 2, -, 8 and 6 of them), each with its own partial d(ape): the same bits at 1, 2, 3
+    threads, NaN and inf inputs included."""
     for (B, T, D, r, ov) in [(2, 403, 96, 4, True), (2, 515, 64, 128, False),
-                             (3, 301, 80, 2, False), (2, 64, 200, 1, False)]:
+                             (3, 301, 80, 2, False), (2, 64, 200, 1, False),
+                             (1, 2051, 128, 4, True), (3, 1100, 72, 128, False)]:
         cd = D * (2 if ov else 1)
         kv, sc, ap, _ = _inputs(rng, B, T, cd, r)
+        if T > 1000:
+            sc[0, ::7, ::5] = np.nan
+            kv[-1, 3::11, ::3] = np.inf
         dy = _dy(rng, B, T, r, D)
         same_bits_at_thread_counts(lambda: dc.gated_pool_backward(dy, kv, sc, r, ape=ap,
                                                                   overlap=ov))
