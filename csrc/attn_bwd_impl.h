@@ -10,7 +10,7 @@
  *   L[k, h]  = R_k . q_h          attn_logits with Q^T          (recomputed logits)
  *   dP[k, h] = R_k . dO_h         attn_logits with dO^T
  *   P = e^(scale L - lse),  dS = scale P (dP - Dr),  Dr[h] = dO_h . O_h
- *   dqT[d, h] += sum_k R_k[d] dS[k, h]                       attn_pv (alpha = 1)
+ *   dqT[d, h] += sum_k R_k[d] dS[k, h]                       attn_pv (no alpha)
  *
  * and P, dS of every valid slot go to the chunk's buffer ([K + 6, H] each per row).
  *
@@ -35,16 +35,23 @@
  * the chunk that last used its buffer (ATTN_BWD_NB buffers).  There is no barrier per
  * chunk; dsink sums the rows' -e^(sink - lse) Dr in row order at the end. */
 
-/* Rows per chunk: ATTN_BWD_CH per thread (P and dS of two chunks: 2 x 16 x 330 KB at
- * V4-Flash and 2 threads).  Fewer rows keep a chunk's P and dS nearer (1 thread: 4 rows
- * 2.45x the forward, 16 rows 2.51x, 32 rows 2.53x); more rows cost fewer barriers,
- * which a loaded host makes expensive (2 threads on the shared host: 4 / 8 / 16 rows
- * per thread 2.87x / 2.73x / 2.64x, measured with a barrier per chunk).  Features per column item: D split in as many
- * 64-feature multiples as there are threads, so that a chunk's P and dS pass through
- * L1 once per item, not once per 64 features (1 thread, V4-Flash: 2.62x the forward
- * with 64, 2.52x with all 512).  Neither changes a bit: every dkv element is the same
- * chain whichever item computes it. */
-#define ATTN_BWD_CH 8
+/* Rows per chunk: ATTN_BWD_CH per thread (P and dS of the chunks in flight: 3 x 4 x
+ * 330 KB at V4-Flash and 2 threads).  Features per column item: D split into
+ * ceil(threads / 2) parts of 64-feature multiples -- one column item per chunk at 1 or 2
+ * threads.  A chunk's P and dS then pass through L1 once per 64 features of its item,
+ * and at 2 threads the column items (about 40% of the work) form one chain that runs
+ * beside the row items of the next chunks instead of both threads doing d(kv) of the
+ * same chunk at once; with more threads one chain would be the bottleneck, hence a
+ * chain per 2 threads.  Measured, V4-Flash at S = 2048, 2 threads (bench_grad_ratio's
+ * shape, old and new settings interleaved in one process, load 1.3-3.9): avx512
+ * float32 2 rows a thread with one column item 2.47x / 2.48x the forward against 2.56x /
+ * 2.67x with 8 rows a thread and two column items of 256 features (the previous
+ * setting), bfloat16 2.41x against 2.62x, avx2 float32 2.26x against 2.30x; either change
+ * alone moved nothing (2 rows: 2.65x against 2.64x; one column item: 2.57x against
+ * 2.56x).  (Older, with a barrier per chunk: 1 thread, 4 rows 2.45x, 16 rows 2.51x;
+ * 64 features per item 2.62x against 2.52x with all 512.)  Neither changes a bit: every
+ * dkv element is the same chain whichever item computes it. */
+#define ATTN_BWD_CH 2
 /* gathered rows per block of a row item: a multiple of ATTN_MR, so no logits tile
  * computes padding rows but the last (the forward's 64 compute 66) */
 #define ATTN_BWD_KB 66
@@ -258,7 +265,7 @@ static void CSA_V(bwd_dkv_cols)(const struct csa_attn_bwd_problem *g, csa_idx r0
 
 /* Per-thread scratch of the backward, in floats (pieces multiples of 16). */
 struct CSA_V(bwd_ws) {
-    float *QT, *dOT, *dqT, *lse, *Dr, *ones, *tile;
+    float *QT, *dOT, *dqT, *lse, *Dr, *ones /* the planted DQ_SCALE mutant's divisor */, *tile;
 };
 
 /* A row item: query row (b, s): dq[b, s]; P and dS of its valid slots (slot order,
@@ -328,7 +335,6 @@ static void CSA_V(bwd_item)(const struct csa_attn_bwd_problem *g, csa_idx b, csa
         }
         w->Dr[h] = dr;
         w->lse[h] = h < H ? lse[h] : INFINITY;
-        w->ones[h] = 1.0f;
     }
     for (csa_idx h = 0; h < H; h++) {
         rs[h] = -expf(a->sink[h] - w->lse[h]) * w->Dr[h];
@@ -373,12 +379,16 @@ static void CSA_V(bwd_item)(const struct csa_attn_bwd_problem *g, csa_idx b, csa
         /* the padding rows weigh nothing */
         memset(L + kb * hcp, 0, (size_t)((kbp - kb) * hcp) * sizeof(float));
         memset(dP + kb * hcp, 0, (size_t)((kbp - kb) * hcp) * sizeof(float));
-        CSA_V(attn_pv)(blk, kb, dP, hcp, w->ones, w->dqT, D, k0 == 0);
+        CSA_V(attn_pv)(blk, kb, dP, hcp, NULL, w->dqT, D, k0 == 0);
     }
-#ifdef CSA_MUTANT_ATTN_BWD_DQ_SCALE
+#ifdef CSA_MUTANT_ATTN_BWD_DQ_SCALE /* planted: d(q) divided by 1 - 1e-4 */
     for (csa_idx h = 0; h < hcp; h++) w->ones[h] = 1.0f - 1e-4f;
-#endif
     CSA_V(attn_store)(w->dqT, hcp, w->ones, H, D, dq, g->sdq_h, qbf);
+#else
+    /* d(q) is the sum itself: no divisor (dividing by 1 changed no bit but cost the
+     * vdivps of every element) */
+    CSA_V(attn_store)(w->dqT, hcp, NULL, H, D, dq, g->sdq_h, qbf);
+#endif
 #ifdef CSA_MUTANT_ATTN_BWD_BF16_TRUNC /* planted: the bf16 d(q) truncated, not rounded */
     if (qbf)
         for (csa_idx h = 0; h < H; h++)
@@ -407,7 +417,8 @@ static int CSA_V(sparse_attn_backward_tuned)(const struct csa_attn_bwd_problem *
     const csa_idx hcp = ((H + 15) / 16) * 16, dp = ((D + 15) / 16) * 16;
     const csa_idx kbp_max = ((ATTN_BWD_KB + ATTN_MR - 1) / ATTN_MR) * ATTN_MR;
     const int nt = csa_threads(nq, 1);
-    const csa_idx CW = ((D + nt - 1) / nt + 63) / 64 * 64, ncol = (D + CW - 1) / CW;
+    const csa_idx ncol0 = (nt + 1) / 2; /* column chains (see ATTN_BWD_CH) */
+    const csa_idx CW = ((D + ncol0 - 1) / ncol0 + 63) / 64 * 64, ncol = (D + CW - 1) / CW;
     const csa_idx per_thread = 3 * D * hcp + 3 * hcp + kbp_max * dp + 2 * H * CW;
     const csa_idx per_ptr = K + kbp_max;
     /* P or dS of one row: K valid slots at most, + the last tile's padding */

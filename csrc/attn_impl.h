@@ -101,7 +101,7 @@ CSA_V(qk_tile)(const float *const *R, const float *QT, csa_idx hcp, csa_idx d0, 
 }
 
 /* OT[d0 + i, 16 j ..] = alpha OT[d0 + i, 16 j ..] + sum_{k < kb} R_k[d0 + i] P[k, 16 j ..]
- * for ND features and NV vectors of heads: the logits tile with the roles swapped, so
+ * for ND features and NV vectors of heads (alpha NULL: 1, no multiply): the logits tile with the roles swapped, so
  * the rows are read by broadcasts only (no alignment needed, and each block's rows
  * pass through L1 once instead of once per group of heads). */
 static inline __attribute__((always_inline)) void
@@ -109,11 +109,12 @@ CSA_V(pv_tile)(const float *const *R, csa_idx kb, const float *P, csa_idx hcp,
                const float *alpha, float *OT, csa_idx d0, int first, const int ND, const int NV)
 {
     __m512 acc[6][4], al[4];
-    for (int j = 0; j < NV; j++) al[j] = _mm512_loadu_ps(alpha + 16 * j);
+    for (int j = 0; j < NV; j++) al[j] = alpha ? _mm512_loadu_ps(alpha + 16 * j) : _mm512_setzero_ps();
     for (int i = 0; i < ND; i++)
-        for (int j = 0; j < NV; j++)
-            acc[i][j] = first ? _mm512_setzero_ps()
-                              : _mm512_mul_ps(_mm512_loadu_ps(OT + (d0 + i) * hcp + 16 * j), al[j]);
+        for (int j = 0; j < NV; j++) {
+            const __m512 o = first ? _mm512_setzero_ps() : _mm512_loadu_ps(OT + (d0 + i) * hcp + 16 * j);
+            acc[i][j] = first || !alpha ? o : _mm512_mul_ps(o, al[j]);
+        }
     for (csa_idx k = 0; k < kb; k++) {
         const float *pk = P + k * hcp, *rk = R[k] + d0;
         __m512 p[4];
@@ -164,12 +165,19 @@ static inline void CSA_V(pv_tile_v8)(const float *const *R, csa_idx kb, const fl
                                      csa_idx hcp, const float *alpha, float *OT, csa_idx d0,
                                      int first)
 {
-    const CSA_V(v8) a0 = *(const CSA_V(v8u) *)alpha, a1 = *(const CSA_V(v8u) *)(alpha + 8);
     CSA_V(v8) acc[6][2];
 #pragma GCC unroll 6
     for (int i = 0; i < 6; i++) {
-        acc[i][0] = first ? (CSA_V(v8)){0} : *(const CSA_V(v8) *)(OT + (d0 + i) * hcp) * a0;
-        acc[i][1] = first ? (CSA_V(v8)){0} : *(const CSA_V(v8) *)(OT + (d0 + i) * hcp + 8) * a1;
+        acc[i][0] = first ? (CSA_V(v8)){0} : *(const CSA_V(v8) *)(OT + (d0 + i) * hcp);
+        acc[i][1] = first ? (CSA_V(v8)){0} : *(const CSA_V(v8) *)(OT + (d0 + i) * hcp + 8);
+    }
+    if (alpha && !first) {
+        const CSA_V(v8) a0 = *(const CSA_V(v8u) *)alpha, a1 = *(const CSA_V(v8u) *)(alpha + 8);
+#pragma GCC unroll 6
+        for (int i = 0; i < 6; i++) {
+            acc[i][0] *= a0;
+            acc[i][1] *= a1;
+        }
     }
     for (csa_idx k = 0; k < kb; k++) {
         const float *r = R[k] + d0;
@@ -333,7 +341,7 @@ static void CSA_V(attn_pv_feature)(const float *const *R, csa_idx kb, const floa
 {
     float *CSA_RESTRICT o = OT + d * hcp;
 #pragma omp simd
-    for (csa_idx h = 0; h < hcp; h++) o[h] = first ? 0.0f : o[h] * alpha[h];
+    for (csa_idx h = 0; h < hcp; h++) o[h] = first ? 0.0f : alpha ? o[h] * alpha[h] : o[h];
     for (csa_idx k = 0; k < kb; k++) {
         const float x = R[k][d];
         const float *CSA_RESTRICT pk = P + k * hcp;
@@ -343,7 +351,8 @@ static void CSA_V(attn_pv_feature)(const float *const *R, csa_idx kb, const floa
 }
 
 /* OT[d, h] = alpha_h OT[d, h] + sum_{k < kb} R_k[d] P[k, h] for d < D, h < hcp (first
- * block: OT[d, h] = the sum alone, so OT needs no clearing): the output is kept
+ * block: OT[d, h] = the sum alone, so OT needs no clearing; alpha NULL: alpha_h = 1,
+ * the product skipped -- x * 1 is x, so the bits are those of alpha = 1): the output is kept
  * transposed, [D, hcp], so that its tile has the logits tile's shape. */
 static void CSA_V(attn_pv)(const float *const *R, csa_idx kb, const float *P, csa_idx hcp,
                            const float *alpha, float *OT, csa_idx D, int first)
@@ -351,7 +360,7 @@ static void CSA_V(attn_pv)(const float *const *R, csa_idx kb, const float *P, cs
 #ifdef __AVX512F__
     const csa_idx nvec = hcp / 16, d6 = D - D % 6;
     for (csa_idx v0 = 0; v0 < nvec; v0 += 4) {
-        const float *Pv = P + 16 * v0, *av = alpha + 16 * v0;
+        const float *Pv = P + 16 * v0, *av = alpha ? alpha + 16 * v0 : NULL;
         float *Ov = OT + 16 * v0;
         const int nv = nvec - v0 < 4 ? (int)(nvec - v0) : 4;
         for (csa_idx d0 = 0; d0 < D; d0 += d0 < d6 ? 6 : 1) {
@@ -374,7 +383,7 @@ static void CSA_V(attn_pv)(const float *const *R, csa_idx kb, const float *P, cs
     const csa_idx d6 = D - D % 6;
     for (csa_idx h0 = 0; h0 < hcp; h0 += 16)
         for (csa_idx d0 = 0; d0 < d6; d0 += 6)
-            CSA_V(pv_tile_v8)(R, kb, P + h0, hcp, alpha + h0, OT + h0, d0, first);
+            CSA_V(pv_tile_v8)(R, kb, P + h0, hcp, alpha ? alpha + h0 : NULL, OT + h0, d0, first);
     for (csa_idx d = d6; d < D; d++) CSA_V(attn_pv_feature)(R, kb, P, hcp, alpha, OT, d, first);
 #else
     for (csa_idx d = 0; d < D; d++) CSA_V(attn_pv_feature)(R, kb, P, hcp, alpha, OT, d, first);
@@ -412,10 +421,43 @@ static void CSA_V(attn_widen_bf16)(const csa_bf16 *CSA_RESTRICT src, csa_idx D,
 }
 
 /* out[h, d] = OT[d, h] / sum_h for h < hc, d < D, in the output dtype (rows so_h apart),
- * through 16 x 16 blocks so that both sides are read and written in whole lines. */
+ * through 16 x 16 blocks so that both sides are read and written in whole lines.  sum
+ * NULL: no division (the backward's d(q); x / 1 is x, and the divisions were most of
+ * this function's time: vdivps next to the transpose's permutes). */
 static void CSA_V(attn_store)(const float *OT, csa_idx hcp, const float *sum, csa_idx hc,
                               csa_idx D, void *out, csa_idx so_h, int bf16)
 {
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+    if (!sum) {
+        /* no divisor (the backward's d(q)): 8 x 8 blocks transposed in registers, the
+         * tails by the scalar loop below -- the 16 x 16 staging through t[][] was 2.1% of
+         * the samples of a forward + backward pair, as much as the forward's own store
+         * (perf, avx2, float32, S = 512, 2 threads) */
+        const csa_idx h8 = hc / 8 * 8, d8 = D / 8 * 8;
+        for (csa_idx h0 = 0; h0 < h8; h0 += 8)
+            for (csa_idx d0 = 0; d0 < d8; d0 += 8) {
+                __m256 r[8];
+                for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(OT + (d0 + i) * hcp + h0);
+                CSA_V(transpose8)(r);
+                for (int j = 0; j < 8; j++) {
+                    if (bf16)
+                        _mm_storeu_si128((__m128i *)((csa_bf16 *)out + (h0 + j) * so_h + d0),
+                                         CSA_V(bf16_pack8)(CSA_V(bf16_round8)(r[j])));
+                    else
+                        _mm256_storeu_ps((float *)out + (h0 + j) * so_h + d0, r[j]);
+                }
+            }
+        for (csa_idx h = 0; h < hc; h++)
+            for (csa_idx d = h < h8 ? d8 : 0; d < D; d++) {
+                const float x = OT[d * hcp + h];
+                if (bf16)
+                    ((csa_bf16 *)out)[h * so_h + d] = csa_f32_to_bf16(x);
+                else
+                    ((float *)out)[h * so_h + d] = x;
+            }
+        return;
+    }
+#endif
     for (csa_idx h0 = 0; h0 < hc; h0 += 16) {
         const csa_idx nh = hc - h0 < 16 ? hc - h0 : 16;
         for (csa_idx d0 = 0; d0 < D; d0 += 16) {
@@ -429,8 +471,9 @@ static void CSA_V(attn_store)(const float *OT, csa_idx hcp, const float *sum, cs
                 const __mmask16 mk = (__mmask16)((1u << nd) - 1);
                 for (csa_idx j = 0; j < nh; j++)
                     _mm512_mask_storeu_ps((float *)out + (h0 + j) * so_h + d0, mk,
-                                          _mm512_div_ps(_mm512_castsi512_ps(r[j]),
-                                                        _mm512_set1_ps(sum[h0 + j])));
+                                          sum ? _mm512_div_ps(_mm512_castsi512_ps(r[j]),
+                                                              _mm512_set1_ps(sum[h0 + j]))
+                                              : _mm512_castsi512_ps(r[j]));
                 continue;
             }
 #endif
@@ -438,7 +481,7 @@ static void CSA_V(attn_store)(const float *OT, csa_idx hcp, const float *sum, cs
             for (csa_idx i = 0; i < nd; i++)
                 for (int j = 0; j < 16; j++) t[j][i] = OT[(d0 + i) * hcp + h0 + j];
             for (csa_idx j = 0; j < nh; j++) {
-                const float den = sum[h0 + j];
+                const float den = sum ? sum[h0 + j] : 1.0f;
                 if (bf16) {
                     csa_bf16 *CSA_RESTRICT o = (csa_bf16 *)out + (h0 + j) * so_h + d0;
                     csa_idx i = 0;
@@ -446,15 +489,18 @@ static void CSA_V(attn_store)(const float *OT, csa_idx hcp, const float *sum, cs
                     const __m256 dv = _mm256_set1_ps(den);
                     for (; i + 8 <= nd; i += 8) {
                         /* rounded as csa_f32_to_bf16, then the top halves packed */
-                        const __m256 y = _mm256_div_ps(_mm256_loadu_ps(&t[j][i]), dv);
+                        const __m256 x = _mm256_loadu_ps(&t[j][i]), y = sum ? _mm256_div_ps(x, dv) : x;
                         _mm_storeu_si128((__m128i *)(o + i), CSA_V(bf16_pack8)(CSA_V(bf16_round8)(y)));
                     }
 #endif
-                    for (; i < nd; i++) o[i] = csa_f32_to_bf16(t[j][i] / den);
+                    for (; i < nd; i++) o[i] = csa_f32_to_bf16(sum ? t[j][i] / den : t[j][i]);
                 } else {
                     float *CSA_RESTRICT o = (float *)out + (h0 + j) * so_h + d0;
+                    if (!sum)
+                        memcpy(o, t[j], (size_t)nd * sizeof(float));
+                    else
 #pragma omp simd
-                    for (csa_idx i = 0; i < nd; i++) o[i] = t[j][i] / den;
+                        for (csa_idx i = 0; i < nd; i++) o[i] = t[j][i] / den;
                 }
             }
         }
