@@ -49,11 +49,20 @@ def _moe_modules(model):
 
 
 def _fusable(moe):
+    """The released V4 MoE (its Gate module, Experts taking the routing weights, a
+    swiglu_limit), every expert present and FP4."""
+    import inspect
     f4 = getattr(torch, "float4_e2m1fn_x2", None)
-    if f4 is None or len(moe.experts) == 0:
+    if (f4 is None or len(moe.experts) == 0 or not isinstance(moe.gate, torch.nn.Module)
+            or not hasattr(moe.gate, "score_func") or not hasattr(moe, "dim")):
         return False
     for e in moe.experts:
-        if e is None:
+        if e is None or not hasattr(e, "swiglu_limit"):
+            return False
+        try:
+            if "weights" not in inspect.signature(type(e).forward).parameters:
+                return False
+        except (TypeError, ValueError):
             return False
         for lin in (e.w1, e.w2, e.w3):
             if lin.weight.dtype != f4 or getattr(lin, "scale", None) is None:
