@@ -302,6 +302,9 @@ def runner_worker(ctx, steps, fill, threads, warm=4):
     with torch.device("cpu"):
         model = mod.Transformer(margs)
     t0 = time.perf_counter()
+    if MOE == "fused":                # as deepseek_csa.generate does (--moe), before loading
+        from deepseek_csa.torch.fused_moe import fuse_moe
+        fuse_moe(model)
     load_checkpoint(model, str(root / "ckpt" / "model0-mp1.safetensors"), log=lambda *a: None)
     if WO_A == "fp8":                 # as deepseek_csa.generate does by default (--wo-a)
         from deepseek_csa.torch.checkpoint_width import fp8_wo_a
@@ -309,9 +312,6 @@ def runner_worker(ctx, steps, fill, threads, warm=4):
     if F32W == "bf16":
         from deepseek_csa.torch.checkpoint_width import bf16_f32_weights
         bf16_f32_weights(model)
-    if MOE == "fused":
-        from deepseek_csa.torch.fused_moe import fuse_moe
-        fuse_moe(model)
     t_load = time.perf_counter() - t0
     rss_loaded = rss_bytes()
     layer = model.layers[0]

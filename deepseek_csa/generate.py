@@ -481,6 +481,13 @@ def _run(args, torch, dist, world_size, rank, log):
     _rows_hc_post(mod)
     with torch.device("cpu"):
         model = mod.Transformer(margs)
+    if args.moe == "fused":
+        # before loading: the experts' parameters become views of the stacks, into which
+        # the loader copies (stacked after, the freed copies stay resident in the heap)
+        from deepseek_csa.torch.fused_moe import fuse_moe
+        n = fuse_moe(model)
+        log(f"[moe] {n} MoE(s) run their routed experts as one fp4_gemm call a projection "
+            "(--moe loop: as released)")
     load_checkpoint(model, path, log=log)
     if args.wo_a == "fp8":
         from deepseek_csa.torch.checkpoint_width import fp8_wo_a
@@ -491,11 +498,6 @@ def _run(args, torch, dist, world_size, rank, log):
         n = bf16_f32_weights(model)
         log(f"[f32 weights] {n} float32 weight(s) with bf16 values held in bf16 "
             "and router(s) (--f32-weights f32: as released)")
-    if args.moe == "fused":
-        from deepseek_csa.torch.fused_moe import fuse_moe
-        n = fuse_moe(model)
-        log(f"[moe] {n} MoE(s) run their routed experts as one fp4_gemm call a projection "
-            "(--moe loop: as released)")
     if args.swap:
         ops = None if args.swap == "all" else [o.strip() for o in args.swap.split(",")]
         routed = dct.swap(model, ops=ops).routed

@@ -445,6 +445,16 @@ def test_released_transformer_fused_moe_bitwise(model_py):
             # 3 fp4_gemm calls a layer a call of the model (1 prefill, 4 decode steps)
             assert calls.count("fp4_gemm") == 3 * 5 * len(model.layers)
             assert calls.count("moe_combine") == 5 * len(model.layers)
+            # fused before the weights are loaded (as the runner does): the loader's
+            # copies land in the stacks
+            with TK.bf16_default():
+                fresh = model_py.Transformer(model_py.ModelArgs(**cfg))
+            assert fuse_moe(fresh) == len(fresh.layers)
+            with torch.no_grad():
+                for k, v in base.state_dict().items():
+                    fresh.state_dict(keep_vars=True)[k].copy_(v)
+            for g, w in zip(TK.run(fresh, tokens, 20, 4), want):
+                assert torch.equal(g, w)
             unfuse_moe(model)                              # the released loop again
             model2 = TK.build(model_py, seed=seed, **cfg)
             assert fuse_moe(model2) == len(model2.layers)
