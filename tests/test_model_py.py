@@ -455,6 +455,15 @@ def test_released_transformer_fused_moe_bitwise(model_py):
                     fresh.state_dict(keep_vars=True)[k].copy_(v)
             for g, w in zip(TK.run(fresh, tokens, 20, 4), want):
                 assert torch.equal(g, w)
+            # a prefill's pairs in chunks of whole experts (CHUNK_PAIRS; here 5 pairs:
+            # chunks of one or more experts, and experts larger than a chunk)
+            import deepseek_csa.torch.fused_moe as FM
+            saved_chunk, FM.CHUNK_PAIRS = FM.CHUNK_PAIRS, 5
+            try:
+                for g, w in zip(TK.run(fresh, tokens, 20, 4), want):
+                    assert torch.equal(g, w)
+            finally:
+                FM.CHUNK_PAIRS = saved_chunk
             unfuse_moe(model)                              # the released loop again
             model2 = TK.build(model_py, seed=seed, **cfg)
             assert fuse_moe(model2) == len(model2.layers)
