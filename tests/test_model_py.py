@@ -455,8 +455,8 @@ def test_released_transformer_fused_moe_bitwise(model_py):
                     fresh.state_dict(keep_vars=True)[k].copy_(v)
             for g, w in zip(TK.run(fresh, tokens, 20, 4), want):
                 assert torch.equal(g, w)
-            # a prefill's pairs in chunks of whole experts (CHUNK_PAIRS; here 5 pairs:
-            # chunks of one or more experts, and experts larger than a chunk)
+            # a prefill of more than CHUNK_PAIRS pairs (here 5) on the released forward,
+            # the decode steps fused
             import deepseek_csa.torch.fused_moe as FM
             saved_chunk, FM.CHUNK_PAIRS = FM.CHUNK_PAIRS, 5
             try:

@@ -25,6 +25,9 @@ same arithmetic over every (token, expert) pair at once:
   experts ascending, one float32 rounding per add -- by ``moe_combine``, which is
   model.py's ``y[idx] += expert(...)`` sequence; then the shared expert as released.
 
+A call with more than ``CHUNK_PAIRS`` (token, expert) pairs -- a long prefill -- runs
+the released forward (on the same weights): fused, its peak memory was higher.
+
 So the logits are bitwise those of the released loop (tests/test_model_py.py checks
 it).  The router (``self.gate``) and the shared expert stay the module's own.  A MoE
 whose experts are not all FP4 and all present (``world_size > 1`` leaves some None) is
@@ -110,6 +113,8 @@ def _trim():
 def _moe_forward(self, x, input_ids):
     G = self._csa_globals
     shape = x.size()
+    if x.numel() // self.dim * self.n_activated_experts > CHUNK_PAIRS:
+        return type(self).forward(self, x, input_ids)      # as released
     x = x.view(-1, self.dim)
     weights, indices = self.gate(x, input_ids.flatten())
     y = self._csa_routed(x, weights, indices, G)
@@ -120,10 +125,10 @@ def _moe_forward(self, x, input_ids):
     return y.type_as(x).view(shape)
 
 
-# Pairs above which a prefill's pairs run in chunks (whole experts a chunk): all pairs
-# at once would hold [P, inter] float32 gate / up / h and [P, dim] outputs -- ~1.1 GiB
-# more peak RSS than the released loop for a 4096-token prompt at the released width
-# (P = 6 x 4096), growing with the prompt.
+# (token, expert) pairs above which the released MoE.forward runs (a prefill): all
+# pairs at once -- and, measured, also in chunks of whole experts of 4096 pairs -- raised
+# the peak RSS of a 4096-token prefill at the released width 5.54 -> 6.62 GiB (cause not
+# found), and a prefill's Python is a small part of its time.
 CHUNK_PAIRS = 4096
 
 
@@ -167,37 +172,8 @@ def _routed(self, x, weights, indices, G):
     xq, xs = G["act_quant"](x, G["block_size"], G["scale_fmt"], G["scale_dtype"])
     xq = xq.view(torch.uint8)
     xs = xs.view(torch.uint8) if xs.element_size() == 1 else xs
-    P = flat.shape[0]
-    if P <= CHUNK_PAIRS:
-        out = _pairs(self, xq, xs, tok, pos, e_idx, weights, G)
-        return ops.call("moe_combine", out.float(), tok, T)
-    # chunks of whole experts (an expert's rows stay one GEMM problem, the call model.py
-    # makes), each added as it is made: a token's rows go into y in the pairs' order
-    # (experts ascending), each float32 add rounded once, as model.py's y[idx] += ...:
-    # within a chunk the j-th row of each token goes in the j-th index_add_, whose
-    # indices are then distinct
-    y = torch.zeros((T, x.shape[-1]), dtype=torch.float32)
-    ends = torch.cumsum(torch.bincount(e_sorted), 0).tolist()
-    a = 0
-    while a < P:
-        b = a
-        for e in ends:
-            if e > b and (e - a <= CHUNK_PAIRS or b == a):
-                b = e
-            elif e > b:
-                break
-        t = tok[a:b]
-        out = _pairs(self, xq, xs, t, pos[a:b], e_idx[a:b], weights, G).float()
-        by_tok = torch.argsort(t, stable=True)
-        st = t[by_tok]
-        first = torch.searchsorted(st, st, right=False)
-        rank = torch.empty_like(t)
-        rank[by_tok] = torch.arange(b - a) - first
-        for r in range(int(rank.max()) + 1):
-            m = rank == r
-            y.index_add_(0, t[m], out[m])
-        a = b
-    return y
+    out = _pairs(self, xq, xs, tok, pos, e_idx, weights, G)
+    return ops.call("moe_combine", out.float(), tok, T)
 
 
 def fuse_moe(model):
