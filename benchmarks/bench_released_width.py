@@ -78,6 +78,9 @@ WO_A = "fp8"
 # and its float32 weights with bf16 values (compressors, head): "bf16" (the runner's
 # default, --f32-weights) or "f32" (as released)
 F32W = "bf16"
+# and its MoE: "fused" (the runner's default, --moe: the routed experts in three fp4_gemm
+# calls, the released loop's bits) or "loop" (model.py's MoE.forward)
+MOE = "fused"
 CACHE = PEERS / "width44"
 MAX_CTX = 65536
 # V4-Flash as released: 43 layers and a 129280-token bf16 head (the projection's extra bytes)
@@ -299,6 +302,9 @@ def runner_worker(ctx, steps, fill, threads, warm=4):
     with torch.device("cpu"):
         model = mod.Transformer(margs)
     t0 = time.perf_counter()
+    if MOE == "fused":                # as deepseek_csa.generate does (--moe), before loading
+        from deepseek_csa.torch.fused_moe import fuse_moe
+        fuse_moe(model)
     load_checkpoint(model, str(root / "ckpt" / "model0-mp1.safetensors"), log=lambda *a: None)
     if WO_A == "fp8":                 # as deepseek_csa.generate does by default (--wo-a)
         from deepseek_csa.torch.checkpoint_width import fp8_wo_a
@@ -374,7 +380,7 @@ def runner_worker(ctx, steps, fill, threads, warm=4):
         peak_rss_bytes=peak_rss_bytes(), isa=dc.get_isa(), threads=torch.get_num_threads(),
         experts_distinct=len(set(flat)), experts_picks=len(flat),
         logits_finite=bool(torch.isfinite(lg).all()), actual_bytes=actual, wo_a=WO_A,
-        f32_weights=F32W)))
+        f32_weights=F32W, moe=MOE)))
 
 
 def components_worker(threads, reps=7):
@@ -456,7 +462,7 @@ def run_runner(ctx, steps, fill, threads):
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", fill, "--ctx", str(ctx),
            "--steps", str(steps), "--threads", str(threads), "--wo-a", WO_A,
-           "--f32-weights", F32W]
+           "--f32-weights", F32W, "--moe", MOE]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(ROOT))
     if r.returncode != 0:
         raise RuntimeError(f"runner worker failed ({r.returncode}):\n{r.stderr[-3000:]}")
@@ -552,7 +558,7 @@ def plot(snap, path):
 
 
 def main(argv=None):
-    global WO_A, F32W
+    global WO_A, F32W, MOE
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", 2)))
     ap.add_argument("--prepare", action="store_true", help="only write / convert the model")
@@ -577,9 +583,12 @@ def main(argv=None):
     ap.add_argument("--f32-weights", choices=("bf16", "f32"), default=F32W,
                     help="our runner's float32 weights with bf16 values (deepseek_csa.generate "
                          "--f32-weights): bf16 (default) or f32, as released")
+    ap.add_argument("--moe", choices=("fused", "loop"), default=MOE,
+                    help="our runner's MoE (deepseek_csa.generate --moe): fused (default; "
+                         "the released loop's bits) or loop, model.py's as released")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    WO_A, F32W = a.wo_a, a.f32_weights
+    WO_A, F32W, MOE = a.wo_a, a.f32_weights, a.moe
     if a.replot:
         plot(json.loads(Path(a.replot).read_text()), Path(a.replot).with_suffix(".png"))
         return 0
@@ -691,7 +700,7 @@ def main(argv=None):
              "weights; our runner (released model.py on deepseek_csa's kernel module) vs "
              "llama.cpp. " + a.note,
         config=CFG, seed=SEED, runner_config=runner_config(), runner_wo_a=WO_A,
-        runner_f32_weights=F32W, gguf=how, ggml=ggml,
+        runner_f32_weights=F32W, runner_moe=MOE, gguf=how, ggml=ggml,
         llamacpp_version=blm.LLAMACPP_VERSION, cpu=harness.cpu_model(), isa=_isa(),
         threads=a.threads, env=harness.environment(a.threads), triad_gbs=tri,
         triad_runs_gbs=triads, load_avg_start=load0, load_avg_end=os.getloadavg(),

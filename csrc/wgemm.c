@@ -68,9 +68,42 @@ int csa_wfp8_gemm_ref(const struct csa_wgemm_args *g)
 #define CSA_IMPL "wgemm_impl.h"
 #include "csa_isa_variants.h"
 
+static int w_dispatch(const struct csa_wgemm_args *g)
+{
+    CSA_DISPATCH(wgemm_tuned, (g), csa_wfp8_gemm_ref(g));
+}
+
+/* Rows of bf16 activations up to which they are widened to float32 once, before the
+ * weights are walked: the tuned bodies widen each 16 activations for every 4 weight rows
+ * (a load-convert and a shift per 16 codes of each row, ~10% of the decode's vector
+ * uops), and at decode the activation rows are a few KiB against MiBs of weights.  The
+ * same values (bf16 -> float32 is exact), so the same bits. */
+#define W_WIDEN_ROWS 16
+
 int csa_wfp8_gemm(const struct csa_wgemm_args *g)
 {
     if (g->M < 0 || g->N < 0 || g->K < 0 || g->ng_rows < 0) return CSA_EINVAL;
     if (g->M == 0 || g->N == 0) return CSA_OK;
-    CSA_DISPATCH(wgemm_tuned, (g), csa_wfp8_gemm_ref(g));
+    if (g->a_bf16 && g->M <= W_WIDEN_ROWS && g->K > 0) {
+        const csa_idx G = g->ng_rows > 0 ? (g->N + g->ng_rows - 1) / g->ng_rows : 1;
+        float *w = malloc((size_t)(g->M * G * g->K) * sizeof *w);
+        if (w) {
+            const csa_bf16 *a = g->a;
+            for (csa_idx m = 0; m < g->M; m++)
+                for (csa_idx j = 0; j < G; j++) {
+                    const csa_bf16 *src = a + m * g->sa_row + (g->ng_rows > 0 ? j * g->sa_grp : 0);
+                    float *dst = w + (m * G + j) * g->K;
+                    for (csa_idx k = 0; k < g->K; k++) dst[k] = csa_bf16_to_f32(src[k]);
+                }
+            struct csa_wgemm_args h = *g;
+            h.a = w;
+            h.a_bf16 = 0;
+            h.sa_row = G * g->K;
+            h.sa_grp = g->K;
+            const int st = w_dispatch(&h);
+            free(w);
+            return st;
+        }
+    }
+    return w_dispatch(g);
 }

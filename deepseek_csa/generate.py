@@ -434,6 +434,11 @@ def _parser():
                         "(the compressors', the head's) whose values are bf16 -- the "
                         "checkpoint stores them so -- are held in bf16 and read at half the "
                         "bytes (a float32 GEMV at decode; docs/runner.md); f32: as released")
+    p.add_argument("--moe", choices=("fused", "loop"), default="fused",
+                   help="fused (default): the MoE's routed FP4 experts as three fp4_gemm "
+                        "calls over every (token, expert) pair, the same bits as model.py's "
+                        "per-expert loop (deepseek_csa.torch.fused_moe; docs/runner.md); "
+                        "loop: model.py's MoE.forward as released")
     p.add_argument("--warmup", type=int, default=0, metavar="N",
                    help="before the first prompt, generate 2 tokens after its first N "
                         "tokens and discard them (first-call costs out of the timings)")
@@ -476,6 +481,13 @@ def _run(args, torch, dist, world_size, rank, log):
     _rows_hc_post(mod)
     with torch.device("cpu"):
         model = mod.Transformer(margs)
+    if args.moe == "fused":
+        # before loading: the experts' parameters become views of the stacks, into which
+        # the loader copies (stacked after, the freed copies stay resident in the heap)
+        from deepseek_csa.torch.fused_moe import fuse_moe
+        n = fuse_moe(model)
+        log(f"[moe] {n} MoE(s) run their routed experts as one fp4_gemm call a projection "
+            "(--moe loop: as released)")
     load_checkpoint(model, path, log=log)
     if args.wo_a == "fp8":
         from deepseek_csa.torch.checkpoint_width import fp8_wo_a
@@ -485,7 +497,7 @@ def _run(args, torch, dist, world_size, rank, log):
         from deepseek_csa.torch.checkpoint_width import bf16_f32_weights
         n = bf16_f32_weights(model)
         log(f"[f32 weights] {n} float32 weight(s) with bf16 values held in bf16 "
-            "(--f32-weights f32: as released)")
+            "and router(s) (--f32-weights f32: as released)")
     if args.swap:
         ops = None if args.swap == "all" else [o.strip() for o in args.swap.split(",")]
         routed = dct.swap(model, ops=ops).routed

@@ -403,13 +403,104 @@ def test_released_transformer_bf16_f32_weights(model_py):
         model = TK.build(model_py, seed=5, **dict(V4_FP8, max_batch_size=1))
         assert _f32_weights_bf16_valued(model) == n
         # one compressor a compressed layer (two with the indexer's), and the head
-        assert bf16_f32_weights(model) == n >= 2 * 3 + 1
+        assert n >= 2 * 3 + 1
+        assert bf16_f32_weights(model) == n + len(model.layers)      # and the routers
         assert isinstance(model.head.weight, BF16Weight)
         got, calls = _run_counting_ops(model, tokens)
     finally:
         model_py.rotate_activation = saved
     assert calls.count("wbf16_gemm") >= 4 * n - 4     # decode steps (the head every step)
     for g, w in zip(got, want):                       # the prefill's head: one row, GEMV
+        assert torch.isfinite(g).all()
+        assert R.rel_err(g.float(), w.float()) < FP8_WO_A_TOL, R.rel_err(g.float(), w.float())
+        assert torch.equal(g.argmax(-1), w.argmax(-1))
+
+
+def test_released_transformer_fused_moe_bitwise(model_py):
+    """deepseek_csa.torch.fuse_moe on the released Transformer (the runner's default,
+    --moe fused): the routed FP4 experts as three fp4_gemm calls with b_index, the
+    SwiGLU over every (token, expert) pair at once, moe_combine adding them in the
+    released loop's order -- prefill and decode logits bitwise those of model.py's
+    per-expert loop, with 2 of 4 and 3 of 8 experts a token (a prefill's tokens share
+    experts)."""
+    import test_kernel_module as TK
+    from deepseek_csa.torch.fused_moe import fuse_moe, unfuse_moe
+    saved = model_py.rotate_activation
+    try:
+        model_py.rotate_activation = model_py._released_rotate_activation
+        for seed, kw in ((5, {}), (8, dict(n_routed_experts=8, n_activated_experts=3,
+                                           swiglu_limit=0.5))):
+            tokens = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(seed))
+            cfg = dict(V4_FP8, max_batch_size=1, **kw)
+            base = TK.build(model_py, seed=seed, **cfg)
+            want = TK.run(base, tokens, 20, 4)
+            model = TK.build(model_py, seed=seed, **cfg)
+            assert fuse_moe(model) == len(model.layers)
+            assert fuse_moe(model) == 0                    # already fused
+            e = model.layers[0].ffn.experts[1].w1
+            assert e.weight.data_ptr() == model.layers[0].ffn._csa_stacks[0][1].data_ptr()
+            got, calls = _run_counting_ops(model, tokens)
+            for g, w in zip(got, want):
+                assert torch.equal(g, w), R.rel_err(g.float(), w.float())
+            # 3 fp4_gemm calls a layer a call of the model (1 prefill, 4 decode steps)
+            assert calls.count("fp4_gemm") == 3 * 5 * len(model.layers)
+            assert calls.count("moe_combine") == 5 * len(model.layers)
+            # fused before the weights are loaded (as the runner does): the loader's
+            # copies land in the stacks
+            with TK.bf16_default():
+                fresh = model_py.Transformer(model_py.ModelArgs(**cfg))
+            assert fuse_moe(fresh) == len(fresh.layers)
+            with torch.no_grad():
+                for k, v in base.state_dict().items():
+                    fresh.state_dict(keep_vars=True)[k].copy_(v)
+            for g, w in zip(TK.run(fresh, tokens, 20, 4), want):
+                assert torch.equal(g, w)
+            # a prefill of more than CHUNK_PAIRS pairs (here 5) on the released forward,
+            # the decode steps fused
+            import deepseek_csa.torch.fused_moe as FM
+            saved_chunk, FM.CHUNK_PAIRS = FM.CHUNK_PAIRS, 5
+            try:
+                for g, w in zip(TK.run(fresh, tokens, 20, 4), want):
+                    assert torch.equal(g, w)
+            finally:
+                FM.CHUNK_PAIRS = saved_chunk
+            unfuse_moe(model)                              # the released loop again
+            model2 = TK.build(model_py, seed=seed, **cfg)
+            assert fuse_moe(model2) == len(model2.layers)
+            unfuse_moe(model2)
+            again = TK.run(model2, tokens, 20, 4)
+            for g, w in zip(again, want):
+                assert torch.equal(g, w)
+    finally:
+        model_py.rotate_activation = saved
+
+
+def test_released_transformer_bf16_router(model_py):
+    """bf16_f32_weights also gives each MoE router a RouterWeight: Gate.forward's
+    per-call float32 widening of its bf16 weight becomes wbf16_gemm on the bf16 weight
+    (rows <= MAX_ROWS; a prefill's router widens as released) -- logits within
+    FP8_WO_A_TOL, greedy tokens the same; the weight reads as the bf16 tensor."""
+    import test_kernel_module as TK
+    from deepseek_csa.torch.checkpoint_width import RouterWeight, bf16_f32_weights
+    saved = model_py.rotate_activation
+    try:
+        model_py.rotate_activation = model_py._released_rotate_activation
+        tokens = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(9))
+        base = TK.build(model_py, seed=5, **dict(V4_FP8, max_batch_size=1))
+        n = _f32_weights_bf16_valued(base)
+        want = TK.run(base, tokens, 20, 4)
+        model = TK.build(model_py, seed=5, **dict(V4_FP8, max_batch_size=1))
+        _f32_weights_bf16_valued(model)
+        w = model.layers[0].ffn.gate.weight.detach().clone()
+        assert bf16_f32_weights(model) == n + len(model.layers)
+        g = model.layers[0].ffn.gate.weight
+        assert isinstance(g, RouterWeight) and torch.equal(g.w16, w)
+        got, calls = _run_counting_ops(model, tokens)
+    finally:
+        model_py.rotate_activation = saved
+    # the router every decode step a layer, besides the compressors and the head
+    assert calls.count("wbf16_gemm") >= 4 * (n + len(model.layers)) - 4
+    for g, w in zip(got, want):
         assert torch.isfinite(g).all()
         assert R.rel_err(g.float(), w.float()) < FP8_WO_A_TOL, R.rel_err(g.float(), w.float())
         assert torch.equal(g.argmax(-1), w.argmax(-1))

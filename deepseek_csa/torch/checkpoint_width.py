@@ -29,7 +29,7 @@ import torch
 from . import ops
 
 __all__ = ["FP8Weight", "fp8_wo_a", "requantize_fp8", "MAX_ROWS", "BF16Weight",
-           "bf16_f32_weights"]
+           "RouterWeight", "bf16_f32_weights"]
 
 # Activation rows up to which the einsum runs the weight-only GEMV (it streams the codes
 # once per row of o; beyond a few rows the dequantized bf16 einsum, a real GEMM, wins).
@@ -224,16 +224,70 @@ def _f32_linear_weights(model):
             yield m
 
 
+class RouterWeight(torch.Tensor):
+    """The MoE router's bf16 weight [E, dim], which the released ``Gate.forward`` widens
+    on every call (``linear(x.float(), self.weight.float())``: 2 bytes a weight read, 4
+    written, 4 read again by the float32 F.linear -- measured 0.8 ms a step of the
+    released-width layer, one core, against ~0.1 for the 2.1 MB it holds).  Here
+    ``.float()`` returns a BF16Weight over the same bf16 tensor (no copy), so that
+    F.linear runs wbf16_gemm: the float32 products of the released call, summed in
+    another order.  Everything else sees the bf16 weight itself."""
+
+    @staticmethod
+    def __new__(cls, w16):
+        t = torch.Tensor._make_wrapper_subclass(cls, tuple(w16.shape), dtype=torch.bfloat16,
+                                                device=w16.device, requires_grad=False)
+        t.w16 = w16
+        return t
+
+    @property
+    def nbytes_read(self):
+        return self.w16.numel() * 2
+
+    def __repr__(self):
+        return f"RouterWeight(shape={list(self.shape)}, bf16; .float() read as bf16)"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.float and len(args) == 1 and not kwargs:
+            return BF16Weight(args[0].w16)
+        if getattr(func, "__name__", "") == "__get__" or func in _META:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        unwrap = lambda a: a.w16 if isinstance(a, RouterWeight) else a  # noqa: E731
+        return func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in kwargs.items()})
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda a: a.w16 if isinstance(a, RouterWeight) else a  # noqa: E731
+        return func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+
+
+def _routers(model):
+    """The released MoE routers (Gate: a bf16 [E, dim] weight, a topk)."""
+    for m in model.modules():
+        w = m._parameters.get("weight") if hasattr(m, "_parameters") else None
+        if (w is not None and not isinstance(w, RouterWeight) and w.dtype == torch.bfloat16
+                and w.dim() == 2 and hasattr(m, "topk") and hasattr(m, "score_func")):
+            yield m
+
+
 def bf16_f32_weights(model):
     """Replaces each float32 weight model.py multiplies by F.linear (the compressors',
     the head's) whose values are all bf16 -- the checkpoint stores them in bf16 and the
-    loader widens them -- by a BF16Weight.  Returns how many were replaced."""
+    loader widens them -- by a BF16Weight, and each MoE router's bf16 weight, which
+    model.py widens to float32 on every call, by a RouterWeight (the same float32
+    multiplication on the bf16 weight).  Returns how many were replaced."""
     n = 0
-    for m in _f32_linear_weights(model):
+    for m in list(_f32_linear_weights(model)):
         w = m._parameters["weight"].detach()
         w16 = w.bfloat16()
         if not torch.equal(w16.float(), w):
             continue
         m._parameters["weight"] = BF16Weight(w16)
+        n += 1
+    for m in list(_routers(model)):
+        m._parameters["weight"] = RouterWeight(m._parameters["weight"].detach())
         n += 1
     return n
