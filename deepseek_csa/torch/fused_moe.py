@@ -36,6 +36,7 @@ stacked: the same values).
 """
 from __future__ import annotations
 
+import sys
 import types
 
 import torch
@@ -183,7 +184,7 @@ def fuse_moe(model):
     for moe in _moe_modules(model):
         if getattr(moe, "_csa_fused", False) or not _fusable(moe):
             continue
-        G = vars(__import__("sys").modules[type(moe).__module__])
+        G = vars(sys.modules[type(moe).__module__])   # model.py's act_quant and formats
         if not all(k in G for k in ("act_quant", "block_size", "scale_fmt", "scale_dtype")):
             continue
         w1, s1 = _stack(moe, "w1")
