@@ -167,16 +167,14 @@ def fp8_wo_a(model):
 _LINEAR = torch.nn.functional.linear
 
 
-class BF16Weight(torch.Tensor):
-    """A float32 weight [N, K] whose values are bf16, held as the bf16 tensor (half the
-    bytes).  ``F.linear(x, w)`` with float32 x of at most MAX_ROWS rows runs
-    ``torch.ops.deepseek_csa.wbf16_gemm`` (float32 products and sums in its fixed order;
-    F.linear's own float32 GEMV sums in another order); everything else sees the float32
-    weight (widened for that call; exact)."""
+class _HeldBF16(torch.Tensor):
+    """A weight held as a bf16 tensor ``w16`` and shown to torch as a tensor of dtype
+    ``SHOWN`` (a wrapper subclass: no storage of its own)."""
+    SHOWN = torch.bfloat16
 
     @staticmethod
     def __new__(cls, w16):
-        t = torch.Tensor._make_wrapper_subclass(cls, tuple(w16.shape), dtype=torch.float32,
+        t = torch.Tensor._make_wrapper_subclass(cls, tuple(w16.shape), dtype=cls.SHOWN,
                                                 device=w16.device, requires_grad=False)
         t.w16 = w16
         return t
@@ -184,6 +182,15 @@ class BF16Weight(torch.Tensor):
     @property
     def nbytes_read(self):
         return self.w16.numel() * 2
+
+
+class BF16Weight(_HeldBF16):
+    """A float32 weight [N, K] whose values are bf16, held as the bf16 tensor (half the
+    bytes).  ``F.linear(x, w)`` with float32 x of at most MAX_ROWS rows runs
+    ``torch.ops.deepseek_csa.wbf16_gemm`` (float32 products and sums in its fixed order;
+    F.linear's own float32 GEMV sums in another order); everything else sees the float32
+    weight (widened for that call; exact)."""
+    SHOWN = torch.float32
 
     def widen(self):
         return self.w16.float()
@@ -224,7 +231,7 @@ def _f32_linear_weights(model):
             yield m
 
 
-class RouterWeight(torch.Tensor):
+class RouterWeight(_HeldBF16):
     """The MoE router's bf16 weight [E, dim], which the released ``Gate.forward`` widens
     on every call (``linear(x.float(), self.weight.float())``: 2 bytes a weight read, 4
     written, 4 read again by the float32 F.linear -- measured 0.8 ms a step of the
@@ -232,17 +239,6 @@ class RouterWeight(torch.Tensor):
     ``.float()`` returns a BF16Weight over the same bf16 tensor (no copy), so that
     F.linear runs wbf16_gemm: the float32 products of the released call, summed in
     another order.  Everything else sees the bf16 weight itself."""
-
-    @staticmethod
-    def __new__(cls, w16):
-        t = torch.Tensor._make_wrapper_subclass(cls, tuple(w16.shape), dtype=torch.bfloat16,
-                                                device=w16.device, requires_grad=False)
-        t.w16 = w16
-        return t
-
-    @property
-    def nbytes_read(self):
-        return self.w16.numel() * 2
 
     def __repr__(self):
         return f"RouterWeight(shape={list(self.shape)}, bf16; .float() read as bf16)"
