@@ -384,6 +384,29 @@ def _f32_weights_bf16_valued(model):
     return n
 
 
+def _bf16_valued_pair(model_py, token_seed):
+    """(tokens, n, want, model): two released FP8 Transformers of one seed whose float32
+    weights hold bf16 values (n of them), the first run as released (want: prefill and 4
+    decode steps' logits), the second left to the test to change.  The caller has put the
+    released rotate_activation in place."""
+    import test_kernel_module as TK
+    tokens = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(token_seed))
+    base = TK.build(model_py, seed=5, **dict(V4_FP8, max_batch_size=1))
+    n = _f32_weights_bf16_valued(base)
+    want = TK.run(base, tokens, 20, 4)
+    model = TK.build(model_py, seed=5, **dict(V4_FP8, max_batch_size=1))
+    assert _f32_weights_bf16_valued(model) == n
+    return tokens, n, want, model
+
+
+def _assert_close_same_tokens(got, want):
+    """Every step's logits within FP8_WO_A_TOL of the released run's, the same argmax."""
+    for g, w in zip(got, want):
+        assert torch.isfinite(g).all()
+        assert R.rel_err(g.float(), w.float()) < FP8_WO_A_TOL, R.rel_err(g.float(), w.float())
+        assert torch.equal(g.argmax(-1), w.argmax(-1))
+
+
 def test_released_transformer_bf16_f32_weights(model_py):
     """deepseek_csa.torch.bf16_f32_weights on the released Transformer (the runner's
     default, --f32-weights bf16): the compressors' and the head's float32 weights held in
@@ -391,17 +414,11 @@ def test_released_transformer_bf16_f32_weights(model_py):
     compressors, more than MAX_ROWS rows, F.linear on the widened weight) -- logits
     within FP8_WO_A_TOL (float32 sums in another order than F.linear's, which
     FP8 QAT rounding downstream can amplify), greedy tokens the same."""
-    import test_kernel_module as TK
     from deepseek_csa.torch.checkpoint_width import BF16Weight, bf16_f32_weights
     saved = model_py.rotate_activation
     try:
         model_py.rotate_activation = model_py._released_rotate_activation
-        tokens = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(7))
-        base = TK.build(model_py, seed=5, **dict(V4_FP8, max_batch_size=1))
-        n = _f32_weights_bf16_valued(base)
-        want = TK.run(base, tokens, 20, 4)
-        model = TK.build(model_py, seed=5, **dict(V4_FP8, max_batch_size=1))
-        assert _f32_weights_bf16_valued(model) == n
+        tokens, n, want, model = _bf16_valued_pair(model_py, 7)
         # one compressor a compressed layer (two with the indexer's), and the head
         assert n >= 2 * 3 + 1
         assert bf16_f32_weights(model) == n + len(model.layers)      # and the routers
@@ -410,10 +427,7 @@ def test_released_transformer_bf16_f32_weights(model_py):
     finally:
         model_py.rotate_activation = saved
     assert calls.count("wbf16_gemm") >= 4 * n - 4     # decode steps (the head every step)
-    for g, w in zip(got, want):                       # the prefill's head: one row, GEMV
-        assert torch.isfinite(g).all()
-        assert R.rel_err(g.float(), w.float()) < FP8_WO_A_TOL, R.rel_err(g.float(), w.float())
-        assert torch.equal(g.argmax(-1), w.argmax(-1))
+    _assert_close_same_tokens(got, want)              # the prefill's head: one row, GEMV
 
 
 def test_released_transformer_fused_moe_bitwise(model_py):
@@ -480,17 +494,11 @@ def test_released_transformer_bf16_router(model_py):
     per-call float32 widening of its bf16 weight becomes wbf16_gemm on the bf16 weight
     (rows <= MAX_ROWS; a prefill's router widens as released) -- logits within
     FP8_WO_A_TOL, greedy tokens the same; the weight reads as the bf16 tensor."""
-    import test_kernel_module as TK
     from deepseek_csa.torch.checkpoint_width import RouterWeight, bf16_f32_weights
     saved = model_py.rotate_activation
     try:
         model_py.rotate_activation = model_py._released_rotate_activation
-        tokens = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(9))
-        base = TK.build(model_py, seed=5, **dict(V4_FP8, max_batch_size=1))
-        n = _f32_weights_bf16_valued(base)
-        want = TK.run(base, tokens, 20, 4)
-        model = TK.build(model_py, seed=5, **dict(V4_FP8, max_batch_size=1))
-        _f32_weights_bf16_valued(model)
+        tokens, n, want, model = _bf16_valued_pair(model_py, 9)
         w = model.layers[0].ffn.gate.weight.detach().clone()
         assert bf16_f32_weights(model) == n + len(model.layers)
         g = model.layers[0].ffn.gate.weight
@@ -500,7 +508,4 @@ def test_released_transformer_bf16_router(model_py):
         model_py.rotate_activation = saved
     # the router every decode step a layer, besides the compressors and the head
     assert calls.count("wbf16_gemm") >= 4 * (n + len(model.layers)) - 4
-    for g, w in zip(got, want):
-        assert torch.isfinite(g).all()
-        assert R.rel_err(g.float(), w.float()) < FP8_WO_A_TOL, R.rel_err(g.float(), w.float())
-        assert torch.equal(g.argmax(-1), w.argmax(-1))
+    _assert_close_same_tokens(got, want)
