@@ -273,6 +273,29 @@ static int fp4_pack_q(const struct csa_index_problem *p, csa_idx b, csa_idx s, u
                           dst, W, dst + p->Di / 2, 1, W, 1);
 }
 
+/* float32 -> bfloat16 -> float32, nearest even, NaN -> 0x7fc0 (torch's rounding). */
+static inline float round_bf16(float x)
+{
+    if (x != x) return csa_bf16_to_f32(0x7fc0);
+    union { float f; uint32_t u; } v = {x};
+    v.u = (v.u + 0x7fffu + ((v.u >> 16) & 1u)) & 0xffff0000u;
+    return v.f;
+}
+
+/* torch's float32 sum over a non-innermost dimension (csa_index_problem, bf16_steps):
+ * term n (1-based) goes into acc[0]; after every 16 terms acc[j-1] moves into acc[j]
+ * while n is a multiple of 16^j. */
+static inline void cascade_add(float acc[4], float term, csa_idx n)
+{
+    acc[0] += term;
+    if (n % 16) return;
+    for (int j = 1; j < 4; j++) {
+        acc[j] += acc[j - 1];
+        acc[j - 1] = 0.0f;
+        if (n & ((csa_idx)15 << (4 * j))) break;
+    }
+}
+
 /* The plainest statement of the FP4 score: per head, per block, an integer sum of
  * the 2x codes, times the product of the scales (and 1/4), added in block order. */
 static __attribute__((noinline)) float score_ref_fp4(const struct csa_index_problem *p,
@@ -282,7 +305,7 @@ static __attribute__((noinline)) float score_ref_fp4(const struct csa_index_prob
     const csa_idx Di = p->Di, nb = Di / 32;
     const uint8_t *kr = (const uint8_t *)p->k + b * p->skb + t * p->skt;
     const csa_idx w0 = b * p->swb + s * p->sws;
-    float acc = 0.0f;
+    float acc = 0.0f, cas[4] = {0.0f, 0.0f, 0.0f, 0.0f}, lane[4][4] = {{0.0f}}, rest[4];
     for (csa_idx h = 0; h < p->Hi; h++) {
         const uint8_t *qr = qrows + h * sqh;
         float dot = 0.0f;
@@ -293,10 +316,27 @@ static __attribute__((noinline)) float score_ref_fp4(const struct csa_index_prob
             const float sc = fp4_scale(qr[Di / 2 + j]) * (fp4_scale(kr[Di / 2 + j]) * 0.25f);
             dot += (float)isum * sc;
         }
+        const float w = ld(p->w, p->w_bf16, w0 + h * p->swh);
+        if (p->bf16_steps) {
+            const float d16 = round_bf16(dot);
+            const float term = round_bf16((d16 < 0.0f ? 0.0f : d16) * w);
+            if (t < p->Tc / 32 * 32)
+                cascade_add(cas, term, h + 1);
+            else if (h < p->Hi / 4 * 4)
+                cascade_add(lane[h % 4], term, h / 4 + 1);
+            else
+                rest[h % 4] = term;   /* the last Hi % 4 heads */
+            continue;
+        }
         const float r = dot < 0.0f ? 0.0f : dot; /* keeps NaN */
-        acc += r * ld(p->w, p->w_bf16, w0 + h * p->swh);
+        acc += r * w;
     }
-    return acc;
+    if (!p->bf16_steps) return acc;
+    if (t < p->Tc / 32 * 32) return round_bf16(((cas[0] + cas[1]) + cas[2]) + cas[3]);
+    float l[4];
+    for (int k = 0; k < 4; k++) l[k] = ((lane[k][0] + lane[k][1]) + lane[k][2]) + lane[k][3];
+    for (csa_idx h = p->Hi / 4 * 4; h < p->Hi; h++) l[0] += rest[h % 4];
+    return round_bf16(((l[0] + l[1]) + l[2]) + l[3]);
 }
 
 /* The FP4 query rows of (b, s) for the oracle: q itself (q_fp4) or packed into buf. */
@@ -367,6 +407,7 @@ static float score_ref(const struct csa_index_problem *p, csa_idx b, csa_idx s, 
 static int fp4_args_ok(const struct csa_index_problem *p)
 {
     if (p->q_fp4 && !p->k_fp4) return 0;
+    if (p->bf16_steps && (!p->k_fp4 || p->Hi > 65536)) return 0;
     return !p->k_fp4 || p->Di % 32 == 0;
 }
 

@@ -50,6 +50,25 @@ struct csa_index_problem {
      * added in head order h = 0 .. Hi-1: unlike float keys, the same bits at every
      * ISA level (docs/kernels.md, section 4, "The integer path"). */
     int k_fp4, q_fp4;
+    /* bf16_steps (FP4 keys only; CSA_EINVAL otherwise): the roundings of the released
+     * indexer's bfloat16 torch expression, einsum -> relu -> times w -> sum over heads,
+     * so that its top-k can be reproduced bit for bit.  Each head's dot (exact, as
+     * above) is rounded to bfloat16 (nearest even; NaN -> 0x7fc0 as torch), relu,
+     * times w (a bfloat16 value) rounded to bfloat16 again; the terms are added in
+     * float32 the way torch (2.x, CPU) sums a bfloat16 [.., Hi, Tc] tensor over Hi,
+     * which depends on the entry's column t:
+     *   t < 32 floor(Tc / 32) (its vectorized columns, 4 vectors of 8): a cascade of 4
+     *     accumulators, heads added one by one into the first, after every 16 heads
+     *     the first added into the second (the second into the third after every
+     *     256, the third into the fourth after every 4096), and at the end
+     *     ((first + second) + third) + fourth;
+     *   the other columns: 4 lanes, head h into lane h % 4 (h < 4 floor(Hi / 4)),
+     *     each lane such a cascade over its own heads, then the last Hi % 4 heads
+     *     added one by one into lane 0's total, then ((l0 + l1) + l2) + l3;
+     * the total rounded to bfloat16.  So Tc must be the released tensor's entry
+     * count (the keys the released code scores, not a longer cache).  Scores are
+     * float32 holding bfloat16 values.  Hi <= 65536. */
+    int bf16_steps;
 };
 
 /* V4.1 candidate blocks: mask [B, S, n_blocks] (nonzero = kept) with strides

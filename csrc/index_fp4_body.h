@@ -209,6 +209,45 @@ static inline VF IX4B_CAT(IX4B_NAME, _acc)(VF tot, VF dot, float w)
 #endif
 }
 
+/* bf16_steps (index.h): lanes rounded to bfloat16 (nearest even, NaN -> 0x7fc0), as
+ * floats; the oracle's round_bf16. */
+static inline VF IX4B_CAT(IX4B_NAME, _r16)(VF x)
+{
+#if IX4B_W == 512
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), I_SET1(1)),
+                                          I_SET1(0x7fff));
+    const __m512i r = _mm512_and_si512(_mm512_add_epi32(u, bias), I_SET1((int)0xffff0000u));
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, I_SET1(0x7fc00000)));
+#else
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), I_SET1(1)),
+                                          I_SET1(0x7fff));
+    const __m256i r = _mm256_and_si256(_mm256_add_epi32(u, bias), I_SET1((int)0xffff0000u));
+    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(I_SET1(0x7fc00000)), nan);
+#endif
+}
+
+/* bf16_steps: head n's (1-based) term r16(relu(r16(dot)) w) into the cascade cas[4]
+ * (the oracle's cascade_add, lane by lane). */
+static inline void IX4B_CAT(IX4B_NAME, _acc16)(VF *cas, VF dot, float w, csa_idx n)
+{
+    const VF m = IX4B_CAT(IX4B_NAME, _r16)(F_MUL(F_MAX(F_ZERO(), IX4B_CAT(IX4B_NAME, _r16)(dot)),
+                                            F_SET1(w)));
+    cas[0] = F_ADD(cas[0], m);
+#ifdef CSA_MUTANT_FP4_INDEX_CASCADE /* planted (make mutants): heads summed one by one */
+    return;
+#endif
+    if (n % 16) return;
+    for (int j = 1; j < 4; j++) {
+        cas[j] = F_ADD(cas[j], cas[j - 1]);
+        cas[j - 1] = F_ZERO();
+        if (n & ((csa_idx)15 << (4 * j))) break;
+    }
+}
+
 /* tot + m, m a rounded product the compiler must not fuse into the addition. */
 static inline VF IX4B_CAT(IX4B_NAME, _add)(VF tot, VF m)
 {
@@ -237,6 +276,7 @@ static void IX4B_NAME(const struct ix_call *x, const uint8_t *qb, csa_idx b, csa
 #endif
     const int32_t *hq23 = (const int32_t *)(qb + g.hq23);
     const float *w = (const float *)(qb + g.w), *wf = (const float *)(qb + g.wf);
+    const int b16 = p->bf16_steps;
     int lg_hi = 0;
     while (((csa_idx)1 << lg_hi) < Hi) lg_hi++;
     (void)wf;
@@ -247,13 +287,17 @@ static void IX4B_NAME(const struct ix_call *x, const uint8_t *qb, csa_idx b, csa
         if (cand_tile_skipped(cm, scn, bs, t, nk)) continue;
         const uint8_t *tile = kc + (size_t)((t - kt0) / NKB) * TB;
         const int32_t *th = (const int32_t *)tile;
-        if (qh[0] || th[0] == IX4_TILE_SCALAR || th[1] + qh[1] < 130 || th[2] + qh[2] > 360) {
+        /* bf16_steps: the last Tc % 32 columns take torch's other head order (index.h),
+         * at most 31 a row: the oracle's function */
+        if (qh[0] || th[0] == IX4_TILE_SCALAR || th[1] + qh[1] < 130 || th[2] + qh[2] > 360 ||
+            (b16 && t + nk > p->Tc / 32 * 32)) {
             CSA_V(ix4_scalar)(x, b, s, t, t + nk, o);
             continue;
         }
         const int32_t *ekb = (const int32_t *)(tile + 64);
         const uint8_t *kv = tile + 64 + (size_t)nb * NKB * 4;
         VF tot = F_ZERO();
+        VF cas[4] = {F_ZERO(), F_ZERO(), F_ZERO(), F_ZERO()}; /* bf16_steps */
         const VI ek23 = I_SLLI(I_LOAD(ekb), 23);
         const int fast_k = th[0] == IX4_TILE_FAST && Di <= IX4_FAST_DI;
 #if IX4B_VNNI
@@ -270,7 +314,7 @@ static void IX4B_NAME(const struct ix_call *x, const uint8_t *qb, csa_idx b, csa
          * (|N| < 2^24, |wf| < 2^(whi + 1)), finite when whi + 25 + log2(Hi) rounded up
          * + max(ek - 127, 0) <= 127; ek in [th[1], th[2]] inside [1, 254]. */
         const float *wfp = NULL;
-        if (fast_k && fast_q && qh[6] && th[1] >= 1 && th[2] <= 254 &&
+        if (!b16 && fast_k && fast_q && qh[6] && th[1] >= 1 && th[2] <= 254 &&
 #ifndef CSA_MUTANT_FP4_INDEX_FACTOR
             qh[7] - 23 + imin(th[1] - 127, 0) >= -126 &&
 #endif
@@ -324,6 +368,9 @@ static void IX4B_NAME(const struct ix_call *x, const uint8_t *qb, csa_idx b, csa
                 if (wfp) {
 #pragma GCC unroll 16
                     for (int i = 0; i < hb; i++) tot = IX4B_CAT(IX4B_NAME, _add)(tot, dot[i]);
+                } else if (b16) {
+                    for (int i = 0; i < hb; i++)
+                        IX4B_CAT(IX4B_NAME, _acc16)(cas, dot[i], w[h + i], h + i + 1);
                 } else if (hb == IX4B_HB) {
 #pragma GCC unroll 16
                     for (int i = 0; i < IX4B_HB; i++) tot = IX4B_CAT(IX4B_NAME, _acc)(tot, dot[i], w[h + i]);
@@ -344,9 +391,14 @@ static void IX4B_NAME(const struct ix_call *x, const uint8_t *qb, csa_idx b, csa
                 IX4B_CAT(IX4B_NAME, _fast)(1, qop, hcorr, hq23, NULL, h, Di, kv, ek23, dot);
             else
                 dot[0] = IX4B_CAT(IX4B_NAME, _blocks)(qop, hcorrb, heqb, h, Di, kv, ekb);
-            tot = IX4B_CAT(IX4B_NAME, _acc)(tot, dot[0], w[h]);
+            if (b16)
+                IX4B_CAT(IX4B_NAME, _acc16)(cas, dot[0], w[h], h + 1);
+            else
+                tot = IX4B_CAT(IX4B_NAME, _acc)(tot, dot[0], w[h]);
         }
         if (wfp) tot = F_MUL(tot, CASTF(ek23)); /* times 2^(ek - 127), exact */
+        if (b16)
+            tot = IX4B_CAT(IX4B_NAME, _r16)(F_ADD(F_ADD(F_ADD(cas[0], cas[1]), cas[2]), cas[3]));
         if (nk == NKB) {
             F_STOREU(o + t, tot);
         } else {

@@ -808,7 +808,7 @@ static void CSA_V(ix4_score_row)(const struct ix_call *x, const uint8_t *qb, csa
 {
 #if defined(__AVX512F__)
 #ifdef IX4_HAVE_AMX
-    if (CSA_V(ix4_amx)()) {
+    if (CSA_V(ix4_amx)() && !x->p->bf16_steps) { /* the AMX epilogue has no bf16 steps */
         CSA_V(ix4_tiles_amx)(x, qb, b, s, kc, kt0, t0, t1, cm, scn, bs, o);
         return;
     }

@@ -161,6 +161,20 @@ static int parse_order(const char *fn, PyObject *o, int *order)
     return -1;
 }
 
+/* index_scores' rounding: "float32" (0) or "bf16" (1: csa_index_problem.bf16_steps). */
+static int parse_rounding(const char *fn, PyObject *o, int *bf16_steps)
+{
+    const char *s = (o && PyUnicode_Check(o)) ? PyUnicode_AsUTF8(o) : NULL;
+    if (s && (strcmp(s, "float32") == 0 || strcmp(s, "bf16") == 0)) {
+        *bf16_steps = s[0] == 'b';
+        return 0;
+    }
+    PyErr_Clear();
+    PyErr_Format(PyExc_ValueError, "%s(): 'rounding' must be \"float32\" or \"bf16\", got %R",
+                 fn, o);
+    return -1;
+}
+
 /* ratio >= 1, start_pos >= 0, the topk, offset and order arguments. */
 static int parse_common(const char *fn, PyObject *ratio_o, PyObject *sp_o, long long *ratio,
                         long long *start_pos)
@@ -241,7 +255,7 @@ static PyArrayObject *out_and_work(PyObject *oo, const char *fn, const npy_intp 
 /* ------------------------------------------------------------------ index_scores */
 
 PyDoc_STRVAR(index_scores_doc,
-"index_scores(q, k, weights, *, ratio, start_pos=0, out=None)\n--\n\n"
+"index_scores(q, k, weights, *, ratio, start_pos=0, rounding=\"float32\", out=None)\n--\n\n"
 "Indexer scores (docs/kernels.md, section 4), float32 [B, S, Tc]:\n"
 "``score[b,s,t] = sum_h relu(q[b,s,h,:] . k[b,t,:]) * weights[b,s,h]`` for the\n"
 "entries the query at absolute position P = start_pos + s can see,\n"
@@ -252,6 +266,13 @@ PyDoc_STRVAR(index_scores_doc,
 "          fine).\n"
 "weights : float32 or bfloat16 [B, S, Hi].\n"
 "ratio   : compress ratio (>= 1); start_pos: absolute position of q[:, 0].\n"
+"rounding: \"float32\" (every step in float32, heads added in order) or \"bf16\": the\n"
+"          roundings of the released indexer's bfloat16 torch expression (einsum,\n"
+"          relu, times weights, sum over heads): each head's dot and its weighted term\n"
+"          rounded to bfloat16, the terms summed in float32 in torch's order for that\n"
+"          sum (16 heads at a time, then the partial sums), the total rounded to\n"
+"          bfloat16, so torch.topk of the scores (as bfloat16) picks what the released\n"
+"          code picks.  Needs FP4 keys (a uint8 k), where each dot is exact; no gradient.\n"
 "out     : float32 [B, S, Tc] or None.\n"
 "bfloat16 (ml_dtypes.bfloat16 arrays, torch.bfloat16 tensors) is read in place, never\n"
 "copied to float32: computed in float32 (products of bfloat16 are exact), scores\n"
@@ -264,16 +285,32 @@ PyDoc_STRVAR(index_scores_doc,
 static PyObject *py_index_scores(PyObject *self, PyObject *args, PyObject *kw)
 {
     static const char *fn = "index_scores";
-    static char *kwlist[] = {"q", "k", "weights", "ratio", "start_pos", "out", NULL};
-    PyObject *qo, *ko, *wo, *ro = NULL, *spo = NULL, *oo = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|$OOO:index_scores", kwlist, &qo, &ko, &wo,
-                                     &ro, &spo, &oo))
+    static char *kwlist[] = {"q", "k", "weights", "ratio", "start_pos", "rounding", "out", NULL};
+    PyObject *qo, *ko, *wo, *ro = NULL, *spo = NULL, *rdo = NULL, *oo = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|$OOOO:index_scores", kwlist, &qo, &ko, &wo,
+                                     &ro, &spo, &rdo, &oo))
         return NULL;
     long long ratio, start_pos = 0;
+    int bf16_steps = 0;
     if (parse_common(fn, ro, spo, &ratio, &start_pos)) return NULL;
+    if (rdo && parse_rounding(fn, rdo, &bf16_steps)) return NULL;
     struct qkw a;
     struct csa_index_problem p;
     if (parse_qkw(fn, qo, ko, wo, ratio, start_pos, &a, &p)) return NULL;
+    if (bf16_steps && !p.k_fp4) {
+        PyErr_Format(PyExc_TypeError, "%s(): rounding=\"bf16\" needs FP4 keys (a uint8 'k' of "
+                     "Di/2 + Di/32 bytes a row, fp4_pack()), got k of dtype %S", fn,
+                     (PyObject *)PyArray_DESCR(a.k));
+        qkw_clear(&a);
+        return NULL;
+    }
+    if (bf16_steps && p.Hi > 65536) {
+        PyErr_Format(PyExc_ValueError, "%s(): rounding=\"bf16\" takes at most 65536 heads, q has "
+                     "%lld", fn, (long long)p.Hi);
+        qkw_clear(&a);
+        return NULL;
+    }
+    p.bf16_steps = bf16_steps;
     npy_intp shape[3] = {p.B, p.S, p.Tc};
     PyArrayObject *ins[3] = {a.q, a.k, a.w}, *work, *out;
     PyObject *ret = NULL;

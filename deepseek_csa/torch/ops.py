@@ -27,7 +27,8 @@ apply_rope_                x rotated in place (mutates x)            --
 gated_pool                 [B, T // ratio, D] in kv's dtype          kv, score, ape
 gated_pool_backward        (grad_kv, grad_score: bf16 when kv and    --
                            score are, else f32; grad_ape f32)
-index_scores               f32 [B, S, Tc]                            q, k, weights
+index_scores               f32 [B, S, Tc] (rounding='bf16': the      q, k, weights
+                           released bf16 expression's values)        (float32 only)
 index_scores_backward      (grad_q, grad_k, grad_weights) f32        --
 index_topk, topk_indices   int32 [B, S, min(topk, (p + S) // r)]     --
 select_candidate_blocks    bool [B, S, ceil(Tc / block_size)]        --
@@ -410,11 +411,12 @@ _define("gated_pool(Tensor kv, Tensor? score, int ratio, Tensor? ape, bool overl
 
 
 # ----------------------------------------------------------------------------- indexer
-def _scores_impl(q, k, weights, ratio, start_pos):
-    return torch.from_numpy(_dc.index_scores(q, k, weights, ratio=ratio, start_pos=start_pos))
+def _scores_impl(q, k, weights, ratio, start_pos, rounding="float32"):
+    return torch.from_numpy(_dc.index_scores(q, k, weights, ratio=ratio, start_pos=start_pos,
+                                             rounding=rounding))
 
 
-def _scores_fake(q, k, weights, ratio, start_pos):
+def _scores_fake(q, k, weights, ratio, start_pos, rounding="float32"):
     return q.new_empty((q.shape[0], q.shape[1], k.shape[1]), dtype=_f32)
 
 
@@ -430,22 +432,27 @@ def _scores_bwd_fake(grad, q, k, weights, ratio, start_pos):
 
 
 def _scores_setup(ctx, inputs, output):
-    q, k, weights, ratio, start_pos = inputs
-    ctx.ratio, ctx.start_pos = ratio, start_pos
+    q, k, weights, ratio, start_pos, rounding = inputs
+    ctx.ratio, ctx.start_pos, ctx.rounding = ratio, start_pos, rounding
     ctx.save_for_backward(q, k, weights)
 
 
 def _scores_backward(ctx, grad):
+    if ctx.rounding != "float32":
+        raise RuntimeError(f"index_scores(rounding={ctx.rounding!r}) has no gradient: its "
+                           "bfloat16 roundings reproduce the released selection, which is "
+                           "discrete; train with rounding='float32'")
     q, k, w = ctx.saved_tensors
     gq, gk, gw = OPS["index_scores_backward"](grad, q, k, w, ctx.ratio, ctx.start_pos)
     need = ctx.needs_input_grad
     return (gq.to(q.dtype) if need[0] else None, gk.to(k.dtype) if need[1] else None,
-            gw.to(w.dtype) if need[2] else None, None, None)
+            gw.to(w.dtype) if need[2] else None, None, None, None)
 
 
 _define("index_scores_backward(Tensor grad_scores, Tensor q, Tensor k, Tensor weights, int ratio, "
         "SymInt start_pos) -> (Tensor, Tensor, Tensor)", _scores_bwd_impl, _scores_bwd_fake)
-_define("index_scores(Tensor q, Tensor k, Tensor weights, int ratio, SymInt start_pos) -> Tensor",
+_define("index_scores(Tensor q, Tensor k, Tensor weights, int ratio, SymInt start_pos, "
+        "str rounding='float32') -> Tensor",
         _scores_impl, _scores_fake, backward=_scores_backward, setup_context=_scores_setup)
 
 

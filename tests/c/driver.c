@@ -709,6 +709,15 @@ static int run_index_scores_fp4(const tcase *c, void *out)
 }
 static const kernel K_INDEX_SCORES_FP4 = {"index_scores fp4", init_index_scores_fp4,
                                           run_index_scores_fp4, NULL};
+static int run_index_scores_fp4_b16(const tcase *c, void *out)
+{
+    struct csa_index_problem p = index_problem_fp4(c);
+    p.bf16_steps = 1;
+    return csa_index_scores(&p, out, p.S * p.Tc, p.Tc);
+}
+static const kernel K_INDEX_SCORES_FP4_B16 = {"index_scores fp4 bf16 steps",
+                                              init_index_scores_fp4, run_index_scores_fp4_b16,
+                                              NULL};
 static int init_index_topk_fp4(tcase *c)
 {
     init_index_fp4(c);
@@ -1059,6 +1068,12 @@ static tcase cases[] = {
     {&K_INDEX_TOPK_FP4, {1, 13, 16, 96, 49, 4, 180, 9}, F_EXACT | F_POSITION, 0, 0, "fp4 k exact V4.1 mask"},
     {&K_INDEX_SCORES_FP4, {1, 1, 64, 128, 300, 4, 1199}, F_NARROW, 0, 0, "fp4 k decode one-sum path"},
     {&K_INDEX_SCORES_FP4, {2, 8, 64, 128, 77, 4, 300}, 0, 0, 0, "fp4 k S=8 block path"},
+    {&K_INDEX_SCORES_FP4_B16, {1, 1, 64, 128, 300, 4, 1199}, BF | F_W_BF16, 0, 0,
+     "fp4 k bf16 steps decode"},
+    {&K_INDEX_SCORES_FP4_B16, {2, 3, 20, 64, 45, 4, 170}, 0, 0, 0, "fp4 k bf16 steps 20 heads"},
+    {&K_INDEX_SCORES_FP4_B16, {1, 1, 300, 64, 37, 1, 36}, F_NARROW, 0, 0,
+     "fp4 k bf16 steps 300 heads"},
+    {&K_INDEX_SCORES_FP4_B16, {1, 3, 9, 160, 41, 4, 160}, F_NAN, 0, 0, "fp4 k bf16 steps NaN"},
     {&K_INDEX_SCORES_FP4, {1, 3, 9, 160, 41, 4, 160}, F_NAN, 0, 0, "fp4 k NaN / range fallbacks"},
     {&K_INDEX_TOPK_FP4, {1, 1, 64, 128, 1000, 4, 3999, 512}, F_NARROW, 0, 0, "fp4 k decode top-512"},
     {&K_INDEX_TOPK_FP4, {2, 5, 32, 64, 90, 4, 350, 33}, F_NARROW | F_POSITION, 0, 0, "fp4 k V4.1 mask"},
