@@ -439,6 +439,12 @@ def _parser():
                         "calls over every (token, expert) pair, the same bits as model.py's "
                         "per-expert loop (deepseek_csa.torch.fused_moe; docs/runner.md); "
                         "loop: model.py's MoE.forward as released")
+    p.add_argument("--indexer", choices=("fused", "einsum"), default="fused",
+                   help="fused (default): at decode the V4 indexer's scores come from "
+                        "deepseek_csa's FP4 kernel with the released bf16 expression's "
+                        "roundings, then torch.topk as released: the same selection "
+                        "(deepseek_csa.torch.fused_indexer; docs/runner.md); einsum: "
+                        "model.py's bf16 einsum as released")
     p.add_argument("--warmup", type=int, default=0, metavar="N",
                    help="before the first prompt, generate 2 tokens after its first N "
                         "tokens and discard them (first-call costs out of the timings)")
@@ -503,6 +509,11 @@ def _run(args, torch, dist, world_size, rank, log):
         routed = dct.swap(model, ops=ops).routed
         log(f"[swap] {args.swap}: " + "; ".join(f"layer {k}: {', '.join(v) or '-'}"
                                                 for k, v in routed.items()))
+    if args.indexer == "fused":
+        from deepseek_csa.torch.fused_indexer import fuse_indexer
+        n = fuse_indexer(model)
+        log(f"[indexer] {n} indexer(s) score decode steps with deepseek_csa's FP4 kernel, "
+            "the released bf16 roundings (--indexer einsum: as released)")
     t_load = time.perf_counter() - t0
     ckpt_bytes = os.path.getsize(path)
     log(f"[load] rank 0 of {world_size}: {path} ({ckpt_bytes / 2**20:.1f} MiB) in "

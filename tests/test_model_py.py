@@ -331,14 +331,7 @@ FP8_WO_A_TOL = 5e-2
 def _run_counting_ops(model, tokens):
     """TK.run's result on the model, and the names of the deepseek_csa operators it called
     through ops.call, in order."""
-    import test_kernel_module as TK
-    from deepseek_csa.torch import ops
-    calls, orig = [], ops.call
-    ops.call = lambda name, *a: (calls.append(name), orig(name, *a))[1]
-    try:
-        return TK.run(model, tokens, 20, 4), calls
-    finally:
-        ops.call = orig
+    return _run_counting_ops_steps(model, tokens, 20, 4)
 
 
 def test_released_transformer_fp8_wo_a_equals_bf16_einsum(model_py):
@@ -487,6 +480,62 @@ def test_released_transformer_fused_moe_bitwise(model_py):
                 assert torch.equal(g, w)
     finally:
         model_py.rotate_activation = saved
+
+
+def test_released_transformer_fused_indexer_bitwise(model_py):
+    """deepseek_csa.torch.fuse_indexer on the released Transformer (the runner's default,
+    --indexer fused): each decode step's indexer scores from index_scores(rounding="bf16")
+    on the FP4 key rows, then torch.topk as released -- every indexer call's selection
+    and every logit bitwise those of the released einsum, over 30 decode steps (up to 12
+    entries for a top-4), with 4 and with 20 index heads (a 16-head chunk of torch's sum
+    and a tail), batch 1 and 2; a second prompt (prefill at 0 again) repacks the keys."""
+    import test_kernel_module as TK
+    from deepseek_csa.torch.fused_indexer import fuse_indexer, unfuse_indexer
+    saved = model_py.rotate_activation
+
+    def run_recording(model, tokens):
+        picks = []
+        hooks = [l.attn.indexer.register_forward_hook(lambda m, a, out: picks.append(out.clone()))
+                 for l in model.layers if getattr(l.attn, "indexer", None) is not None]
+        try:
+            out, calls = _run_counting_ops_steps(model, tokens, 20, 30)
+            out += TK.run(model, tokens[:, 5:], 16, 3)       # another prompt
+        finally:
+            for h in hooks:
+                h.remove()
+        return out, picks, calls
+
+    try:
+        model_py.rotate_activation = model_py._released_rotate_activation
+        for seed, B, kw in ((5, 1, {}), (7, 2, dict(index_n_heads=20))):
+            cfg = dict(V4_FP8, max_batch_size=B, **kw)
+            tokens = torch.randint(0, 128, (B, 50), generator=torch.Generator().manual_seed(seed))
+            want, want_picks, _ = run_recording(TK.build(model_py, seed=seed, **cfg), tokens)
+            model = TK.build(model_py, seed=seed, **cfg)
+            assert fuse_indexer(model) == 1 and fuse_indexer(model) == 0
+            got, picks, calls = run_recording(model, tokens)
+            assert calls.count("index_scores") == 30          # every decode step, one layer
+            assert len(picks) == len(want_picks)
+            for i, (g, w) in enumerate(zip(picks, want_picks)):
+                assert torch.equal(g, w), i
+            for g, w in zip(got, want):
+                assert torch.equal(g, w), R.rel_err(g.float(), w.float())
+            unfuse_indexer(model)
+            assert "forward" not in vars(model.layers[1].attn.indexer)
+    finally:
+        model_py.rotate_activation = saved
+
+
+def _run_counting_ops_steps(model, tokens, S, steps):
+    """_run_counting_ops with S prompt tokens and `steps` decode steps."""
+    import test_kernel_module as TK
+    from deepseek_csa.torch import ops
+    calls, orig = [], ops.call
+    ops.call = lambda name, *a: (calls.append(name), orig(name, *a))[1]
+    try:
+        return TK.run(model, tokens, S, steps), calls
+    finally:
+        ops.call = orig
 
 
 def test_released_transformer_bf16_router(model_py):

@@ -294,16 +294,22 @@ static PyObject *py_index_scores(PyObject *self, PyObject *args, PyObject *kw)
     int bf16_steps = 0;
     if (parse_common(fn, ro, spo, &ratio, &start_pos)) return NULL;
     if (rdo && parse_rounding(fn, rdo, &bf16_steps)) return NULL;
+    if (bf16_steps) {
+        PyArrayObject *k8 = csa_u8_view(ko);
+        if (!k8) {
+            PyObject *dt = PyObject_GetAttrString(ko, "dtype");
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError, "%s(): rounding=\"bf16\" needs FP4 keys (a uint8 'k' "
+                         "of Di/2 + Di/32 bytes a row, fp4_pack()), got k of dtype %S", fn,
+                         dt ? dt : (PyObject *)Py_TYPE(ko));
+            Py_XDECREF(dt);
+            return NULL;
+        }
+        Py_DECREF(k8);
+    }
     struct qkw a;
     struct csa_index_problem p;
     if (parse_qkw(fn, qo, ko, wo, ratio, start_pos, &a, &p)) return NULL;
-    if (bf16_steps && !p.k_fp4) {
-        PyErr_Format(PyExc_TypeError, "%s(): rounding=\"bf16\" needs FP4 keys (a uint8 'k' of "
-                     "Di/2 + Di/32 bytes a row, fp4_pack()), got k of dtype %S", fn,
-                     (PyObject *)PyArray_DESCR(a.k));
-        qkw_clear(&a);
-        return NULL;
-    }
     if (bf16_steps && p.Hi > 65536) {
         PyErr_Format(PyExc_ValueError, "%s(): rounding=\"bf16\" takes at most 65536 heads, q has "
                      "%lld", fn, (long long)p.Hi);

@@ -1,0 +1,117 @@
+"""The released model.py's V4 Indexer with its decode-step scores from deepseek_csa's
+FP4 kernel (``fuse_indexer``), the runner's default (``python -m deepseek_csa.generate
+--indexer fused``).
+
+At a decode step the released ``Indexer.forward`` scores every compressed entry with
+torch in bfloat16: an einsum of the 64 query heads against the [end_pos // ratio, 128]
+key cache, ``relu_``, times the per-head weights, a sum over the heads, then
+``topk``.  After 64K tokens of context that is a [64, 16384] product and three passes
+over a [64, 16384] bfloat16 tensor on one thread: ~6 ms of a ~18 ms step at the
+released width (docs/peers.md section 9), where the kernel takes ~0.6.
+
+``fuse_indexer(model)`` gives each released V4 Indexer an instance ``forward``.  On a
+decode call (one new token, ``start_pos > 0``, no tensor parallelism, the model
+module's FP4 rounding ours in blocks of 32, bfloat16 queries, keys and weights) it
+runs the released lines up to the scores -- ``wq_b``, RoPE, Hadamard, the FP4 rounding
+of q, the compressor, the weights -- then ``index_scores(..., rounding="bf16")`` on the
+key cache's FP4 rows (packed beside the bfloat16 cache as the compressor adds rows)
+and ``torch.topk`` of those scores as bfloat16, as released.  ``rounding="bf16"``
+reproduces each rounding of the released expression (docs/kernels.md, section 4): the
+per-head dot products, exact from FP4 rows, rounded to bfloat16; relu; times the
+weight, rounded; the heads summed in float32 in the order torch sums that tensor; the
+total rounded.  So the scores are the released bits wherever torch's float32 dot
+product of those FP4-grid rows is exact (its 4 block sums, 13 bits each, within 2^11
+of each other: always, for keys and queries whose block scales differ by less than
+2^11), and ``torch.topk`` of the same bfloat16 row picks the same entries, ties
+included.  Every other call runs the released forward; a key cache whose rows are not
+on the FP4 grid is scored by the released expression.  ``unfuse_indexer`` restores the
+released forward.
+"""
+from __future__ import annotations
+
+import sys
+import types
+
+import torch
+
+from . import ops
+from .dropins import _fp4_keys, _rounds_fp4_32
+
+__all__ = ["fuse_indexer", "unfuse_indexer"]
+
+
+def _v4_indexers(model):
+    import inspect
+    for m in model.modules():
+        if not (type(m).__name__.endswith("Indexer") and hasattr(m, "compressor")
+                and hasattr(m, "kv_cache") and hasattr(m, "weights_proj")):
+            continue
+        try:
+            params = list(inspect.signature(type(m).forward).parameters)
+        except (TypeError, ValueError):
+            continue
+        if params == ["self", "x", "qr", "start_pos", "offset"]:    # V4 (V4.1 adds latent)
+            yield m
+
+
+def _released(self, x, qr, start_pos, offset):
+    # the released forward rewrites key rows from start_pos // ratio on: their FP4
+    # copies are stale from there
+    self._csa_fp4_valid = min(getattr(self, "_csa_fp4_valid", 0), start_pos // self.compress_ratio)
+    return type(self).forward(self, x, qr, start_pos, offset)
+
+
+def _indexer_forward(self, x, qr, start_pos, offset):
+    G = self._csa_globals
+    bsz, seqlen, _ = x.size()
+    bf = torch.bfloat16
+    if (seqlen != 1 or start_pos == 0 or G.get("world_size", 1) > 1 or not _rounds_fp4_32(G)
+            or self.kv_cache.dtype != bf or self.weights_proj.weight.dtype != bf):
+        return _released(self, x, qr, start_pos, offset)
+    ratio, rd = self.compress_ratio, self.rope_head_dim
+    end_pos = start_pos + 1
+    if self.compressor.kv_cache is None:
+        self.compressor.kv_cache = self.kv_cache
+        self.compressor.freqs_cis = self.freqs_cis
+    q = self.wq_b(qr).unflatten(-1, (self.n_local_heads, self.head_dim))
+    if q.dtype != bf:
+        # nothing stateful has run yet: the released forward from the start
+        return _released(self, x, qr, start_pos, offset)
+    G["apply_rotary_emb"](q[..., -rd:], self.freqs_cis[start_pos:end_pos])
+    q = G["rotate_activation"](q)
+    G["fp4_act_quant"](q, G["fp4_block_size"], True)
+    self.compressor(x, start_pos)
+    weights = self.weights_proj(x) * (self.softmax_scale * self.n_heads ** -0.5)
+    keys = self.kv_cache[:bsz, :end_pos // ratio]
+    k = min(self.index_topk, end_pos // ratio)
+    kn = _fp4_keys(self, keys, bsz, start_pos // ratio, True)
+    if kn.dtype == torch.uint8:
+        score = ops.call("index_scores", q, kn, weights, ratio, start_pos, "bf16").to(bf)
+    else:      # keys off the FP4 grid: the released expression
+        score = torch.einsum("bshd,btd->bsht", q, keys)
+        score = (score.relu_() * weights.unsqueeze(-1)).sum(dim=2)
+    return score.topk(k, dim=-1)[1] + offset
+
+
+def fuse_indexer(model):
+    """Gives each released V4 Indexer under model (not one ``swap`` has replaced) the
+    decode path of the module docstring.  Returns how many."""
+    n = 0
+    for m in _v4_indexers(model):
+        if "forward" in m.__dict__:      # swapped, or fused already
+            continue
+        m._csa_globals = vars(sys.modules[type(m).__module__])
+        m.forward = types.MethodType(_indexer_forward, m)
+        m._csa_fused_indexer = True
+        n += 1
+    return n
+
+
+def unfuse_indexer(model):
+    """Restores the released forward of every Indexer fuse_indexer changed."""
+    for m in model.modules():
+        if m.__dict__.pop("_csa_fused_indexer", None):
+            m.__dict__.pop("forward", None)
+            m.__dict__.pop("_csa_fp4_keys", None)
+            m.__dict__.pop("_csa_fp4_valid", None)
+    return model
