@@ -81,6 +81,9 @@ F32W = "bf16"
 # and its MoE: "fused" (the runner's default, --moe: the routed experts in three fp4_gemm
 # calls, the released loop's bits) or "loop" (model.py's MoE.forward)
 MOE = "fused"
+# and its indexer at decode: "fused" (the runner's default, --indexer: the FP4 kernel with
+# the released bf16 roundings, the released selection) or "einsum" (model.py's as released)
+INDEXER = "fused"
 CACHE = PEERS / "width44"
 MAX_CTX = 65536
 # V4-Flash as released: 43 layers and a 129280-token bf16 head (the projection's extra bytes)
@@ -312,6 +315,9 @@ def runner_worker(ctx, steps, fill, threads, warm=4):
     if F32W == "bf16":
         from deepseek_csa.torch.checkpoint_width import bf16_f32_weights
         bf16_f32_weights(model)
+    if INDEXER == "fused":
+        from deepseek_csa.torch.fused_indexer import fuse_indexer
+        fuse_indexer(model)
     t_load = time.perf_counter() - t0
     rss_loaded = rss_bytes()
     layer = model.layers[0]
@@ -354,7 +360,8 @@ def runner_worker(ctx, steps, fill, threads, warm=4):
         kv[:win] = like(kv[:win], win)
         kv[win:win + n] = like(kv[win:win + 64], n)
         ik = attn.indexer.kv_cache[0]
-        ik[:n] = like(ik[:64], n)
+        # index keys as the indexer's compressor writes them: on the FP4 grid (QAT)
+        ik[:n] = torch.from_numpy(dc.fp4_round(like(ik[:64], n).float().numpy(), 32)).to(ik.dtype)
     t_fill = time.perf_counter() - t0
     times, cpu = [], []
     record[0] = True
@@ -380,7 +387,7 @@ def runner_worker(ctx, steps, fill, threads, warm=4):
         peak_rss_bytes=peak_rss_bytes(), isa=dc.get_isa(), threads=torch.get_num_threads(),
         experts_distinct=len(set(flat)), experts_picks=len(flat),
         logits_finite=bool(torch.isfinite(lg).all()), actual_bytes=actual, wo_a=WO_A,
-        f32_weights=F32W, moe=MOE)))
+        f32_weights=F32W, moe=MOE, indexer=INDEXER)))
 
 
 def components_worker(threads, reps=7):
@@ -462,7 +469,7 @@ def run_runner(ctx, steps, fill, threads):
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", fill, "--ctx", str(ctx),
            "--steps", str(steps), "--threads", str(threads), "--wo-a", WO_A,
-           "--f32-weights", F32W, "--moe", MOE]
+           "--f32-weights", F32W, "--moe", MOE, "--indexer", INDEXER]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(ROOT))
     if r.returncode != 0:
         raise RuntimeError(f"runner worker failed ({r.returncode}):\n{r.stderr[-3000:]}")
@@ -558,7 +565,7 @@ def plot(snap, path):
 
 
 def main(argv=None):
-    global WO_A, F32W, MOE
+    global WO_A, F32W, MOE, INDEXER
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", 2)))
     ap.add_argument("--prepare", action="store_true", help="only write / convert the model")
@@ -586,9 +593,12 @@ def main(argv=None):
     ap.add_argument("--moe", choices=("fused", "loop"), default=MOE,
                     help="our runner's MoE (deepseek_csa.generate --moe): fused (default; "
                          "the released loop's bits) or loop, model.py's as released")
+    ap.add_argument("--indexer", choices=("fused", "einsum"), default=INDEXER,
+                    help="our runner's indexer at decode (deepseek_csa.generate --indexer): "
+                         "fused (default; the released selection) or einsum, as released")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    WO_A, F32W, MOE = a.wo_a, a.f32_weights, a.moe
+    WO_A, F32W, MOE, INDEXER = a.wo_a, a.f32_weights, a.moe, a.indexer
     if a.replot:
         plot(json.loads(Path(a.replot).read_text()), Path(a.replot).with_suffix(".png"))
         return 0
@@ -700,7 +710,7 @@ def main(argv=None):
              "weights; our runner (released model.py on deepseek_csa's kernel module) vs "
              "llama.cpp. " + a.note,
         config=CFG, seed=SEED, runner_config=runner_config(), runner_wo_a=WO_A,
-        runner_f32_weights=F32W, runner_moe=MOE, gguf=how, ggml=ggml,
+        runner_f32_weights=F32W, runner_moe=MOE, runner_indexer=INDEXER, gguf=how, ggml=ggml,
         llamacpp_version=blm.LLAMACPP_VERSION, cpu=harness.cpu_model(), isa=_isa(),
         threads=a.threads, env=harness.environment(a.threads), triad_gbs=tri,
         triad_runs_gbs=triads, load_avg_start=load0, load_avg_end=os.getloadavg(),

@@ -88,6 +88,13 @@ def _indexer_forward(self, x, qr, start_pos, offset):
     if kn.dtype == torch.uint8:
         score = ops.call("index_scores", q, kn, weights, ratio, start_pos, "bf16").to(bf)
     else:      # keys off the FP4 grid: the released expression
+        if not getattr(self, "_csa_warned", False):
+            import warnings
+            self._csa_warned = True
+            warnings.warn("fuse_indexer: this indexer's key cache holds rows off the FP4 "
+                          "grid (its FP4 rounding did not run on them), so its decode steps "
+                          "score them with the released bf16 einsum (slower)", RuntimeWarning,
+                          stacklevel=2)
         score = torch.einsum("bshd,btd->bsht", q, keys)
         score = (score.relu_() * weights.unsqueeze(-1)).sum(dim=2)
     return score.topk(k, dim=-1)[1] + offset
