@@ -263,6 +263,71 @@ def _rows_hc_post(mod):
     blk.hc_post = hc_post
 
 
+INDEX_SCORE_EQ = "bshd,btd->bsht"
+INDEX_ROWS = 256
+
+
+def _index_score_mm(einsum):
+    """model.py's indexer score einsum at decode as one 2-D matmul over a column count
+    rounded up to INDEX_ROWS (see _index_scores_mm); anything else goes to ``einsum``."""
+    torch = _torch()
+
+    def index_einsum(eq, *ops):
+        if len(ops) == 1 and isinstance(ops[0], (tuple, list)):
+            ops = tuple(ops[0])
+        if eq != INDEX_SCORE_EQ or len(ops) != 2:
+            return einsum(eq, *ops)
+        q, kv = ops
+        if (type(q) is not torch.Tensor or type(kv) is not torch.Tensor
+                or q.dim() != 4 or kv.dim() != 3 or q.shape[0] * q.shape[1] != 1
+                or kv.shape[0] != 1 or q.dtype != torch.bfloat16 or kv.dtype != q.dtype
+                or q.shape[3] != kv.shape[2] or kv.stride(2) != 1 or kv.shape[1] == 0):
+            return einsum(eq, *ops)
+        h, d = q.shape[2], q.shape[3]
+        t, row = kv.shape[1], kv.stride(1)
+        # the rows of kv's storage past its view: the indexer's cache, allocated for
+        # max_seq_len // ratio keys, of which the step reads the first t
+        room = (kv.untyped_storage().nbytes() // kv.element_size() - kv.storage_offset()
+                - d) // row + 1 if row > 0 else 0
+        cols = max(t, min(-(-t // INDEX_ROWS) * INDEX_ROWS, room))
+        keys = kv.as_strided((cols, d), (row, 1))
+        return torch.mm(q.reshape(h, d), keys.t())[:, :t].reshape(1, 1, h, t)
+    index_einsum._index_mm = True
+    return index_einsum
+
+
+def _index_scores_mm(mod):
+    """The released ``Indexer.forward`` scores a decode step's query against the t
+    compressed keys in its cache with ``torch.einsum("bshd,btd->bsht", q, kv)``: a
+    batched bf16 matmul of a new shape whenever t grows (every compress_ratio-th
+    token), and oneDNN builds a new kernel for each new shape.  Measured (Sapphire
+    Rapids, 2 threads, load ~4.4): 2.4-6.0 ms when t had grown, 0.24-0.66 ms when not
+    -- ~0.8-2 ms a step on average, the largest piece of a released-width step outside
+    our kernels (docs/runner.md, "What it does" 10).  The runner's own import of
+    model.py gets a ``torch`` whose ``einsum`` runs that product, for one query row of
+    batch 1, as one 2-D bf16 ``torch.mm`` (the same oneDNN matmul) of q against the
+    cache's rows up to the next multiple of INDEX_ROWS (the cache holds them; their
+    columns are dropped): a new shape every INDEX_ROWS x ratio tokens, 0.08-0.2 ms a
+    step.  Each output element is the same dot product, and the values are bit for bit
+    the einsum's (tested against it at every t up to 5000 and at oneDNN's AMX, AVX-512
+    BF16, AVX-512 and AVX2 levels, and on the released Transformer's logits).
+    Everything else model.py does with ``torch`` is the torch module's own."""
+    import types
+    torch = _torch()
+    cur = getattr(mod, "torch", None)
+    if cur is None or getattr(getattr(cur, "einsum", None), "_index_mm", False):
+        return
+
+    class _ModelPyTorch(types.ModuleType):
+        def __getattr__(self, name):          # anything torch gains after the copy
+            return getattr(torch, name)
+    proxy = _ModelPyTorch(torch.__name__, torch.__doc__)
+    proxy.__dict__.update({k: v for k, v in vars(torch).items()
+                           if k not in ("__name__", "__doc__")})
+    proxy.einsum = _index_score_mm(torch.einsum)
+    mod.torch = proxy
+
+
 def sample(logits, temperature, generator=None):
     """Greedy at temperature 0, else a draw from softmax(logits / temperature)."""
     torch = _torch()
@@ -479,6 +544,7 @@ def _run(args, torch, dist, world_size, rank, log):
     path = check_layout(args.ckpt_path, rank, world_size)
     t0 = time.perf_counter()
     _rows_hc_post(mod)
+    _index_scores_mm(mod)
     with torch.device("cpu"):
         model = mod.Transformer(margs)
     if args.moe == "fused":

@@ -429,6 +429,37 @@ def test_hc_post_by_token_slices_is_bitwise(monkeypatch):
     assert got.dtype == want.dtype and torch.equal(got, want)
 
 
+def test_index_score_einsum_as_padded_mm_is_bitwise(monkeypatch):
+    """The runner's indexer score einsum at decode (one 2-D bf16 matmul over the cache's
+    rows up to a multiple of INDEX_ROWS, the extra columns dropped) gives the einsum's
+    bits at every key count of a cache, whether the cache has rows past the view or
+    not, for either batch row; other equations, batches and dtypes reach the einsum."""
+    monkeypatch.setattr(G, "INDEX_ROWS", 64)
+    calls = []
+
+    def einsum(eq, *ops):
+        calls.append(eq)
+        return torch.einsum(eq, *ops)
+    f = G._index_score_mm(einsum)
+    g = torch.Generator().manual_seed(3)
+    for rows in (5, 64, 150):
+        cache = torch.randn(2, rows, 128, generator=g).bfloat16()
+        for t in range(1, rows + 1):
+            q = (torch.randn(1, 1, 16, 128, generator=g) * 3).bfloat16()
+            for b in (0, 1):
+                kv = cache[b:b + 1, :t]
+                want = torch.einsum(G.INDEX_SCORE_EQ, q, kv)
+                got = f(G.INDEX_SCORE_EQ, q, kv)
+                assert got.shape == want.shape and torch.equal(got, want), (rows, t, b)
+    assert not calls
+    q2 = torch.randn(1, 2, 16, 128, generator=g).bfloat16()          # a prefill's rows
+    assert torch.equal(f(G.INDEX_SCORE_EQ, q2, cache[:1]),
+                       torch.einsum(G.INDEX_SCORE_EQ, q2, cache[:1]))
+    f("bsgd,grd->bsgr", torch.ones(1, 1, 2, 4), torch.ones(2, 3, 4))
+    f(G.INDEX_SCORE_EQ, q.float(), cache[:1].float())
+    assert calls == [G.INDEX_SCORE_EQ, "bsgd,grd->bsgr", G.INDEX_SCORE_EQ]
+
+
 def test_checkpoint_bf16_into_float32_parameters(tiny, ckpt, tmp_path):
     """The released checkpoints store norms (and the head) in bf16 where model.py keeps
     float32 parameters: loaded exactly, as the released load_state_dict converts; FP8

@@ -489,6 +489,50 @@ def test_released_transformer_fused_moe_bitwise(model_py):
         model_py.rotate_activation = saved
 
 
+def test_released_transformer_index_scores_mm_bitwise(model_py):
+    """The runner's indexer score einsum (deepseek_csa.generate._index_scores_mm: at
+    decode one 2-D matmul over the cache's rows up to a multiple of INDEX_ROWS) on the
+    released Transformer with the runner's defaults (fused MoE, FP8 wo_a, bf16-held
+    float32 weights): prefill and decode logits bitwise those of model.py's einsum,
+    the decode steps' scores through the matmul."""
+    import test_kernel_module as TK
+    from deepseek_csa import generate as G
+    from deepseek_csa.torch.checkpoint_width import bf16_f32_weights, fp8_wo_a
+    from deepseek_csa.torch.fused_moe import fuse_moe
+    saved, saved_torch = model_py.rotate_activation, model_py.torch
+    try:
+        model_py.rotate_activation = model_py._released_rotate_activation
+        tokens = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(9))
+        cfg = dict(V4_FP8, max_batch_size=1, max_seq_len=256)
+
+        def runner_model():
+            m = TK.build(model_py, seed=5, **cfg)
+            _widen_wo_a_from_fp8(m)
+            _f32_weights_bf16_valued(m)
+            fuse_moe(m)
+            fp8_wo_a(m)
+            bf16_f32_weights(m)
+            return m
+        want = TK.run(runner_model(), tokens, 20, 12)
+        model = runner_model()
+        G._index_scores_mm(model_py)
+        G._index_scores_mm(model_py)                     # idempotent
+        assert model_py.torch is not saved_torch and model_py.torch.Tensor is torch.Tensor
+        fallback = []                                    # what reached torch.einsum
+
+        def einsum(eq, *ops):
+            fallback.append(eq)
+            return torch.einsum(eq, *ops)
+        model_py.torch.einsum = G._index_score_mm(einsum)
+        got = TK.run(model, tokens, 20, 12)
+    finally:
+        model_py.rotate_activation, model_py.torch = saved, saved_torch
+    # the one CSA layer's scores: the prefill's by the einsum, the 12 steps' not
+    assert fallback.count(G.INDEX_SCORE_EQ) == 1
+    for g, w in zip(got, want):
+        assert torch.equal(g, w), R.rel_err(g.float(), w.float())
+
+
 def test_released_transformer_bf16_router(model_py):
     """bf16_f32_weights also gives each MoE router a RouterWeight: Gate.forward's
     per-call float32 widening of its bf16 weight becomes wbf16_gemm on the bf16 weight
