@@ -236,20 +236,20 @@ def main(argv=None):
     mod = sys.modules[type(model).__module__]
     runner_torch = mod.torch          # deepseek_csa.generate._index_scores_mm's
     if a.compare and a.what == "index-mm":
-        def compile_decode(model, *args, **kw):     # noqa: F811  the runner's einsum
+        def change_on(model, *args, **kw):          # the runner's einsum
             mod.torch = runner_torch
 
-        def eager_decode(model):                     # noqa: F811  model.py's as released
+        def change_off(model):                      # model.py's as released
             mod.torch = torch
-        eager_decode(model)
+        change_off(model)
     else:
-        compile_decode, eager_decode = compile_pieces, eager_pieces
+        change_on, change_off = compile_pieces, eager_pieces
     if compiled:
         t0 = time.perf_counter()
-        compile_decode(model, pieces, cpp_wrapper=not a.no_cpp_wrapper)
+        change_on(model, pieces, cpp_wrapper=not a.no_cpp_wrapper)
         steps(4)                      # every graph built before the timed steps
         out["compile_s"] = time.perf_counter() - t0
-        eager_decode(model)
+        change_off(model)
     steps(4)
     if a.cpu_regions:
         acc = {}
@@ -280,7 +280,7 @@ def main(argv=None):
         _label_regions(model)
     if a.profile:
         if a.profile_compiled:
-            compile_decode(model, pieces, cpp_wrapper=not a.no_cpp_wrapper)
+            change_on(model, pieces, cpp_wrapper=not a.no_cpp_wrapper)
         from torch.profiler import ProfilerActivity, profile
         times = []
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
@@ -299,26 +299,26 @@ def main(argv=None):
                            self_ms=e.self_cpu_time_total / a.profile / 1e3)
                       for e in rows[:a.rows]]
     if a.compare:
-        eager, comp, ecpu, ccpu = [], [], [], []
+        eager, comp, ecpu, ccpu = [], [], [], []          # before, after
         for _ in range(a.compare):
             steps(a.block, eager, ecpu)
-            compile_decode(model, pieces, cpp_wrapper=not a.no_cpp_wrapper)
+            change_on(model, pieces, cpp_wrapper=not a.no_cpp_wrapper)
             steps(a.block, comp, ccpu)
-            eager_decode(model)
-        out["eager_ms"] = statistics.median(eager) * 1e3
-        out["compiled_ms"] = statistics.median(comp) * 1e3
+            change_off(model)
+        out["before_ms"] = statistics.median(eager) * 1e3
+        out["after_ms"] = statistics.median(comp) * 1e3
         # the calling thread's CPU time a step: its share of the kernels (the same on
         # both sides) and all of the Python and torch operators between them; on a
         # loaded host it does not count the time the thread waits descheduled
-        out["eager_thread_cpu_ms"] = statistics.median(ecpu) * 1e3
-        out["compiled_thread_cpu_ms"] = statistics.median(ccpu) * 1e3
+        out["before_thread_cpu_ms"] = statistics.median(ecpu) * 1e3
+        out["after_thread_cpu_ms"] = statistics.median(ccpu) * 1e3
         # means: a cost paid every few steps (a new shape) is in the mean, not the median
-        out["eager_mean_ms"] = statistics.mean(eager) * 1e3
-        out["compiled_mean_ms"] = statistics.mean(comp) * 1e3
-        out["eager_thread_cpu_mean_ms"] = statistics.mean(ecpu) * 1e3
-        out["compiled_thread_cpu_mean_ms"] = statistics.mean(ccpu) * 1e3
-        out["eager_steps_ms"] = [round(t * 1e3, 2) for t in eager]
-        out["compiled_steps_ms"] = [round(t * 1e3, 2) for t in comp]
+        out["before_mean_ms"] = statistics.mean(eager) * 1e3
+        out["after_mean_ms"] = statistics.mean(comp) * 1e3
+        out["before_thread_cpu_mean_ms"] = statistics.mean(ecpu) * 1e3
+        out["after_thread_cpu_mean_ms"] = statistics.mean(ccpu) * 1e3
+        out["before_steps_ms"] = [round(t * 1e3, 2) for t in eager]
+        out["after_steps_ms"] = [round(t * 1e3, 2) for t in comp]
     out["loadavg_end"] = open("/proc/loadavg").read().split()[:3]
     print(json.dumps(out, indent=1))
 
