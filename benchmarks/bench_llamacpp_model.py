@@ -845,6 +845,7 @@ def model_py_logits(runner, prompt, steps, threads, forced=None, reference=False
         mod = dct.load_model_py(runner["inference_dir"])
         if not reference:
             G._rows_hc_post(mod)
+            G._index_scores_mm(mod)
         torch.set_default_dtype(torch.bfloat16)
         try:
             args, _ = G.read_config(runner["config"], mod.ModelArgs)
