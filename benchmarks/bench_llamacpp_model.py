@@ -603,7 +603,6 @@ def compile_for_run(m, prompt, n_decode, chunk):
     from transformers import DynamicCache
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     torch._inductor.config.cpp_wrapper = True
-    torch._dynamo.config.inline_inbuilt_nn_modules = False
     m.forward = torch.compile(m.forward,
                               backend=os.environ.get("DEEPSEEK_CSA_COMPILE_BACKEND", "inductor"))
     ids = torch.tensor([prompt])

@@ -287,24 +287,20 @@ def triad_gbs(threads, reps=5):
 
 
 # ---------------------------------------------------------------- our runner's side
-def runner_worker(ctx, steps, fill, threads, warm=4):
-    """One timed run in this (fresh) process of the released model.py on our kernel
-    module: load (DeepSeek's convert.py checkpoint, deepseek_csa.generate's loader), warm up
-    (64-token prefill + `warm` steps), then fill="real": prefill ctx tokens in one call,
-    fill="synthetic": prefill 256, fill the caches to position ctx with random values of
-    the prefill's scale; then `steps` greedy steps, each timed.  Prints JSON."""
+def runner_model():
+    """(model, its one layer): the released model.py's Transformer of CFG on our kernel
+    module with the runner's checkpoint loaded, as deepseek_csa.generate builds it under
+    this run's --moe / --wo-a / --f32-weights / --indexer."""
     import torch
-    torch.set_num_threads(threads)
-    import deepseek_csa as dc
     import deepseek_csa.torch as dct
-    from deepseek_csa.generate import load_checkpoint, peak_rss_bytes, read_config, rss_bytes
+    from deepseek_csa.generate import _rows_hc_post, load_checkpoint, read_config
     root = model_dir()
     torch.set_default_dtype(torch.bfloat16)
     mod = dct.load_model_py(str(inference_dir()))
+    _rows_hc_post(mod)                # as deepseek_csa.generate does
     margs, _ = read_config(str(root / "runner.json"), mod.ModelArgs)
     with torch.device("cpu"):
         model = mod.Transformer(margs)
-    t0 = time.perf_counter()
     if MOE == "fused":                # as deepseek_csa.generate does (--moe), before loading
         from deepseek_csa.torch.fused_moe import fuse_moe
         fuse_moe(model)
@@ -318,9 +314,47 @@ def runner_worker(ctx, steps, fill, threads, warm=4):
     if INDEXER == "fused":
         from deepseek_csa.torch.fused_indexer import fuse_indexer
         fuse_indexer(model)
+    return model, model.layers[0]
+
+
+def synthetic_fill(model, layer, ids, ctx):
+    """Prefill ids[:, :256], then the window, the compressed K/V and the index keys of
+    ctx positions filled with random values of the prefill's scale (the index keys
+    rounded to FP4, as the indexer writes them); the prefill's logits (decoding
+    continues from position ctx)."""
+    import torch
+    import deepseek_csa as dc
+    lg = model(ids[:, :256], 0)
+    attn = layer.attn
+    win, n = attn.window_size, ctx // attn.compress_ratio
+    g = torch.Generator().manual_seed(SEED)
+
+    def like(t, rows):
+        sd = float(t.float().std())
+        return (torch.randn(rows, t.shape[-1], generator=g) * sd).to(t.dtype)
+    kv = attn.kv_cache[0]
+    kv[:win] = like(kv[:win], win)
+    kv[win:win + n] = like(kv[win:win + 64], n)
+    ik = attn.indexer.kv_cache[0]
+    # index keys as the indexer's compressor writes them: on the FP4 grid (QAT)
+    ik[:n] = torch.from_numpy(dc.fp4_round(like(ik[:64], n).float().numpy(), 32)).to(ik.dtype)
+    return lg
+
+
+def runner_worker(ctx, steps, fill, threads, warm=4):
+    """One timed run in this (fresh) process of the released model.py on our kernel
+    module: load (DeepSeek's convert.py checkpoint, deepseek_csa.generate's loader), warm up
+    (64-token prefill + `warm` steps), then fill="real": prefill ctx tokens in one call,
+    fill="synthetic": prefill 256, fill the caches to position ctx with random values of
+    the prefill's scale; then `steps` greedy steps, each timed.  Prints JSON."""
+    import torch
+    torch.set_num_threads(threads)
+    import deepseek_csa as dc
+    from deepseek_csa.generate import peak_rss_bytes, rss_bytes
+    t0 = time.perf_counter()
+    model, layer = runner_model()
     t_load = time.perf_counter() - t0
     rss_loaded = rss_bytes()
-    layer = model.layers[0]
     used, record = [], [False]
     gate_fwd = layer.ffn.gate.forward
 
@@ -348,20 +382,7 @@ def runner_worker(ctx, steps, fill, threads, warm=4):
     if fill == "real":
         lg = model(ids[:, :ctx], 0)
     else:
-        lg = model(ids[:, :256], 0)
-        attn = layer.attn
-        win, n = attn.window_size, ctx // attn.compress_ratio
-        g = torch.Generator().manual_seed(SEED)
-
-        def like(t, rows):
-            sd = float(t.float().std())
-            return (torch.randn(rows, t.shape[-1], generator=g) * sd).to(t.dtype)
-        kv = attn.kv_cache[0]
-        kv[:win] = like(kv[:win], win)
-        kv[win:win + n] = like(kv[win:win + 64], n)
-        ik = attn.indexer.kv_cache[0]
-        # index keys as the indexer's compressor writes them: on the FP4 grid (QAT)
-        ik[:n] = torch.from_numpy(dc.fp4_round(like(ik[:64], n).float().numpy(), 32)).to(ik.dtype)
+        lg = synthetic_fill(model, layer, ids, ctx)
     t_fill = time.perf_counter() - t0
     times, cpu = [], []
     record[0] = True
