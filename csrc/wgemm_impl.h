@@ -308,7 +308,12 @@ static inline void CSA_V(w_task)(const struct csa_wgemm_args *g, csa_idx n0, con
                 }
             if (wbf)
                 for (int r = 0; r < R; r++) acc[r] = acc[r] + P[r];
-            else
+            else if (R == 4) {
+                /* n0 is a multiple of 4: the four rows share one 128-row scale (one
+                 * decode of it, not four calls) */
+                const float sc = CSA_V(w_bscale)(g, n0, k0 / 128);
+                for (int r = 0; r < R; r++) acc[r] = fmaf(P[r], sc, acc[r]);
+            } else
                 for (int r = 0; r < R; r++) acc[r] = fmaf(P[r], CSA_V(w_bscale)(g, n0 + r, k0 / 128), acc[r]);
         }
         for (int r = 0; r < R; r++) {
