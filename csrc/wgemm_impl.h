@@ -260,9 +260,14 @@ static inline __attribute__((always_inline)) void CSA_V(w_block4)(const void *a,
 static inline __attribute__((always_inline)) void CSA_V(w_block4_bf)(const void *a, int bf, const uint8_t *const *br, int R,
                                       csa_idx k0, float *P, csa_idx pf2)
 {
-    (void)pf2;
     __m256 lo[4], hi[4];
-    for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps();
+    for (int r = 0; r < R; r++) {
+        lo[r] = hi[r] = _mm256_setzero_ps();
+        for (int j = 0; j < 256; j += 64) {
+            _mm_prefetch((const char *)(br[r] + 2 * k0 + j + W_PF_L1_BF), _MM_HINT_T0);
+            if (pf2) _mm_prefetch((const char *)(br[r] + 2 * k0 + j + pf2), _MM_HINT_T1);
+        }
+    }
     for (csa_idx k = k0; k < k0 + 128; k += 16) {
         const __m256 x0 = CSA_V(w_act8)(a, bf, k), x1 = CSA_V(w_act8)(a, bf, k + 8);
         for (int r = 0; r < R; r++) {
