@@ -5,7 +5,13 @@
  * byte is read once for M = 1 and each output is computed by one thread in the
  * oracle's order: the bits depend on neither the level nor the thread count.  Tasks
  * are handed out dynamically (a descheduled thread on a shared host does not hold the
- * others' rows).  Built for decode (M of a few rows); larger M re-reads the weights
+ * others' rows) in guided chunks, as gemm_impl.h's row groups: each thread's rows
+ * mostly one run, so the prefetch W_PF_TASKS tasks on seldom lands in the other
+ * thread's rows.  Sapphire Rapids, amx level, 2 threads, weights from memory (400 MiB
+ * of copies cycled), one process alternating the builds, load 1.8, median call against
+ * chunks of 8 tasks: wo_a's shape 1.81 -> 1.59 ms and 2.12 -> 1.82; wbf16 K = 4096,
+ * N = 1024 408 -> 364 us, N = 256 112 -> 97 us; wfp8 N = 1024 247 -> 220 us.  Built
+ * for decode (M of a few rows); larger M re-reads the weights
  * from cache for each activation row.  Software prefetches (W_PF_L1, W_PF_TASKS): wo_a's
  * shape, weights from memory (12 copies cycled), one thread, 3.1-3.5 -> 2.8-3.1 CPU-ms a
  * call (interleaved runs, a host at load 6: wall times meaningless).
@@ -17,15 +23,16 @@
  * one thread, weights in the L3, 5.4 ms with a per-code decode through float32 bit
  * fields (and 150 ms when that decode made float32 subnormals of the e4m3 subnormals:
  * microcode assists on the multiply that restored them).  NaN codes (0x7f / 0xff)
- * would convert to finite halves: each row's 128-block is tested for them first (one
- * byte compare per 64 codes) and a block that has one takes the scalar path, the
- * oracle's arithmetic. */
+ * would convert to finite halves: each 128-block of a task's rows is tested for them
+ * first (at avx512 a running byte maximum of the codes' low seven bits, one compare
+ * at the end) and a block that has one takes the scalar path, the oracle's arithmetic. */
 
 /* Software prefetches (as gemm.c's one-row paths, whose comment has the measurement:
  * rows of a few KiB are too short a stream for the hardware prefetchers): each row
  * W_PF_L1 bytes ahead into L1, and the rows W_PF_TASKS tasks on into L2. */
 #ifndef W_PF_L1
 #define W_PF_L1 256
+#define W_PF_L1_BF 512
 #define W_PF_TASKS 2
 #endif
 
@@ -90,6 +97,21 @@ static inline int CSA_V(w_finite128)(const uint8_t *p)
     return (x | y) == 0;
 }
 
+/* the 128-blocks at k0 of rows br[0 .. R-1] have no NaN code: the largest low seven
+ * bits (a byte max in registers, one compare at the end) is below 0x7f.  Against a
+ * compare and a mask move per 64 codes: the check was 15% of wo_a's time with the
+ * weights in L2 (one thread, 14.3 -> 16.5 GB/s without it). */
+static inline int CSA_V(w_finiteR)(const uint8_t *const *br, int R, csa_idx k0)
+{
+    const __m512i m7 = _mm512_set1_epi8(0x7f);
+    __m512i m = _mm512_setzero_si512();
+    for (int r = 0; r < R; r++) {
+        m = _mm512_max_epu8(m, _mm512_and_si512(_mm512_loadu_si512(br[r] + k0), m7));
+        m = _mm512_max_epu8(m, _mm512_and_si512(_mm512_loadu_si512(br[r] + k0 + 64), m7));
+    }
+    return _mm512_cmpeq_epi8_mask(m, m7) == 0;
+}
+
 static inline __m512 CSA_V(w_act16)(const void *a, int bf16, csa_idx k)
 {
     if (bf16)
@@ -109,43 +131,91 @@ static inline float CSA_V(w_red16)(__m512 v)
     return _mm512_cvtss_f32(v);
 }
 
+/* 16 halves from memory widened to float32 (w_block4 says why from memory) */
+static inline __m512 CSA_V(w_cvtph_mem)(const uint16_t *p)
+{
+    return _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)p));
+}
+
+/* w_red16 of four rows at once, into lanes 0-3: each sum pairs the same two values
+ * as w_red16 does (pairs, pairs of pairs, then the 128-bit quarters), the quarters of
+ * two rows packed into one register by shuffles, so 13 vector operations instead of
+ * 4 x 8. */
+static inline __m128 CSA_V(w_red4x16)(const __m512 *l)
+{
+    /* per quarter: rows 0 and 1's (or 2 and 3's) sums of lane pairs */
+    const __m512 a = _mm512_add_ps(_mm512_shuffle_ps(l[0], l[1], 0x88),
+                                   _mm512_shuffle_ps(l[0], l[1], 0xDD));
+    const __m512 b = _mm512_add_ps(_mm512_shuffle_ps(l[2], l[3], 0x88),
+                                   _mm512_shuffle_ps(l[2], l[3], 0xDD));
+    /* per quarter: rows 0-3's sums of lanes 0+1+2+3 of that quarter */
+    __m512 c = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+    c = _mm512_add_ps(c, _mm512_shuffle_f32x4(c, c, 0xB1));
+    return _mm_add_ps(_mm512_castps512_ps128(c), _mm512_extractf32x4_ps(c, 2));
+}
+
 /* Rows n0 .. n0 + R - 1 against activation row a, one full finite-checked 128-block:
- * the block sums into P[r].  R is a compile-time constant at each call. */
-static inline void CSA_V(w_block4)(const void *a, int bf, const uint8_t *const *br, int R,
-                                   csa_idx k0, float *P, csa_idx pf2)
+ * the block sums into P[r].  R is a compile-time constant at each call (GCC clones the
+ * function per R).  The decoded halves go through h, 1 KiB in L1, so that vcvtph2ps
+ * reads memory: from a register its upper half needs an extract, one more port-5 uop
+ * per 32 codes in a loop bound by ports 0 and 5 (K = 4096, N = 128, weights in L2, one
+ * thread: 14.5 -> 15.7 GB/s).  Out of line: inlined into the task loop it ran ~8%
+ * slower (register pressure; same measurement). */
+static __attribute__((noinline)) void CSA_V(w_block4)(const void *a, int bf,
+                                                      const uint8_t *const *br, int R,
+                                                      csa_idx k0, float *P, csa_idx pf2)
 {
     __m512 l[4];
     for (int r = 0; r < R; r++) l[r] = _mm512_setzero_ps();
     const __m512i mk = _mm512_set1_epi16((short)0xBF80);
-    for (csa_idx k = k0; k < k0 + 128; k += 32) {
-        const __m512 x0 = CSA_V(w_act16)(a, bf, k), x1 = CSA_V(w_act16)(a, bf, k + 16);
-        if (!(k & 63))
-            for (int r = 0; r < R; r++) {
-                _mm_prefetch((const char *)(br[r] + k + W_PF_L1), _MM_HINT_T0);
-                if (pf2) _mm_prefetch((const char *)(br[r] + k + pf2), _MM_HINT_T1);
-            }
-        for (int r = 0; r < R; r++) {
-            const __m512i h = _mm512_and_si512(_mm512_slli_epi16(
-                _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(br[r] + k))), 7), mk);
-            l[r] = _mm512_fmadd_ps(x0, _mm512_cvtph_ps(_mm512_castsi512_si256(h)), l[r]);
-            l[r] = _mm512_fmadd_ps(x1, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), l[r]);
+    uint16_t h[4][128] __attribute__((aligned(64)));
+    for (int r = 0; r < R; r++) {
+        _mm_prefetch((const char *)(br[r] + k0 + W_PF_L1), _MM_HINT_T0);
+        _mm_prefetch((const char *)(br[r] + k0 + 64 + W_PF_L1), _MM_HINT_T0);
+        if (pf2) {
+            _mm_prefetch((const char *)(br[r] + k0 + pf2), _MM_HINT_T1);
+            _mm_prefetch((const char *)(br[r] + k0 + 64 + pf2), _MM_HINT_T1);
         }
+        for (int k = 0; k < 128; k += 32)
+            _mm512_store_si512((__m512i *)(h[r] + k), _mm512_and_si512(_mm512_slli_epi16(
+                _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(br[r] + k0 + k))), 7), mk));
     }
-    for (int r = 0; r < R; r++) P[r] = CSA_V(w_red16)(l[r]);
+    for (int k = 0; k < 128; k += 16) {
+        const __m512 x = CSA_V(w_act16)(a, bf, k0 + k);
+        for (int r = 0; r < R; r++)
+            l[r] = _mm512_fmadd_ps(x, CSA_V(w_cvtph_mem)(h[r] + k), l[r]);
+    }
+    if (R == 4)
+        _mm_storeu_ps(P, CSA_V(w_red4x16)(l));
+    else
+        for (int r = 0; r < R; r++) P[r] = CSA_V(w_red16)(l[r]);
 }
 
-/* The same for bf16 weights (widened by a shift). */
-static inline void CSA_V(w_block4_bf)(const void *a, int bf, const uint8_t *const *br, int R,
-                                      csa_idx k0, float *P)
+/* The same for bf16 weights (widened by a shift), prefetched as the e4m3 rows are:
+ * without, K = 4096 from memory ran 13.3 (1 thread) / 25.8 (2 threads) GB/s at N = 1024
+ * against 17.3 / 28.9 with. */
+static inline __attribute__((always_inline)) void CSA_V(w_block4_bf)(const void *a, int bf,
+                                                                     const uint8_t *const *br,
+                                                                     int R, csa_idx k0, float *P,
+                                                                     csa_idx pf2)
 {
     __m512 l[4];
-    for (int r = 0; r < R; r++) l[r] = _mm512_setzero_ps();
+    for (int r = 0; r < R; r++) {
+        l[r] = _mm512_setzero_ps();
+        for (int j = 0; j < 256; j += 64) {
+            _mm_prefetch((const char *)(br[r] + 2 * k0 + j + W_PF_L1_BF), _MM_HINT_T0);
+            if (pf2) _mm_prefetch((const char *)(br[r] + 2 * k0 + j + pf2), _MM_HINT_T1);
+        }
+    }
     for (csa_idx k = k0; k < k0 + 128; k += 16) {
         const __m512 x = CSA_V(w_act16)(a, bf, k);
         for (int r = 0; r < R; r++)
             l[r] = _mm512_fmadd_ps(x, CSA_V(w_act16)(br[r], 1, k), l[r]);
     }
-    for (int r = 0; r < R; r++) P[r] = CSA_V(w_red16)(l[r]);
+    if (R == 4)
+        _mm_storeu_ps(P, CSA_V(w_red4x16)(l));
+    else
+        for (int r = 0; r < R; r++) P[r] = CSA_V(w_red16)(l[r]);
 }
 #elif W_LANES == 2
 static inline int CSA_V(w_finite128)(const uint8_t *p)
@@ -156,6 +226,13 @@ static inline int CSA_V(w_finite128)(const uint8_t *p)
         any = _mm256_or_si256(any, _mm256_cmpeq_epi8(
             _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p + i)), m7), m7));
     return _mm256_testz_si256(any, any);
+}
+
+static inline int CSA_V(w_finiteR)(const uint8_t *const *br, int R, csa_idx k0)
+{
+    int ok = 1;
+    for (int r = 0; r < R; r++) ok &= CSA_V(w_finite128)(br[r] + k0);
+    return ok;
 }
 
 static inline __m256 CSA_V(w_act8)(const void *a, int bf16, csa_idx k)
@@ -175,8 +252,9 @@ static inline float CSA_V(w_red8)(__m256 v)
     return _mm256_cvtss_f32(v);
 }
 
-static inline void CSA_V(w_block4)(const void *a, int bf, const uint8_t *const *br, int R,
-                                   csa_idx k0, float *P, csa_idx pf2)
+static inline __attribute__((always_inline)) void CSA_V(w_block4)(const void *a, int bf,
+                                                                  const uint8_t *const *br, int R,
+                                                                  csa_idx k0, float *P, csa_idx pf2)
 {
     __m256 lo[4], hi[4];
     for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps();
@@ -198,11 +276,19 @@ static inline void CSA_V(w_block4)(const void *a, int bf, const uint8_t *const *
     for (int r = 0; r < R; r++) P[r] = CSA_V(w_red8)(lo[r]) + CSA_V(w_red8)(hi[r]);
 }
 
-static inline void CSA_V(w_block4_bf)(const void *a, int bf, const uint8_t *const *br, int R,
-                                      csa_idx k0, float *P)
+static inline __attribute__((always_inline)) void CSA_V(w_block4_bf)(const void *a, int bf,
+                                                                     const uint8_t *const *br,
+                                                                     int R, csa_idx k0, float *P,
+                                                                     csa_idx pf2)
 {
     __m256 lo[4], hi[4];
-    for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps();
+    for (int r = 0; r < R; r++) {
+        lo[r] = hi[r] = _mm256_setzero_ps();
+        for (int j = 0; j < 256; j += 64) {
+            _mm_prefetch((const char *)(br[r] + 2 * k0 + j + W_PF_L1_BF), _MM_HINT_T0);
+            if (pf2) _mm_prefetch((const char *)(br[r] + 2 * k0 + j + pf2), _MM_HINT_T1);
+        }
+    }
     for (csa_idx k = k0; k < k0 + 128; k += 16) {
         const __m256 x0 = CSA_V(w_act8)(a, bf, k), x1 = CSA_V(w_act8)(a, bf, k + 8);
         for (int r = 0; r < R; r++) {
@@ -234,10 +320,9 @@ static inline void CSA_V(w_task)(const struct csa_wgemm_args *g, csa_idx n0, con
 #if W_LANES
             if (len == 128 && wbf) {
                 fast = 1;
-                CSA_V(w_block4_bf)(a, bf, br, R, k0, P);
+                CSA_V(w_block4_bf)(a, bf, br, R, k0, P, pf2);
             } else if (len == 128) {
-                fast = 1;
-                for (int r = 0; r < R; r++) fast &= CSA_V(w_finite128)(br[r] + k0);
+                fast = CSA_V(w_finiteR)(br, R, k0);
                 if (fast) CSA_V(w_block4)(a, bf, br, R, k0, P, pf2);
             }
 #endif
@@ -249,7 +334,12 @@ static inline void CSA_V(w_task)(const struct csa_wgemm_args *g, csa_idx n0, con
                 }
             if (wbf)
                 for (int r = 0; r < R; r++) acc[r] = acc[r] + P[r];
-            else
+            else if (R == 4) {
+                /* n0 is a multiple of 4: the four rows share one 128-row scale (one
+                 * decode of it, not four calls) */
+                const float sc = CSA_V(w_bscale)(g, n0, k0 / 128);
+                for (int r = 0; r < R; r++) acc[r] = fmaf(P[r], sc, acc[r]);
+            } else
                 for (int r = 0; r < R; r++) acc[r] = fmaf(P[r], CSA_V(w_bscale)(g, n0 + r, k0 / 128), acc[r]);
         }
         for (int r = 0; r < R; r++) {
@@ -266,7 +356,7 @@ static int CSA_V(wgemm_tuned)(const struct csa_wgemm_args *g)
 {
     const csa_idx N = g->N, ntask = (N + 3) / 4;
     const int nt = csa_threads(ntask, 16);
-#pragma omp parallel for num_threads(nt) schedule(dynamic, 8)
+#pragma omp parallel for num_threads(nt) schedule(guided)
     for (csa_idx t = 0; t < ntask; t++) {
         const csa_idx n0 = 4 * t;
         const int R = N - n0 < 4 ? (int)(N - n0) : 4;
