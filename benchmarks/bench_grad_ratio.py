@@ -15,8 +15,18 @@ with its results preallocated; the bf16 rows show what reading bf16 as it is sav
 widening the inputs to float32 copies first (what the torch Function did before).
 
 bf16 rows are what bf16 training runs: bf16 inputs and bf16 gradients (grad_dtype='bfloat16',
-rounded by the kernels as they store them).  Results start on a 64-byte line, as torch's
-tensors do (NumPy's large arrays start 16 bytes past one).
+rounded by the kernels as they store them).  Inputs and results start on 64-byte lines, as
+torch's tensors do (NumPy's large arrays start 16 bytes past one, or anywhere on 16 bytes
+once they come from the heap, which depends on what the process allocated before: the
+gated_pool rows swung by up to 1.5x between runs with it; pool_pair).
+
+Method: a round whose forward or backward call was descheduled (an involuntary context
+switch of any of the process's threads during the call, getrusage) is left out of the
+medians: on the shared 2-vCPU host the backward, 2-3x longer, was descheduled in 88% of
+its calls where the forward was in 45% (load 5, 1 thread), and the median over all rounds
+read 4.3x where the clean rounds and the CPU times read 2.2x.  A row with fewer than
+MIN_CLEAN clean rounds (after up to 4x the budget) falls back to all rounds and says so
+(`method`); `bwd_over_fwd_all_rounds` keeps the old statistic.
 
 Every row carries the CPU, the ISA level, the thread count and the 1-minute load average:
 on a shared host the absolute times move, the interleaved ratios much less.  Each row also
@@ -56,6 +66,13 @@ def _empty64(shape, dtype):
     raw = np.empty(n + 64, np.uint8)
     o = (-raw.ctypes.data) % 64
     return raw[o:o + n].view(dtype).reshape(shape)
+
+
+def _copy64(a):
+    """a copy of `a` starting on a 64-byte line (_empty64)."""
+    b = _empty64(a.shape, a.dtype)
+    b[...] = a
+    return b
 
 
 def attn_pair(S, dtype, rng, H=64, D=512, K=640):
@@ -104,10 +121,16 @@ def pool_pair(T, d, ratio, overlap, dtype, rng):
     if dtype == "bf16":
         bf = _bf16()
         kv, sc, dy = kv.astype(bf), sc.astype(bf), dy.astype(bf)
+    # inputs on 64-byte lines too, as torch's are: NumPy's start 16 bytes past one (or
+    # anywhere on 16 bytes, once its allocations come from the heap), and a d(kv) row
+    # that starts 48 bytes past its kv row splits every kv load or store across lines
+    # (the kernel streams d(kv)'s whole lines): 4_bf16 1.65x -> 2.7-3.3x, 128_bf16 2.1x
+    # -> 3.0-3.4x at avx512, 1 thread, which is how the bf16 rows swung between runs
+    kv, sc, dy, ape = _copy64(kv), _copy64(sc), _copy64(dy), _copy64(ape)
     out = _empty64((1, T // ratio, d), kv.dtype)
     gdt = _bf16() if dtype == "bf16" else np.float32
     gk, gs = _empty64(kv.shape, gdt), _empty64(sc.shape, gdt)
-    ga = np.empty_like(ape)
+    ga = _empty64(ape.shape, ape.dtype)
 
     def fwd():
         return dc.gated_pool(kv, sc, ratio, ape=ape, overlap=overlap, out=out)
@@ -127,6 +150,9 @@ def pool_pair(T, d, ratio, overlap, dtype, rng):
     return fwd, bwd, (bwd_copies if dtype == "bf16" else None), work, name
 
 
+MIN_CLEAN = 30   # clean rounds a row's ratio needs (else all rounds, flagged)
+
+
 def measure(kernel, make, level, threads, reps, budget, cpu):
     fwd, bwd, bwd_copies, work, name = make()
     cpu_t = {"fwd": [], "bwd": []}
@@ -137,15 +163,27 @@ def measure(kernel, make, level, threads, reps, budget, cpu):
             fn()
             cpu_t[k].append(time.process_time() - c0)
         return call
+    sw = {}
     t = harness.interleaved_times({"fwd": cpu_timed("fwd", fwd), "bwd": cpu_timed("bwd", bwd)},
-                                  reps=reps, budget=budget)
-    ratio = statistics.median(b / a for a, b in zip(t["fwd"], t["bwd"]))
+                                  reps=reps, budget=budget, switches=sw, min_clean=MIN_CLEAN,
+                                  max_seconds=4 * budget)
     n = len(t["fwd"])   # the timed rounds are the last n calls (warm-up and probe first)
-    cpu_ratio = statistics.median(b / a for a, b in zip(cpu_t["fwd"][-n:], cpu_t["bwd"][-n:]))
-    tf, tb = statistics.median(t["fwd"]), statistics.median(t["bwd"])
+    # the rounds in which neither call was descheduled (module docstring: Method)
+    clean = [i for i in range(n) if sw["fwd"][i] == 0 and sw["bwd"][i] == 0]
+    use = clean if len(clean) >= MIN_CLEAN else list(range(n))
+    ratio = statistics.median(t["bwd"][i] / t["fwd"][i] for i in use)
+    ratio_all = statistics.median(b / a for a, b in zip(t["fwd"], t["bwd"]))
+    cf, cb = cpu_t["fwd"][-n:], cpu_t["bwd"][-n:]
+    cpu_ratio = statistics.median(cb[i] / cf[i] for i in use)
+    tf, tb = statistics.median(t["fwd"][i] for i in use), statistics.median(t["bwd"][i] for i in use)
     row = dict(kernel=kernel, case=name, isa=level, cpu=cpu, threads=threads,
-               load_avg_1min=os.getloadavg()[0], rounds=len(t["fwd"]),
+               load_avg_1min=os.getloadavg()[0], rounds=n, clean_rounds=len(clean),
+               method="median over clean rounds" if use is clean else
+                      "median over all rounds (too few clean: host busy)",
+               descheduled_fwd=sum(x > 0 for x in sw["fwd"]) / n,
+               descheduled_bwd=sum(x > 0 for x in sw["bwd"]) / n,
                fwd_ms=tf * 1e3, bwd_ms=tb * 1e3, bwd_over_fwd=ratio,
+               bwd_over_fwd_all_rounds=ratio_all,
                bwd_over_fwd_cpu_time=cpu_ratio, bar=2.5, met=ratio <= 2.5,
                met_cpu_time=cpu_ratio <= 2.5,
                grad_dtype="bfloat16" if "bf16" in name else "float32")
@@ -225,7 +263,9 @@ def main(argv=None):
                           if "bwd_with_f32_copies_peak_mib" in r else "")
                     print(f"{r['case']:<52} {level:<6} fwd {r['fwd_ms']:8.2f} ms  bwd {r['bwd_ms']:8.2f} ms"
                           f"  bwd/fwd {r['bwd_over_fwd']:.2f} (cpu {r['bwd_over_fwd_cpu_time']:.2f})  {extra}  peak fwd {r['fwd_peak_mib']:.0f}"
-                          f" / bwd {r['bwd_peak_mib']:.0f} MiB{cp}  (load {r['load_avg_1min']:.1f})",
+                          f" / bwd {r['bwd_peak_mib']:.0f} MiB{cp}  (load {r['load_avg_1min']:.1f}; clean rounds"
+                          f" {r['clean_rounds']}/{r['rounds']}, all rounds {r['bwd_over_fwd_all_rounds']:.2f}"
+                          f"{'' if r['clean_rounds'] >= MIN_CLEAN else ', HOST BUSY: ratio over all rounds'})",
                           flush=True)
                     rows.append(r)
     finally:

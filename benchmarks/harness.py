@@ -64,12 +64,25 @@ def wake_threads():
     _core._stream_triad(*_WAKE, torch.get_num_threads())
 
 
-def interleaved_times(sides: dict, reps=0, budget=1.5) -> dict:
+def _involuntary_switches() -> int:
+    """Involuntary context switches of this process so far, all its threads (getrusage)."""
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw
+
+
+def interleaved_times(sides: dict, reps=0, budget=1.5, switches=None, min_clean=0,
+                      max_seconds=0.0) -> dict:
     """Times every side (name -> zero-argument callable) in rounds, one call of each side
     per round, in alternating order, so that a machine whose speed drifts (other
     tenants, frequency) slows every side alike; returns name -> list of seconds.
     Every timed call starts with the threads awake (wake_threads).
-    Rounds: `reps`, or as many as fit in about `budget` seconds per side (3..200)."""
+    Rounds: `reps`, or as many as fit in about `budget` seconds per side (3..200).
+
+    switches: a dict to fill with name -> involuntary context switches of the process
+    (any of its threads) during each timed call: a call with one was descheduled for a
+    while, and its time is partly another tenant's.  min_clean: with `switches`, go on
+    past the rounds above until that many rounds had no such switch in any call, or
+    until max_seconds have passed since the first timed round."""
     for fn in sides.values():
         fn()  # warm up (first touch, caches, lazy init)
     one = 0.0
@@ -79,13 +92,25 @@ def interleaved_times(sides: dict, reps=0, budget=1.5) -> dict:
         one = max(one, time.perf_counter() - t0)
     n = reps or max(3, min(200, int(budget / max(one, 1e-6))))
     times = {name: [] for name in sides}
+    if switches is not None:
+        switches.update({name: [] for name in sides})
     order = list(sides)
-    for r in range(n):
+    start, r, clean = time.perf_counter(), 0, 0
+    while r < n or (switches is not None and clean < min_clean and
+                    time.perf_counter() - start < max_seconds):
+        quiet = True
         for name in (order if r % 2 == 0 else order[::-1]):
             wake_threads()
+            s0 = _involuntary_switches() if switches is not None else 0
             t0 = time.perf_counter()
             sides[name]()
             times[name].append(time.perf_counter() - t0)
+            if switches is not None:
+                sw = _involuntary_switches() - s0
+                switches[name].append(sw)
+                quiet = quiet and sw == 0
+        clean += switches is not None and quiet
+        r += 1
     return times
 
 
