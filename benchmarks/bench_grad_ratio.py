@@ -87,9 +87,12 @@ def attn_pair(S, dtype, rng, H=64, D=512, K=640):
     if dtype == "bf16":
         bf = _bf16()
         q, kv, dout = q.astype(bf), kv.astype(bf), dout.astype(bf)
+    # every array on 64-byte lines, as torch allocates them (pool_pair says why)
+    q, kv, dout = _copy64(q), _copy64(kv), _copy64(dout)
     scale = D ** -0.5
     out, lse = dc.sparse_attn(q, kv, sink, idx, scale, return_lse=True)
-    o_buf = np.empty_like(out)
+    out, lse = _copy64(out), _copy64(lse)
+    o_buf = _empty64(out.shape, out.dtype)
     gdt = _bf16() if dtype == "bf16" else np.float32
     gq, gkv = _empty64(q.shape, gdt), _empty64(kv.shape, gdt)
     gs = np.empty_like(sink)
