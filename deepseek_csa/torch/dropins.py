@@ -219,17 +219,9 @@ def indexer_forward(self, x, qr, start_pos, offset):
     partial scores are all-reduced before the top-k, as the released code does."""
     G = _mod_globals(self)
     b, s, _ = x.shape
-    r, rd = self.compress_ratio, self.rope_head_dim
+    r = self.compress_ratio
     end = start_pos + s
-    if self.compressor.kv_cache is None:
-        self.compressor.kv_cache = self.kv_cache
-        self.compressor.freqs_cis = self.freqs_cis
-    q = self.wq_b(qr).unflatten(-1, (getattr(self, "n_local_heads", self.n_heads), self.head_dim))
-    G["apply_rotary_emb"](q[..., -rd:], self.freqs_cis[start_pos:end])
-    q = G["rotate_activation"](q)
-    G["fp4_act_quant"](q, G.get("fp4_block_size", 32), True)
-    self.compressor(x, start_pos)
-    w = self.weights_proj(x) * (self.softmax_scale * self.n_heads ** -0.5)
+    q, w = _indexer_queries(self, G, x, qr, start_pos)
     qn, kn, wn = _index_operands(q, self.kv_cache[:b, :end // r], w)
     kn = _fp4_keys(self, kn, b, 0 if start_pos == 0 else start_pos // r, _rounds_fp4_32(G))
     k = self.index_topk                       # the kernels take min(k, visible) themselves
@@ -240,6 +232,27 @@ def indexer_forward(self, x, qr, start_pos, offset):
     else:
         idx = ops.call("index_topk", qn, kn, wn, k, r, start_pos, offset, "score", None, 0)
     return idx.long()
+
+
+def _indexer_queries(self, G, x, qr, start_pos):
+    """A V4 Indexer's work before it scores, in the released order (G: the model
+    module's globals, whose RoPE, Hadamard and FP4 rounding it calls): the compressor
+    takes the module's key cache and RoPE table on first use; the queries are qr
+    through wq_b split per head, RoPE on their last rope_head_dim features, the Hadamard
+    rotation and the in-place FP4 rounding; then the compressor's step (which may
+    append a key row) and the per-head weights, weights_proj(x) times
+    softmax_scale / sqrt(heads).  Returns (q [b, s, heads, Di], w [b, s, heads])."""
+    comp = self.compressor
+    if comp.kv_cache is None:
+        comp.kv_cache, comp.freqs_cis = self.kv_cache, self.freqs_cis
+    heads = getattr(self, "n_local_heads", self.n_heads)
+    q = self.wq_b(qr).unflatten(-1, (heads, self.head_dim))
+    rows = self.freqs_cis[start_pos:start_pos + x.shape[1]]
+    G["apply_rotary_emb"](q[..., -self.rope_head_dim:], rows)
+    q = G["rotate_activation"](q)
+    G["fp4_act_quant"](q, G.get("fp4_block_size", 32), True)
+    comp(x, start_pos)
+    return q, self.weights_proj(x) * (self.softmax_scale * self.n_heads ** -0.5)
 
 
 def _rounds_fp4_32(G):

@@ -35,7 +35,7 @@ import types
 import torch
 
 from . import ops
-from .dropins import _fp4_keys, _rounds_fp4_32
+from .dropins import _fp4_keys, _rounds_fp4_32, _indexer_queries
 
 __all__ = ["fuse_indexer", "unfuse_indexer"]
 
@@ -66,27 +66,18 @@ def _indexer_forward(self, x, qr, start_pos, offset):
     bsz, seqlen, _ = x.size()
     bf = torch.bfloat16
     if (seqlen != 1 or start_pos == 0 or G.get("world_size", 1) > 1 or not _rounds_fp4_32(G)
-            or self.kv_cache.dtype != bf or self.weights_proj.weight.dtype != bf):
+            or torch.get_default_dtype() != bf or self.kv_cache.dtype != bf
+            or self.weights_proj.weight.dtype != bf):
         return _released(self, x, qr, start_pos, offset)
-    ratio, rd = self.compress_ratio, self.rope_head_dim
-    end_pos = start_pos + 1
-    if self.compressor.kv_cache is None:
-        self.compressor.kv_cache = self.kv_cache
-        self.compressor.freqs_cis = self.freqs_cis
-    q = self.wq_b(qr).unflatten(-1, (self.n_local_heads, self.head_dim))
-    if q.dtype != bf:
-        # nothing stateful has run yet: the released forward from the start
-        return _released(self, x, qr, start_pos, offset)
-    G["apply_rotary_emb"](q[..., -rd:], self.freqs_cis[start_pos:end_pos])
-    q = G["rotate_activation"](q)
-    G["fp4_act_quant"](q, G["fp4_block_size"], True)
-    self.compressor(x, start_pos)
-    weights = self.weights_proj(x) * (self.softmax_scale * self.n_heads ** -0.5)
-    keys = self.kv_cache[:bsz, :end_pos // ratio]
-    k = min(self.index_topk, end_pos // ratio)
-    kn = _fp4_keys(self, keys, bsz, start_pos // ratio, True)
+    q, weights = _indexer_queries(self, G, x, qr, start_pos)
+    n = (start_pos + 1) // self.compress_ratio            # the entries the step scores
+    keys = self.kv_cache[:bsz, :n]
+    kn = keys
+    if q.dtype == bf and weights.dtype == bf:
+        kn = _fp4_keys(self, keys, bsz, start_pos // self.compress_ratio, True)
     if kn.dtype == torch.uint8:
-        score = ops.call("index_scores", q, kn, weights, ratio, start_pos, "bf16").to(bf)
+        score = ops.call("index_scores", q, kn, weights, self.compress_ratio, start_pos,
+                         "bf16").to(bf)
     else:      # keys off the FP4 grid: the released expression
         if not getattr(self, "_csa_warned", False):
             import warnings
@@ -95,9 +86,9 @@ def _indexer_forward(self, x, qr, start_pos, offset):
                           "grid (its FP4 rounding did not run on them), so its decode steps "
                           "score them with the released bf16 einsum (slower)", RuntimeWarning,
                           stacklevel=2)
-        score = torch.einsum("bshd,btd->bsht", q, keys)
-        score = (score.relu_() * weights.unsqueeze(-1)).sum(dim=2)
-    return score.topk(k, dim=-1)[1] + offset
+        per_head = torch.einsum("bshd,btd->bsht", q, keys).relu_()
+        score = (per_head * weights.unsqueeze(-1)).sum(dim=2)
+    return score.topk(min(self.index_topk, n), dim=-1)[1] + offset
 
 
 def fuse_indexer(model):
