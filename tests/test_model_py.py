@@ -28,6 +28,7 @@ reference transform without the assertion.
 import copy
 import dataclasses
 import re
+import warnings
 
 import pytest
 import torch
@@ -488,7 +489,8 @@ def test_released_transformer_fused_indexer_bitwise(model_py):
     on the FP4 key rows, then torch.topk as released -- every indexer call's selection
     and every logit bitwise those of the released einsum, over 30 decode steps (up to 12
     entries for a top-4), with 4 and with 20 index heads (a 16-head chunk of torch's sum
-    and a tail), batch 1 and 2; a second prompt (prefill at 0 again) repacks the keys."""
+    and a tail), batch 1 and 2; a second prompt (prefill at 0 again) repacks the keys, and
+    a one-token prompt decodes its first steps (no entry yet) as released."""
     import test_kernel_module as TK
     from deepseek_csa.torch.fused_indexer import fuse_indexer, unfuse_indexer
     saved = model_py.rotate_activation
@@ -500,6 +502,7 @@ def test_released_transformer_fused_indexer_bitwise(model_py):
         try:
             out, calls = _run_counting_ops_steps(model, tokens, 20, 30)
             out += TK.run(model, tokens[:, 5:], 16, 3)       # another prompt
+            out += TK.run(model, tokens[:, 7:], 1, 6)        # one token: steps with no entry
         finally:
             for h in hooks:
                 h.remove()
@@ -513,7 +516,9 @@ def test_released_transformer_fused_indexer_bitwise(model_py):
             want, want_picks, _ = run_recording(TK.build(model_py, seed=seed, **cfg), tokens)
             model = TK.build(model_py, seed=seed, **cfg)
             assert fuse_indexer(model) == 1 and fuse_indexer(model) == 0
-            got, picks, calls = run_recording(model, tokens)
+            with warnings.catch_warnings():               # no fallback to the einsum
+                warnings.simplefilter("error", RuntimeWarning)
+                got, picks, calls = run_recording(model, tokens)
             assert calls.count("index_scores") == 30          # every decode step, one layer
             assert len(picks) == len(want_picks)
             for i, (g, w) in enumerate(zip(picks, want_picks)):

@@ -65,7 +65,8 @@ def _indexer_forward(self, x, qr, start_pos, offset):
     G = self._csa_globals
     bsz, seqlen, _ = x.size()
     bf = torch.bfloat16
-    if (seqlen != 1 or start_pos == 0 or G.get("world_size", 1) > 1 or not _rounds_fp4_32(G)
+    if (seqlen != 1 or (start_pos + 1) // self.compress_ratio == 0    # nothing to score yet
+            or G.get("world_size", 1) > 1 or not _rounds_fp4_32(G)
             or torch.get_default_dtype() != bf or self.kv_cache.dtype != bf
             or self.weights_proj.weight.dtype != bf):
         return _released(self, x, qr, start_pos, offset)
