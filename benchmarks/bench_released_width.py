@@ -84,6 +84,14 @@ MOE = "fused"
 # and its indexer at decode: "fused" (the runner's default, --indexer: the FP4 kernel with
 # the released bf16 roundings, the released selection) or "einsum" (model.py's as released)
 INDEXER = "fused"
+# the L3 before each timed decode step: "cold" (an untimed 512 MiB pass evicts it first,
+# as each layer of the 43-layer model finds it: the other 42 layers' ~8 GB went through
+# since) or "warm" (consecutive steps of this one layer: part of its ~110 MB of
+# attention weights and the shared expert can stay in the VM's 300 MiB L3 from the last
+# step).  Measured, our runner after the synthetic 4K fill, the two alternating in one
+# process (Sapphire Rapids, 2 threads, load 0.3): warm 13.4 ms, cold 15.0.
+L3 = "cold"
+SWEEP_MIB = 512
 CACHE = PEERS / "width44"
 MAX_CTX = 65536
 # V4-Flash as released: 43 layers and a 129280-token bf16 head (the projection's extra bytes)
@@ -366,8 +374,12 @@ def runner_worker(ctx, steps, fill, threads, warm=4):
     layer.ffn.gate.forward = gate
     ids = torch.tensor([blm.bench_ids(max(ctx, 256), CFG["vocab_size"])])
 
+    sweep = np.zeros(SWEEP_MIB << 17) if L3 == "cold" else None   # float64
+
     def decode(tok, pos, n, times=None, cpu=None):
         for s in range(n):
+            if sweep is not None and times is not None:
+                np.add(sweep, 1.0, out=sweep)  # untimed: evicts the L3
             a, c = time.perf_counter(), time.process_time()
             lg = model(tok, pos + s)
             tok = lg.argmax(-1, keepdim=True).view(1, 1)
@@ -408,7 +420,7 @@ def runner_worker(ctx, steps, fill, threads, warm=4):
         peak_rss_bytes=peak_rss_bytes(), isa=dc.get_isa(), threads=torch.get_num_threads(),
         experts_distinct=len(set(flat)), experts_picks=len(flat),
         logits_finite=bool(torch.isfinite(lg).all()), actual_bytes=actual, wo_a=WO_A,
-        f32_weights=F32W, moe=MOE, indexer=INDEXER)))
+        f32_weights=F32W, moe=MOE, indexer=INDEXER, l3=L3)))
 
 
 def components_worker(threads, reps=7):
@@ -490,7 +502,7 @@ def run_runner(ctx, steps, fill, threads):
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", fill, "--ctx", str(ctx),
            "--steps", str(steps), "--threads", str(threads), "--wo-a", WO_A,
-           "--f32-weights", F32W, "--moe", MOE, "--indexer", INDEXER]
+           "--f32-weights", F32W, "--moe", MOE, "--indexer", INDEXER, "--l3", L3]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(ROOT))
     if r.returncode != 0:
         raise RuntimeError(f"runner worker failed ({r.returncode}):\n{r.stderr[-3000:]}")
@@ -498,7 +510,20 @@ def run_runner(ctx, steps, fill, threads):
 
 
 def run_llama(ctx, steps, threads, ggml):
-    return blm.run_side("llama.cpp", model_dir(), threads, ctx, steps, ggml=ggml)
+    # the harness reads LLAMACPP_SWEEP_MIB (benchmarks/llamacpp_model.c)
+    old = os.environ.get("LLAMACPP_SWEEP_MIB")
+    os.environ["LLAMACPP_SWEEP_MIB"] = str(SWEEP_MIB if L3 == "cold" else 0)
+    try:
+        out = blm.run_side("llama.cpp", model_dir(), threads, ctx, steps, ggml=ggml)
+    finally:
+        if old is None:
+            del os.environ["LLAMACPP_SWEEP_MIB"]
+        else:
+            os.environ["LLAMACPP_SWEEP_MIB"] = old
+    if L3 == "cold" and not out.get("l3_sweep_mib"):
+        raise RuntimeError("the llama.cpp harness ignored LLAMACPP_SWEEP_MIB: rebuild it "
+                           "with `make peers` (benchmarks/llamacpp_model.c is newer)")
+    return out
 
 
 # ---------------------------------------------------------------- the run
@@ -586,7 +611,7 @@ def plot(snap, path):
 
 
 def main(argv=None):
-    global WO_A, F32W, MOE, INDEXER
+    global WO_A, F32W, MOE, INDEXER, L3
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", 2)))
     ap.add_argument("--prepare", action="store_true", help="only write / convert the model")
@@ -617,9 +642,13 @@ def main(argv=None):
     ap.add_argument("--indexer", choices=("fused", "einsum"), default=INDEXER,
                     help="our runner's indexer at decode (deepseek_csa.generate --indexer): "
                          "fused (default; the released selection) or einsum, as released")
+    ap.add_argument("--l3", choices=("cold", "warm"), default=L3,
+                    help=f"both sides: cold (default; an untimed {SWEEP_MIB} MiB pass before "
+                         "each timed step evicts the L3, as a many-layer model finds it) or "
+                         "warm (consecutive steps of the one layer)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    WO_A, F32W, MOE, INDEXER = a.wo_a, a.f32_weights, a.moe, a.indexer
+    WO_A, F32W, MOE, INDEXER, L3 = a.wo_a, a.f32_weights, a.moe, a.indexer, a.l3
     if a.replot:
         plot(json.loads(Path(a.replot).read_text()), Path(a.replot).with_suffix(".png"))
         return 0
@@ -731,7 +760,8 @@ def main(argv=None):
              "weights; our runner (released model.py on deepseek_csa's kernel module) vs "
              "llama.cpp. " + a.note,
         config=CFG, seed=SEED, runner_config=runner_config(), runner_wo_a=WO_A,
-        runner_f32_weights=F32W, runner_moe=MOE, runner_indexer=INDEXER, gguf=how, ggml=ggml,
+        runner_f32_weights=F32W, runner_moe=MOE, runner_indexer=INDEXER, l3=L3,
+        l3_sweep_mib=SWEEP_MIB if L3 == "cold" else 0, gguf=how, ggml=ggml,
         llamacpp_version=blm.LLAMACPP_VERSION, cpu=harness.cpu_model(), isa=_isa(),
         threads=a.threads, env=harness.environment(a.threads), triad_gbs=tri,
         triad_runs_gbs=triads, load_avg_start=load0, load_avg_end=os.getloadavg(),

@@ -12,10 +12,12 @@
  *       ROUNDS times (after one warm-up of 64 + 4 tokens): clear the memory, decode a
  *       prompt of N_PROMPT deterministic pseudo-random ids, then N_DECODE greedy steps;
  *       prints one JSON line per round {prefill_s, decode_s, ...} and, at the end, the
- *       process's peak resident memory (VmHWM).
+ *       process's peak resident memory (VmHWM).  LLAMACPP_SWEEP_MIB=M: each step is
+ *       timed alone, after an untimed pass over M MiB that evicts the L3 ("cold" steps).
  * Context: n_ctx = prompt + steps + 16, n_batch 2048, n_ubatch 512 (llama.cpp's
  * defaults), flash attention as llama.cpp chooses (auto), K/V cache F16 (default),
  * n_threads = n_threads_batch = THREADS. */
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -75,6 +77,14 @@ static struct llama_context *open_ctx(struct llama_model *model, int n_ctx, int 
     struct llama_context *ctx = llama_init_from_model(model, cp);
     if (!ctx) { fprintf(stderr, "llama_init_from_model failed\n"); exit(3); }
     return ctx;
+}
+
+/* one read-modify-write pass over n words (every line of a buffer larger than the L3);
+   the sum keeps the compiler from dropping it */
+static uint64_t sweep_l3(uint64_t *buf, size_t n) {
+    uint64_t s = 0;
+    for (size_t i = 0; i < n; i += 8) s += ++buf[i];
+    return s;
 }
 
 /* decode ids[0..n) in chunks of n_batch (2048) tokens; logits of the last token only */
@@ -154,6 +164,12 @@ int main(int argc, char **argv) {
         }
         struct llama_context *ctx = open_ctx(model, n + steps + 16 > 96 ? n + steps + 16 : 96,
                                              threads);
+        /* LLAMACPP_SWEEP_MIB=M: before each timed decode step (untimed) a pass over M MiB
+           evicts the weights from the L3, as a model of many layers would find them */
+        const char *sw = getenv("LLAMACPP_SWEEP_MIB");
+        size_t sweep_n = sw && atol(sw) > 0 ? ((size_t)atol(sw) << 20) / 8 : 0;
+        uint64_t *sweep = sweep_n ? calloc(sweep_n, 8) : NULL, sweep_sum = 0;
+        if (sweep_n && !sweep) { fprintf(stderr, "cannot allocate the sweep\n"); return 3; }
         /* warm-up: 64 prompt tokens + 4 steps */
         decode(ctx, ids, 64);
         for (int i = 0; i < 4; i++) {
@@ -165,18 +181,32 @@ int main(int argc, char **argv) {
             double a = now();
             decode(ctx, ids, n);
             llama_synchronize(ctx);
-            double b = now(), cb = cpu_now();
-            for (int i = 0; i < steps; i++) {
-                llama_token t = argmax(llama_get_logits_ith(ctx, -1), n_vocab);
-                decode(ctx, &t, 1);
+            double b = now(), cb = cpu_now(), dec = 0.0, dec_cpu = 0.0;
+            if (!sweep) {
+                for (int i = 0; i < steps; i++) {
+                    llama_token t = argmax(llama_get_logits_ith(ctx, -1), n_vocab);
+                    decode(ctx, &t, 1);
+                }
+                llama_synchronize(ctx);
+                dec = now() - b, dec_cpu = cpu_now() - cb;
+            } else {
+                for (int i = 0; i < steps; i++) {
+                    sweep_sum += sweep_l3(sweep, sweep_n);   /* untimed */
+                    double s0 = now(), c0 = cpu_now();
+                    llama_token t = argmax(llama_get_logits_ith(ctx, -1), n_vocab);
+                    decode(ctx, &t, 1);
+                    llama_synchronize(ctx);
+                    dec += now() - s0, dec_cpu += cpu_now() - c0;
+                }
             }
-            llama_synchronize(ctx);
-            double c = now(), cc = cpu_now();
             printf("{\"round\": %d, \"n_prompt\": %d, \"n_decode\": %d, \"prefill_s\": %.6f, "
-                   "\"decode_s\": %.6f, \"decode_cpu_s\": %.6f, \"load_s\": %.3f}\n", r, n,
-                   steps, b - a, c - b, cc - cb, t_load);
+                   "\"decode_s\": %.6f, \"decode_cpu_s\": %.6f, \"load_s\": %.3f, "
+                   "\"l3_sweep_mib\": %ld, \"sweep_sum\": %lu}\n", r, n,
+                   steps, b - a, dec, dec_cpu, t_load, (long)(sweep_n * 8 >> 20),
+                   (unsigned long)sweep_sum);
             fflush(stdout);
         }
+        free(sweep);
         llama_free(ctx);
     } else {
         fprintf(stderr, "bad arguments\n");
