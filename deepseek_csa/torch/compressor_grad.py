@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import torch
 
-from . import ops
-from ._tensors import kernel_dtype, to_like
 from .autograd import gated_pool
 
 
@@ -127,19 +125,5 @@ def compressor_forward_grad(mod, G, x, start_pos):
         mod._csa_grad_state = (skv[:, skv.shape[1] - keep:], slg[:, slg.shape[1] - keep:],
                                start_pos + 1 - keep, b)
         rows = slice(start_pos + 1 - r, start_pos + 2 - r)
-    ent = mod.norm(pooled.to(dtype))
-    if not v4:
-        return ent
-    rd = mod.rope_head_dim
-    G["apply_rotary_emb"](ent[..., -rd:], mod.freqs_cis[rows])
-    if mod.rotate:
-        ent = to_like(ops.call("hadamard", kernel_dtype(ent), None), ent)
-        blk = G.get("fp4_block_size", 32)
-        ent = _straight_through(ent, lambda q: G["fp4_act_quant"](q, blk, True))
-    else:
-        ent = _straight_through(ent, lambda q: G["act_quant"](
-            q[..., :-rd], 64, G.get("scale_fmt"), G.get("scale_dtype"), True))
-    first = 0 if start_pos == 0 else start_pos // r
-    with torch.no_grad():
-        mod.kv_cache[:b, first:first + ent.shape[1]] = ent.detach()
-    return ent
+    from .dropins import compressor_epilogue
+    return compressor_epilogue(mod, G, pooled.to(dtype), rows, start_pos, grad=True)

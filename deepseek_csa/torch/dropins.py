@@ -197,18 +197,39 @@ def compressor_forward(self, x, start_pos):
         else:
             pooled = ops.call("gated_pool", st_kv[:b], st_sc[:b], r, None, False)
         rows = slice(start_pos + 1 - r, start_pos + 2 - r)
-    ent = self.norm(pooled.to(dtype))
-    if not v4:
+    return compressor_epilogue(self, G, pooled.to(dtype), rows, start_pos)
+
+
+def compressor_epilogue(mod, G, pooled, rows, start_pos, grad=False):
+    """A Compressor's entries after the pooling (pooled [b, n, D] in the model's dtype,
+    rows: the RoPE table's rows of those entries), through the module's own functions
+    (G: the model module's globals): its norm; V4 also RoPE on the last rope_head_dim
+    features, then the Hadamard rotation and the in-place FP4 rounding (the indexer's
+    compressor, ``rotate``) or the FP8 rounding of the features before RoPE's, and the
+    entries written to ``kv_cache`` from entry start_pos // ratio.  grad: the rotation
+    through the differentiable ``hadamard`` operator and the roundings straight-through
+    (QAT), the cache written detached.  V4.1 returns the normed entries."""
+    ent = mod.norm(pooled)
+    if not hasattr(mod, "ape"):
         return ent
-    rd = self.rope_head_dim
-    G["apply_rotary_emb"](ent[..., -rd:], self.freqs_cis[rows])
-    if self.rotate:
-        ent = G["rotate_activation"](ent)
-        G["fp4_act_quant"](ent, G.get("fp4_block_size", 32), True)
+    rd = mod.rope_head_dim
+    G["apply_rotary_emb"](ent[..., -rd:], mod.freqs_cis[rows])
+    if mod.rotate:
+        blk = G.get("fp4_block_size", 32)
+        ent = (to_like(ops.call("hadamard", kernel_dtype(ent), None), ent) if grad
+               else G["rotate_activation"](ent))
+        rnd = lambda t: G["fp4_act_quant"](t, blk, True)   # noqa: E731
     else:
-        G["act_quant"](ent[..., :-rd], 64, G.get("scale_fmt"), G.get("scale_dtype"), True)
-    first = 0 if start_pos == 0 else start_pos // r
-    self.kv_cache[:b, first:first + ent.shape[1]] = ent
+        rnd = lambda t: G["act_quant"](t[..., :-rd], 64, G.get("scale_fmt"),   # noqa: E731
+                                       G.get("scale_dtype"), True)
+    if grad:
+        from .compressor_grad import _straight_through
+        ent = _straight_through(ent, rnd)
+    else:
+        rnd(ent)
+    first = 0 if start_pos == 0 else start_pos // mod.compress_ratio
+    with torch.no_grad():
+        mod.kv_cache[:ent.shape[0], first:first + ent.shape[1]] = ent.detach()
     return ent
 
 
