@@ -297,8 +297,10 @@ static inline void CSA_V(bwd_pack)(const void *x, int bf, csa_idx o, csa_idx n, 
  * stay in L1 for all the row's slot groups, and P and dS (6 x 2 lines a group) are
  * streamed from L2 instead, once per block.  Each dkv element still gets its slots in slot
  * order, the same chain. */
-static __attribute__((noinline)) void
-CSA_V(bwd_dkv_cols)(const struct csa_attn_bwd_problem *g, csa_idx r0, csa_idx r1,
+#if defined(__AVX2__) && !defined(__AVX512F__)
+__attribute__((noinline))
+#endif
+static void CSA_V(bwd_dkv_cols)(const struct csa_attn_bwd_problem *g, csa_idx r0, csa_idx r1,
                                 const float *Pb, const float *Sb, csa_idx rs, const int32_t *vid,
                                 const csa_idx *cnt, csa_idx hcp, csa_idx d0, csa_idx d1, float *X)
 {
@@ -369,6 +371,17 @@ CSA_V(bwd_dkv_cols)(const struct csa_attn_bwd_problem *g, csa_idx r0, csa_idx r1
             }
         }
     }
+}
+
+/* Floats between the rows of a block in the row items' tile (bwd_item says why AVX2
+ * pads them). */
+static inline csa_idx CSA_V(bwd_ts)(csa_idx dp)
+{
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    return dp + 16;
+#else
+    return dp;
+#endif
 }
 
 /* Per-thread scratch of the backward, in floats (pieces multiples of 16). */
@@ -459,11 +472,10 @@ static void CSA_V(bwd_item)(const struct csa_attn_bwd_problem *g, csa_idx b, csa
      * tile took 34% for 40% (perf, 2 threads, float32, S = 2048).  At 2112 bytes apart
      * the 66 rows fall into 66 different sets. */
     const int direct = 0;
-    const csa_idx ts = dp + 16;
 #else
     const int direct = !bf && (uintptr_t)kvb % sizeof(float) == 0;
-    const csa_idx ts = dp;
 #endif
+    const csa_idx ts = CSA_V(bwd_ts)(dp);
     const float scale = a->scale;
     for (csa_idx k0 = 0; k0 < n; k0 += ATTN_BWD_KB) {
         const csa_idx kb = n - k0 < ATTN_BWD_KB ? n - k0 : ATTN_BWD_KB;
@@ -549,7 +561,7 @@ static int CSA_V(sparse_attn_backward_tuned)(const struct csa_attn_bwd_problem *
     const int nt = csa_threads(nq, 1);
     const csa_idx ncol0 = (nt + 1) / 2; /* column chains (see ATTN_BWD_CH) */
     const csa_idx CW = ((D + ncol0 - 1) / ncol0 + 63) / 64 * 64, ncol = (D + CW - 1) / CW;
-    const csa_idx per_thread = 3 * D * hcp + 3 * hcp + kbp_max * (dp + 16) + 2 * H * CW;
+    const csa_idx per_thread = 3 * D * hcp + 3 * hcp + kbp_max * CSA_V(bwd_ts)(dp) + 2 * H * CW;
     const csa_idx per_ptr = K + kbp_max;
     /* P or dS of one row: K valid slots at most, + the last tile's padding */
     const csa_idx rsz = (K + ATTN_MR) * hcp;
@@ -604,7 +616,7 @@ static int CSA_V(sparse_attn_backward_tuned)(const struct csa_attn_bwd_problem *
         w.lse = p, p += hcp;
         w.Dr = p, p += hcp;
         w.ones = p, p += hcp;
-        w.tile = p, p += kbp_max * (dp + 16);
+        w.tile = p, p += kbp_max * CSA_V(bwd_ts)(dp);
         float *X = p;
         const float **valid = ptrs + t * per_ptr, **blk = valid + K;
 #pragma omp for schedule(static)
