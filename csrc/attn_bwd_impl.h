@@ -110,8 +110,13 @@ CSA_V(gkv_tile)(const float *P, const float *DS, csa_idx hcp, csa_idx H, const f
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
 /* The AVX2 tile: 6 slots x 16 features (12 accumulators of the 16 ymm registers), the
- * same per-element chains; added onto dst[i] + d0 for i < nr in slot order. */
-static inline void CSA_V(gkv_tile_v8)(const float *P, const float *DS, csa_idx hcp, csa_idx H,
+ * same per-element chains; added onto dst[i] + d0 for i < nr in slot order.  Called
+ * with hcp = 64 as a constant where it is (V4-Flash), so the 6 weights of a head are
+ * one base register + displacements; bwd_dkv_cols is kept out of line: inlined into the
+ * backward's parallel region, GCC kept the 6 offsets i hcp on the stack and reloaded
+ * them every head (6 loads beside the 6 broadcasts per 12 FMAs). */
+static inline __attribute__((always_inline)) void
+CSA_V(gkv_tile_v8)(const float *P, const float *DS, const csa_idx hcp, csa_idx H,
                                       const float *dO, csa_idx sdo_h, const float *q,
                                       csa_idx sq_h, csa_idx d0, float *const *dst, int nr)
 {
@@ -145,6 +150,104 @@ static inline void CSA_V(gkv_tile_v8)(const float *P, const float *DS, csa_idx h
         o[0] = o[0] + acc[i][0];
         o[1] = o[1] + acc[i][1];
     }
+}
+#endif
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* The row items' tiles at AVX2: the forward's qk_tile_v8 / pv_tile_v8 with the same
+ * per-element chains (so the same bits), but reading the block's rows from the tile,
+ * ts floats apart (bwd_item says why), instead of through a pointer per row.  The
+ * forward's tiles, inlined into the backward's parallel region, reloaded row pointers
+ * or offsets from the stack every step (5-9 loads per 12 FMAs); here a row is a
+ * displacement from one base (constant for ts = 528, hcp = 64, D = 512, V4-Flash).
+ * Measured with the padded tile, 2 threads, float32, S = 2048, load 2-4: backward /
+ * forward 2.31x against 2.50x before, CPU time, interleaved. */
+
+/* L[i, 0:16] = sum_d T[i ts + d] QT[d, 0:16] for ATTN_MR rows of the block tile T. */
+static inline __attribute__((always_inline)) void
+CSA_V(bwd_qk_v8)(const float *T, const csa_idx ts, const float *QT, const csa_idx hcp,
+                 const csa_idx D, float *L)
+{
+    CSA_V(v8) acc[ATTN_MR][2];
+#pragma GCC unroll 8
+    for (int i = 0; i < ATTN_MR; i++) acc[i][0] = acc[i][1] = (CSA_V(v8)){0};
+    const float *r = T, *qt = QT;
+    for (csa_idx d = 0; d < D; d++, r++, qt += hcp) {
+        const CSA_V(v8) q0 = *(const CSA_V(v8) *)qt, q1 = *(const CSA_V(v8) *)(qt + 8);
+#pragma GCC unroll 8
+        for (int i = 0; i < ATTN_MR; i++) {
+            const float x = r[i * ts];
+            acc[i][0] += x * q0;
+            acc[i][1] += x * q1;
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < ATTN_MR; i++) {
+        *(CSA_V(v8) *)(L + i * hcp) = acc[i][0];
+        *(CSA_V(v8) *)(L + i * hcp + 8) = acc[i][1];
+    }
+}
+
+/* bwd_logits_v8's loops, inlined once with the shape's constants, once without */
+static inline __attribute__((always_inline)) void
+CSA_V(bwd_logits_v8_k)(const float *T, const csa_idx ts, csa_idx kbp, const float *QT,
+                       const csa_idx hcp, const csa_idx D, float *L)
+{
+    for (csa_idx i0 = 0; i0 < kbp; i0 += ATTN_MR)
+        for (csa_idx h0 = 0; h0 < hcp; h0 += 16)
+            CSA_V(bwd_qk_v8)(T + i0 * ts, ts, QT + h0, hcp, D, L + i0 * hcp + h0);
+}
+
+/* Logits of kbp (a multiple of ATTN_MR) tile rows for all hcp heads (attn_logits). */
+static __attribute__((noinline)) void
+CSA_V(bwd_logits_v8)(const float *T, csa_idx ts, csa_idx kbp, const float *QT, csa_idx hcp,
+                     csa_idx D, float *L)
+{
+    if (ts == 528 && hcp == 64 && D == 512)
+        CSA_V(bwd_logits_v8_k)(T, 528, kbp, QT, 64, 512, L);
+    else
+        CSA_V(bwd_logits_v8_k)(T, ts, kbp, QT, hcp, D, L);
+}
+
+/* OT[d0 + i, 0:16] (+)= sum_{k < kb} T[k ts + d0 + i] P[k, 0:16], i < 6. */
+static inline __attribute__((always_inline)) void
+CSA_V(bwd_pv_v8)(const float *T, csa_idx ts, csa_idx kb, const float *P, csa_idx hcp,
+                 float *OT, csa_idx d0, int first)
+{
+    CSA_V(v8) acc[6][2];
+#pragma GCC unroll 6
+    for (int i = 0; i < 6; i++) {
+        acc[i][0] = first ? (CSA_V(v8)){0} : *(const CSA_V(v8) *)(OT + (d0 + i) * hcp);
+        acc[i][1] = first ? (CSA_V(v8)){0} : *(const CSA_V(v8) *)(OT + (d0 + i) * hcp + 8);
+    }
+    const float *r = T + d0, *p = P;
+    for (csa_idx k = 0; k < kb; k++, r += ts, p += hcp) {
+        const CSA_V(v8) p0 = *(const CSA_V(v8) *)p, p1 = *(const CSA_V(v8) *)(p + 8);
+#pragma GCC unroll 6
+        for (int i = 0; i < 6; i++) {
+            const float x = r[i];
+            acc[i][0] += x * p0;
+            acc[i][1] += x * p1;
+        }
+    }
+#pragma GCC unroll 6
+    for (int i = 0; i < 6; i++) {
+        *(CSA_V(v8) *)(OT + (d0 + i) * hcp) = acc[i][0];
+        *(CSA_V(v8) *)(OT + (d0 + i) * hcp + 8) = acc[i][1];
+    }
+}
+
+/* OT[d, h] (+)= sum_{k < kb} T[k ts + d] P[k, h] for d < D, h < hcp (attn_pv without
+ * alpha; the tail of D % 6 features by attn_pv_feature through R, the same rows). */
+static __attribute__((noinline)) void
+CSA_V(bwd_pv)(const float *T, csa_idx ts, const float *const *R, csa_idx kb, const float *P,
+              csa_idx hcp, float *OT, csa_idx D, int first)
+{
+    const csa_idx d6 = D - D % 6;
+    for (csa_idx h0 = 0; h0 < hcp; h0 += 16)
+        for (csa_idx d0 = 0; d0 < d6; d0 += 6)
+            CSA_V(bwd_pv_v8)(T, ts, kb, P + h0, hcp, OT + h0, d0, first);
+    for (csa_idx d = d6; d < D; d++) CSA_V(attn_pv_feature)(R, kb, P, hcp, NULL, OT, d, first);
 }
 #endif
 
@@ -194,6 +297,9 @@ static inline void CSA_V(bwd_pack)(const void *x, int bf, csa_idx o, csa_idx n, 
  * stay in L1 for all the row's slot groups, and P and dS (6 x 2 lines a group) are
  * streamed from L2 instead, once per block.  Each dkv element still gets its slots in slot
  * order, the same chain. */
+#if defined(__AVX2__) && !defined(__AVX512F__)
+__attribute__((noinline))
+#endif
 static void CSA_V(bwd_dkv_cols)(const struct csa_attn_bwd_problem *g, csa_idx r0, csa_idx r1,
                                 const float *Pb, const float *Sb, csa_idx rs, const int32_t *vid,
                                 const csa_idx *cnt, csa_idx hcp, csa_idx d0, csa_idx d1, float *X)
@@ -251,8 +357,12 @@ static void CSA_V(bwd_dkv_cols)(const struct csa_attn_bwd_problem *g, csa_idx r0
 #else
                 csa_idx c = 0;
 #if defined(__AVX2__)
-                for (; c + 16 <= bw; c += 16)
-                    CSA_V(gkv_tile_v8)(Pi, Si, hcp, H, bo, bw, bq, bw, c, dst, nr);
+                if (hcp == 64) /* constant P / dS row offsets (see gkv_tile_v8) */
+                    for (; c + 16 <= bw; c += 16)
+                        CSA_V(gkv_tile_v8)(Pi, Si, 64, H, bo, bw, bq, bw, c, dst, nr);
+                else
+                    for (; c + 16 <= bw; c += 16)
+                        CSA_V(gkv_tile_v8)(Pi, Si, hcp, H, bo, bw, bq, bw, c, dst, nr);
 #endif
                 for (; c < bw; c += 16)
                     CSA_V(gkv_tile_1)(Pi, Si, hcp, H, bo, bw, bq, bw, c, bw - c < 16 ? bw : c + 16,
@@ -261,6 +371,17 @@ static void CSA_V(bwd_dkv_cols)(const struct csa_attn_bwd_problem *g, csa_idx r0
             }
         }
     }
+}
+
+/* Floats between the rows of a block in the row items' tile (bwd_item says why AVX2
+ * pads them). */
+static inline csa_idx CSA_V(bwd_ts)(csa_idx dp)
+{
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    return dp + 16;
+#else
+    return dp;
+#endif
 }
 
 /* Per-thread scratch of the backward, in floats (pieces multiples of 16). */
@@ -342,14 +463,26 @@ static void CSA_V(bwd_item)(const struct csa_attn_bwd_problem *g, csa_idx b, csa
         rs[h] = -rs[h];
 #endif
     }
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    /* AVX2: every block's rows are copied into the tile, ts = dp + 16 floats apart, and
+     * read from there by the backward's own tiles (bwd_logits_v8, bwd_pv).  In place (or
+     * dp floats apart, 2 KB at D = 512) the rows' lines for one feature fall into 2 of
+     * L1's 64 sets, so d(q)'s tile, which reads 6 features of all 66 rows per pass, read
+     * them from L2: 27% of the backward's samples for 20% of its flops, where the logits
+     * tile took 34% for 40% (perf, 2 threads, float32, S = 2048).  At 2112 bytes apart
+     * the 66 rows fall into 66 different sets. */
+    const int direct = 0;
+#else
     const int direct = !bf && (uintptr_t)kvb % sizeof(float) == 0;
+#endif
+    const csa_idx ts = CSA_V(bwd_ts)(dp);
     const float scale = a->scale;
     for (csa_idx k0 = 0; k0 < n; k0 += ATTN_BWD_KB) {
         const csa_idx kb = n - k0 < ATTN_BWD_KB ? n - k0 : ATTN_BWD_KB;
         const csa_idx kbp = ((kb + ATTN_MR - 1) / ATTN_MR) * ATTN_MR;
         float *L = P + k0 * hcp, *dP = DS + k0 * hcp;
         for (csa_idx i = 0; i < kbp; i++) {
-            float *t = w->tile + i * dp;
+            float *t = w->tile + i * ts;
             if (i < kb && direct) {
                 blk[i] = valid[k0 + i];
             } else {
@@ -362,8 +495,13 @@ static void CSA_V(bwd_item)(const struct csa_attn_bwd_problem *g, csa_idx b, csa
                 blk[i] = t;
             }
         }
+#if defined(__AVX2__) && !defined(__AVX512F__)
+        CSA_V(bwd_logits_v8)(w->tile, ts, kbp, w->QT, hcp, D, L);
+        CSA_V(bwd_logits_v8)(w->tile, ts, kbp, w->dOT, hcp, D, dP);
+#else
         CSA_V(attn_logits)(blk, kbp, w->QT, hcp, D, L);
         CSA_V(attn_logits)(blk, kbp, w->dOT, hcp, D, dP);
+#endif
         CSA_V(attn_probs)(L, kb, hcp, scale, w->lse, H, NULL);
         for (csa_idx i = 0; i < kb; i++) {
             float *CSA_RESTRICT Pi = L + i * hcp, *CSA_RESTRICT dS = dP + i * hcp;
@@ -379,7 +517,11 @@ static void CSA_V(bwd_item)(const struct csa_attn_bwd_problem *g, csa_idx b, csa
         /* the padding rows weigh nothing */
         memset(L + kb * hcp, 0, (size_t)((kbp - kb) * hcp) * sizeof(float));
         memset(dP + kb * hcp, 0, (size_t)((kbp - kb) * hcp) * sizeof(float));
+#if defined(__AVX2__) && !defined(__AVX512F__)
+        CSA_V(bwd_pv)(w->tile, ts, blk, kb, dP, hcp, w->dqT, D, k0 == 0);
+#else
         CSA_V(attn_pv)(blk, kb, dP, hcp, NULL, w->dqT, D, k0 == 0);
+#endif
     }
 #ifdef CSA_MUTANT_ATTN_BWD_DQ_SCALE /* planted: d(q) divided by 1 - 1e-4 */
     for (csa_idx h = 0; h < hcp; h++) w->ones[h] = 1.0f - 1e-4f;
@@ -419,7 +561,7 @@ static int CSA_V(sparse_attn_backward_tuned)(const struct csa_attn_bwd_problem *
     const int nt = csa_threads(nq, 1);
     const csa_idx ncol0 = (nt + 1) / 2; /* column chains (see ATTN_BWD_CH) */
     const csa_idx CW = ((D + ncol0 - 1) / ncol0 + 63) / 64 * 64, ncol = (D + CW - 1) / CW;
-    const csa_idx per_thread = 3 * D * hcp + 3 * hcp + kbp_max * dp + 2 * H * CW;
+    const csa_idx per_thread = 3 * D * hcp + 3 * hcp + kbp_max * CSA_V(bwd_ts)(dp) + 2 * H * CW;
     const csa_idx per_ptr = K + kbp_max;
     /* P or dS of one row: K valid slots at most, + the last tile's padding */
     const csa_idx rsz = (K + ATTN_MR) * hcp;
@@ -474,7 +616,7 @@ static int CSA_V(sparse_attn_backward_tuned)(const struct csa_attn_bwd_problem *
         w.lse = p, p += hcp;
         w.Dr = p, p += hcp;
         w.ones = p, p += hcp;
-        w.tile = p, p += kbp_max * dp;
+        w.tile = p, p += kbp_max * CSA_V(bwd_ts)(dp);
         float *X = p;
         const float **valid = ptrs + t * per_ptr, **blk = valid + K;
 #pragma omp for schedule(static)
