@@ -106,6 +106,18 @@ CSA_V(gkv_tile)(const float *P, const float *DS, csa_idx hcp, csa_idx H, const f
                                   _mm512_add_ps(_mm512_maskz_loadu_ps(mk[j], o + 16 * j), acc[i][j]));
     }
 }
+
+/* gkv_tile at hcp = 64 and 64 features (V4-Flash), out of line: the 6 weights of a head
+ * and the dO / q rows are one base register + constant displacements, and the masks
+ * constant (plain loads).  All ATTN_MR rows of dst are written (the caller points the
+ * rows past nr at scratch): with a run-time nr, GCC kept the accumulators' home on the
+ * stack and stored all 24 every head of the second loop. */
+static __attribute__((noinline)) void
+CSA_V(gkv_tile_64)(const float *P, const float *DS, csa_idx H, const float *dO, const float *q,
+                   float *const *dst)
+{
+    CSA_V(gkv_tile)(P, DS, 64, H, dO, 64, q, 64, 0, 64, dst, ATTN_MR, 4);
+}
 #endif
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
@@ -308,6 +320,9 @@ static void CSA_V(bwd_dkv_cols)(const struct csa_attn_bwd_problem *g, csa_idx r0
     const csa_idx S = a->S, H = a->H, K = a->K, nd = d1 - d0, cw = d1 - d0;
     const csa_idx BW = 64;
     float *xo = X, *xq = X + H * cw;
+#ifdef __AVX512F__
+    float junk[64]; /* gkv_tile_64's rows past nr */
+#endif
 #ifdef CSA_MUTANT_ATTN_BWD_CHUNK_LAST /* planted: a chunk's last row adds no d(kv) */
     if (r1 - r0 > 1) r1--;
 #endif
@@ -348,7 +363,10 @@ static void CSA_V(bwd_dkv_cols)(const struct csa_attn_bwd_problem *g, csa_idx r0
                 const float *Pi = P + i0 * hcp, *Si = DS + i0 * hcp;
 #ifdef __AVX512F__
                 const csa_idx nv = (bw + 15) / 16;
-                switch (nv) {
+                if (hcp == 64 && bw == 64) {
+                    for (int i = nr; i < ATTN_MR; i++) dst[i] = junk;
+                    CSA_V(gkv_tile_64)(Pi, Si, H, bo, bq, dst);
+                } else switch (nv) {
                 case 4: CSA_V(gkv_tile)(Pi, Si, hcp, H, bo, bw, bq, bw, 0, bw, dst, nr, 4); break;
                 case 3: CSA_V(gkv_tile)(Pi, Si, hcp, H, bo, bw, bq, bw, 0, bw, dst, nr, 3); break;
                 case 2: CSA_V(gkv_tile)(Pi, Si, hcp, H, bo, bw, bq, bw, 0, bw, dst, nr, 2); break;
