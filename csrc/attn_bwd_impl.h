@@ -321,7 +321,8 @@ static void CSA_V(bwd_dkv_cols)(const struct csa_attn_bwd_problem *g, csa_idx r0
     const csa_idx BW = 64;
     float *xo = X, *xq = X + H * cw;
 #ifdef __AVX512F__
-    float junk[64]; /* gkv_tile_64's rows past nr */
+    /* gkv_tile_64's rows past nr (zeroed: no read of indeterminate floats) */
+    float junk[64] = {0};
 #endif
 #ifdef CSA_MUTANT_ATTN_BWD_CHUNK_LAST /* planted: a chunk's last row adds no d(kv) */
     if (r1 - r0 > 1) r1--;
