@@ -16,8 +16,10 @@ and 64K tokens of context.
 
 Durations (2 cores, loaded host): --prepare ~8 min once (peak ~8 GB resident; cached
 under build/peers/width44/<key>/, 10 GB on disk: hf/, ckpt/ and model.gguf 3.4 GiB
-each); the timed run ~9 min with --llama-max-ctx 4096 (llama.cpp prefilled 4096 tokens
-in 266 s; its 65536-token prefill, the default, would take over an hour there).
+each); the timed run ~1 min on a quiet host with --llama-max-ctx 4096 (llama.cpp
+prefilled 4096 tokens in 24 s; 266 s on a loaded host), its 65536-token prefill, the
+default, much longer.  Every timed decode step starts with the L3 evicted (--l3, see L3
+below).
 
 The model (CFG): bench_llamacpp_model.MODEL's V4-Flash widths (hidden 4096, 64 heads x
 512, q_lora 1024, 8 x 1024 output groups, window 128, 64 index heads x 128, top-512,
