@@ -87,11 +87,11 @@ MOE = "fused"
 # the released bf16 roundings, the released selection) or "einsum" (model.py's as released)
 INDEXER = "fused"
 # the L3 before each timed decode step: "cold" (an untimed 512 MiB pass evicts it first,
-# as each layer of the 43-layer model finds it: the other 42 layers' ~8 GB went through
-# since) or "warm" (consecutive steps of this one layer: part of its ~110 MB of
-# attention weights and the shared expert can stay in the VM's 300 MiB L3 from the last
-# step).  Measured, our runner after the synthetic 4K fill, the two alternating in one
-# process (Sapphire Rapids, 2 threads, load 0.3): warm 13.4 ms, cold 15.0.
+# as each layer of the 43-layer model finds it: the other 42 layers' ~11 GB went through
+# since) or "warm" (consecutive steps of this one layer: part of its ~130 MB of
+# attention weights and shared expert stays in the VM's 300 MiB L3 from the last step).
+# Measured, our runner after the synthetic 4K fill (Sapphire Rapids, 2 threads, quiet
+# host): warm 10.25 ms, cold 12.25 (docs/peers.md section 9); llama.cpp 25.6 / 25.5.
 L3 = "cold"
 SWEEP_MIB = 512
 CACHE = PEERS / "width44"
