@@ -31,15 +31,22 @@ static inline __attribute__((always_inline)) __m256 CSA_V(bf16_widen8)(__m128i h
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+/* 8 floats, none of them NaN -> their bfloat16 bits in the low half of each 32-bit
+ * lane, rounded to nearest-even (bf16_round8 without its NaN test). */
+static inline __attribute__((always_inline)) __m256i CSA_V(bf16_round8_finite)(__m256 v)
+{
+    const __m256i u = _mm256_castps_si256(v), hi = _mm256_srli_epi32(u, 16);
+    const __m256i odd = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+    return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+}
+
 /* 8 floats -> their bfloat16 bits in the low half of each 32-bit lane, rounded as
  * csa_f32_to_bf16 (nearest-even: u + 0x7fff + bit 16 of u; a NaN keeps its sign and top
  * payload with the quiet bit set).  The NaN blend runs only when the vector holds a NaN. */
 static inline __attribute__((always_inline)) __m256i CSA_V(bf16_round8)(__m256 v)
 {
-    const __m256i u = _mm256_castps_si256(v), hi = _mm256_srli_epi32(u, 16);
-    const __m256i odd = _mm256_and_si256(hi, _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(
-        _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+    __m256i r = CSA_V(bf16_round8_finite)(v);
+    const __m256i hi = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
     const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
     if (__builtin_expect(_mm256_movemask_ps(nan) != 0, 0))
         r = _mm256_castps_si256(_mm256_blendv_ps(

@@ -17,6 +17,8 @@ Error budget (float32 kernels against float64 references):
   sums R rows: absolute 1e-6 * R * max|dy x inv|.
 - RoPE: a 2x2 rotation per pair, two products and a sum: 3e-7 relative to |grad|.
 """
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -285,6 +287,46 @@ def test_bf16_gradients_are_the_float32_ones_rounded(isa, rng):
     with pytest.raises(TypeError, match="grad_kv"):
         dc.gated_pool_backward(dy, kv, sc, 4, ape=ap, overlap=True, grad_dtype="bfloat16",
                                grad_kv=np.zeros_like(kv))
+
+
+def _round_bf16_bits(f32):
+    """bfloat16 bits of float32 values, written out here: nearest-even, and a NaN keeps
+    its sign and top payload bits with the quiet bit set."""
+    u = np.ascontiguousarray(f32, np.float32).view(np.uint32).astype(np.uint64)
+    hi = u >> 16
+    r = (u + 0x7FFF + (hi & 1)) >> 16
+    return np.where(np.isnan(f32), hi | 0x40, r).astype(np.uint16)
+
+
+@pytest.mark.parametrize("B, T, D, r, ov", [(2, 45, 96, 4, True), (1, 300, 160, 128, False),
+                                             (2, 23, 200, 4, False)])
+def test_bf16_gradients_on_rows_of_whole_blocks(isa, rng, B, T, D, r, ov):
+    """Rows wide enough that the tuned bodies' blocks (32 or 64 features) lie whole
+    inside them, where the AVX2 body rounds and packs two vectors of each gradient at
+    once with one NaN test for both: the float32 gradients rounded, bit for bit, with
+    NaN, inf and overflowing values in the inputs and at several output offsets; float32
+    inputs carry NaNs whose low payload bits a rounding without the NaN rule would
+    carry into the kept bits."""
+    import ml_dtypes
+    bf = ml_dtypes.bfloat16
+    cd = D * (2 if ov else 1)
+    kv, sc, ap, _ = _inputs(rng, B, T, cd, r)
+    sc[0, 1::5, 3::17] = np.nan
+    kv[-1, 2::7, 40:44] = np.inf
+    kv[0, 0, 64:72] = 3e38
+    kv.view(np.uint32)[-1, 1::3, 91::13] = 0x7FA0FFFF
+    dy = _dy(rng, B, T, r, D)
+    with np.errstate(invalid="ignore"):      # the signalling NaNs, narrowed
+        h16 = tuple(a.astype(bf) for a in (dy, kv, sc))
+    for h, off in itertools.product(((dy, kv, sc), h16), (0, 16, 48)):
+        want = dc.gated_pool_backward(*h, r, ape=ap, overlap=ov)
+        n = B * T * cd * 2
+        raw = [np.zeros(n + 128, np.uint8) for _ in range(2)]
+        gk, gs = (x[(-x.ctypes.data) % 64 + off:][:n].view(bf).reshape(B, T, cd) for x in raw)
+        dc.gated_pool_backward(*h, r, ape=ap, overlap=ov, grad_kv=gk, grad_score=gs,
+                               grad_dtype=bf)
+        for g, w in zip((gk, gs), want[:2]):
+            assert np.isnan(w).any() and np.array_equal(g.view(np.uint16), _round_bf16_bits(w))
 
 
 def test_gated_pool_backward_strided_and_out(rng):

@@ -49,6 +49,10 @@ MUTANTS = [
                            "gradients off by a relative 1e-3"),
     dict(name="pool_grad_ape_drop", kind="c", define="CSA_MUTANT_POOL_GRAD_APE_DROP",
          targets=[T], what="gated_pool_backward: d(ape) misses the last group of row 0"),
+    dict(name="pool_grad_pair_nan", kind="c", define="CSA_MUTANT_POOL_GRAD_PAIR_NAN",
+         targets=[T], what="gated_pool_backward at avx2, bf16 gradients: a pair of vectors "
+                           "tested for NaN by its first vector only (a NaN's low payload "
+                           "bits carried into the rounding)"),
     dict(name="pool_grad_y", kind="c", define="CSA_MUTANT_POOL_GRAD_Y",
          targets=[T], what="gated_pool_backward: the recomputed entry y off by a relative "
                            "1e-4 (d(score) = w dy (kv - y) slightly wrong)"),
