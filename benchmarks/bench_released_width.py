@@ -485,6 +485,16 @@ def components_worker(threads, reps=7):
             (lambda: ffn.gate(x.view(1, d).float()), nb(ffn.gate.weight)),
         "expert w2 alone: FP4 fp4_gemm": (lambda: e0.w2(mid), lin(e0.w2)),
     }
+    from deepseek_csa.torch.fused_moe import fuse_moe
+    fuse_moe(model)                       # the runner's default (--moe fused)
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    with torch.inference_mode():
+        w, idx = ffn.gate(x.view(1, d).float(), ids.flatten())
+    moe_b = (nb(ffn.gate.weight) + sum(lin(m) for m in (ffn.shared_experts.w1, ffn.shared_experts.w2,
+                                                      ffn.shared_experts.w3))
+             + idx.numel() * sum(lin(m) for m in (e0.w1, e0.w2, e0.w3)))
+    parts["MoE, fused (the runner's default): router, 6 routed experts, shared expert"] = (
+        lambda: ffn(x, ids), moe_b)
     out = {}
     with torch.inference_mode():
         for name, (fn, b) in parts.items():
@@ -497,6 +507,12 @@ def components_worker(threads, reps=7):
                 ts.append(time.perf_counter() - a)
             sec = statistics.median(ts)
             out[name] = dict(bytes=b, s=sec, gbs=b / sec / 1e9)
+    # what a read of the same sizes reaches, cold, in our C probe at this ISA level
+    import harness
+    for b in (33556480, 25167360, 13369344):
+        gbs = harness.read_gbs(b, threads, reps)
+        out[f"plain read of {b / 1e6:.1f} MB (harness.read_gbs, C, {threads} threads)"] = dict(
+            bytes=b, s=b / gbs / 1e9, gbs=gbs)
     print(json.dumps(out))
 
 

@@ -219,6 +219,26 @@ def stream_triad_gbs(threads: int, reps=5) -> float:
     return bw
 
 
+def read_gbs(nbytes: int, threads: int, reps=7, cold=True) -> float:
+    """A read-only stream over `nbytes` of float32 in our C micro-kernel (_stream_read:
+    each thread sums one contiguous share), `threads` threads, median of `reps` in GB/s;
+    cold: a 512 MiB read between calls evicts the buffer from the L3 first.  What a
+    decode GEMV reading those bytes once could reach (torch.sum, the probe before it,
+    read 34 MB cold at 25 GB/s where this reads 34-38 on the same host)."""
+    import statistics
+    from deepseek_csa import _core
+    a = np.ones(nbytes // 4, np.float32)
+    sweep = np.ones(128 << 20, np.float32) if cold else None
+    ts = []
+    for _ in range(reps):
+        if cold:
+            _core._stream_read(sweep, threads)
+        t0 = time.perf_counter()
+        _core._stream_read(a, threads)
+        ts.append(time.perf_counter() - t0)
+    return a.nbytes / statistics.median(ts) / 1e9
+
+
 def compute_peak(bound: str, peaks: dict):
     """(GFLOP/s, label) of the ceiling a compute-bound row is a fraction of: AMX-BF16
     for bf16 work where the level in use has the tiles, else the level's fp32 FMA peak."""

@@ -3,6 +3,9 @@
 #include "amx.h"
 
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #endif
@@ -68,6 +71,19 @@ void csa_stream_triad(float *a, const float *b, const float *c, csa_idx n, float
 {
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (csa_idx i = 0; i < n; i++) a[i] = b[i] + s * c[i];
+}
+
+static float stream_read_ref(const float *b, csa_idx n, int threads)
+{
+    (void)threads;
+    float s = 0.0f;
+    for (csa_idx i = 0; i < n; i++) s += b[i];
+    return s;
+}
+
+float csa_stream_read(const float *b, csa_idx n, int threads)
+{
+    CSA_DISPATCH(stream_read, (b, n, threads), stream_read_ref(b, n, threads));
 }
 
 #if defined(CSA_HAVE_AMX)

@@ -32,4 +32,11 @@ double csa_peak_amx_bf16(long long iters, int threads, float *sink);
 
 /* STREAM triad a[i] = b[i] + s * c[i] over n floats, on `threads` threads. */
 void csa_stream_triad(float *a, const float *b, const float *c, csa_idx n, float s, int threads);
+
+/* A read-only stream at the CURRENT ISA level: the n floats at b summed on `threads`
+ * threads, each thread one contiguous share into four vector sums of the level's width
+ * (no FMA, no decode: the reads are all there is) -- what a decode GEMV reading the
+ * same bytes once could reach.  The sum, whose rounding depends on the thread count,
+ * only keeps the reads alive. */
+float csa_stream_read(const float *b, csa_idx n, int threads);
 #endif

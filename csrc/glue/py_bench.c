@@ -89,6 +89,27 @@ static PyObject *py_stream_triad(PyObject *self, PyObject *args)
     return ret;
 }
 
+static PyObject *py_stream_read(PyObject *self, PyObject *args)
+{
+    PyObject *bo;
+    int threads;
+    if (!PyArg_ParseTuple(args, "Oi:_stream_read", &bo, &threads)) return NULL;
+    PyArrayObject *b = csa_array(bo, "_stream_read", "b", CSA_F32, 1, 1, 0);
+    if (!b) return NULL;
+    PyObject *ret = NULL;
+    if (!PyArray_IS_C_CONTIGUOUS(b) || threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "_stream_read(): a contiguous array and threads >= 1");
+    } else {
+        float s;
+        Py_BEGIN_ALLOW_THREADS
+        s = csa_stream_read(PyArray_DATA(b), PyArray_DIM(b, 0), threads);
+        Py_END_ALLOW_THREADS
+        ret = PyFloat_FromDouble(s);
+    }
+    Py_DECREF(b);
+    return ret;
+}
+
 /* How this module was built: OpenMP or serial, compiler, architecture, the ISA levels
  * compiled in.  deepseek_csa.build_info() wraps it; the import warns from it. */
 static PyObject *py_build_info(PyObject *self, PyObject *noargs)
@@ -138,5 +159,6 @@ PyMethodDef csa_bench_methods[] = {
     {"_peak_idot_shape", py_peak_idot_shape, METH_NOARGS,
      "_peak_idot_shape() -> {isa, vec_bytes, accumulators, instruction} of _peak_idot"},
     {"_stream_triad", py_stream_triad, METH_VARARGS, "_stream_triad(a, b, c, threads)"},
+    {"_stream_read", py_stream_read, METH_VARARGS, "_stream_read(b, threads) -> float"},
     {NULL, NULL, 0, NULL},
 };
