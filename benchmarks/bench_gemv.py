@@ -7,8 +7,9 @@ reads ~1 GB between two uses of one weight sees them: from memory.  GB/s = weigh
 (codes + scales) / median call time, Python glue included, and over the 10th-percentile
 call (on a shared host a call of a few ms is often preempted, which the median shows).
 Beside them, in the same rounds: fp8_gemm (one FP8 row times e4m3 weights) at the wo_a
-bytes, a read-only probe (torch.sum over the same bytes of float32 copies, cycled the
-same way) and an empty call of each kernel (N = 4, K = 128) right after the others: the
+bytes, a read-only probe (our C read loop at the same ISA level, harness.read_gbs's,
+over the same bytes of float32 copies, cycled the same way; torch.sum, the probe before
+it, is bound by its own arithmetic here) and an empty call of each kernel (N = 4, K = 128) right after the others: the
 per-call cost of glue and dispatch with the caches just flushed by a weight stream.
 Only ratios within one run count.
 
@@ -73,9 +74,11 @@ def cases():
                             T((2.0 ** rng.integers(-9, -5, (N8 // 128, K // 128))).astype(np.float32))),
                  nb)
     out.append(("fp8_gemm N=8192 K=4096", nb, lambda w: dc.fp8_gemm(a8, a8s, w[0], w[1]), ws))
+    from deepseek_csa import _core
     for nb in (G * R * K, 1024 * K * 2, 256 * K * 2):
-        ws = _copies(lambda i, nb=nb: torch.ones(nb // 4), nb)
-        out.append((f"read probe torch.sum {nb / 1e6:.1f} MB", nb, lambda w: w.sum(), ws))
+        ws = _copies(lambda i, nb=nb: np.ones(nb // 4, np.float32), nb)
+        out.append((f"read probe {nb / 1e6:.1f} MB", nb,
+                    lambda w: _core._stream_read(w, torch.get_num_threads()), ws))
     # per-call overhead: the smallest shapes, warm
     a1 = rng.standard_normal((1, K)).astype(ml_dtypes.bfloat16)[:, :128].copy()
     b1, s1 = _e4m3(rng, (4, 128)), np.full((1, 1), 127, np.uint8)
