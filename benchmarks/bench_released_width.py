@@ -489,7 +489,7 @@ def components_worker(threads, reps=7):
     fuse_moe(model)                       # the runner's default (--moe fused)
     ids = torch.zeros(1, 1, dtype=torch.long)
     with torch.inference_mode():
-        w, idx = ffn.gate(x.view(1, d).float(), ids.flatten())
+        _, idx = ffn.gate(x.view(1, d).float(), ids.flatten())
     moe_b = (nb(ffn.gate.weight) + sum(lin(m) for m in (ffn.shared_experts.w1, ffn.shared_experts.w2,
                                                       ffn.shared_experts.w3))
              + idx.numel() * sum(lin(m) for m in (e0.w1, e0.w2, e0.w3)))

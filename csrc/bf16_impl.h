@@ -61,10 +61,16 @@ static inline __attribute__((always_inline)) __m128i CSA_V(bf16_pack8)(__m256i r
     return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
+/* Two vectors of bfloat16 bits in the low halves of 32-bit lanes (ra: elements 0..7,
+ * rb: 8..15) -> 16 packed bfloat16. */
+static inline __attribute__((always_inline)) __m256i CSA_V(bf16_pack8x2)(__m256i ra, __m256i rb)
+{
+    return _mm256_permute4x64_epi64(_mm256_packus_epi32(ra, rb), 0xd8);
+}
+
 /* 16 floats (a: elements 0..7, b: 8..15) -> 16 bfloat16, as csa_f32_to_bf16. */
 static inline __attribute__((always_inline)) __m256i CSA_V(bf16_narrow8x2)(__m256 a, __m256 b)
 {
-    const __m256i pk = _mm256_packus_epi32(CSA_V(bf16_round8)(a), CSA_V(bf16_round8)(b));
-    return _mm256_permute4x64_epi64(pk, 0xd8);
+    return CSA_V(bf16_pack8x2)(CSA_V(bf16_round8)(a), CSA_V(bf16_round8)(b));
 }
 #endif

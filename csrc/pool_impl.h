@@ -761,6 +761,17 @@ static inline __attribute__((always_inline)) __m256 CSA_V(pg_ld)(const void *p, 
     return CSA_V(bf16_widen8)(_mm_loadu_si128((const __m128i *)t));
 }
 
+/* Stores 8 packed bfloat16 h at p (element f of fc): streamed when p is aligned and its
+ * line inside the row. */
+static inline __attribute__((always_inline)) void CSA_V(pg_put8)(void *p, __m128i h, csa_idx f,
+                                                                csa_idx fc)
+{
+    if ((uintptr_t)p % 16 == 0 && CSA_V(pg_line_inside)(p, 2, f, fc))
+        _mm_stream_si128((__m128i *)p, h);
+    else
+        _mm_storeu_si128((__m128i *)p, h);
+}
+
 /* Stores lanes [lo, hi) of v at p (element f of fc) as float32 or bfloat16 (rounded
  * once); streamed when the vector is full and aligned and its line inside the row. */
 static inline __attribute__((always_inline)) void CSA_V(pg_st)(void *p, int bf, __m256i mk,
@@ -770,10 +781,8 @@ static inline __attribute__((always_inline)) void CSA_V(pg_st)(void *p, int bf, 
     const int full = lo == 0 && hi >= 8;
     if (bf) {
         const __m128i h = CSA_V(bf16_pack8)(CSA_V(bf16_round8)(v));
-        if (full && (uintptr_t)p % 16 == 0 && CSA_V(pg_line_inside)(p, 2, f, fc)) {
-            _mm_stream_si128((__m128i *)p, h);
-        } else if (full) {
-            _mm_storeu_si128((__m128i *)p, h);
+        if (full) {
+            CSA_V(pg_put8)(p, h, f, fc);
         } else {
             csa_bf16 t[8];
             _mm_storeu_si128((__m128i *)t, h);
@@ -815,22 +824,14 @@ static inline __attribute__((always_inline)) void CSA_V(pg_st16)(void *gk, void 
     void *dst[2] = {gk, gs};
     const __m256 *src[2] = {dk, ds};
     for (int a = 0; a < 2; a++) {
-        const __m256i pk = _mm256_permute4x64_epi64(
-            _mm256_packus_epi32(CSA_V(bf16_round8_finite)(src[a][0]),
-                                CSA_V(bf16_round8_finite)(src[a][1])), 0xd8);
+        const __m256i pk = CSA_V(bf16_pack8x2)(CSA_V(bf16_round8_finite)(src[a][0]),
+                                               CSA_V(bf16_round8_finite)(src[a][1]));
         void *p = dst[a];
         if ((uintptr_t)p % 32 == 0 && CSA_V(pg_line_inside)(p, 2, f, fc)) {
             _mm256_stream_si256((__m256i *)p, pk);   /* both halves in one streamed line */
-        } else {
-            /* as pg_st: each half streamed or stored by its own test */
-            for (int i = 0; i < 2; i++) {
-                const __m128i h = i ? _mm256_extracti128_si256(pk, 1) : _mm256_castsi256_si128(pk);
-                char *ph = (char *)p + 16 * i;
-                if ((uintptr_t)ph % 16 == 0 && CSA_V(pg_line_inside)(ph, 2, f + 8 * i, fc))
-                    _mm_stream_si128((__m128i *)ph, h);
-                else
-                    _mm_storeu_si128((__m128i *)ph, h);
-            }
+        } else {                                     /* each half as pg_st stores it */
+            CSA_V(pg_put8)(p, _mm256_castsi256_si128(pk), f, fc);
+            CSA_V(pg_put8)((char *)p + 16, _mm256_extracti128_si256(pk, 1), f + 8, fc);
         }
     }
 }
